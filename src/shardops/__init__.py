@@ -1,0 +1,17 @@
+"""shardops: sharded tensor math on PyTorch."""
+from .comm.base import CommDebugMode
+from .cost import Link, set_links
+from .dispatch.core import FallbackWarning, set_strict
+from .errors import CollectiveError, ShardingError
+from .mesh import DeviceMesh, init_device_mesh
+from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
+from .tensor import DTensor, distribute_tensor, from_local
+from .world import run
+from . import ops as _ops  # noqa: F401  (registers strategies)
+
+__all__ = [
+    "CollectiveError", "CommDebugMode", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
+    "Partial", "Placement", "Replicate", "Shard", "ShardingError", "StridedShard", "distribute_tensor",
+    "from_local", "init_device_mesh", "run", "set_links", "set_strict",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,207 @@
+"""The communicator protocol, byte/round counters and CommDebugMode.
+
+Every collective of shardops goes through `Communicator`'s public methods, which
+check arguments, count, and call the world's `_impl` methods. Counting lives here
+once so that both worlds report the same figures:
+
+    all_gather      this rank's own shard
+    all_reduce      the whole input
+    reduce_scatter  the whole input (all chunks)
+    all_to_all      the chunks sent to other ranks
+    broadcast       the tensor, on the source rank only
+
+A round is one collective call; one call that carries several tensors is one round.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..errors import ShardingError
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks along some mesh dims that contain the calling rank, in mesh order.
+
+    `key` identifies the group to the world's backend (mesh id + mesh dims).
+    """
+
+    ranks: tuple[int, ...]
+    key: tuple = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def index(self, rank: int) -> int:
+        return self.ranks.index(rank)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ------------------------------------------------------------------ counting
+
+_modes = threading.local()
+
+
+def _active_modes() -> list["CommDebugMode"]:
+    stack = getattr(_modes, "stack", None)
+    if stack is None:
+        stack = _modes.stack = []
+    return stack
+
+
+def record(kind: str, num_bytes: int) -> None:
+    for mode in _active_modes():
+        mode.counts[kind] += 1
+        mode.bytes += num_bytes
+        mode.rounds += 1
+        mode.log.append((kind, num_bytes))
+
+
+class CommDebugMode:
+    """Counts, on this rank, the collectives issued inside the block."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.bytes = 0
+        self.rounds = 0
+        self.log: list[tuple[str, int]] = []
+
+    def __enter__(self) -> "CommDebugMode":
+        _active_modes().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active_modes().remove(self)
+
+    def get_total_counts(self) -> int:
+        return sum(self.counts.values())
+
+    def get_comm_counts(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def get_total_bytes(self) -> int:
+        return self.bytes
+
+    def get_rounds(self) -> int:
+        return self.rounds
+
+
+# ------------------------------------------------------------------ protocol
+
+
+class Communicator:
+    """Collectives over a `Group`. Subclasses implement the `_impl` methods.
+
+    Uneven sizes are first-class: callers pass the shapes every member holds
+    (the layout math knows them), so no extra round is spent exchanging sizes.
+    """
+
+    rank: int
+    world_size: int
+
+    # -- public, counted
+    def all_reduce(self, t: torch.Tensor, op: str, group: Group) -> torch.Tensor:
+        _check_op(op)
+        if group.size == 1:
+            return t
+        record("all_reduce", nbytes(t))
+        return self._all_reduce(t.contiguous(), op, group)
+
+    def all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+        """Every member's tensor, in group order. `shapes`: each member's shape (default: all like `t`)."""
+        if shapes is None:
+            shapes = [tuple(t.shape)] * group.size
+        shapes = [tuple(s) for s in shapes]
+        if shapes[group.index(self.rank)] != tuple(t.shape):
+            raise ShardingError(f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}")
+        if group.size == 1:
+            return [t]
+        record("all_gather", nbytes(t))
+        return self._all_gather(t.contiguous(), group, shapes)
+
+    def reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
+        """chunks[i] goes to member i; returns the op-reduction of every member's chunk for this rank."""
+        _check_op(op)
+        if len(chunks) != group.size:
+            raise ShardingError(f"reduce_scatter: {len(chunks)} chunks for a group of {group.size}")
+        if group.size == 1:
+            return chunks[0]
+        record("reduce_scatter", sum(nbytes(c) for c in chunks))
+        return self._reduce_scatter([c.contiguous() for c in chunks], op, group)
+
+    def all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """chunks[i] goes to member i; returns what each member sent here, in group order."""
+        if len(chunks) != group.size:
+            raise ShardingError(f"all_to_all: {len(chunks)} chunks for a group of {group.size}")
+        me = group.index(self.rank)
+        if group.size == 1:
+            return [chunks[0]]
+        record("all_to_all", sum(nbytes(c) for i, c in enumerate(chunks) if i != me))
+        return self._all_to_all([c.contiguous() for c in chunks], group, [tuple(s) for s in recv_shapes])
+
+    def broadcast(self, t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
+        """The tensor of member `src_index`; every member passes a tensor of the same shape."""
+        if group.size == 1:
+            return t
+        record("broadcast", nbytes(t) if group.index(self.rank) == src_index else 0)
+        return self._broadcast(t.contiguous(), src_index, group)
+
+    def barrier(self, group: Group) -> None:
+        if group.size > 1:
+            self._barrier(group)
+
+    # -- world-specific
+    def _all_reduce(self, t, op, group):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _all_gather(self, t, group, shapes):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _reduce_scatter(self, chunks, op, group):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _all_to_all(self, chunks, group, recv_shapes):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _broadcast(self, t, src_index, group):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _barrier(self, group):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ShardingError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
+
+
+def reduce_stack(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Reduce equal-shaped tensors with `op` (the same order on every rank: deterministic)."""
+    out = tensors[0].clone()
+    if op in ("sum", "avg"):
+        for t in tensors[1:]:
+            out = out + t
+        if op == "avg":
+            out = out / len(tensors) if out.is_floating_point() or out.is_complex() else out // len(tensors)
+    elif op == "product":
+        for t in tensors[1:]:
+            out = out * t
+    elif op == "max":
+        for t in tensors[1:]:
+            out = torch.maximum(out, t)
+    elif op == "min":
+        for t in tensors[1:]:
+            out = torch.minimum(out, t)
+    return out

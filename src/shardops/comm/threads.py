@@ -1,0 +1,130 @@
+"""The threads world: every rank is a thread of this process.
+
+A collective is a rendezvous: each member deposits a private copy of its input in
+the slot (group, sequence number), waits until all members have, checks that they
+all called the same collective, and computes its own result from the deposits.
+
+NOTE: one Condition guards the whole world. Worlds are small (<= a few dozen
+ranks in one process), so contention is not worth finer locks; and one lock makes
+failure propagation simple: `fail()` wakes every waiter, and each raises.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import CollectiveError
+from .base import Communicator, Group, reduce_stack
+
+DEFAULT_TIMEOUT = 60.0
+
+
+class ThreadsWorld:
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._slots: dict[tuple, dict[str, Any]] = {}
+        self._seq: dict[tuple, int] = {}
+        self.failure: str | None = None
+
+    def communicator(self, rank: int) -> "ThreadsCommunicator":
+        return ThreadsCommunicator(self, rank)
+
+    def fail(self, reason: str) -> None:
+        """Make every rank waiting now, or arriving later, raise `reason`."""
+        with self._cond:
+            if self.failure is None:
+                self.failure = reason
+            self._cond.notify_all()
+
+    def exchange(self, rank: int, group: Group, signature: tuple, payload: Any) -> dict[int, Any]:
+        """Deposit `payload`, wait for every member, return every member's payload."""
+        with self._cond:
+            self._raise_if_failed(signature)
+            seq_key = (rank, group.ranks)
+            seq = self._seq.get(seq_key, 0)
+            self._seq[seq_key] = seq + 1
+            slot = self._slots.setdefault((group.ranks, seq), {"entries": {}, "read": 0})
+            slot["entries"][rank] = (signature, payload)
+            self._cond.notify_all()
+            deadline = time.monotonic() + self.timeout
+            while len(slot["entries"]) < group.size:
+                self._raise_if_failed(signature)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r for r in group.ranks if r not in slot["entries"]]
+                    reason = (
+                        f"{signature[0]} over ranks {list(group.ranks)}: rank(s) {missing} did not arrive "
+                        f"within the timeout of {self.timeout:g}s (rank {rank} gave up)"
+                    )
+                    self.failure = self.failure or reason
+                    self._cond.notify_all()
+                    raise CollectiveError(reason)
+                self._cond.wait(left)
+            slot["read"] += 1
+            if slot["read"] == group.size:
+                del self._slots[(group.ranks, seq)]
+            entries = slot["entries"]
+        _check_agreement(rank, group, entries)
+        return {r: p for r, (_, p) in entries.items()}
+
+    def _raise_if_failed(self, signature: tuple) -> None:
+        if self.failure is not None:
+            raise CollectiveError(f"{signature[0]} aborted: {self.failure}")
+
+
+def _check_agreement(rank: int, group: Group, entries: dict[int, tuple]) -> None:
+    sigs = {r: s for r, (s, _) in entries.items()}
+    if len(set(sigs.values())) > 1:
+        described = "; ".join(f"rank {r}: {_describe(s)}" for r, s in sorted(sigs.items()))
+        raise CollectiveError(
+            f"mismatched collectives over ranks {list(group.ranks)} (seen on rank {rank}): {described}. "
+            "Every rank of a group must issue the same collectives in the same order."
+        )
+
+
+def _describe(sig: tuple) -> str:
+    kind, *rest = sig
+    return f"{kind}({', '.join(str(x) for x in rest)})"
+
+
+class ThreadsCommunicator(Communicator):
+    def __init__(self, world: ThreadsWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+
+    def _all_reduce(self, t: torch.Tensor, op: str, group: Group) -> torch.Tensor:
+        got = self.world.exchange(self.rank, group, ("all_reduce", op, t.dtype, tuple(t.shape)), t.clone())
+        return reduce_stack([got[r] for r in group.ranks], op)
+
+    def _all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> list[torch.Tensor]:
+        got = self.world.exchange(self.rank, group, ("all_gather", t.dtype, tuple(shapes)), t.clone())
+        return [got[r] if r == self.rank else got[r].clone() for r in group.ranks]
+
+    def _reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
+        sig = ("reduce_scatter", op, chunks[0].dtype, tuple(tuple(c.shape) for c in chunks))
+        got = self.world.exchange(self.rank, group, sig, [c.clone() for c in chunks])
+        me = group.index(self.rank)
+        return reduce_stack([got[r][me] for r in group.ranks], op)
+
+    def _all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple]) -> list[torch.Tensor]:
+        got = self.world.exchange(self.rank, group, ("all_to_all", chunks[0].dtype), [c.clone() for c in chunks])
+        me = group.index(self.rank)
+        out = [got[r][me] for r in group.ranks]
+        for r, o, s in zip(group.ranks, out, recv_shapes):
+            if tuple(o.shape) != tuple(s):
+                raise CollectiveError(f"all_to_all over ranks {list(group.ranks)}: rank {r} sent shape {tuple(o.shape)} to rank {self.rank}, which expected {tuple(s)}")
+        return out
+
+    def _broadcast(self, t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
+        src = group.ranks[src_index]
+        got = self.world.exchange(self.rank, group, ("broadcast", src_index, t.dtype, tuple(t.shape)), t.clone() if self.rank == src else None)
+        return got[src] if self.rank == src else got[src].clone()
+
+    def _barrier(self, group: Group) -> None:
+        self.world.exchange(self.rank, group, ("barrier",), None)

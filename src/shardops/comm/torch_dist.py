@@ -1,0 +1,294 @@
+"""The torch.distributed world: shardops collectives on torch process groups.
+
+Works with any backend that implements the c10d collectives used here (gloo on
+CPU, nccl on GPU, `fake` for dry runs). Two facts shape the code:
+
+- Uneven sizes. c10d's single-tensor collectives need equal sizes per rank, so
+  all_gather and reduce_scatter pad every member's flattened tensor to the
+  largest member's numel on the wire and cut the padding off afterwards. All
+  members know every size (the callers pass them), so no round is spent on
+  sizes. all_to_all uses `all_to_all_single` with per-member split sizes
+  instead: each rank only knows the sizes it sends and receives, not the
+  global maximum a padded exchange would need.
+- Group order. A shardops `Group` lists its ranks in mesh order; a torch
+  process group numbers its members in its own order (sorted global ranks for
+  groups made by `new_group`). Every result is put back in mesh order.
+
+Data movement (all_gather, all_to_all, broadcast) ships raw bytes, so every
+dtype travels, whatever the backend supports. Reductions ship a dtype the
+backend can reduce: bool as uint8 (max = any, min = all), and `avg` as a sum
+divided afterwards, the way `base.reduce_stack` does (floor division for
+integers). A dtype/op pair the backends cannot reduce (int16, complex product,
+...) is all-gathered and reduced locally with `reduce_stack`: still one call.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveError
+from .base import Communicator, Group, reduce_stack
+
+# dtypes that gloo and nccl both reduce natively (gloo rejects int16: "Invalid scalar type").
+_NATIVE_REDUCE_DTYPES = frozenset(
+    {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG, and none has a floor-dividing integer AVG
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+# bool reduced as uint8 0/1: the bool sum of reduce_stack is a logical or.
+_BOOL_OPS = {"sum": "max", "avg": "max", "max": "max", "min": "min", "product": "min"}
+
+# c10d renamed the single-tensor collectives in torch 2.13; the old names warn there.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _TorchGroup:
+    """A resolved group: the process group and, per shardops group index, the member's torch group rank."""
+
+    __slots__ = ("pg", "pg_index", "identity")
+
+    def __init__(self, pg: Any, pg_index: tuple[int, ...]) -> None:
+        self.pg = pg
+        self.pg_index = pg_index
+        self.identity = pg_index == tuple(range(len(pg_index)))
+
+    def to_pg_order(self, items: Sequence[Any]) -> list[Any]:
+        """`items` in shardops group order -> the same items in torch group-rank order."""
+        if self.identity:
+            return list(items)
+        out: list[Any] = [None] * len(items)
+        for i, item in enumerate(items):
+            out[self.pg_index[i]] = item
+        return out
+
+    def from_pg_order(self, items: Sequence[Any]) -> list[Any]:
+        """`items` in torch group-rank order -> shardops group order."""
+        return list(items) if self.identity else [items[j] for j in self.pg_index]
+
+
+class TorchDistCommunicator(Communicator):
+    """Collectives of the current torch.distributed default process group's world."""
+
+    def __init__(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise CollectiveError("TorchDistCommunicator needs an initialised torch.distributed process group")
+        self._bind()
+
+    def _bind(self) -> None:
+        self._world_pg = dist.group.WORLD
+        self._rank = dist.get_rank()
+        self._world_size = dist.get_world_size()
+        self._groups: dict[tuple, _TorchGroup] = {}
+        self._subgroups: dict[tuple[int, ...], Any] = {}
+        self._reduce_scatter_ok = True
+
+    def _check_world(self) -> None:
+        # A destroyed and re-initialised default group invalidates every cached subgroup.
+        if dist.group.WORLD is not self._world_pg:
+            self._bind()
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        self._check_world()
+        return self._rank
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        self._check_world()
+        return self._world_size
+
+    # ------------------------------------------------------------ groups
+
+    def process_group(self, group: Group) -> Any:
+        """The torch ProcessGroup behind a shardops group (for interop and tests)."""
+        return self._resolve(group).pg
+
+    def _resolve(self, group: Group) -> _TorchGroup:
+        self._check_world()
+        cache_key = (group.ranks, group.key)
+        resolved = self._groups.get(cache_key)
+        if resolved is None:
+            pg = self._find_process_group(group)
+            members = dist.get_process_group_ranks(pg)
+            if sorted(members) != sorted(group.ranks):
+                raise CollectiveError(
+                    f"the torch process group for ranks {list(group.ranks)} has members {members}; "
+                    "the shardops mesh and its torch DeviceMesh disagree"
+                )
+            resolved = _TorchGroup(pg, tuple(members.index(r) for r in group.ranks))
+            self._groups[cache_key] = resolved
+        return resolved
+
+    def _find_process_group(self, group: Group) -> Any:
+        if group.key:
+            mesh, dims = group.key
+            # Size-1 dims add no members: a group over one real dim is torch's own mesh-dim group.
+            real_dims = [d for d in dims if mesh.shape[d] > 1]
+            if len(real_dims) == 1:
+                return mesh.torch_mesh.get_group(real_dims[0])
+        if len(group.ranks) == self._world_size:
+            return dist.group.WORLD
+        return self._subgroup(group.ranks)
+
+    def _subgroup(self, ranks: Sequence[int]) -> Any:
+        """A process group over `ranks` (several mesh dims), made once per rank set.
+
+        NOTE: created with `use_local_synchronization=True`, so only the members
+        take part: exactly the ranks about to run the collective that asked for
+        it. A plain `new_group` (or torch's `DeviceMesh._flatten`) needs every
+        rank of the world to call it in the same order, which a lazy first use
+        inside one group's collective cannot promise.
+        """
+        key = tuple(sorted(ranks))
+        pg = self._subgroups.get(key)
+        if pg is None:
+            pg = dist.new_group(list(key), use_local_synchronization=True, group_desc="shardops_" + "_".join(map(str, key)))
+            self._subgroups[key] = pg
+        return pg
+
+    # ------------------------------------------------------------ collectives
+
+    def _all_reduce(self, t: torch.Tensor, op: str, group: Group) -> torch.Tensor:
+        g = self._resolve(group)
+        if not _natively_reducible(t.dtype, op):
+            return reduce_stack(self._gather_bytes_equal(t, g), op)
+        wire, finish = _to_wire(t, op, group.size)
+        dist.all_reduce(wire, op=_wire_op(t.dtype, op), group=g.pg)
+        return finish(wire)
+
+    def _all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> list[torch.Tensor]:
+        g = self._resolve(group)
+        numels = [math.prod(s) for s in shapes]
+        rows = self._all_gather_padded(_bytes_of(t), g, [n * t.element_size() for n in numels])
+        return [_from_bytes(row, t.dtype, s) for row, s in zip(rows, shapes)]
+
+    def _reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
+        g = self._resolve(group)
+        me = group.index(self.rank)
+        dtype = _common_dtype(chunks, "reduce_scatter")
+        mine = chunks[me]
+        if not _natively_reducible(dtype, op):
+            # Every member's whole chunk list, in one all_gather; reduce our chunk locally.
+            flat = torch.cat([c.reshape(-1) for c in chunks])
+            start = sum(c.numel() for c in chunks[:me])
+            gathered = self._gather_bytes_equal(flat, g)
+            return reduce_stack([x[start : start + mine.numel()].reshape(mine.shape) for x in gathered], op)
+        numels = [c.numel() for c in chunks]
+        if self._reduce_scatter_ok:
+            width = max(numels)
+            padded = torch.zeros((group.size, width), dtype=dtype, device=mine.device)
+            for i, c in enumerate(chunks):
+                padded[g.pg_index[i], : numels[i]] = c.reshape(-1)
+            wire, finish = _to_wire(padded.reshape(-1), op, group.size)
+            out = wire.new_empty((width, *wire.shape[1:]))  # complex travels as (width, 2) reals
+            try:
+                _reduce_scatter_single(out, wire, op=_wire_op(dtype, op), group=g.pg)
+            except RuntimeError as e:
+                # Older gloo builds lack reduce_scatter; the check fails on every member before any traffic.
+                if "support" not in str(e).lower():
+                    raise
+                self._reduce_scatter_ok = False
+            else:
+                return finish(out)[: numels[me]].reshape(mine.shape)
+        # Fallback, still one call: all_reduce every chunk and keep ours.
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        wire, finish = _to_wire(flat, op, group.size)
+        dist.all_reduce(wire, op=_wire_op(dtype, op), group=g.pg)
+        start = sum(numels[:me])
+        return finish(wire)[start : start + numels[me]].reshape(mine.shape)
+
+    def _all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple]) -> list[torch.Tensor]:
+        g = self._resolve(group)
+        dtype = _common_dtype(chunks, "all_to_all")
+        size = chunks[0].element_size()
+        send = g.to_pg_order([_bytes_of(c) for c in chunks])
+        recv_sizes = [math.prod(s) * size for s in recv_shapes]
+        out_splits = g.to_pg_order(recv_sizes)
+        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=chunks[0].device)
+        dist.all_to_all_single(out, torch.cat(send), out_splits, [s.numel() for s in send], group=g.pg)
+        pieces = g.from_pg_order(list(torch.split(out, out_splits)))
+        return [_from_bytes(p, dtype, s) for p, s in zip(pieces, recv_shapes)]
+
+    def _broadcast(self, t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
+        g = self._resolve(group)
+        out = t.clone()
+        # `src` is a global rank; c10d maps it into the group.
+        dist.broadcast(_bytes_of(out), src=group.ranks[src_index], group=g.pg)
+        return out
+
+    def _barrier(self, group: Group) -> None:
+        dist.barrier(group=self._resolve(group).pg)
+
+    # ------------------------------------------------------------ helpers
+
+    def _all_gather_padded(self, payload: torch.Tensor, g: _TorchGroup, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """All members' 1-d uint8 payloads (member i's has sizes[i] bytes), in shardops order."""
+        width = max(sizes)
+        if payload.numel() < width:
+            padded = torch.zeros(width, dtype=torch.uint8, device=payload.device)
+            padded[: payload.numel()] = payload
+            payload = padded
+        out = torch.empty((len(sizes), width), dtype=torch.uint8, device=payload.device)
+        _all_gather_single(out, payload, group=g.pg)
+        rows = g.from_pg_order(list(out.unbind(0)))
+        return [row[:n] for row, n in zip(rows, sizes)]
+
+    def _gather_bytes_equal(self, t: torch.Tensor, g: _TorchGroup) -> list[torch.Tensor]:
+        """Every member's tensor of t's shape and dtype, in shardops order."""
+        rows = self._all_gather_padded(_bytes_of(t), g, [t.numel() * t.element_size()] * len(g.pg_index))
+        return [_from_bytes(r, t.dtype, tuple(t.shape)) for r in rows]
+
+
+def _natively_reducible(dtype: torch.dtype, op: str) -> bool:
+    if dtype == torch.bool or dtype in _NATIVE_REDUCE_DTYPES:
+        return True
+    return dtype.is_complex and op in ("sum", "avg") and dtype in (torch.complex64, torch.complex128)
+
+
+def _wire_op(dtype: torch.dtype, op: str) -> Any:
+    return _TORCH_OPS[_BOOL_OPS[op] if dtype == torch.bool else op]
+
+
+def _to_wire(t: torch.Tensor, op: str, n: int) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """A private copy of `t` the backend can reduce in place, and how to turn the reduced copy into the result."""
+    if t.dtype == torch.bool:
+        wire = t.to(torch.uint8)
+
+        def finish(w: torch.Tensor) -> torch.Tensor:
+            out = w.to(torch.bool)
+            return out // n if op == "avg" else out  # as reduce_stack does it
+
+        return wire, finish
+    if t.is_complex():
+        # c10d reduces complex tensors only as (real, imag) pairs; sum and avg are the ops that allows.
+        wire = torch.view_as_real(t.clone())
+        return wire, lambda w: torch.view_as_complex(w) / n if op == "avg" else torch.view_as_complex(w)
+    wire = t.clone()
+    if op != "avg":
+        return wire, lambda w: w
+    return wire, lambda w: w / n if w.is_floating_point() else w // n
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (shares its storage)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    return b.view(dtype).reshape(shape)
+
+
+def _common_dtype(chunks: Sequence[torch.Tensor], what: str) -> torch.dtype:
+    dtypes = {c.dtype for c in chunks}
+    if len(dtypes) != 1:
+        raise CollectiveError(f"{what}: chunks of different dtypes {sorted(map(str, dtypes))}; send one dtype")
+    return chunks[0].dtype

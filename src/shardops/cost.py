@@ -1,0 +1,77 @@
+"""The link model: latency and bandwidth per mesh dim, and ring-collective costs.
+
+Costs come from fixed presets, never from run-time measurement, so every rank
+computes the same numbers and picks the same plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import ShardingError
+
+
+@dataclass(frozen=True)
+class Link:
+    latency: float  # seconds per message step (alpha)
+    bandwidth: float  # bytes per second (beta)
+
+    def __repr__(self) -> str:
+        return f"Link({self.latency * 1e6:g}us, {self.bandwidth / 1e9:g}GB/s)"
+
+
+# NOTE: rough public figures. threads: a memcpy-bound in-process rendezvous;
+# gloo/ethernet: TCP on a 10-25 Gb/s NIC; nvlink: H100-class NVLink with NCCL
+# start-up latency; ib: 200-400 Gb/s InfiniBand between nodes.
+PRESETS: dict[str, Link] = {
+    "threads": Link(20e-6, 5e9),
+    "gloo": Link(50e-6, 1.25e9),
+    "ethernet": Link(50e-6, 1.25e9),
+    "nvlink": Link(10e-6, 300e9),
+    "ib": Link(20e-6, 25e9),
+}
+
+_default_links: str | Link | tuple = "threads"
+
+
+def resolve_links(links: str | Link | Sequence[str | Link] | None, mesh_ndim: int) -> tuple[Link, ...]:
+    """Per-mesh-dim links from a preset name, a Link, or one of those per mesh dim."""
+    if links is None:
+        links = _default_links
+    if isinstance(links, (str, Link)):
+        links = [links] * mesh_ndim
+    links = list(links)
+    if len(links) != mesh_ndim:
+        raise ShardingError(f"link model: {len(links)} links for a {mesh_ndim}-d mesh; give one per mesh dim")
+    out = []
+    for link in links:
+        if isinstance(link, str):
+            if link not in PRESETS:
+                raise ShardingError(f"unknown link preset {link!r}; use one of {sorted(PRESETS)} or Link(latency, bandwidth)")
+            link = PRESETS[link]
+        out.append(link)
+    return tuple(out)
+
+
+def set_links(links: str | Link | Sequence[str | Link]) -> None:
+    """Set the link model used for planning: a preset, a Link, or one per mesh dim."""
+    global _default_links
+    resolve_links(links, len(links) if isinstance(links, (list, tuple)) else 1)  # validate now
+    _default_links = links if isinstance(links, (str, Link)) else tuple(links)
+    _CACHE_EPOCH[0] += 1
+
+
+_CACHE_EPOCH = [0]  # bumped when the link model changes, so cached plans are not reused
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Ring-model time of one collective over n ranks; `nbytes` is the full (gathered/reduced) size."""
+    if n <= 1:
+        return 0.0
+    steps = n - 1
+    wire = (n - 1) / n * nbytes / link.bandwidth
+    if kind == "all_reduce":
+        return 2 * (steps * link.latency + wire)
+    if kind == "broadcast":
+        return steps * link.latency + wire
+    return steps * link.latency + wire  # all_gather, reduce_scatter, all_to_all

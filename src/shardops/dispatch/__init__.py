@@ -1,0 +1,1 @@
+"""Dispatch: schema parsing, strategy rows, the registry, cost-based choice, the cache."""

@@ -1,0 +1,156 @@
+"""Strategy rows, their expansion across mesh dims, and the cost-based choice.
+
+A rule describes ONE mesh dim: a list of `Row`s, each giving the output
+placements, then the input placements (one per tensor operand), and, for a
+sharded algorithm, the collectives it issues inside the op on that mesh dim.
+The all-Replicate row is implicit. `candidates()` crosses the rows of every
+mesh dim and prices each combination:
+
+    cost = redistributing the inputs (planned)     + internal collectives
+         + resolving any pending (Partial) output later (an eager planner
+           must price what it defers)
+
+and `choose()` takes the cheapest; ties prefer a pending output (a later
+linear op may absorb it), then more sharding, then the rule's row order.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .. import cost
+from ..errors import ShardingError
+from ..placements import Placement, Replicate
+from ..redistribute import Plan, plan
+from ..spec import TensorSpec
+
+R = Replicate()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One mesh dim's layout: outputs then inputs, plus what the op sends inside."""
+
+    outputs: tuple[Placement, ...]
+    inputs: tuple[Placement, ...]
+    algorithm: Callable[..., Any] | None = None
+    comm: tuple[tuple[str, float], ...] = ()  # (collective, full bytes) issued inside the op
+    label: str = ""
+
+
+def row(outputs, inputs, algorithm=None, comm=(), label="") -> Row:
+    as_tuple = lambda x: tuple(x) if isinstance(x, (list, tuple)) else (x,)  # noqa: E731
+    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label)
+
+
+@dataclass
+class Candidate:
+    inputs: tuple[tuple[Placement, ...], ...]  # per tensor operand, one placement per mesh dim
+    outputs: tuple[tuple[Placement, ...], ...]  # per tensor output
+    algorithm: Callable[..., Any] | None
+    rows: tuple[Row, ...]
+    plans: tuple[Plan, ...] = ()
+    redistribute_time: float = 0.0
+    comm_time: float = 0.0
+    pending_time: float = 0.0
+    order: int = 0
+
+    @property
+    def time(self) -> float:
+        return self.redistribute_time + self.comm_time + self.pending_time
+
+    @property
+    def label(self) -> str:
+        labels = [r.label for r in self.rows if r.label]
+        return labels[0] if labels else ("local" if not any(p.is_partial() for o in self.outputs for p in o) else "pending")
+
+    def describe(self) -> str:
+        ins = " ".join("[" + ",".join(map(repr, p)) + "]" for p in self.inputs)
+        outs = " ".join("[" + ",".join(map(repr, p)) + "]" for p in self.outputs)
+        return f"{ins} -> {outs}"
+
+
+def _pending(c: Candidate) -> bool:
+    return any(p.is_partial() for o in c.outputs for p in o)
+
+
+def _sharding(c: Candidate, mesh_shape: Sequence[int]) -> int:
+    return sum(math.prod(n for n, p in zip(mesh_shape, pl) if p.is_shard()) for pl in c.inputs + c.outputs)
+
+
+def expand(
+    rows: Sequence[Row],
+    n_inputs: int,
+    n_outputs: int,
+    mesh_ndim: int,
+) -> list[tuple[Row, ...]]:
+    """Every combination of one row per mesh dim (the implicit all-R row included)."""
+    replicate = Row((R,) * max(n_outputs, 1), (R,) * n_inputs)
+    per_dim = [list(rows) + [replicate]] * mesh_ndim
+    combos = []
+    for combo in itertools.product(*per_dim):
+        algos = {r.algorithm for r in combo if r.algorithm is not None}
+        if len(algos) <= 1:
+            combos.append(combo)
+    return combos
+
+
+def price(
+    combo: tuple[Row, ...],
+    in_specs: Sequence[TensorSpec],
+    out_shapes: Sequence[tuple[Sequence[int], int]],
+    links: tuple[cost.Link, ...],
+    order: int,
+) -> Candidate:
+    n_in = len(in_specs)
+    inputs = tuple(tuple(r.inputs[k] for r in combo) for k in range(n_in))
+    outputs = tuple(tuple(r.outputs[min(k, len(r.outputs) - 1)] for r in combo) for k in range(len(out_shapes)))
+    algos = [r.algorithm for r in combo if r.algorithm is not None]
+    plans, redist = [], 0.0
+    for spec, target in zip(in_specs, inputs):
+        p = plan(spec, target, links)
+        plans.append(p)
+        redist += p.time
+    mesh_shape = in_specs[0].mesh.shape
+    comm_time = sum(cost.collective_time(kind, nbytes, mesh_shape[i], links[i]) for i, r in enumerate(combo) for kind, nbytes in r.comm)
+    pending = 0.0
+    for (shape, itemsize), pl in zip(out_shapes, outputs):
+        local = math.prod(shape) * itemsize / max(math.prod(n for n, p in zip(mesh_shape, pl) if p.is_shard()), 1)
+        pending += sum(resolve_time(shape, local, mesh_shape[i], links[i]) for i, p in enumerate(pl) if p.is_partial())
+    return Candidate(inputs, outputs, algos[0] if algos else None, combo, tuple(plans), redist, comm_time, pending, order)
+
+
+def resolve_time(shape: Sequence[int], local_bytes: float, n: int, link: cost.Link) -> float:
+    """Cheapest later resolution of a pending output: reduce_scatter onto a dim that can take it, else all_reduce."""
+    if any(s >= n for s in shape):
+        return cost.collective_time("reduce_scatter", local_bytes, n, link)
+    return cost.collective_time("all_reduce", local_bytes, n, link)
+
+
+def rank_key(c: Candidate, mesh_shape: Sequence[int]) -> tuple:
+    # NOTE: times are rounded so that float noise cannot split ties differently on different ranks.
+    return (round(c.time, 12), 0 if _pending(c) else 1, -_sharding(c, mesh_shape), c.order)
+
+
+def candidates(
+    rows: Sequence[Row],
+    in_specs: Sequence[TensorSpec],
+    out_shapes: Sequence[tuple[Sequence[int], int]],
+    links: tuple[cost.Link, ...] | None = None,
+    filter_fn: Callable[[Candidate], bool] | None = None,
+) -> list[Candidate]:
+    mesh = in_specs[0].mesh
+    links = cost.resolve_links(links, mesh.ndim)
+    for r in rows:
+        if len(r.inputs) != len(in_specs) or (len(r.outputs) != len(out_shapes) and len(r.outputs) != 1):
+            raise ShardingError(
+                f"strategy row {r} has {len(r.inputs)} inputs/{len(r.outputs)} outputs, the op has {len(in_specs)}/{len(out_shapes)}"
+            )
+    out = []
+    for i, combo in enumerate(expand(rows, len(in_specs), len(out_shapes), mesh.ndim)):
+        c = price(combo, in_specs, out_shapes, links, i)
+        if filter_fn is None or filter_fn(c):
+            out.append(c)
+    return sorted(out, key=lambda c: rank_key(c, mesh.shape))

@@ -1,0 +1,177 @@
+"""DeviceMesh: an n-d array of global ranks, and the groups along its dims."""
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Any, Sequence
+
+import torch
+
+from .comm.base import Communicator, Group
+from .errors import ShardingError
+from .world import current_comm
+
+
+class DeviceMesh:
+    """Ranks laid out as an n-d array. Mirrors torch's DeviceMesh where users touch it."""
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: Any,
+        mesh_dim_names: Sequence[str] | None = None,
+        *,
+        _torch_mesh: Any = None,
+    ) -> None:
+        ranks = torch.as_tensor(mesh, dtype=torch.int64)
+        if ranks.ndim == 0:
+            ranks = ranks.reshape(1)
+        self.device_type = device_type
+        self._ranks = ranks
+        self.mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+        if self.mesh_dim_names is not None and len(self.mesh_dim_names) != ranks.ndim:
+            raise ShardingError(f"DeviceMesh: {len(self.mesh_dim_names)} names {self.mesh_dim_names} for a {ranks.ndim}-d mesh")
+        self._torch_mesh = _torch_mesh
+        self.shape: tuple[int, ...] = tuple(ranks.shape)
+        self.ndim = ranks.ndim
+        self._flat = tuple(ranks.flatten().tolist())
+        self._key = (device_type, self.shape, self._flat, self.mesh_dim_names)
+        self._groups: dict[tuple[int, int], Group] = {}
+
+    # -- identity
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh('{self.device_type}', {self._ranks.tolist()}{names})"
+
+    # -- torch-compatible queries
+    @property
+    def mesh(self) -> torch.Tensor:
+        return self._ranks
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        return math.prod(self.shape) if mesh_dim is None else self.shape[mesh_dim]
+
+    def get_rank(self) -> int:
+        return self.comm.rank
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        coord = self.get_coordinate()
+        if coord is None:
+            raise ShardingError(f"rank {self.get_rank()} is not part of {self}")
+        dim = 0 if mesh_dim is None else self._dim_index(mesh_dim)
+        return coord[dim]
+
+    def get_coordinate(self) -> list[int] | None:
+        return self.coordinate_of(self.get_rank())
+
+    def coordinate_of(self, rank: int) -> list[int] | None:
+        try:
+            flat = self._flat.index(rank)
+        except ValueError:
+            return None
+        return list(_unravel(flat, self.shape))
+
+    @property
+    def comm(self) -> Communicator:
+        return current_comm()
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+    def _dim_index(self, dim: int | str) -> int:
+        if isinstance(dim, str):
+            if not self.mesh_dim_names or dim not in self.mesh_dim_names:
+                raise ShardingError(f"mesh has no dim named {dim!r}; its dims are {self.mesh_dim_names}")
+            return self.mesh_dim_names.index(dim)
+        if not -self.ndim <= dim < self.ndim:
+            raise ShardingError(f"mesh dim {dim} out of range for a {self.ndim}-d mesh")
+        return dim % self.ndim
+
+    def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
+        """The sub-mesh over the named dims that contains the calling rank."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        dims = [self._dim_index(n) for n in names]
+        coord = self.get_coordinate()
+        if coord is None:
+            raise ShardingError(f"rank {self.get_rank()} is not part of {self}")
+        index = tuple(slice(None) if d in dims else coord[d] for d in range(self.ndim))
+        sub = self._ranks[index].permute(*_order(dims)) if len(dims) > 1 else self._ranks[index]
+        torch_sub = None
+        if self._torch_mesh is not None:
+            torch_sub = self._torch_mesh[names if len(names) > 1 else names[0]]
+        return DeviceMesh(self.device_type, sub, names, _torch_mesh=torch_sub)
+
+    # -- groups
+    def group(self, mesh_dims: int | Sequence[int]) -> Group:
+        """The ranks along `mesh_dims` (row-major over them) that contain the calling rank."""
+        dims = (mesh_dims,) if isinstance(mesh_dims, int) else tuple(mesh_dims)
+        rank = self.get_rank()
+        cache_key = (rank, dims)
+        group = self._groups.get(cache_key)
+        if group is None:
+            coord = self.coordinate_of(rank)
+            if coord is None:
+                raise ShardingError(f"rank {rank} is not part of {self}; only its ranks may run ops on its tensors")
+            index = tuple(slice(None) if d in dims else coord[d] for d in range(self.ndim))
+            sub = self._ranks[index]
+            if len(dims) > 1:
+                sub = sub.permute(*_order(dims))
+            group = Group(tuple(sub.flatten().tolist()), (self, dims))
+            self._groups[cache_key] = group
+        return group
+
+    @cached_property
+    def torch_mesh(self) -> Any:
+        """torch's DeviceMesh for these ranks (torch.distributed world only)."""
+        if self._torch_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+            self._torch_mesh = TorchMesh(self.device_type, self._ranks, mesh_dim_names=self.mesh_dim_names)
+        return self._torch_mesh
+
+    @classmethod
+    def from_torch(cls, torch_mesh: Any) -> "DeviceMesh":
+        return cls(torch_mesh.device_type, torch_mesh.mesh, torch_mesh.mesh_dim_names, _torch_mesh=torch_mesh)
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    coord = []
+    for s in reversed(shape):
+        coord.append(flat % s)
+        flat //= s
+    return tuple(reversed(coord))
+
+
+def _order(dims: Sequence[int]) -> list[int]:
+    """Permutation that puts the kept (sliced) dims of a sub-array in the order asked."""
+    kept = sorted(dims)
+    return [kept.index(d) for d in dims]
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """A mesh over every rank of the current world, laid out row-major in `mesh_shape`."""
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    comm = current_comm()
+    if math.prod(mesh_shape) != comm.world_size:
+        raise ShardingError(
+            f"init_device_mesh: mesh shape {mesh_shape} has {math.prod(mesh_shape)} ranks but the world has "
+            f"{comm.world_size}; make the product of the mesh shape equal the world size."
+        )
+    if mesh_dim_names is not None and len(mesh_dim_names) != len(mesh_shape):
+        raise ShardingError(f"init_device_mesh: {len(mesh_dim_names)} names for a {len(mesh_shape)}-d mesh")
+    ranks = torch.arange(comm.world_size).reshape(mesh_shape)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names)
+    from .world import in_threads_world
+
+    if not in_threads_world():
+        mesh.torch_mesh  # create torch's process groups now, collectively on every rank
+    return mesh

@@ -1,0 +1,145 @@
+"""Pointwise ops: elementwise with broadcasting, and which pending partials pass through.
+
+Rows for one mesh dim: for every output dim d, "shard d" (each input sharded on its
+own aligned dim, or Replicate where it broadcasts). Partial rows come from the
+algebra table below: an op keeps a pending reduction only where that is exact.
+Unlisted ops are treated as nonlinear (the safe default): a partial is resolved first.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch.registry import DECOMPOSITIONS, register
+from ..dispatch.schema import OpSchema
+from ..dispatch.strategy import Row, row
+from ..placements import NormPartial, Partial, Replicate
+
+aten = torch.ops.aten
+R = Replicate()
+ALL_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), Partial("product"))
+
+
+def _shard_rows(schema: OpSchema) -> list[Row]:
+    specs = schema.tensor_specs
+    out_ndim = max(s.ndim for s in specs)
+    out_shape = torch.broadcast_shapes(*[s.shape for s in specs]) if specs else ()
+    rows = []
+    for d in range(out_ndim):
+        if out_shape[d] <= 1:
+            continue
+        ins = []
+        for s in specs:
+            k = d - (out_ndim - s.ndim)
+            ins.append(R if k < 0 or s.shape[k] != out_shape[d] else _shard(k))
+        rows.append(row([_shard(d)] * _n_outputs(schema), ins))
+    return rows
+
+
+def _shard(d: int):
+    from ..placements import Shard
+
+    return Shard(d)
+
+
+def _n_outputs(schema: OpSchema) -> int:
+    return len(schema.op._schema.returns)
+
+
+def _scalar_other(schema: OpSchema):
+    other = schema.arg("other")
+    return other if isinstance(other, (int, float, bool)) and not isinstance(other, torch.Tensor) else None
+
+
+# -- the algebra: which partials pass through which op, exactly
+
+
+def _linear_rows(schema: OpSchema) -> list[Row]:
+    """Rows that keep a pending partial: P(sum)+P(sum), P(sum)*R, P*scalar, -P ..."""
+    specs = schema.tensor_specs
+    n = len(specs)
+    base = schema.op._schema.name.split("::")[-1].rstrip("_")
+    rows: list[Row] = []
+    if base in ("add", "sub") and n == 2 and schema.arg("alpha", 1) is not None:
+        for op in ("sum", "avg"):
+            rows.append(row(Partial(op), [Partial(op)] * 2))
+    elif base in ("mul", "div") and n == 2:
+        rows.append(row(Partial("sum"), [Partial("sum"), R]))
+        if base == "mul":
+            rows.append(row(Partial("sum"), [R, Partial("sum")]))
+    elif base in ("mul", "div") and n == 1:
+        c = _scalar_other(schema)
+        if c is not None:
+            rows += [row(Partial("sum"), Partial("sum")), row(Partial("avg"), Partial("avg"))]
+            if c >= 0 and not (base == "div" and c == 0):
+                rows += [row(Partial("max"), Partial("max")), row(Partial("min"), Partial("min"))]
+                rows += [row(NormPartial(p), NormPartial(p)) for p in _norm_types(specs)]
+            elif c < 0:
+                rows += [row(Partial("min"), Partial("max")), row(Partial("max"), Partial("min"))]
+    elif base == "neg" and n == 1:
+        rows += [row(Partial("sum"), Partial("sum")), row(Partial("avg"), Partial("avg"))]
+        rows += [row(Partial("min"), Partial("max")), row(Partial("max"), Partial("min"))]
+    elif base in ("maximum", "fmax") and n == 2:
+        rows.append(row(Partial("max"), [Partial("max")] * 2))
+    elif base in ("minimum", "fmin") and n == 2:
+        rows.append(row(Partial("min"), [Partial("min")] * 2))
+    return rows
+
+
+def _norm_types(specs) -> list[float]:
+    return sorted({p.norm_type for s in specs for p in s.placements if isinstance(p, NormPartial)})
+
+
+def pointwise_rule(schema: OpSchema) -> list[Row]:
+    return _shard_rows(schema) + _linear_rows(schema)
+
+
+def _is_pointwise(op) -> bool:
+    return torch.Tag.pointwise in op.tags
+
+
+# -- _foreach_*: a list op is the single-tensor op applied to each element
+
+
+def _foreach(single):
+    def run(*args, **kwargs):
+        lists = [a for a in args if isinstance(a, (list, tuple))]
+        n = len(lists[0])
+        results = []
+        for i in range(n):
+            call = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            results.append(single(*call, **kwargs))
+        return results
+
+    return run
+
+
+def _register_foreach() -> None:
+    for name in dir(aten):
+        if not name.startswith("_foreach_") or name in ("_foreach_norm", "_foreach_max"):
+            continue
+        single_name = name[len("_foreach_") :]
+        single = getattr(aten, single_name, None)
+        packet = getattr(aten, name)
+        if single is None or not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for ov in packet.overloads():
+            op = getattr(packet, ov)
+            if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+                continue
+            DECOMPOSITIONS[op] = _foreach(single)
+
+
+def _register_pointwise() -> None:
+    for name in dir(aten):
+        packet = getattr(aten, name)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for ov in packet.overloads():
+            op = getattr(packet, ov)
+            if _is_pointwise(op):
+                register(pointwise_rule, op)
+
+
+_register_pointwise()
+_register_foreach()
+register(pointwise_rule, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.fill_.Scalar, aten.zero_, aten.fill.Scalar)

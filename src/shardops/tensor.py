@@ -1,0 +1,257 @@
+"""DTensor: a torch.Tensor wrapper whose data is this rank's shard of a global tensor."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .dispatch import core
+from .dispatch.registry import TORCH_FUNCTIONS
+from .dispatch.schema import spec_key
+from .errors import ShardingError
+from .mesh import DeviceMesh
+from .placements import Placement, Replicate, Shard, local_shape_and_offset, normalize_placements, shard_positions
+from .redistribute import execute, plan
+from .spec import TensorMeta, TensorSpec, contiguous_stride
+
+
+class DTensor(torch.Tensor):
+    _local_tensor: torch.Tensor
+    _spec: TensorSpec
+    __slots__ = ("_local_tensor", "_spec", "_key_cache")
+
+    @staticmethod
+    def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
+        r = torch.Tensor._make_wrapper_subclass(
+            DTensor,
+            spec.meta.shape,
+            strides=spec.meta.stride,
+            dtype=spec.meta.dtype,
+            device=local.device,
+            layout=local.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local
+        r._spec = spec
+        r._key_cache = None
+        return r
+
+    def __new__(cls, *a, **k):  # pragma: no cover - construction goes through the API functions
+        raise ShardingError("construct a DTensor with distribute_tensor(...) or DTensor.from_local(...)")
+
+    @property
+    def _key(self) -> tuple:
+        k = self._key_cache
+        if k is None:
+            k = self._key_cache = spec_key(self._spec)
+        return k
+
+    def _set_spec(self, spec: TensorSpec) -> None:
+        self._spec = spec
+        self._key_cache = None
+
+    def __repr__(self) -> str:  # noqa: D105
+        return f"DTensor(local={self._local_tensor!r}, spec={self._spec!r})"
+
+    # -- dispatch
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return core.dispatch(func, args, kwargs)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        impl = TORCH_FUNCTIONS.get(func)
+        if impl is not None:
+            return impl(*args, **(kwargs or {}))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    # -- public API
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        return _ToLocal.apply(self, grad_placements)
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *, async_op: bool = False) -> "DTensor":
+        if device_mesh is not None and device_mesh != self._spec.mesh:
+            raise ShardingError(f"redistribute: moving between meshes is not supported ({self._spec.mesh} -> {device_mesh})")
+        if placements is None:
+            raise ShardingError("redistribute: give the target placements")
+        target = normalize_placements(placements, self.ndim, self._spec.mesh.ndim, "redistribute")
+        return _Redistribute.apply(self, target)
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+    def _redistribute_local(self, placements: Sequence[Placement]) -> torch.Tensor:
+        """This rank's shard in `placements` (no autograd)."""
+        if tuple(placements) == self._spec.placements:
+            return self._local_tensor
+        return execute(self._local_tensor, self._spec, plan(self._spec, placements))
+
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        run_check: bool = False,
+        shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> "DTensor":
+        return from_local(local_tensor, device_mesh, placements, shape=shape, stride=stride)
+
+    # torch.Tensor niceties that must not reach dispatch with Python-level args
+    def __reduce_ex__(self, proto):  # pragma: no cover
+        raise ShardingError("DTensor cannot be pickled; pickle dt.to_local() and its placements instead")
+
+
+# ------------------------------------------------------------------ autograd functions
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt: DTensor, grad_placements):
+        ctx.spec = dt._spec
+        ctx.grad_placements = grad_placements
+        return dt._local_tensor.view_as(dt._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        placements = tuple(ctx.grad_placements) if ctx.grad_placements is not None else spec.placements
+        gspec = TensorSpec(spec.mesh, placements, TensorMeta(spec.shape, spec.meta.stride, grad.dtype))
+        return DTensor._make(grad.contiguous() if not grad.is_contiguous() else grad, gspec), None
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: TensorSpec):
+        ctx.spec = spec
+        return DTensor._make(local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        spec = ctx.spec
+        if not isinstance(grad, DTensor):
+            return grad, None
+        # The gradient goes back to the source layout; a Partial source gets a Replicate gradient.
+        target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        return grad._redistribute_local(target), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt: DTensor, target: tuple[Placement, ...]):
+        ctx.src = dt._spec
+        local = dt._redistribute_local(target)
+        if local is dt._local_tensor:
+            local = local.view_as(local)
+        return DTensor._make(local, dt._spec.with_placements(target))
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        src = ctx.src
+        target = tuple(Replicate() if p.is_partial() else p for p in src.placements)
+        if not isinstance(grad, DTensor):
+            return grad, None
+        local = grad._redistribute_local(target)
+        return DTensor._make(local, TensorSpec(src.mesh, target, grad._spec.meta)), None
+
+
+# ------------------------------------------------------------------ construction
+
+
+def _global_meta(shape: Sequence[int], dtype: torch.dtype, stride: Sequence[int] | None = None) -> TensorMeta:
+    shape = tuple(int(s) for s in shape)
+    return TensorMeta(shape, tuple(stride) if stride is not None else contiguous_stride(shape), dtype)
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Lay `tensor` out over `device_mesh`; rank `src_data_rank`'s data wins (None: each rank slices its own)."""
+    if isinstance(tensor, DTensor):
+        raise ShardingError("distribute_tensor: input is already a DTensor; use dt.redistribute(...)")
+    mesh = device_mesh if device_mesh is not None else _default_mesh()
+    placements = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, tensor.ndim, mesh.ndim, "distribute_tensor")
+    if any(p.is_partial() for p in placements):
+        # Distributing into a pending reduction: the source value sits on coordinate 0 (sum) or everywhere.
+        pass
+    data = tensor.detach()
+    if src_data_rank is not None and mesh.size() > 1:
+        comm = mesh.comm
+        group = mesh.group(tuple(range(mesh.ndim)))
+        src_index = group.ranks.index(src_data_rank) if src_data_rank in group.ranks else None
+        if src_index is None:
+            raise ShardingError(f"distribute_tensor: src_data_rank={src_data_rank} is not a rank of {mesh}")
+        data = comm.broadcast(data.contiguous(), src_index, group)
+    spec = TensorSpec(mesh, tuple(Replicate() for _ in placements), _global_meta(tensor.shape, tensor.dtype))
+    local = execute_local_layout(data, spec, placements)
+    out = DTensor._make(local.contiguous(), spec.with_placements(placements), requires_grad=tensor.requires_grad)
+    return out
+
+
+def execute_local_layout(data: torch.Tensor, replicated: TensorSpec, placements: Sequence[Placement]) -> torch.Tensor:
+    """Slice a replicated tensor into this rank's shard of `placements` (no communication)."""
+    coord = replicated.mesh.get_coordinate()
+    x = data
+    for i, p in enumerate(placements):
+        if p.is_shard():
+            pos = shard_positions(p, x.shape[p.dim], replicated.mesh.shape[i], coord[i])
+            x = x.narrow(p.dim, pos.start, len(pos)) if isinstance(pos, range) else x.index_select(p.dim, torch.tensor(pos, dtype=torch.long, device=x.device))
+        elif p.is_partial():
+            from .redistribute import _partition
+
+            x = _partition(x, p.reduce_op if hasattr(p, "reduce_op") else "sum", coord[i])
+    return x.clone() if x is data else x
+
+
+def from_local(
+    local_tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    shape: Sequence[int] | None = None,
+    stride: Sequence[int] | None = None,
+) -> DTensor:
+    """Wrap this rank's shard. Without `shape`, shards are assumed even (global = local x count)."""
+    if isinstance(local_tensor, DTensor):
+        raise ShardingError("from_local: input is already a DTensor")
+    mesh = device_mesh if device_mesh is not None else _default_mesh()
+    placements = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim, "from_local")
+    if shape is None:
+        gshape = list(local_tensor.shape)
+        for n, p in zip(mesh.shape, placements):
+            if p.is_shard():
+                gshape[p.dim] *= n
+    else:
+        gshape = list(shape)
+        if len(gshape) != local_tensor.ndim:
+            raise ShardingError(f"from_local: shape {tuple(shape)} has {len(gshape)} dims but the local tensor has {local_tensor.ndim}")
+    expected = local_shape_and_offset(gshape, mesh.shape, mesh.get_coordinate(), placements)[0]
+    if tuple(expected) != tuple(local_tensor.shape):
+        raise ShardingError(
+            f"from_local: this rank (coordinate {mesh.get_coordinate()}) holds a local tensor of shape {tuple(local_tensor.shape)}, "
+            f"but global shape {tuple(gshape)} with placements {list(placements)} gives it {tuple(expected)}; "
+            "pass the right global shape= (uneven shards need it)."
+        )
+    spec = TensorSpec(mesh, placements, _global_meta(gshape, local_tensor.dtype, stride))
+    return _FromLocal.apply(local_tensor, spec)
+
+
+def _default_mesh() -> DeviceMesh:
+    raise ShardingError("give a device_mesh (so.init_device_mesh(...))")

@@ -1,0 +1,82 @@
+"""Which world of ranks the calling code is in, and `run` (the threads world).
+
+Inside `run`, each rank thread carries its communicator in a thread-local. Outside
+it, an initialised torch.distributed default process group is the world. A thread
+of `run` always sees the threads world, even when a process group exists.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .comm.base import Communicator
+from .comm.threads import DEFAULT_TIMEOUT, ThreadsWorld
+from .errors import CollectiveError, ShardingError
+
+_local = threading.local()
+_torch_comm: Communicator | None = None
+
+
+def current_comm() -> Communicator:
+    comm = getattr(_local, "comm", None)
+    if comm is not None:
+        return comm
+    return _torch_dist_comm()
+
+
+def in_threads_world() -> bool:
+    return getattr(_local, "comm", None) is not None
+
+
+def _torch_dist_comm() -> Communicator:
+    global _torch_comm
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ShardingError(
+            "no world of ranks: call inside shardops.run(fn, world_size) (threads in this process), "
+            "or under torchrun / after torch.distributed.init_process_group."
+        )
+    if _torch_comm is None or _torch_comm.world_size != dist.get_world_size():
+        from .comm.torch_dist import TorchDistCommunicator
+
+        _torch_comm = TorchDistCommunicator()
+    return _torch_comm
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` once per rank, one thread per rank; return each rank's result.
+
+    An exception on any rank is raised here (the first one, by rank), and every
+    rank waiting in a shardops collective is released with an error at once.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ShardingError(f"run: world_size must be a positive int, got {world_size!r}")
+    world = ThreadsWorld(world_size, timeout)
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+    grad_enabled = torch.is_grad_enabled()
+
+    def body(rank: int) -> None:
+        _local.comm = world.communicator(rank)
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                results[rank] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors[rank] = e
+            world.fail(f"rank {rank} raised {type(e).__name__}: {e}")
+        finally:
+            _local.comm = None
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"shardops-rank{r}", daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    primary = [e for e in errors if e is not None and not isinstance(e, CollectiveError)]
+    failed = primary or [e for e in errors if e is not None]
+    if failed:
+        raise failed[0]
+    return results
