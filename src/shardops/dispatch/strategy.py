@@ -36,7 +36,9 @@ class Row:
     outputs: tuple[Placement, ...]
     inputs: tuple[Placement, ...]
     algorithm: Callable[..., Any] | None = None
-    comm: tuple[tuple[str, float], ...] = ()  # (collective, full bytes) issued inside the op
+    # Collectives the op issues inside, on this mesh dim: (kind, bytes this rank puts in, as
+    # CommDebugMode counts them: all_gather its own piece, all_reduce its whole input).
+    comm: tuple[tuple[str, float], ...] = ()
     label: str = ""
 
 
@@ -114,7 +116,11 @@ def price(
         plans.append(p)
         redist += p.time
     mesh_shape = in_specs[0].mesh.shape
-    comm_time = sum(cost.collective_time(kind, nbytes, mesh_shape[i], links[i]) for i, r in enumerate(combo) for kind, nbytes in r.comm)
+    comm_time = sum(
+        cost.collective_time(kind, nbytes * (mesh_shape[i] if kind == "all_gather" else 1), mesh_shape[i], links[i])
+        for i, r in enumerate(combo)
+        for kind, nbytes in r.comm
+    )
     pending = 0.0
     for (shape, itemsize), pl in zip(out_shapes, outputs):
         local = math.prod(shape) * itemsize / max(math.prod(n for n, p in zip(mesh_shape, pl) if p.is_shard()), 1)
