@@ -237,9 +237,10 @@ class TorchDistCommunicator(Communicator):
             padded = torch.zeros(width, dtype=torch.uint8, device=payload.device)
             padded[: payload.numel()] = payload
             payload = padded
-        out = torch.empty((len(sizes), width), dtype=torch.uint8, device=payload.device)
+        # gloo takes only the concatenated output form, not the stacked one
+        out = torch.empty(len(sizes) * width, dtype=torch.uint8, device=payload.device)
         _all_gather_single(out, payload, group=g.pg)
-        rows = g.from_pg_order(list(out.unbind(0)))
+        rows = g.from_pg_order(list(out.view(len(sizes), width).unbind(0)))
         return [row[:n] for row, n in zip(rows, sizes)]
 
     def _gather_bytes_equal(self, t: torch.Tensor, g: _TorchGroup) -> list[torch.Tensor]:
@@ -284,6 +285,8 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    if b.numel() == 0:  # an empty slice's storage offset need not be aligned for `view(dtype)`
+        return torch.empty(shape, dtype=dtype, device=b.device)
     return b.view(dtype).reshape(shape)
 
 

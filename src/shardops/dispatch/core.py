@@ -24,7 +24,7 @@ from ..redistribute import Plan, execute, plan, plan_bytes
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from .registry import DECOMPOSITIONS, REPLICATE_ONLY, RULES
 from .schema import OpSchema, spec_key, static_key
-from .strategy import Candidate, candidates
+from .strategy import Candidate, candidates, with_plans
 
 aten = torch.ops.aten
 _state = {"strict": False}
@@ -150,6 +150,7 @@ def meta_outputs(func, flat, tree, tensor_pos, specs) -> tuple[list[TensorMeta],
     leaves = list(flat)
     for i, s in zip(tensor_pos, specs):
         leaves[i] = torch.empty_strided(s.shape, s.meta.stride, dtype=s.dtype, device="meta")
+    leaves = [torch.empty_strided(a.shape, a.meta.stride, dtype=a.dtype, device="meta") if isinstance(a, TensorSpec) else a for a in leaves]
     args, kwargs = pytree.tree_unflatten(leaves, tree)
     try:
         out = func(*args, **kwargs)
@@ -216,7 +217,7 @@ def decide(func, flat, tree, tensor_pos) -> Decision:
             f"{schema.name}: in-place op on {specs[0]!r} would need self in another layout; "
             "an in-place op never changes its tensor's local shape. Redistribute the tensor first, or use the out-of-place op."
         )
-    best = cands[0]
+    best = with_plans(cands[0], specs)
     mesh = specs[0].mesh
     out_specs = tuple(TensorSpec(mesh, pl, m) for pl, m in zip(best.outputs, out_metas))
     in_after = tuple(s.with_placements(pl) for s, pl in zip(specs, best.inputs))
@@ -318,3 +319,33 @@ def run(d: Decision, flat: list, tree, tensor_pos: Sequence[int]) -> Any:
         else:
             wrapped.append(t)
     return pytree.tree_unflatten(wrapped, out_tree)
+
+
+# ------------------------------------------------------------------ planning only (explain, verify)
+
+
+@dataclass
+class PlanReport:
+    schema: OpSchema
+    candidates: list[Candidate]  # cheapest first; empty for a replicate fallback
+    out_metas: list[TensorMeta]
+    fallback: bool
+    replicate_only: bool
+
+
+def plan_op(func, args: tuple, kwargs: dict | None = None, links=None) -> PlanReport:
+    """Every candidate for `func` on TensorSpec operands: metadata only, no data, no collectives, no rank needed."""
+    kwargs = kwargs or {}
+    flat, tree = pytree.tree_flatten((args, kwargs))
+    tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, TensorSpec)]
+    specs = tuple(flat[i] for i in tensor_pos)
+    schema = make_schema(func, flat, tree, tensor_pos, specs)
+    rule = RULES.get(func)
+    metas = meta_outputs(func, flat, tree, tensor_pos, specs)
+    out_metas = metas[0] if metas is not None else []
+    if rule is None or metas is None:
+        return PlanReport(schema, [], out_metas, True, func in REPLICATE_ONLY)
+    rows = rule(schema)
+    inplace = _inplace_index(func, flat, tensor_pos) == 0 and bool(tensor_pos) and tensor_pos[0] == 0
+    cands = candidates(rows, specs, [(m.shape, _itemsize(m.dtype)) for m in out_metas], links=links, filter_fn=_inplace_filter(specs) if inplace else None)
+    return PlanReport(schema, cands, out_metas, False, False)

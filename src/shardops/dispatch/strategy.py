@@ -99,6 +99,28 @@ def expand(
     return combos
 
 
+def estimate_redistribution(spec: TensorSpec, target: Sequence[Placement], links: tuple[cost.Link, ...]) -> float:
+    """Per-mesh-dim estimate of moving `spec` to `target`: each dim priced on its own.
+
+    Exact when no two mesh dims shard the same tensor dim; the executed plan is the
+    exact shortest path (redistribute.plan). Linear in mesh ndim, so pricing every
+    candidate stays cheap on large meshes.
+    """
+    mesh_shape = spec.mesh.shape
+    local = spec.numel * spec.itemsize / max(math.prod(n for n, p in zip(mesh_shape, spec.placements) if p.is_shard()), 1)
+    total = 0.0
+    for i, (a, b) in enumerate(zip(spec.placements, target)):
+        if a == b or a.is_replicate():
+            continue
+        n = mesh_shape[i]
+        if a.is_shard():
+            kind, nbytes = ("all_to_all", local) if b.is_shard() else ("all_gather", local * n)
+        else:
+            kind, nbytes = ("reduce_scatter", local) if b.is_shard() else ("all_reduce", local)
+        total += cost.collective_time(kind, nbytes, n, links[i])
+    return total
+
+
 def price(
     combo: tuple[Row, ...],
     in_specs: Sequence[TensorSpec],
@@ -110,11 +132,7 @@ def price(
     inputs = tuple(tuple(r.inputs[k] for r in combo) for k in range(n_in))
     outputs = tuple(tuple(r.outputs[min(k, len(r.outputs) - 1)] for r in combo) for k in range(len(out_shapes)))
     algos = [r.algorithm for r in combo if r.algorithm is not None]
-    plans, redist = [], 0.0
-    for spec, target in zip(in_specs, inputs):
-        p = plan(spec, target, links)
-        plans.append(p)
-        redist += p.time
+    redist = sum(estimate_redistribution(spec, target, links) for spec, target in zip(in_specs, inputs))
     mesh_shape = in_specs[0].mesh.shape
     comm_time = sum(
         cost.collective_time(kind, nbytes * (mesh_shape[i] if kind == "all_gather" else 1), mesh_shape[i], links[i])
@@ -125,7 +143,15 @@ def price(
     for (shape, itemsize), pl in zip(out_shapes, outputs):
         local = math.prod(shape) * itemsize / max(math.prod(n for n, p in zip(mesh_shape, pl) if p.is_shard()), 1)
         pending += sum(resolve_time(shape, local, mesh_shape[i], links[i]) for i, p in enumerate(pl) if p.is_partial())
-    return Candidate(inputs, outputs, algos[0] if algos else None, combo, tuple(plans), redist, comm_time, pending, order)
+    return Candidate(inputs, outputs, algos[0] if algos else None, combo, (), redist, comm_time, pending, order)
+
+
+def with_plans(c: Candidate, in_specs: Sequence[TensorSpec], links=None) -> Candidate:
+    """The candidate with its exact redistribution plans (and their estimated time)."""
+    plans = tuple(plan(spec, target, links) for spec, target in zip(in_specs, c.inputs))
+    c.plans = plans
+    c.redistribute_time = sum(p.time for p in plans)
+    return c
 
 
 def resolve_time(shape: Sequence[int], local_bytes: float, n: int, link: cost.Link) -> float:
