@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -66,7 +66,7 @@ def parse_placements(spec: Sequence[str], shard: Callable[[int], Any], replicate
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: identity hash; `placements` is a dict
 class Case:
     """One benchmark case.
 
@@ -95,7 +95,7 @@ class Case:
     seed: int = 0
     rtol: float = 1e-5
     atol_scaled: float = 2e-6
-    notes: str = field(default="", compare=False)
+    notes: str = ""
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The global inputs, freshly built from the case's seeded generator."""
@@ -112,7 +112,7 @@ class Case:
         elementwise (NaN and inf where expected has them): the absolute part
         scales with the tensor, because a fixed atol is vacuous for a
         gradient of 1e-6-sized entries and too strict for sums near 1e2.
-        The defaults leave a 4x margin over single-device f32's own error
+        The defaults leave at least a 4x margin over single-device f32's own error
         against float64 on every case.
         """
         if actual is None or expected is None:

@@ -214,4 +214,10 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
             if d < 0:
                 p = StridedShard(d + ndim, p.split_factor) if isinstance(p, StridedShard) else Shard(d + ndim)
         out.append(p)
+    kinds = {p for p in out if p.is_partial()}
+    if len(kinds) > 1:
+        raise ShardingError(
+            f"{what}: mixed pending reductions {sorted(map(repr, kinds))} in {list(out)}; their order would be "
+            "ambiguous. Resolve one first (redistribute it to Replicate or Shard)."
+        )
     return tuple(out)

@@ -54,10 +54,11 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class _TorchGroup:
     """A resolved group: the process group and, per shardops group index, the member's torch group rank."""
 
-    __slots__ = ("pg", "pg_index", "identity")
+    __slots__ = ("pg", "ranks", "pg_index", "identity")
 
-    def __init__(self, pg: Any, pg_index: tuple[int, ...]) -> None:
+    def __init__(self, pg: Any, ranks: tuple[int, ...], pg_index: tuple[int, ...]) -> None:
         self.pg = pg
+        self.ranks = ranks
         self.pg_index = pg_index
         self.identity = pg_index == tuple(range(len(pg_index)))
 
@@ -124,7 +125,7 @@ class TorchDistCommunicator(Communicator):
                     f"the torch process group for ranks {list(group.ranks)} has members {members}; "
                     "the shardops mesh and its torch DeviceMesh disagree"
                 )
-            resolved = _TorchGroup(pg, tuple(members.index(r) for r in group.ranks))
+            resolved = _TorchGroup(pg, group.ranks, tuple(members.index(r) for r in group.ranks))
             self._groups[cache_key] = resolved
         return resolved
 
@@ -162,7 +163,7 @@ class TorchDistCommunicator(Communicator):
         if not _natively_reducible(t.dtype, op):
             return reduce_stack(self._gather_bytes_equal(t, g), op)
         wire, finish = _to_wire(t, op, group.size)
-        dist.all_reduce(wire, op=_wire_op(t.dtype, op), group=g.pg)
+        _c10d("all_reduce", g, dist.all_reduce, wire, op=_wire_op(t.dtype, op))
         return finish(wire)
 
     def _all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> list[torch.Tensor]:
@@ -195,14 +196,14 @@ class TorchDistCommunicator(Communicator):
             except RuntimeError as e:
                 # Older gloo builds lack reduce_scatter; the check fails on every member before any traffic.
                 if "support" not in str(e).lower():
-                    raise
+                    raise _collective_error("reduce_scatter", g, e) from e
                 self._reduce_scatter_ok = False
             else:
                 return finish(out)[: numels[me]].reshape(mine.shape)
         # Fallback, still one call: all_reduce every chunk and keep ours.
         flat = torch.cat([c.reshape(-1) for c in chunks])
         wire, finish = _to_wire(flat, op, group.size)
-        dist.all_reduce(wire, op=_wire_op(dtype, op), group=g.pg)
+        _c10d("reduce_scatter", g, dist.all_reduce, wire, op=_wire_op(dtype, op))
         start = sum(numels[:me])
         return finish(wire)[start : start + numels[me]].reshape(mine.shape)
 
@@ -214,7 +215,7 @@ class TorchDistCommunicator(Communicator):
         recv_sizes = [math.prod(s) * size for s in recv_shapes]
         out_splits = g.to_pg_order(recv_sizes)
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=chunks[0].device)
-        dist.all_to_all_single(out, torch.cat(send), out_splits, [s.numel() for s in send], group=g.pg)
+        _c10d("all_to_all", g, dist.all_to_all_single, out, torch.cat(send), out_splits, [s.numel() for s in send])
         pieces = g.from_pg_order(list(torch.split(out, out_splits)))
         return [_from_bytes(p, dtype, s) for p, s in zip(pieces, recv_shapes)]
 
@@ -222,11 +223,11 @@ class TorchDistCommunicator(Communicator):
         g = self._resolve(group)
         out = t.clone()
         # `src` is a global rank; c10d maps it into the group.
-        dist.broadcast(_bytes_of(out), src=group.ranks[src_index], group=g.pg)
+        _c10d("broadcast", g, dist.broadcast, _bytes_of(out), src=group.ranks[src_index])
         return out
 
     def _barrier(self, group: Group) -> None:
-        dist.barrier(group=self._resolve(group).pg)
+        _c10d("barrier", self._resolve(group), dist.barrier)
 
     # ------------------------------------------------------------ helpers
 
@@ -239,7 +240,7 @@ class TorchDistCommunicator(Communicator):
             payload = padded
         # gloo takes only the concatenated output form, not the stacked one
         out = torch.empty(len(sizes) * width, dtype=torch.uint8, device=payload.device)
-        _all_gather_single(out, payload, group=g.pg)
+        _c10d("all_gather", g, _all_gather_single, out, payload)
         rows = g.from_pg_order(list(out.view(len(sizes), width).unbind(0)))
         return [row[:n] for row, n in zip(rows, sizes)]
 
@@ -247,6 +248,18 @@ class TorchDistCommunicator(Communicator):
         """Every member's tensor of t's shape and dtype, in shardops order."""
         rows = self._all_gather_padded(_bytes_of(t), g, [t.numel() * t.element_size()] * len(g.pg_index))
         return [_from_bytes(r, t.dtype, tuple(t.shape)) for r in rows]
+
+
+def _c10d(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    try:
+        collective(*args, group=g.pg, **kwargs)
+    except RuntimeError as e:  # c10d's DistError family: timeouts, dead peers, backend refusals
+        raise _collective_error(kind, g, e) from e
+
+
+def _collective_error(kind: str, g: _TorchGroup, e: BaseException) -> CollectiveError:
+    # The same error type as the threads world, so callers catch one thing in both.
+    return CollectiveError(f"{kind} over ranks {list(g.ranks)} failed in torch.distributed: {e}")
 
 
 def _natively_reducible(dtype: torch.dtype, op: str) -> bool:

@@ -74,6 +74,10 @@ class Candidate:
         return f"{ins} -> {outs}"
 
 
+def _mixed_partials(c: Candidate) -> bool:
+    return any(len({p for p in pl if p.is_partial()}) > 1 for pl in c.outputs + c.inputs)
+
+
 def _pending(c: Candidate) -> bool:
     return any(p.is_partial() for o in c.outputs for p in o)
 
@@ -156,7 +160,7 @@ def with_plans(c: Candidate, in_specs: Sequence[TensorSpec], links=None) -> Cand
 
 def resolve_time(shape: Sequence[int], local_bytes: float, n: int, link: cost.Link) -> float:
     """Cheapest later resolution of a pending output: reduce_scatter onto a dim that can take it, else all_reduce."""
-    if any(s >= n for s in shape):
+    if len(shape) > 0:
         return cost.collective_time("reduce_scatter", local_bytes, n, link)
     return cost.collective_time("all_reduce", local_bytes, n, link)
 
@@ -183,6 +187,8 @@ def candidates(
     out = []
     for i, combo in enumerate(expand(rows, len(in_specs), len(out_shapes), mesh.ndim)):
         c = price(combo, in_specs, out_shapes, links, i)
+        if _mixed_partials(c):
+            continue
         if filter_fn is None or filter_fn(c):
             out.append(c)
     return sorted(out, key=lambda c: rank_key(c, mesh.shape))

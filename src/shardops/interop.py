@@ -1,0 +1,77 @@
+"""Conversion to and from torch.distributed.tensor.DTensor, without moving data.
+
+The layouts are the same, so a conversion only re-labels the local shard. This is
+the one module of the library that touches torch's private placement classes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import ShardingError
+from .mesh import DeviceMesh
+from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
+from .spec import TensorMeta, TensorSpec
+from .tensor import DTensor
+from .world import in_threads_world
+
+
+def _torch_placement(p: Placement) -> Any:
+    from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate, Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, StridedShard):
+        return _StridedShard(p.dim, split_factor=p.split_factor)
+    if isinstance(p, Shard):
+        return TShard(p.dim)
+    if isinstance(p, Replicate):
+        return TReplicate()
+    if isinstance(p, NormPartial):
+        from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+        return _NormPartial(norm_type=p.norm_type)
+    if isinstance(p, Partial):
+        return TPartial(p.reduce_op)
+    raise ShardingError(f"to_torch: no torch placement for {p!r}")
+
+
+def _our_placement(p: Any) -> Placement:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, _StridedShard):
+        return StridedShard(p.dim, int(p.split_factor))
+    if p.is_shard():
+        return Shard(p.dim)
+    if p.is_replicate():
+        return Replicate()
+    norm_type = getattr(p, "norm_type", None)
+    if norm_type is not None:
+        return NormPartial(float(norm_type))
+    if p.is_partial():
+        return Partial(p.reduce_op)
+    raise ShardingError(f"from_torch: unsupported torch placement {p!r}")
+
+
+def to_torch(dt: DTensor) -> Any:
+    """This DTensor as a torch.distributed.tensor.DTensor sharing the same local storage."""
+    if in_threads_world():
+        raise ShardingError(
+            "to_torch: the threads world (shardops.run) has no torch process group, so there is no torch DTensor to "
+            "make; run under torchrun or after torch.distributed.init_process_group."
+        )
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    spec = dt._spec
+    placements = [_torch_placement(p) for p in spec.placements]
+    return TorchDTensor.from_local(
+        dt._local_tensor, spec.mesh.torch_mesh, placements, run_check=False, shape=torch.Size(spec.shape), stride=spec.meta.stride
+    )
+
+
+def from_torch(tdt: Any) -> DTensor:
+    """A torch DTensor as a shardops DTensor sharing the same local storage."""
+    mesh = DeviceMesh.from_torch(tdt.device_mesh)
+    placements = tuple(_our_placement(p) for p in tdt.placements)
+    meta = TensorMeta(tuple(tdt.shape), tuple(tdt.stride()), tdt.dtype)
+    return DTensor._make(tdt._local_tensor, TensorSpec(mesh, placements, meta), requires_grad=tdt.requires_grad)

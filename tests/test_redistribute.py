@@ -1,0 +1,76 @@
+"""Redistribution between random layouts in the threads world: values, local shards and byte counts."""
+import math
+
+import pytest
+import torch
+
+import shardops as so
+from redistribute_cases import run_cases
+
+MESHES = [(1,), (2,), (3,), (4,), (8,), (2, 2), (2, 3), (2, 2, 2)]
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "x".join(map(str, m)))
+def test_random_redistributions(mesh_shape):
+    # 8 meshes x 70 triples = 560 random (shape, source, target) cases
+    failures = so.run(run_cases, math.prod(mesh_shape), 11, mesh_shape, 70)
+    assert failures == [[]] * math.prod(mesh_shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("seed", range(1, 6))
+def test_random_redistributions_slow(mesh_shape, seed):
+    failures = so.run(run_cases, math.prod(mesh_shape), 100 + seed, mesh_shape, 200)
+    assert failures == [[]] * math.prod(mesh_shape)
+
+
+def _shard_to_shard_uses_all_to_all():
+    mesh = so.init_device_mesh("cpu", (4,))
+    full = torch.arange(8 * 12.0).reshape(8, 12)
+    x = so.distribute_tensor(full, mesh, [so.Shard(0)])
+    with so.CommDebugMode() as comm:
+        y = x.redistribute(placements=[so.Shard(1)])
+    return comm.get_comm_counts(), comm.get_total_bytes(), torch.equal(y.full_tensor(), full)
+
+
+def test_shard_to_shard_is_one_all_to_all():
+    counts, nbytes, ok = so.run(_shard_to_shard_uses_all_to_all, 4)[0]
+    assert counts == {"all_to_all": 1}
+    assert nbytes == 2 * 12 * 4 * 3 // 4  # my 2x12 rows, 3 of 4 column chunks leave this rank
+    assert ok
+
+
+def _partial_to_shard_is_reduce_scatter():
+    mesh = so.init_device_mesh("cpu", (4,))
+    local = torch.ones(8, 3)
+    x = so.DTensor.from_local(local, mesh, [so.Partial()])
+    with so.CommDebugMode() as comm:
+        y = x.redistribute(placements=[so.Shard(0)])
+    return comm.get_comm_counts(), y.to_local().tolist()
+
+
+def test_partial_to_shard_is_one_reduce_scatter():
+    counts, local = so.run(_partial_to_shard_is_reduce_scatter, 4)[0]
+    assert counts == {"reduce_scatter": 1}
+    assert local == [[4.0] * 3] * 2
+
+
+def test_redistribute_to_norm_partial_is_refused():
+    def body():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.distribute_tensor(torch.ones(4), mesh, [so.Shard(0)])
+        x.redistribute(placements=[so.NormPartial(2)])
+
+    with pytest.raises(so.ShardingError, match="NormPartial"):
+        so.run(body, 2)
+
+
+def test_redistribute_rejects_wrong_placement_count():
+    def body():
+        mesh = so.init_device_mesh("cpu", (2, 2))
+        x = so.distribute_tensor(torch.ones(4), mesh, [so.Shard(0), so.Replicate()])
+        x.redistribute(placements=[so.Replicate()])
+
+    with pytest.raises(so.ShardingError, match="one placement per mesh dim"):
+        so.run(body, 4)
