@@ -15,6 +15,9 @@ from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 
 
+_run_without_torch_function = torch._C._disabled_torch_function_impl
+
+
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
@@ -63,8 +66,7 @@ class DTensor(torch.Tensor):
         impl = TORCH_FUNCTIONS.get(func)
         if impl is not None:
             return impl(*args, **(kwargs or {}))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        return _run_without_torch_function(func, types, args, kwargs)
 
     # -- public API
     @property

@@ -72,6 +72,14 @@ class Decision:
     fallback: bool = False
     inplace: bool = False
 
+    @property
+    def moves(self) -> tuple[int, ...]:
+        """Indices of the operands that need redistributing (cached: read on every call)."""
+        m = self.__dict__.get("_moves")
+        if m is None:
+            m = self.__dict__["_moves"] = tuple(k for k, p in enumerate(self.plans) if p.steps)
+        return m
+
 
 # ------------------------------------------------------------------ entry
 
@@ -86,7 +94,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     names = out_arg_names(func)
     if names and all(n in kwargs for n in names):
         return dispatch_out_variant(func, args, kwargs, names)
-    flat, tree = pytree.tree_flatten((args, kwargs))
+    flat, tree = flatten_args(args, kwargs)
     key_parts = []
     tensor_pos = []
     for i, a in enumerate(flat):
@@ -107,6 +115,19 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     elif decision.fallback:
         _warn_fallback(decision, flat, tensor_pos)
     return run(decision, flat, tree, tensor_pos)
+
+
+def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    """Leaves of (args, kwargs); tree None marks the common flat case (no kwargs, no lists), which skips pytree."""
+    if not kwargs and not any(isinstance(a, (list, tuple)) for a in args):
+        return list(args), None
+    return pytree.tree_flatten((args, kwargs))
+
+
+def unflatten_args(leaves: list, tree: Any) -> tuple[tuple, dict]:
+    if tree is None:
+        return tuple(leaves), {}
+    return pytree.tree_unflatten(leaves, tree)
 
 
 # ------------------------------------------------------------------ deciding
@@ -141,7 +162,7 @@ def make_schema(func, flat, tree, tensor_pos, specs) -> OpSchema:
     leaves = list(flat)
     for i, s in zip(tensor_pos, specs):
         leaves[i] = s
-    args, kwargs = pytree.tree_unflatten(leaves, tree)
+    args, kwargs = unflatten_args(leaves, tree)
     return OpSchema(func, tuple(args), dict(kwargs), tuple(specs))
 
 
@@ -151,7 +172,7 @@ def meta_outputs(func, flat, tree, tensor_pos, specs) -> tuple[list[TensorMeta],
     for i, s in zip(tensor_pos, specs):
         leaves[i] = torch.empty_strided(s.shape, s.meta.stride, dtype=s.dtype, device="meta")
     leaves = [torch.empty_strided(a.shape, a.meta.stride, dtype=a.dtype, device="meta") if isinstance(a, TensorSpec) else a for a in leaves]
-    args, kwargs = pytree.tree_unflatten(leaves, tree)
+    args, kwargs = unflatten_args(leaves, tree)
     try:
         out = func(*args, **kwargs)
     except Exception:  # noqa: BLE001 - ops without meta kernels fall back
@@ -283,25 +304,27 @@ def run(d: Decision, flat: list, tree, tensor_pos: Sequence[int]) -> Any:
     from ..tensor import DTensor
 
     leaves = list(flat)
-    for k, i in enumerate(tensor_pos):
+    for i in tensor_pos:
         a = flat[i]
-        loc = a._local_tensor if isinstance(a, DTensor) else a
-        p = d.plans[k]
-        if p.steps:
-            new = execute(loc, d.in_specs[k], p)
-            if d.inplace and k == 0:  # resolve self's pending partial in place, same local shape
-                loc.copy_(new)
-                a._set_spec(d.in_specs[0].with_placements(p.dst))
-            else:
-                loc = new
-        leaves[i] = loc
-    args, kwargs = pytree.tree_unflatten(leaves, tree)
+        if type(a) is DTensor:
+            leaves[i] = a._local_tensor
+    for k in d.moves:
+        i = tensor_pos[k]
+        new = execute(leaves[i], d.in_specs[k], d.plans[k])
+        if d.inplace and k == 0:  # resolve self's pending partial in place, same local shape
+            leaves[i].copy_(new)
+            flat[i]._set_spec(d.in_specs[0].with_placements(d.plans[0].dst))
+        else:
+            leaves[i] = new
+    args, kwargs = unflatten_args(leaves, tree)
     if d.algorithm is not None:
         out = d.algorithm(d.context, *args, **kwargs)
     else:
         out = d.func(*args, **kwargs)
     if d.inplace:
         return flat[tensor_pos[0]]
+    if type(out) is torch.Tensor and d.out_specs is not None:
+        return DTensor._make(out, d.out_specs[0])
     out_leaves, out_tree = pytree.tree_flatten(out)
     specs = d.out_specs
     if specs is None:  # fallback: every output is replicated, shapes as they came out

@@ -58,6 +58,7 @@ class Candidate:
     comm_time: float = 0.0
     pending_time: float = 0.0
     order: int = 0
+    changes: int = 0  # input placements that differ from the current ones (ties prefer fewer)
 
     @property
     def time(self) -> float:
@@ -147,7 +148,8 @@ def price(
     for (shape, itemsize), pl in zip(out_shapes, outputs):
         local = math.prod(shape) * itemsize / max(math.prod(n for n, p in zip(mesh_shape, pl) if p.is_shard()), 1)
         pending += sum(resolve_time(shape, local, mesh_shape[i], links[i]) for i, p in enumerate(pl) if p.is_partial())
-    return Candidate(inputs, outputs, algos[0] if algos else None, combo, (), redist, comm_time, pending, order)
+    changes = sum(a != b for spec, target in zip(in_specs, inputs) for a, b in zip(spec.placements, target))
+    return Candidate(inputs, outputs, algos[0] if algos else None, combo, (), redist, comm_time, pending, order, changes)
 
 
 def with_plans(c: Candidate, in_specs: Sequence[TensorSpec], links=None) -> Candidate:
@@ -167,7 +169,7 @@ def resolve_time(shape: Sequence[int], local_bytes: float, n: int, link: cost.Li
 
 def rank_key(c: Candidate, mesh_shape: Sequence[int]) -> tuple:
     # NOTE: times are rounded so that float noise cannot split ties differently on different ranks.
-    return (round(c.time, 12), 0 if _pending(c) else 1, -_sharding(c, mesh_shape), c.order)
+    return (round(c.time, 12), c.changes, 0 if _pending(c) else 1, -_sharding(c, mesh_shape), c.order)
 
 
 def candidates(
