@@ -15,7 +15,7 @@ from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 
 
-_run_without_torch_function = torch._C._disabled_torch_function_impl
+_no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 
 
 class DTensor(torch.Tensor):
@@ -66,7 +66,8 @@ class DTensor(torch.Tensor):
         impl = TORCH_FUNCTIONS.get(func)
         if impl is not None:
             return impl(*args, **(kwargs or {}))
-        return _run_without_torch_function(func, types, args, kwargs)
+        with _no_subclass_torch_function():
+            return func(*args, **kwargs) if kwargs else func(*args)
 
     # -- public API
     @property
