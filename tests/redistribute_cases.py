@@ -36,6 +36,12 @@ def make_source(full: torch.Tensor, mesh, placements, rng_seed: int):
     return so.DTensor.from_local(local, mesh, placements, shape=full.shape)
 
 
+def bytes_per_case(seed: int, mesh_shape, count: int) -> list[int]:
+    log: list[int] = []
+    run_cases(seed, mesh_shape, count, log)
+    return log
+
+
 def _split_partial(x, p, n, c, gen):
     # Same random draws on every rank (same generator seed), so parts are consistent.
     if isinstance(p, so.NormPartial):
@@ -64,8 +70,11 @@ def _split_partial(x, p, n, c, gen):
     return x - delta if op == "max" else x + delta
 
 
-def run_cases(seed: int, mesh_shape, count: int):
-    """Run `count` random triples on this rank; return the failures (empty list when all pass)."""
+def run_cases(seed: int, mesh_shape, count: int, byte_log: list | None = None):
+    """Run `count` random triples on this rank; return the failures (empty list when all pass).
+
+    `byte_log`, if given, receives the bytes CommDebugMode counted for each case.
+    """
     mesh = so.init_device_mesh("cpu", mesh_shape)
     rng = random.Random(seed)
     failures = []
@@ -85,6 +94,8 @@ def run_cases(seed: int, mesh_shape, count: int):
         expected_bytes = plan_bytes(x._spec, plan(x._spec, dst), mesh.get_coordinate())
         with so.CommDebugMode() as comm:
             y = x.redistribute(placements=dst)
+        if byte_log is not None:
+            byte_log.append(comm.get_total_bytes())
         got = y.full_tensor()
         want = so.distribute_tensor(full, mesh, [so.Replicate() if p.is_partial() else p for p in dst]).to_local()
         mine = y.to_local()
