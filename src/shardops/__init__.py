@@ -1,7 +1,7 @@
 """shardops: sharded tensor math on PyTorch."""
 from .comm.base import CommDebugMode
 from .cost import Link, set_links
-from .dispatch.core import FallbackWarning, set_strict
+from .dispatch.core import FallbackWarning, set_debug, set_strict
 from .errors import CollectiveError, ShardingError
 from .mesh import DeviceMesh, init_device_mesh
 from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
@@ -13,6 +13,6 @@ from . import ops as _ops  # noqa: F401  (registers strategies)
 __all__ = [
     "CollectiveError", "CommDebugMode", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
     "Partial", "Placement", "Replicate", "Shard", "ShardingError", "StridedShard", "distribute_tensor",
-    "from_local", "from_torch", "init_device_mesh", "run", "set_links", "set_strict", "to_torch",
+    "from_local", "from_torch", "init_device_mesh", "run", "set_debug", "set_links", "set_strict", "to_torch",
 ]
 __version__ = "0.1.0"

@@ -29,7 +29,12 @@ from .strategy import Candidate, candidates, with_plans
 aten = torch.ops.aten
 _state = {"strict": False}
 _CACHE: dict[tuple, "Decision"] = {}
-DEBUG = os.environ.get("SHARDOPS_DEBUG", "") not in ("", "0")
+_state["debug"] = os.environ.get("SHARDOPS_DEBUG", "") not in ("", "0")
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Check across ranks, at every dispatch, that plans and plain-tensor operands agree (SHARDOPS_DEBUG=1)."""
+    _state["debug"] = bool(enabled)
 
 
 class FallbackWarning(UserWarning):
@@ -114,6 +119,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
             _CACHE[key] = decision
     elif decision.fallback:
         _warn_fallback(decision, flat, tensor_pos)
+    if _state["debug"]:
+        from .debug import check_agreement
+
+        check_agreement(decision, flat, tensor_pos)
     return run(decision, flat, tree, tensor_pos)
 
 

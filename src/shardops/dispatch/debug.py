@@ -1,0 +1,60 @@
+"""SHARDOPS_DEBUG=1: check across ranks that every dispatch agrees.
+
+Each rank must pick the same candidate and plans (ranks that disagree would issue
+different collectives and deadlock or compute garbage), and a plain torch.Tensor
+operand, taken as Replicate, must really be equal on every rank. The check is one
+uncounted all_gather of a few int64 checksums over the whole mesh, so it never
+changes what CommDebugMode reports.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import ShardingError
+
+
+def _crc(data: bytes) -> int:
+    return zlib.crc32(data) & 0x7FFFFFFF
+
+
+def decision_checksum(decision: Any) -> int:
+    c = decision.candidate
+    text = repr(decision.func) + (c.describe() if c is not None else "fallback") + repr([p.steps for p in decision.plans])
+    return _crc(text.encode())
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    data = t.detach().contiguous().cpu()
+    if data.dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    return _crc(data.numpy().tobytes())
+
+
+def check_agreement(decision: Any, flat: Sequence[Any], tensor_pos: Sequence[int]) -> None:
+    from ..tensor import DTensor
+
+    mesh = decision.in_specs[0].mesh
+    plain = [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)]
+    sums = [decision_checksum(decision)] + [tensor_checksum(t) for _, t in plain]
+    mine = torch.tensor(sums, dtype=torch.int64)
+    group = mesh.group(tuple(range(mesh.ndim)))
+    comm = mesh.comm
+    if group.size == 1:
+        return
+    everyone = comm._all_gather(mine, group, [tuple(mine.shape)] * group.size)  # uncounted on purpose
+    for rank, theirs in zip(group.ranks, everyone):
+        if theirs[0] != mine[0]:
+            raise ShardingError(
+                f"{decision.func}: ranks chose different strategies (rank {comm.rank}: "
+                f"{decision.candidate.describe() if decision.candidate else 'fallback'}; rank {rank} differs). "
+                "Every rank must see the same shapes, placements, arguments and link model."
+            )
+        for j, (k, _) in enumerate(plain, start=1):
+            if theirs[j] != mine[j]:
+                raise ShardingError(
+                    f"{decision.func}: plain tensor operand #{k} is taken as Replicate but differs between rank "
+                    f"{comm.rank} and rank {rank}; distribute it with so.distribute_tensor or make it equal on every rank."
+                )

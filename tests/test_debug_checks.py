@@ -1,0 +1,61 @@
+"""SHARDOPS_DEBUG=1 agreement checks: forced divergences are caught and named; agreement costs no counted bytes."""
+import pytest
+import torch
+
+import shardops as so
+from shardops.dispatch import core, strategy
+
+
+@pytest.fixture
+def debug():
+    so.set_debug(True)
+    yield
+    so.set_debug(False)
+
+
+def test_plain_operand_that_differs_between_ranks_is_caught(debug):
+    def body():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.distribute_tensor(torch.ones(4), mesh, [so.Shard(0)])
+        mine = torch.full((4,), float(mesh.get_rank()))  # not really replicated
+        return x + mine
+
+    with pytest.raises(so.ShardingError, match=r"plain tensor operand #1 is taken as Replicate but differs"):
+        so.run(body, 2)
+
+
+def test_equal_plain_operands_pass_and_are_not_counted(debug):
+    def body():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.distribute_tensor(torch.ones(4), mesh, [so.Shard(0)])
+        with so.CommDebugMode() as comm:
+            y = x + torch.arange(4.0)
+        return y.full_tensor().tolist(), comm.get_total_counts()
+
+    assert so.run(body, 2) == [([1.0, 2.0, 3.0, 4.0], 0)] * 2
+
+
+def test_ranks_choosing_different_plans_is_caught(debug, monkeypatch):
+    original = strategy.rank_key
+
+    def skewed(c, mesh_shape):  # rank 1 prefers the opposite order: a forced divergence
+        from shardops.world import current_comm
+
+        key = original(c, mesh_shape)
+        return tuple(-k if isinstance(k, (int, float)) else k for k in key) if current_comm().rank == 1 else key
+
+    class NoCache(dict):  # ranks share one decision cache in the threads world: make each rank decide
+        def __setitem__(self, key, value):
+            pass
+
+    monkeypatch.setattr(strategy, "rank_key", skewed)
+    monkeypatch.setattr(core, "_CACHE", NoCache())
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.distribute_tensor(torch.ones(4, 2), mesh, [so.Shard(0)])
+        y = so.distribute_tensor(torch.ones(4, 2), mesh, [so.Shard(1)])
+        return x * y
+
+    with pytest.raises(so.ShardingError, match="ranks chose different strategies"):
+        so.run(body, 2)
