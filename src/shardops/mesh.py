@@ -106,7 +106,8 @@ class DeviceMesh:
         index = tuple(slice(None) if d in dims else coord[d] for d in range(self.ndim))
         sub = self._ranks[index].permute(*_order(dims)) if len(dims) > 1 else self._ranks[index]
         torch_sub = None
-        if self._torch_mesh is not None:
+        # torch slices only in mesh-dim order; other orders get member-made groups from the communicator
+        if self._torch_mesh is not None and list(dims) == sorted(dims):
             torch_sub = self._torch_mesh[names if len(names) > 1 else names[0]]
         return DeviceMesh(self.device_type, sub, names, _torch_mesh=torch_sub)
 

@@ -89,7 +89,7 @@ class TorchDistCommunicator(Communicator):
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
         self._groups: dict[tuple, _TorchGroup] = {}
-        self._subgroups: dict[tuple[int, ...], Any] = {}
+        self._by_members: dict[tuple[int, ...], Any] = {}  # sorted ranks -> a process group over them
         self._reduce_scatter_ok = True
 
     def _check_world(self) -> None:
@@ -125,6 +125,7 @@ class TorchDistCommunicator(Communicator):
                     f"the torch process group for ranks {list(group.ranks)} has members {members}; "
                     "the shardops mesh and its torch DeviceMesh disagree"
                 )
+            self._by_members.setdefault(tuple(sorted(members)), pg)
             resolved = _TorchGroup(pg, group.ranks, tuple(members.index(r) for r in group.ranks))
             self._groups[cache_key] = resolved
         return resolved
@@ -132,29 +133,33 @@ class TorchDistCommunicator(Communicator):
     def _find_process_group(self, group: Group) -> Any:
         if group.key:
             mesh, dims = group.key
+            # Only a torch DeviceMesh that already exists: making one here would be a
+            # collective of the whole world, inside a collective of one group.
+            torch_mesh = getattr(mesh, "_torch_mesh", None)
             # Size-1 dims add no members: a group over one real dim is torch's own mesh-dim group.
             real_dims = [d for d in dims if mesh.shape[d] > 1]
-            if len(real_dims) == 1:
-                return mesh.torch_mesh.get_group(real_dims[0])
-        if len(group.ranks) == self._world_size:
+            if torch_mesh is not None and len(real_dims) == 1:
+                return torch_mesh.get_group(real_dims[0])
+        members = tuple(sorted(group.ranks))
+        if len(members) == self._world_size:
             return dist.group.WORLD
-        return self._subgroup(group.ranks)
+        pg = self._by_members.get(members)
+        if pg is None:
+            pg = self._new_group(members)
+            self._by_members[members] = pg
+        return pg
 
-    def _subgroup(self, ranks: Sequence[int]) -> Any:
-        """A process group over `ranks` (several mesh dims), made once per rank set.
+    @staticmethod
+    def _new_group(members: tuple[int, ...]) -> Any:
+        """A process group over `members` (several mesh dims, or a mesh without a torch DeviceMesh).
 
         NOTE: created with `use_local_synchronization=True`, so only the members
         take part: exactly the ranks about to run the collective that asked for
         it. A plain `new_group` (or torch's `DeviceMesh._flatten`) needs every
-        rank of the world to call it in the same order, which a lazy first use
+        rank of the world to call it in the same order, which a first use
         inside one group's collective cannot promise.
         """
-        key = tuple(sorted(ranks))
-        pg = self._subgroups.get(key)
-        if pg is None:
-            pg = dist.new_group(list(key), use_local_synchronization=True, group_desc="shardops_" + "_".join(map(str, key)))
-            self._subgroups[key] = pg
-        return pg
+        return dist.new_group(list(members), use_local_synchronization=True, group_desc="shardops_" + "_".join(map(str, members)))
 
     # ------------------------------------------------------------ collectives
 
@@ -195,7 +200,7 @@ class TorchDistCommunicator(Communicator):
                 _reduce_scatter_single(out, wire, op=_wire_op(dtype, op), group=g.pg)
             except RuntimeError as e:
                 # Older gloo builds lack reduce_scatter; the check fails on every member before any traffic.
-                if "support" not in str(e).lower():
+                if not any(word in str(e).lower() for word in ("support", "implement")):
                     raise _collective_error("reduce_scatter", g, e) from e
                 self._reduce_scatter_ok = False
             else:
