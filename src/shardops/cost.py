@@ -15,6 +15,7 @@ from .errors import ShardingError
 class Link:
     latency: float  # seconds per message step (alpha)
     bandwidth: float  # bytes per second (beta)
+    compute: float = 2e9  # bytes per second a rank's local kernels stream (CPU-class by default)
 
     def __repr__(self) -> str:
         return f"Link({self.latency * 1e6:g}us, {self.bandwidth / 1e9:g}GB/s)"
@@ -22,13 +23,17 @@ class Link:
 
 # NOTE: rough public figures. threads: a memcpy-bound in-process rendezvous;
 # gloo/ethernet: TCP on a 10-25 Gb/s NIC; nvlink: H100-class NVLink with NCCL
-# start-up latency; ib: 200-400 Gb/s InfiniBand between nodes.
+# start-up latency; ib: 200-400 Gb/s InfiniBand between nodes. `compute` is the
+# device behind the link: ~2 GB/s for CPU kernels such as histc or topk, ~1 TB/s
+# for GPU memory. It prices the redundant work of "gather, then every rank
+# computes the whole thing", which is what makes gathering lose on CPUs even
+# when it saves a round.
 PRESETS: dict[str, Link] = {
-    "threads": Link(20e-6, 5e9),
-    "gloo": Link(50e-6, 1.25e9),
-    "ethernet": Link(50e-6, 1.25e9),
-    "nvlink": Link(10e-6, 300e9),
-    "ib": Link(20e-6, 25e9),
+    "threads": Link(20e-6, 5e9, 2e9),
+    "gloo": Link(50e-6, 1.25e9, 2e9),
+    "ethernet": Link(50e-6, 1.25e9, 2e9),
+    "nvlink": Link(10e-6, 300e9, 1e12),
+    "ib": Link(20e-6, 25e9, 1e12),
 }
 
 _default_links: str | Link | tuple = "threads"

@@ -46,7 +46,7 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.meta.dtype).element_size()
+        return self.meta.dtype.itemsize
 
     def local_shape(self, coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
         if coordinate is None:

@@ -270,7 +270,7 @@ def _inplace_filter(specs):
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _fallback_decision(func, schema, specs, flat, tensor_pos) -> Decision:

@@ -9,6 +9,8 @@ mesh dim and prices each combination:
     cost = redistributing the inputs (planned)     + internal collectives
          + resolving any pending (Partial) output later (an eager planner
            must price what it defers)
+         + the redundant local work a gather creates (every rank then
+           runs the kernel on the whole gathered data)
 
 and `choose()` takes the cheapest; ties prefer a pending output (a later
 linear op may absorb it), then more sharding, then the rule's row order.
@@ -59,10 +61,11 @@ class Candidate:
     pending_time: float = 0.0
     order: int = 0
     changes: int = 0  # input placements that differ from the current ones (ties prefer fewer)
+    compute_time: float = 0.0
 
     @property
     def time(self) -> float:
-        return self.redistribute_time + self.comm_time + self.pending_time
+        return self.redistribute_time + self.comm_time + self.pending_time + self.compute_time
 
     @property
     def label(self) -> str:
@@ -149,7 +152,27 @@ def price(
         local = math.prod(shape) * itemsize / max(math.prod(n for n, p in zip(mesh_shape, pl) if p.is_shard()), 1)
         pending += sum(resolve_time(shape, local, mesh_shape[i], links[i]) for i, p in enumerate(pl) if p.is_partial())
     changes = sum(a != b for spec, target in zip(in_specs, inputs) for a, b in zip(spec.placements, target))
-    return Candidate(inputs, outputs, algos[0] if algos else None, combo, (), redist, comm_time, pending, order, changes)
+    compute = _compute_time(in_specs, inputs, out_shapes, outputs, links)
+    return Candidate(inputs, outputs, algos[0] if algos else None, combo, (), redist, comm_time, pending, order, changes, compute)
+
+
+def _local_bytes(shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], placements: Sequence[Placement]) -> float:
+    return math.prod(shape) * itemsize / max(math.prod(n for n, p in zip(mesh_shape, placements) if p.is_shard()), 1)
+
+
+def _compute_time(in_specs, inputs, out_shapes, outputs, links) -> float:
+    """The redundant local work a candidate creates by gathering a sharded input.
+
+    After a Shard -> Replicate move every rank runs the kernel on the whole gathered
+    data: priced at the device's streaming rate. Layouts kept as they are (shards,
+    pending partials, replicas) add nothing here, so the design's tie rules stand.
+    """
+    mesh_shape = in_specs[0].mesh.shape
+    total = 0.0
+    for spec, target in zip(in_specs, inputs):
+        if any(a.is_shard() and b.is_replicate() for a, b in zip(spec.placements, target)):
+            total += _local_bytes(spec.shape, spec.itemsize, mesh_shape, target)
+    return total / min(link.compute for link in links)
 
 
 def with_plans(c: Candidate, in_specs: Sequence[TensorSpec], links=None) -> Candidate:
