@@ -236,6 +236,8 @@ def decide(func, flat, tree, tensor_pos) -> Decision:
     inplace = _inplace_index(func, flat, tensor_pos) == 0 and bool(tensor_pos) and tensor_pos[0] == 0
     rule = RULES.get(func)
     metas = meta_outputs(func, flat, tree, tensor_pos, specs) if rule is not None else None
+    if rule is not None and metas is None:
+        rule(schema)  # a rule names user errors (dim out of range, bad k) that made the meta run fail
     if rule is None or metas is None:
         return _fallback_decision(func, schema, specs, flat, tensor_pos)
     out_metas = metas[0]

@@ -184,10 +184,14 @@ def with_plans(c: Candidate, in_specs: Sequence[TensorSpec], links=None) -> Cand
 
 
 def resolve_time(shape: Sequence[int], local_bytes: float, n: int, link: cost.Link) -> float:
-    """Cheapest later resolution of a pending output: reduce_scatter onto a dim that can take it, else all_reduce."""
-    if len(shape) > 0:
-        return cost.collective_time("reduce_scatter", local_bytes, n, link)
-    return cost.collective_time("all_reduce", local_bytes, n, link)
+    """Cheapest later resolution of a pending output, priced by its bytes only.
+
+    reduce_scatter onto a dim that can take it, else all_reduce. The latency is left
+    out: a deferred resolution is not issued yet, and is often shared with other
+    pending values or absorbed by a later linear op.
+    """
+    wire = cost.Link(0.0, link.bandwidth, link.compute)
+    return cost.collective_time("reduce_scatter" if len(shape) > 0 else "all_reduce", local_bytes, n, wire)
 
 
 def rank_key(c: Candidate, mesh_shape: Sequence[int]) -> tuple:

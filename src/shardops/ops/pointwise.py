@@ -62,6 +62,8 @@ def _linear_rows(schema: OpSchema) -> list[Row]:
     if base in ("add", "sub") and n == 2 and schema.arg("alpha", 1) is not None:
         for op in ("sum", "avg"):
             rows.append(row(Partial(op), [Partial(op)] * 2))
+    elif base == "div" and schema.arg("rounding_mode") is not None:
+        pass  # floor/trunc division is not linear: a pending sum must be resolved first
     elif base in ("mul", "div") and n == 2:
         rows.append(row(Partial("sum"), [Partial("sum"), R]))
         if base == "mul":

@@ -14,7 +14,7 @@ import torch
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
-from ..placements import NormPartial, Partial, Replicate, Shard
+from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
 
 aten = torch.ops.aten
 R = Replicate()
@@ -174,7 +174,8 @@ def _new_factory_rule(schema: OpSchema) -> list[Row]:
 def _identity_rule(schema: OpSchema) -> list[Row]:
     """clone/detach/alias/_to_copy/contiguous: every layout passes."""
     nd = schema.self_spec.ndim
-    rows = [row(Shard(d), Shard(d)) for d in range(nd)]
+    strided = sorted({p for p in schema.self_spec.placements if isinstance(p, StridedShard)}, key=repr)
+    rows = [row(Shard(d), Shard(d)) for d in range(nd)] + [row(p, p) for p in strided]  # detach/clone keep _S too
     base = schema.op._schema.name
     if "_to_copy" in base and schema.arg("dtype") is not None and not schema.arg("dtype").is_floating_point:
         return rows + [row(p, p) for p in (Partial("max"), Partial("min"))]
