@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from .. import cost
 from ..errors import ShardingError
-from ..placements import Placement, Replicate
+from ..placements import NormPartial, Placement, Replicate
 from ..redistribute import Plan, plan
 from ..spec import TensorSpec
 
@@ -76,6 +76,11 @@ class Candidate:
         ins = " ".join("[" + ",".join(map(repr, p)) + "]" for p in self.inputs)
         outs = " ".join("[" + ",".join(map(repr, p)) + "]" for p in self.outputs)
         return f"{ins} -> {outs}"
+
+
+def _needs_norm_partial(c: Candidate, in_specs: Sequence[TensorSpec]) -> bool:
+    """NormPartial is a source only: no plan reaches it from another placement."""
+    return any(isinstance(t, NormPartial) and t != s for spec, tgt in zip(in_specs, c.inputs) for s, t in zip(spec.placements, tgt))
 
 
 def _mixed_partials(c: Candidate) -> bool:
@@ -216,7 +221,7 @@ def candidates(
     out = []
     for i, combo in enumerate(expand(rows, len(in_specs), len(out_shapes), mesh.ndim)):
         c = price(combo, in_specs, out_shapes, links, i)
-        if _mixed_partials(c):
+        if _mixed_partials(c) or _needs_norm_partial(c, in_specs):
             continue
         if filter_fn is None or filter_fn(c):
             out.append(c)

@@ -115,8 +115,14 @@ def _foreach(single):
     return run
 
 
+def _aten_packets() -> list[tuple[str, torch._ops.OpOverloadPacket]]:
+    """Every aten packet (dir(aten) lists only the ones already touched)."""
+    names = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")})
+    return [(n, getattr(aten, n)) for n in names]
+
+
 def _register_foreach() -> None:
-    for name in dir(aten):
+    for name, _ in _aten_packets():
         if not name.startswith("_foreach_") or name in ("_foreach_norm", "_foreach_max"):
             continue
         single_name = name[len("_foreach_") :]
@@ -132,8 +138,9 @@ def _register_foreach() -> None:
 
 
 def _register_pointwise() -> None:
-    for name in dir(aten):
-        packet = getattr(aten, name)
+    for name, packet in _aten_packets():
+        if name == "equal":  # tagged pointwise, but returns one bool for the whole tensor
+            continue
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             continue
         for ov in packet.overloads():

@@ -34,9 +34,17 @@ def _with_local_size(ctx, local, *args, **kwargs):
     return ctx.func(local, size)
 
 
-def _dim_map_rule(mapping: Callable[[OpSchema], dict[int, int]], n_out: int = 1, local_size: bool = False):
+def _squeeze_global_dims(ctx, local, *args, **kwargs):
+    """squeeze() drops the GLOBAL size-1 dims: a short shard's local size 1 must stay."""
+    shape = ctx.schema.self_spec.shape
+    dims = ctx.schema.arg("dim")
+    dims = range(len(shape)) if dims is None else [d % max(len(shape), 1) for d in dims]
+    return aten.squeeze.dims(local, [d for d in dims if shape[d] == 1])
+
+
+def _dim_map_rule(mapping: Callable[[OpSchema], dict[int, int]], n_out: int = 1, local_size: bool = False, algorithm=None):
     """A rule from {input dim: output dim} (dims absent from the map need Replicate)."""
-    algo = _with_local_size if local_size else None
+    algo = _with_local_size if local_size else algorithm
 
     def rule(schema: OpSchema) -> list[Row]:
         rows = [row([Shard(o)] * n_out, Shard(i), algorithm=algo) for i, o in mapping(schema).items()]
@@ -94,7 +102,7 @@ def _keep_other_dims(arg: str) -> Callable[[OpSchema], dict[int, int]]:
     def mapping(schema: OpSchema) -> dict[int, int]:
         nd = schema.self_spec.ndim
         d = normalize_dim(schema.arg(arg, 0), nd, schema.name)
-        drop = schema.op in (aten.select.int,)
+        drop = schema.op in (aten.select.int, aten.unbind.int)
         return {i: (i - (1 if drop and i > d else 0)) for i in range(nd) if i != d}
 
     return mapping
@@ -198,7 +206,8 @@ def _scalar_rule(schema: OpSchema) -> list[Row]:
 
 
 register(_dim_map_rule(_unsqueeze), aten.unsqueeze.default, aten.unsqueeze_.default)
-register(_dim_map_rule(_squeeze), aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_.dim)
+register(_dim_map_rule(_squeeze, algorithm=_squeeze_global_dims), aten.squeeze.default, aten.squeeze.dims)
+register(_dim_map_rule(_squeeze), aten.squeeze.dim, aten.squeeze_.dim)
 register(_dim_map_rule(_permute), aten.permute.default)
 register(_dim_map_rule(_transpose), aten.transpose.int, aten.t.default, aten.transpose_.default, aten.t_.default)
 register(_dim_map_rule(_expand, local_size=True), aten.expand.default)

@@ -1,0 +1,71 @@
+"""The `shardops` command: verify, explain, and the hooks for demo and bench."""
+import json
+import sys
+import types
+
+import pytest
+
+from shardops import cli
+
+
+def test_no_subcommand_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "verify" in capsys.readouterr().out
+
+
+def test_verify_subcommand(capsys):
+    code = cli.main(["verify", "--op", "aten.neg.default", "--mesh", "4", "--budget", "3", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "aten.neg" in out and "all passed" in out
+
+
+def test_verify_list(capsys):
+    assert cli.main(["verify", "--list", "--op", "aten.neg"]) == 0
+    assert "aten.neg.default" in capsys.readouterr().out
+
+
+def test_verify_unknown_op_is_a_clear_error(capsys):
+    assert cli.main(["verify", "--op", "aten.no_such_op", "--no-progress"]) == 2
+    assert "no registered op matches" in capsys.readouterr().err
+
+
+def test_explain_subcommand(capsys):
+    code = cli.main(["explain", "softmax(x, dim=1)", "--mesh", "8x8x16", "--links", "nvlink,ib,ib", "--x", "f32[8,4096]:R,R,S(1)"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "aten._softmax.default" in out and "chosen: #1" in out and "1024 ranks" in out
+
+
+def test_explain_json_and_tensor_flag(capsys):
+    code = cli.main(["explain", "x + y", "--mesh", "2x2", "-t", "x=f32[8,6]:S(0),R", "--y=f32[8,6]:R,S(1)", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["inputs"] == {"x": "f32[8,6]:S(0),R", "y": "f32[8,6]:R,S(1)"}
+    assert data["steps"][0]["op"] == "aten.add.Tensor"
+
+
+def test_explain_bad_spec_is_a_clear_error(capsys):
+    assert cli.main(["explain", "x + 1", "--mesh", "4", "--x", "f32[8]:R,R"]) == 2
+    assert "2 placements" in capsys.readouterr().err
+
+
+def test_missing_demo_module_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "demo", ("shardops._no_such_demo", "main", "run the demo"))
+    assert cli.main(["demo"]) == 2
+    assert "shardops._no_such_demo is not available" in capsys.readouterr().err
+
+
+def test_bench_hook_passes_its_arguments(monkeypatch):
+    calls = []
+    module = types.ModuleType("fake_bench")
+    module.main = lambda argv: calls.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "fake_bench", module)
+    monkeypatch.setitem(cli.SUBCOMMANDS, "bench", ("fake_bench", "main", "benchmarks"))
+    assert cli.main(["bench", "--quick", "softmax"]) == 0
+    assert calls == [["--quick", "softmax"]]
+
+
+@pytest.mark.parametrize("name, module", [("demo", "shardops.demo"), ("bench", "benchmarks.run")])
+def test_default_hooks(name, module):
+    assert cli.SUBCOMMANDS[name][:2] == (module, "main")

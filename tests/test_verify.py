@@ -1,0 +1,191 @@
+"""shardops verify: passes on the registered pointwise and view ops, and catches broken strategies."""
+import io
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+
+from shardops import Partial, Replicate, Shard, verify_samples
+from shardops import verify as V
+from shardops.dispatch import registry
+from shardops.dispatch.strategy import row
+from shardops.placements import NormPartial
+
+aten = torch.ops.aten
+TEST_BUDGET = 4  # cases per op and mesh: the small budget for tests
+MESHES = ["4", "2x2"]
+
+
+def quiet_verify(ops, meshes=MESHES, **kw):
+    out = io.StringIO()
+    report = V.verify(ops, meshes, budget=kw.pop("budget", TEST_BUDGET), progress=False, console=Console(file=out, width=200), **kw)
+    return report, out.getvalue()
+
+
+# ------------------------------------------------------------------ the registered ops pass
+
+POINTWISE_AND_VIEWS = [
+    "aten.neg.default", "aten.add.Tensor", "aten.mul.Tensor", "aten.div.Scalar", "aten.exp.default", "aten.where.self",
+    "aten.maximum.default", "aten.clamp.default", "aten.eq.Tensor", "aten.bitwise_and.Tensor", "aten.pow.Tensor_Scalar",
+    "aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.permute.default", "aten.expand.default",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.select.int", "aten.slice.Tensor", "aten.split.Tensor",
+    "aten.clone.default", "aten._to_copy.default", "aten.zeros_like.default", "aten.new_zeros.default",
+]
+
+
+@pytest.mark.parametrize("op", POINTWISE_AND_VIEWS)
+def test_registered_op_passes(op):
+    report, text = quiet_verify([op])
+    assert report.ok, text
+    row = next(iter(report.rows.values()))
+    assert row.cases == TEST_BUDGET * len(MESHES) and row.passed == row.cases
+
+
+def test_gradients_are_checked_for_float_ops():
+    report, text = quiet_verify(["aten.mul.Tensor"], budget=8)
+    assert report.ok, text
+    assert report.rows["aten.mul"].grad_cases > 0
+
+
+def test_every_registered_op_has_samples():
+    """An op family added later is checked without anyone listing it, as long as a sample row matches it."""
+    targets, _ = V.discover()
+    missing = [t.name for t in targets if t.generator is None]
+    assert not missing, f"add rows to verify_samples.SAMPLES for: {missing}"
+
+
+def test_discovery_skips_out_and_inplace_variants():
+    targets, skipped = V.discover()
+    names = {t.name for t in targets}
+    assert "aten.add.Tensor" in names and "aten.add_.Tensor" not in names and "aten.add.out" not in names
+    assert skipped["out= variants"] > 0 and skipped["in-place variants"] > 0
+
+
+# ------------------------------------------------------------------ broken strategies are caught
+
+
+def _patched(monkeypatch, op, extra_rows, drop_input=None):
+    """The op's rule with rows added (and the rows taking `drop_input` removed, so the added one is chosen)."""
+    original = registry.RULES[op]
+
+    def rule(schema):
+        kept = [r for r in original(schema) if drop_input is None or drop_input not in r.inputs]
+        return kept + extra_rows(schema)
+
+    monkeypatch.setitem(registry.RULES, op, rule)
+
+
+def test_neg_keeping_pending_max_fails_with_a_reproduction(monkeypatch, capsys):
+    # wrong on purpose: -max(a, b) is min(-a, -b), so P(max) must become P(min)
+    _patched(monkeypatch, aten.neg.default, lambda schema: [row(Partial("max"), Partial("max"))], drop_input=Partial("max"))
+    code = V.main(_args(op=["aten.neg.default"], mesh=["4"], budget=12))
+    text = capsys.readouterr().out
+    assert code == 1
+    assert "repro: shardops verify --op aten.neg.default --mesh 4 --case" in text
+    assert "P(max)" in text
+
+
+def test_local_reduction_over_sharded_dim_fails(monkeypatch, capsys):
+    if aten.sum.dim_IntList not in registry.RULES:
+        pytest.skip("sum is not registered yet")
+
+    def local_claim(schema):  # wrong on purpose: summing a shard of the reduced dim is not the full sum
+        spec = schema.self_spec
+        return [row(Replicate(), Shard(d)) for d in schema.dims("dim") if spec.shape[d] > 1] if schema.arg("keepdim") else []
+
+    monkeypatch.setitem(registry.RULES, aten.sum.dim_IntList, lambda schema: local_claim(schema) + [])
+    code = V.main(_args(op=["aten.sum.dim_IntList"], mesh=["4"], budget=12))
+    text = capsys.readouterr().out
+    assert code == 1
+    assert "repro: shardops verify --op aten.sum.dim_IntList --mesh 4 --case" in text
+
+
+def test_reproduction_line_reruns_the_failing_case(monkeypatch, capsys):
+    _patched(monkeypatch, aten.exp.default, lambda schema: [row(Partial("sum"), Partial("sum"))])  # exp is not linear
+    report, _ = quiet_verify(["aten.exp.default"], ["4"], budget=12)
+    assert not report.ok
+    failure = report.failures[0]
+    assert failure.repro.endswith(f"--case {failure.case} --budget 12")
+    code = V.main(_args(op=["aten.exp.default"], mesh=["4"], budget=12, case=failure.case))
+    assert code == 1
+    assert f"case {failure.case}" in capsys.readouterr().out
+
+
+def test_an_op_without_samples_is_reported_not_skipped(monkeypatch):
+    monkeypatch.setitem(registry.RULES, aten.embedding.default, lambda schema: [])
+    report, text = quiet_verify(["aten.embedding.default"], ["4"])
+    assert report.ok
+    assert report.rows["aten.embedding"].status == "no samples"
+    assert "no samples" in text and "aten.embedding.default" in text
+
+
+def test_json_report(tmp_path):
+    path = tmp_path / "verify.json"
+    report, _ = quiet_verify(["aten.neg.default"], ["4"], json_path=str(path))
+    data = json.loads(path.read_text())
+    assert data["ok"] is True and data["cases"] == report.cases
+    assert data["ops"][0]["op"] == "aten.neg" and data["ops"][0]["passed"] == TEST_BUDGET
+
+
+def test_case_out_of_range_is_a_clear_error():
+    with pytest.raises(V.ShardingError, match="has cases 0..3"):
+        quiet_verify(["aten.neg.default"], ["4"], case=99)
+
+
+def _args(op, mesh, budget=None, case=None, full=False):
+    import argparse
+
+    return argparse.Namespace(op=op, mesh=mesh, budget=budget, seed=0, case=case, json=None, list=False, no_progress=True, full=full)
+
+
+# ------------------------------------------------------------------ pending inputs cannot pass by luck
+
+KINDS = [Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), Partial("product"), NormPartial(2)]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.bool]
+# the pending kinds verify gives each dtype (e.g. no P(avg) for integers, only P(max)/P(min) for bools)
+USED = [(k, d) for d in DTYPES for k in KINDS if k in V.alphabet(torch.zeros(1, dtype=d))]
+
+
+@pytest.mark.parametrize("kind, dtype", USED, ids=[f"{k!r}-{str(d).removeprefix('torch.')}" for k, d in USED])
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_pending_pieces_resolve_exactly(kind, dtype, m):
+    x = verify_samples.make_tensor((5, 3), dtype, torch.Generator().manual_seed(1))
+    pieces = V.split_pending(x, kind, m, torch.Generator().manual_seed(2))
+    resolved = V.resolve_pending(pieces, kind)
+    if isinstance(kind, NormPartial):
+        torch.testing.assert_close(resolved.double(), x.double().abs(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+    else:
+        assert torch.equal(resolved, x)
+    if kind in (Partial("max"), Partial("min")):
+        stacked = torch.stack(pieces)
+        holders = (stacked == x).sum(0)
+        assert bool((holders >= 1).all())
+        if dtype != torch.bool:  # the others hold strictly smaller (max) / larger (min) values
+            assert bool((holders == 1).all())
+
+
+def test_sum_pieces_differ_from_an_even_split():
+    x = verify_samples.make_tensor((4, 4), torch.float64, torch.Generator().manual_seed(0))
+    pieces = V.split_pending(x, Partial("sum"), 4, torch.Generator().manual_seed(0))
+    assert all(not torch.allclose(p, x / 4) for p in pieces)
+    assert any(bool((p * x < 0).any()) for p in pieces)  # sign changes
+
+
+def test_sampled_cases_are_deterministic_and_cover_every_kind():
+    target = next(t for t in V.discover()[0] if t.name == "aten.exp.default")
+    prepared, _ = V.prepare(target, 0)
+    a = V.sampled_cases(prepared, (4,), 12, 7)
+    b = V.sampled_cases(prepared, (4,), 12, 7)
+    assert a == b
+    kinds = {c.layouts[0][0] for c in a}
+    assert set(V.coverage_slots(prepared)) <= kinds
+
+
+def test_compare_rules():
+    t = torch.tensor([1.0, math.nan, math.inf])
+    assert V.compare(t, t.clone(), 0)[1] is None
+    assert V.compare(torch.tensor([1.0, 0.0, math.inf]), t, 1)[1] is not None  # NaN moved
+    assert V.compare(torch.tensor([1, 2]), torch.tensor([1, 3]), 1.0)[1] is not None  # ints are exact
+    assert V.compare(torch.tensor([1.0 + 1e-12]), torch.tensor([1.0], dtype=torch.float64).float(), 1e-5)[1] is None
