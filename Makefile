@@ -18,7 +18,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=600
 
 bench: $(STAMP)
-	$(BIN)/shardops bench --quick
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,plot]'
+	$(BIN)/python -m benchmarks.run --quick
 
 verify: $(STAMP)
 	$(BIN)/shardops verify

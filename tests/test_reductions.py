@@ -194,13 +194,14 @@ def test_bytes_mean_over_sharded_dim(wide):
 
 
 def test_bytes_argmax_over_sharded_dim(wide):
-    # one all_gather of (value, global index) per row, both as int64: 8 rows x 16 bytes; output Replicate
-    assert _bytes(lambda x: x.argmax(1), wide, [Shard(1)]) == (ROWS * 16, {"all_gather": 1}, 1)
+    # one all_gather of (value, global index) per row, f32 value bits and int32 index packed in one int64:
+    # 8 rows x 8 bytes; output Replicate
+    assert _bytes(lambda x: x.argmax(1), wide, [Shard(1)]) == (ROWS * 8, {"all_gather": 1}, 1)
 
 
 def test_bytes_max_dim_over_sharded_dim(wide):
     # values and indices come from the same single gather of pairs
-    assert _bytes(lambda x: x.max(1), wide, [Shard(1)]) == (ROWS * 16, {"all_gather": 1}, 1)
+    assert _bytes(lambda x: x.max(1), wide, [Shard(1)]) == (ROWS * 8, {"all_gather": 1}, 1)
 
 
 def test_bytes_sum_and_amax_over_sharded_dim(wide):

@@ -264,7 +264,7 @@ def _select_rule(schema: OpSchema) -> list[Row]:
     keepdim = bool(schema.arg("keepdim", False))
     n_out = 2 if with_values else 1
     rows = [] if flat else kept_dim_rows(spec, dims, keepdim, n_out)
-    pairs = (("all_gather", output_bytes_per_rank(spec, dims, 16)),)  # (value, index) as two int64
+    pairs = (("all_gather", output_bytes_per_rank(spec, dims, 8 if _compact(spec, dims, flat) else 16)),)
     for d in dims:
         for p in shard_options(spec, d):
             rows.append(row([R] * n_out, p, algorithm=select_sharded, comm=pairs, label="gather (value, global index) pairs"))
@@ -280,8 +280,12 @@ def select_sharded(ctx, x: torch.Tensor, *args, **kwargs):
     values, index = _local_best(ctx, x, spec, which, with_values, flat, dims)
     group = mesh_dims_reducing(spec, dims)
     if group:
-        pairs = all_gather_stacked(torch.stack([_as_int64(values), index]), spec, group)
-        best, index = best_of(_from_int64(pairs[:, 0], values.dtype), pairs[:, 1], which)
+        if _compact(spec, dims, flat):
+            packed = all_gather_stacked(_pack32(values, index), spec, group)
+            best, index = best_of(*_unpack32(packed, values.dtype), which)
+        else:
+            pairs = all_gather_stacked(torch.stack([_as_int64(values), index]), spec, group)
+            best, index = best_of(_from_int64(pairs[:, 0], values.dtype), pairs[:, 1], which)
         values = best.to(values.dtype)
     shapes = [o.local_shape() for o in ctx.out_specs]
     if with_values:
@@ -316,6 +320,29 @@ def _global_flat_index(spec: TensorSpec, local_shape, idx: torch.Tensor) -> torc
         rem = rem // local_shape[e]
         out = out + global_index_tensor(spec, e, idx.device)[coord] * strides[e]
     return out
+
+
+_COMPACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_INDEX_BITS = 0xFFFFFFFF
+
+
+def _compact(spec: TensorSpec, dims, flat: bool) -> bool:
+    """(value, index) fit one int64 when the value has <= 32 bits and every global index < 2**31."""
+    span = spec.numel if flat else math.prod(spec.shape[d] for d in dims)
+    return spec.dtype in _COMPACT_DTYPES and span < 2**31 - 1
+
+
+def _pack32(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """value bits in the high word, index in the low word: 8 bytes a pair instead of 16."""
+    as32 = values.to(torch.float32).view(torch.int32) if values.dtype.is_floating_point else values.to(torch.int32)
+    low = torch.where(index == NO_INDEX, torch.full_like(index, 2**31 - 1), index)
+    return (as32.to(torch.int64) << 32) | low
+
+
+def _unpack32(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    high = (packed >> 32).to(torch.int32)
+    values = high.view(torch.float32) if dtype.is_floating_point else high
+    return values, packed & _INDEX_BITS
 
 
 def _as_int64(values: torch.Tensor) -> torch.Tensor:
