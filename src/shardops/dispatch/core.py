@@ -111,7 +111,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
             tensor_pos.append(i)
         else:
             key_parts.append(static_key(a))
-    key = (func, len(args), tuple(kwargs), tuple(key_parts))
+    key = (func, len(args), tuple(kwargs), tuple(key_parts), cost._CACHE_EPOCH[0])
     decision = _CACHE.get(key)
     if decision is None:
         decision = decide(func, flat, tree, tensor_pos)

@@ -151,4 +151,7 @@ def _register_pointwise() -> None:
 
 _register_pointwise()
 _register_foreach()
-register(pointwise_rule, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.fill_.Scalar, aten.zero_, aten.fill.Scalar)
+register(
+    pointwise_rule, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
+    aten.masked_fill_.Tensor, aten.fill_.Scalar, aten.zero_, aten.fill.Scalar,
+)
