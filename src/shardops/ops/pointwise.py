@@ -102,7 +102,7 @@ def _is_pointwise(op) -> bool:
 # -- _foreach_*: a list op is the single-tensor op applied to each element
 
 
-def _foreach(single):
+def _foreach(single, inplace: bool = False):
     def run(*args, **kwargs):
         lists = [a for a in args if isinstance(a, (list, tuple))]
         n = len(lists[0])
@@ -110,7 +110,7 @@ def _foreach(single):
         for i in range(n):
             call = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
             results.append(single(*call, **kwargs))
-        return results
+        return None if inplace else results  # torch requires None from an in-place foreach op
 
     return run
 
@@ -134,7 +134,8 @@ def _register_foreach() -> None:
             op = getattr(packet, ov)
             if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
                 continue
-            DECOMPOSITIONS[op] = _foreach(single)
+            first = op._schema.arguments[0].alias_info
+            DECOMPOSITIONS[op] = _foreach(single, inplace=first is not None and first.is_write)
 
 
 def _register_pointwise() -> None:

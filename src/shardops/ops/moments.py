@@ -1,0 +1,248 @@
+"""Moments: var, std, var_mean, std_mean (every overload: default/unbiased, dim, correction).
+
+With reduced dims sharded, each rank computes its shard's (mean, M2) in float64, ONE
+all_gather of the packed pair (one round) gives every rank all of them, and Chan's
+parallel formula merges them locally. The counts never travel: every member's count
+follows from the layout. A rank with count 0 contributes nothing, so uneven and empty
+shards are exact:
+
+    n = sum n_r    mean = sum n_r mean_r / n    M2 = sum M2_r + sum n_r (mean_r - mean)^2
+
+(A single all_reduce of sum and sum of squares would be one round too, but loses every
+digit for data with a large mean, e.g. 1e4 + randn in float32.) The output is Replicate
+on the mesh dims that sharded reduced dims; other dims keep their shards.
+
+Backward: torch's formula recomputes the mean over the sharded dims. The torch-level entry
+points use their own autograd.Function instead, which keeps the forward's mean: the
+gradient is local, grad * 2 (x - mean) / (N - correction) (std: divided by 2 std, 0 where
+std is 0; the mean output adds grad / N), in the input's layout. No communication.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..dispatch.registry import register, register_torch_function
+from ..dispatch.schema import OpSchema
+from ..dispatch.strategy import Row, row
+from ..placements import Replicate, Shard
+from .common import shift_after_reduce
+from ._shard_stats import (
+    bind,
+    call_default,
+    gather_packed,
+    grad_local,
+    input_grad,
+    local_count,
+    member_coordinates,
+    needs_grad,
+    reduced_dims,
+    reduced_group,
+    reduction_layouts,
+    reduction_stats_bytes,
+    resolve_partials,
+    to_layout,
+    unsqueeze_reduced,
+)
+
+aten = torch.ops.aten
+R = Replicate()
+STATS_BYTES_PER_ROW = 2 * 8  # (mean, M2) in float64
+
+
+def _moment_params(op, bound: dict, ndim: int) -> tuple[tuple[int, ...], float, bool]:
+    """(reduced dims, correction, keepdim) of any var/std/var_mean/std_mean overload, from bound arguments."""
+    dims = reduced_dims(bound.get("dim"), ndim, str(op))
+    if "correction" in bound:
+        correction = bound["correction"]
+        correction = 1 if correction is None else correction
+    else:
+        correction = 1 if bound.get("unbiased", True) else 0
+    return dims, correction, bool(bound.get("keepdim", False))
+
+
+def _moment_args(schema: OpSchema) -> tuple[tuple[int, ...], float, bool]:
+    return _moment_params(schema.op, schema.bound, schema.self_spec.ndim)
+
+
+def _base(op) -> str:
+    return op._schema.name.split("::")[-1]
+
+
+# ------------------------------------------------------------------ forward
+
+
+def chan_merge(means: torch.Tensor, m2s: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge per-member (mean, M2) stacked on dim 0 with `counts` (float64, broadcastable): (n, mean, M2)."""
+    n = counts.sum(0)
+    mean = (counts * means).sum(0) / n
+    m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
+    return n, mean, m2
+
+
+def _shard_stats(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's (mean, M2) over `dims`, keepdim, in float64 (zeros for an empty shard)."""
+    xd = x.to(torch.float64)
+    if xd.numel() == 0 or math.prod(xd.shape[d] for d in dims) == 0:
+        shape = [1 if d in dims else s for d, s in enumerate(xd.shape)]
+        zeros = torch.zeros(shape, dtype=torch.float64, device=x.device)
+        return zeros, zeros.clone()
+    mean = xd.mean(dims, keepdim=True)
+    return mean, (xd - mean).square().sum(dims, keepdim=True)
+
+
+def _moments_sharded(ctx, x, *args, **kwargs):
+    spec = ctx.in_specs[0]
+    dims, correction, keepdim = _moment_args(ctx.schema)
+    group = reduced_group(spec, dims)
+    means, m2s = gather_packed(_shard_stats(x, dims), spec, group)
+    counts = [local_count(spec, dims, c) for c in member_coordinates(spec, group)]
+    counts = torch.tensor(counts, dtype=torch.float64, device=x.device).reshape([-1] + [1] * x.ndim)
+    n, mean, m2 = chan_merge(means, m2s, counts)
+    var = m2 / max(0.0, float(n) - correction)
+    if not keepdim:
+        var, mean = var.squeeze(dims), mean.squeeze(dims)
+    dtype = ctx.out_specs[0].dtype
+    base = _base(ctx.schema.op)
+    stat = (var.sqrt() if base.startswith("std") else var).to(dtype)
+    if base.endswith("_mean"):
+        return stat, mean.to(ctx.out_specs[1].dtype)
+    return stat
+
+
+def _moments_rule(schema: OpSchema) -> list[Row]:
+    """Rows: S(k) -> S(k shifted) for kept dims (local); S(k) -> R for reduced dims
+    (sharded Chan merge: one all_gather of 16 bytes per output element)."""
+    spec = schema.self_spec
+    dims, _, keepdim = _moment_args(schema)
+    rows = [row(shift_after_reduce(Shard(k), dims, keepdim), Shard(k)) for k in range(spec.ndim) if k not in dims]
+    if spec.dtype.is_floating_point:
+        comm = [("all_gather", reduction_stats_bytes(spec, dims, STATS_BYTES_PER_ROW))]
+        label = f"sharded {_base(schema.op)} (Chan merge)"
+        rows += [row(R, Shard(k), algorithm=_moments_sharded, comm=comm, label=label) for k in dims]
+    return rows
+
+
+# ------------------------------------------------------------------ backward
+
+
+def _var_input_grad(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, dof: float, every_dim: bool) -> torch.Tensor:
+    """torch's var_backward: 2 (x - mean) / dof * grad; a reduction over every dim (dim=None) with
+    dof <= 0 gives NaN where x equals the mean and inf elsewhere, a dim list divides as it is."""
+    if every_dim and dof <= 0:
+        return g * torch.where(x == mean, math.nan, math.inf).to(x.dtype)
+    scale = 2.0 / dof if dof != 0 else math.inf
+    return scale * g * (x - mean)
+
+
+class _MomentsFunction(torch.autograd.Function):
+    """var_mean / std_mean on DTensors with a local backward that reuses the forward's mean."""
+
+    @staticmethod
+    def forward(ctx, x, kind: str, dims: tuple[int, ...], correction, keepdim: bool, every_dim: bool):
+        ctx.set_materialize_grads(False)
+        x_in = resolve_partials(x)
+        op = aten.var_mean.correction if kind == "var" else aten.std_mean.correction
+        stat, mean = op(x_in, None if every_dim else list(dims), correction=correction, keepdim=keepdim)
+        ctx.kind, ctx.dims, ctx.keepdim, ctx.correction, ctx.every_dim = kind, dims, keepdim, correction, every_dim
+        ctx.x_spec, ctx.out_spec = x._spec, stat._spec
+        ctx.layout, ctx.out_layout = reduction_layouts(x_in._spec, dims, keepdim)
+        ctx.x_local = x_in._redistribute_local(ctx.layout)
+        ctx.stat_local, ctx.mean_local = stat._local_tensor, mean._local_tensor
+        ctx.count = math.prod(x.shape[d] for d in dims)
+        return stat, mean
+
+    @staticmethod
+    def backward(ctx, g_stat, g_mean):
+        nd = len(ctx.x_spec.shape)
+
+        def full(t):
+            return unsqueeze_reduced(t, nd, ctx.dims, ctx.keepdim)
+
+        def small(local):  # the forward's small outputs, in the layout matching x (moved only if dispatch resharded)
+            return full(to_layout(local, ctx.out_spec, ctx.out_layout))
+
+        x = ctx.x_local
+        gx = None
+        if g_stat is not None:
+            g = full(grad_local(g_stat, ctx.out_spec, ctx.out_layout))
+            if ctx.kind == "std":
+                s = small(ctx.stat_local)
+                g = (g / (s * 2)).masked_fill(s == 0, 0)
+            gx = _var_input_grad(g, x, small(ctx.mean_local), ctx.count - ctx.correction, ctx.every_dim)
+        if g_mean is not None:
+            term = full(grad_local(g_mean, ctx.out_spec, ctx.out_layout)).expand(x.shape) / ctx.count
+            gx = term if gx is None else gx + term
+        if gx is None:
+            return None, None, None, None, None, None
+        return input_grad(gx, ctx.layout, ctx.x_spec), None, None, None, None, None
+
+
+def _parse_moments(args: tuple, kwargs: dict) -> tuple[Any, tuple[int, ...], float, bool, bool] | None:
+    """(input, dims, correction, keepdim, every_dim) of the python forms of var/std/var_mean/std_mean;
+    None: not ours. every_dim: dim was None (torch's backward treats dof <= 0 differently then).
+
+    Forms: f(x, dim=None, *, correction=None, keepdim=False), f(x, dim, unbiased, keepdim), f(x, unbiased).
+    """
+    kw = dict(kwargs)
+    if kw.pop("out", None) is not None:
+        return None
+    pos = list(args)
+    x = pos.pop(0) if pos else kw.pop("input", None)
+    if not isinstance(x, torch.Tensor) or x.ndim == 0:
+        return None
+    unbiased = pos.pop(0) if pos and isinstance(pos[0], bool) else None
+    dim = pos.pop(0) if pos else kw.pop("dim", None)
+    if pos:
+        unbiased = pos.pop(0)
+    unbiased = kw.pop("unbiased", unbiased)
+    keepdim = pos.pop(0) if pos else kw.pop("keepdim", False)
+    correction = kw.pop("correction", None)
+    if pos or kw or (unbiased is not None and correction is not None):
+        return None
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    dims = reduced_dims(dim, x.ndim, "var")
+    return None if dims is None else (x, dims, correction, bool(keepdim), dim is None)
+
+
+def _parse_aten_moments(op, args: tuple, kwargs: dict) -> tuple[Any, tuple[int, ...], float, bool, bool] | None:
+    bound = bind(op, args, kwargs)
+    x = bound["self"]
+    if x.ndim == 0:
+        return None
+    dims, correction, keepdim = _moment_params(op, bound, x.ndim)
+    return None if dims is None else (x, dims, correction, keepdim, bound.get("dim") is None)
+
+
+def _moments_entry(kind: str, with_mean: bool, func, parse=_parse_moments):
+    def entry(*args, **kwargs):
+        parsed = parse(args, kwargs)
+        if parsed is None or not parsed[0].dtype.is_floating_point or not needs_grad(parsed[0]):
+            return call_default(func, args, kwargs)
+        stat, mean = _MomentsFunction.apply(*parsed[:1], kind, *parsed[1:])
+        return (stat, mean) if with_mean else stat
+
+    return entry
+
+
+# ------------------------------------------------------------------ registration
+
+MOMENT_OPS = {
+    (kind, with_mean): [getattr(getattr(aten, f"{kind}_mean" if with_mean else kind), ov) for ov in ("default", "dim", "correction")]
+    for kind in ("var", "std")
+    for with_mean in (False, True)
+}
+register(_moments_rule, *[op for ops in MOMENT_OPS.values() for op in ops])
+for _func in (torch.var, torch.Tensor.var):
+    register_torch_function(_moments_entry("var", False, _func), _func)
+for _func in (torch.std, torch.Tensor.std):
+    register_torch_function(_moments_entry("std", False, _func), _func)
+register_torch_function(_moments_entry("var", True, torch.var_mean), torch.var_mean)
+register_torch_function(_moments_entry("std", True, torch.std_mean), torch.std_mean)
+for (_kind, _with_mean), _ops in MOMENT_OPS.items():  # torch.ops.aten.* called directly get the same backward
+    for _op in _ops:
+        register_torch_function(_moments_entry(_kind, _with_mean, _op, partial(_parse_aten_moments, _op)), _op)

@@ -1,0 +1,351 @@
+"""Vector norms: linalg_vector_norm, norm (aten.norm.* overloads), dist, _foreach_norm.
+
+A norm over a sharded dim is a local norm left pending as NormPartial(p): no communication
+until something needs the value (full_tensor, a nonlinear op), and then one small
+all-reduce per mesh dim (redistribute's resolution). A norm of NormPartial(p) values with
+the same p stays NormPartial(p) (the p-norm of p-norms is the p-norm of everything; not
+for p = 0, whose pending values are counts): clip_grad_norm_'s
+`vector_norm(stack(_foreach_norm(grads)))` is resolved once, not once per tensor (see
+concat.py for how stack keeps the pending layouts together).
+
+An empty shard has no inf / -inf / negative-p norm in torch (no identity); the local
+kernel is then skipped and the shard contributes the neutral value (0, or +inf where
+small values win).
+
+Backward: torch's formulas read the pending result several times (each read would resolve
+it again) and the inf-norm one needs a global count of ties. The torch-level entry points
+(torch.linalg.vector_norm, torch.norm, Tensor.norm, torch.dist) use their own
+autograd.Function: one collective resolves the norm (or, for inf/-inf, one all_gather of
+per-shard (max, count of maxima) gives both the norm and the tie count), the rest is
+torch's formula, local, in the input's layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..dispatch.registry import DECOMPOSITIONS, register, register_torch_function
+from ..dispatch.schema import OpSchema
+from ..dispatch.strategy import Row, row
+from ..placements import NormPartial, Replicate, Shard
+from ..redistribute import _norm_post, _norm_pre
+from ..spec import TensorMeta, TensorSpec
+from ..tensor import DTensor
+from .common import all_reduce, shift_after_reduce
+from ._shard_stats import (
+    bind,
+    call_default,
+    gather_packed,
+    grad_local,
+    input_grad,
+    needs_grad,
+    norm_neutral,
+    reduced_dims,
+    reduced_group,
+    reduction_layouts,
+    resolve_partials,
+    to_layout,
+    unsqueeze_reduced,
+    without_partials,
+)
+
+aten = torch.ops.aten
+R = Replicate()
+
+
+def _norm_params(op, bound: dict, ndim: int) -> tuple[float, tuple[int, ...], bool]:
+    """(ord, reduced dims, keepdim) of linalg_vector_norm and the aten.norm overloads, from bound arguments."""
+    p = bound.get("ord", 2) if "ord" in bound else bound.get("p")
+    p = 2.0 if p is None else float(p)
+    dims = reduced_dims(bound.get("dim"), ndim, str(op))
+    return p, dims if dims is not None else tuple(range(ndim)), bool(bound.get("keepdim", False))
+
+
+def _norm_args(schema: OpSchema) -> tuple[float, tuple[int, ...], bool]:
+    return _norm_params(schema.op, schema.bound, schema.self_spec.ndim)
+
+
+# ------------------------------------------------------------------ forward
+
+
+def _empty_safe_norm(ctx, x, *args, **kwargs):
+    """The local norm; an empty shard gives the neutral value (torch has no inf/-inf/p<0 norm of nothing)."""
+    p, dims, _ = _norm_args(ctx.schema)
+    if math.prod(x.shape[d] for d in dims) == 0:
+        out = ctx.out_specs[0]
+        return torch.full(out.local_shape(), norm_neutral(p), dtype=out.dtype, device=x.device)
+    return ctx.func(x, *args, **kwargs)
+
+
+def _vector_norm_rule(schema: OpSchema) -> list[Row]:
+    """Rows: S(k) -> S(k shifted) for kept dims; S(k) -> NormP(p) for reduced dims (local norm,
+    pending); NormP(p) -> NormP(p) (a p-norm of p-norms, p != 0). No collective inside."""
+    spec = schema.self_spec
+    p, dims, keepdim = _norm_args(schema)
+    rows = [row(shift_after_reduce(Shard(k), dims, keepdim), Shard(k)) for k in range(spec.ndim) if k not in dims]
+    rows += [row(NormPartial(p), Shard(k), algorithm=_empty_safe_norm, label="local norm (pending)") for k in dims]
+    if p != 0 and NormPartial(p) in spec.placements:
+        rows.append(row(NormPartial(p), NormPartial(p)))
+    return rows
+
+
+def _empty_safe_dist(ctx, a, b, *args, **kwargs):
+    if a.numel() == 0 or b.numel() == 0:
+        p = ctx.schema.arg("p", 2)
+        out = ctx.out_specs[0]
+        return torch.full(out.local_shape(), norm_neutral(2.0 if p is None else p), dtype=out.dtype, device=a.device)
+    return ctx.func(a, b, *args, **kwargs)
+
+
+def _dist_rule(schema: OpSchema) -> list[Row]:
+    """dist(a, b, p) = ||a - b||_p over everything: both sides sharded alike on a broadcast dim
+    (Replicate where one broadcasts) -> NormP(p)."""
+    a, b = schema.tensor_specs
+    p = schema.arg("p", 2)
+    p = 2.0 if p is None else float(p)
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    rows = []
+    for d, size in enumerate(shape):
+        ins = []
+        for s in (a, b):
+            k = d - (len(shape) - s.ndim)
+            ins.append(R if k < 0 or s.shape[k] != size else Shard(k))
+        if size > 1:
+            rows.append(row(NormPartial(p), ins, algorithm=_empty_safe_dist, label="local dist (pending)"))
+    return rows
+
+
+def _foreach_norm(tensors, ord=2, dtype=None):
+    """_foreach_norm on DTensors: one pending norm per tensor (no collective); a later stack
+    and norm of the results keep them pending together."""
+    return [aten.linalg_vector_norm.default(t, ord, None, False, dtype=dtype) for t in tensors]
+
+
+# ------------------------------------------------------------------ backward
+
+
+def resolve_norm(local: torch.Tensor, spec) -> torch.Tensor:
+    """This rank's piece of a pending norm, resolved over all its NormP mesh dims in ONE collective."""
+    pending = [i for i, p in enumerate(spec.placements) if isinstance(p, NormPartial)]
+    if not pending:
+        return local
+    p = spec.placements[pending[0]]
+    pre, op = _norm_pre(local, p)
+    return _norm_post(all_reduce(pre, spec, pending, op), p)
+
+
+def self_norm(local: torch.Tensor, spec, placements) -> torch.Tensor:
+    """The norm resolved (one collective) and brought to `placements`."""
+    resolved = resolve_norm(local, spec)
+    return to_layout(resolved, spec.with_placements(without_partials(spec.placements)), placements)
+
+
+def _extreme_norm_and_count(x: torch.Tensor, p: float, spec, dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(global inf/-inf norm, mask of the elements that attain it (or are NaN), global count of those).
+
+    One all_gather of per-shard (max |x|, count of |x| equal to it or NaN): a shard whose max is
+    not the global one holds none of the attaining elements.
+    """
+    a = x.abs()
+    if math.prod(x.shape[d] for d in dims) == 0:
+        shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+        local = torch.full(shape, norm_neutral(p), dtype=a.dtype, device=x.device)
+        count = torch.zeros(shape, dtype=torch.int64, device=x.device)
+    else:
+        local = a.amax(dims, keepdim=True) if p > 0 else a.amin(dims, keepdim=True)
+        count = ((a == local) | a.isnan()).sum(dims, keepdim=True)
+    values, counts = gather_packed([local, count], spec, reduced_group(spec, dims))
+    norm = values.amax(0) if p > 0 else values.amin(0)
+    attains = (values == norm) | (values.isnan() & norm.isnan())
+    total = (counts * attains).sum(0)
+    return norm, (a == norm) | a.isnan(), total
+
+
+def _norm_backward(g: torch.Tensor, x: torch.Tensor, norm: torch.Tensor | None, p: float) -> torch.Tensor:
+    """torch's norm_backward (FunctionsManual.cpp), given the global norm; g and norm keepdim-shaped."""
+    if p == 1.0:
+        return x.sgn() * g
+    if p == 2.0:
+        return g * (x / norm).masked_fill(norm == 0, 0)
+    if p < 1.0:
+        scaled = x.sgn() * x.abs().pow(p - 1).masked_fill(x == 0, 0)
+        return scaled * g * norm.pow(1 - p)
+    scaled = x.sgn() * x.abs().pow(p - 1) if p < 2.0 else x * x.abs().pow(p - 2)
+    return scaled * (g / norm.pow(p - 1)).masked_fill(norm == 0, 0)
+
+
+@dataclass
+class _NormState:
+    """What a norm's backward keeps from its forward."""
+
+    p: float
+    dims: tuple[int, ...]
+    keepdim: bool
+    x_local: torch.Tensor  # the input, in `layout` (where it already was)
+    x_spec: TensorSpec
+    layout: tuple
+    out_layout: tuple
+    out_local: torch.Tensor
+    out_spec: TensorSpec
+
+
+def _norm_forward(x_in, p: float, dims: tuple[int, ...], keepdim: bool, dtype) -> tuple[Any, _NormState]:
+    """The norm of `x_in` (pending partials already resolved) through dispatch, and its backward state."""
+    out = aten.linalg_vector_norm.default(x_in, p, list(dims), keepdim, dtype=dtype)
+    layout, out_layout = reduction_layouts(x_in._spec, dims, keepdim)
+    state = _NormState(
+        p, dims, keepdim, x_in._redistribute_local(layout), x_in._spec, layout, out_layout,
+        out._local_tensor.clone(), out._spec,
+    )
+    return out, state
+
+
+def _norm_input_grad(s: _NormState, grad) -> torch.Tensor | None:
+    """d norm / d x (local, in `s.layout`): torch's formula on the global norm, resolved once."""
+    if s.p == 0:  # torch leaves the input without a gradient (an undefined one)
+        return None
+    nd = len(s.x_spec.shape)
+    g = unsqueeze_reduced(grad_local(grad, s.out_spec, s.out_layout), nd, s.dims, s.keepdim)
+    x = s.x_local
+    if math.isinf(s.p):
+        _, mask, count = _extreme_norm_and_count(x, s.p, s.x_spec.with_placements(s.layout), s.dims)
+        return x.sgn() * ((g / count) * mask)
+    norm = unsqueeze_reduced(self_norm(s.out_local, s.out_spec, s.out_layout), nd, s.dims, s.keepdim)
+    return _norm_backward(g, x, norm, s.p)
+
+
+class _VectorNormFunction(torch.autograd.Function):
+    """linalg_vector_norm on DTensors with a backward that resolves the norm once."""
+
+    @staticmethod
+    def forward(ctx, x, p: float, dims: tuple[int, ...], keepdim: bool, dtype):
+        out, ctx.state = _norm_forward(resolve_partials(x), p, dims, keepdim, dtype)
+        ctx.x_spec = x._spec
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx = _norm_input_grad(ctx.state, grad)
+        if gx is None:
+            return None, None, None, None, None
+        return input_grad(gx, ctx.state.layout, ctx.x_spec), None, None, None, None
+
+
+class _DistFunction(torch.autograd.Function):
+    """dist(a, b, p) = ||a - b||_p with the difference taken inside: both gradients come back in
+    their inputs' layouts (a difference left to autograd would hand back the layout the pointwise
+    planner picked for it)."""
+
+    @staticmethod
+    def forward(ctx, a, b, p: float):
+        diff = aten.sub.Tensor(resolve_partials(a), resolve_partials(b))
+        out, ctx.state = _norm_forward(diff, p, tuple(range(diff.ndim)), False, None)
+        ctx.a_spec, ctx.b_spec = a._spec, b._spec
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = ctx.state
+        gd = _norm_input_grad(s, grad)
+        if gd is None:
+            return None, None, None
+        ga = input_grad(gd, s.layout, ctx.a_spec) if ctx.needs_input_grad[0] else None
+        gb = input_grad(gd.neg(), s.layout, ctx.b_spec) if ctx.needs_input_grad[1] else None
+        return ga, gb, None
+
+
+# ------------------------------------------------------------------ torch-level and aten-level entry points
+
+
+def _take(pos: list, kw: dict, name: str, default: Any) -> Any:
+    return pos.pop(0) if pos else kw.pop(name, default)
+
+
+def _parse_norm(args: tuple, kwargs: dict, torch_norm: bool) -> tuple | None:
+    """(x, p, dims, keepdim, dtype) of torch.linalg.vector_norm or torch.norm/Tensor.norm; None: not ours."""
+    kw = dict(kwargs)
+    if kw.pop("out", None) is not None:
+        return None
+    pos = list(args)
+    x = _take(pos, kw, "input" if torch_norm else "x", None)
+    p = _take(pos, kw, "p" if torch_norm else "ord", "fro" if torch_norm else 2)
+    dim = _take(pos, kw, "dim", None)
+    keepdim = _take(pos, kw, "keepdim", False)
+    dtype = _take(pos, kw, "dtype", None)
+    if pos or kw or not isinstance(x, torch.Tensor) or x.ndim == 0:
+        return None
+    if isinstance(p, str):
+        if p != "fro" or not (dim is None or isinstance(dim, int) or len(dim) <= 2):
+            return None
+        p = 2.0
+    p = 2.0 if p is None else float(p)
+    dims = reduced_dims(dim, x.ndim, "norm")
+    return None if dims is None else (x, p, dims, bool(keepdim), dtype)
+
+
+def _parse_aten_norm(op, args: tuple, kwargs: dict) -> tuple | None:
+    bound = bind(op, args, kwargs)
+    x = bound["self"]
+    if x.ndim == 0:
+        return None
+    p, dims, keepdim = _norm_params(op, bound, x.ndim)
+    return x, p, dims, keepdim, bound.get("dtype")
+
+
+def _norm_entry(func, parse):
+    def entry(*args, **kwargs):
+        parsed = parse(args, kwargs)
+        if parsed is None or not parsed[0].dtype.is_floating_point or not needs_grad(parsed[0]):
+            return call_default(func, args, kwargs)
+        return _VectorNormFunction.apply(*parsed)
+
+    return entry
+
+
+def _as_dtensor(t, other):
+    """A plain operand as Replicate on the other's mesh (as dispatch takes it); None if it needs a gradient."""
+    if isinstance(t, DTensor):
+        return t
+    if t.requires_grad or not isinstance(other, DTensor):
+        return None
+    mesh = other._spec.mesh
+    return DTensor._make(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)))
+
+
+def _dist_entry(func, names: tuple[str, str]):
+    def entry(*args, **kwargs):
+        kw, pos = dict(kwargs), list(args)
+        a, b = _take(pos, kw, names[0], None), _take(pos, kw, names[1], None)
+        p = _take(pos, kw, "p", 2)
+        ours = not pos and not kw and needs_grad(a, b) and all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in (a, b))
+        if not ours or a.shape != b.shape or a.ndim == 0:
+            return call_default(func, args, kwargs)  # broadcasting dist: torch's formula through dispatch
+        a, b = _as_dtensor(a, b), _as_dtensor(b, a)
+        if a is None or b is None:
+            return call_default(func, args, kwargs)
+        return _DistFunction.apply(a, b, 2.0 if p is None else float(p))
+
+    return entry
+
+
+# ------------------------------------------------------------------ registration
+
+NORM_OPS = (
+    aten.linalg_vector_norm.default,
+    aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
+)
+register(_vector_norm_rule, *NORM_OPS)
+register(_dist_rule, aten.dist.default)
+DECOMPOSITIONS[aten._foreach_norm.Scalar] = _foreach_norm
+register_torch_function(_norm_entry(torch.linalg.vector_norm, partial(_parse_norm, torch_norm=False)), torch.linalg.vector_norm)
+for _func in (torch.norm, torch.Tensor.norm):
+    register_torch_function(_norm_entry(_func, partial(_parse_norm, torch_norm=True)), _func)
+for _op in NORM_OPS:  # torch.ops.aten.* called directly (verify-style callers) get the same backward
+    register_torch_function(_norm_entry(_op, partial(_parse_aten_norm, _op)), _op)
+register_torch_function(_dist_entry(torch.dist, ("input", "other")), torch.dist)
+register_torch_function(_dist_entry(torch.Tensor.dist, ("self", "other")), torch.Tensor.dist)
+register_torch_function(_dist_entry(aten.dist.default, ("self", "other")), aten.dist.default)
