@@ -21,7 +21,7 @@ _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_key_cache")
+    __slots__ = ("_local_tensor", "_spec", "_key_cache", "_grad_hook")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -48,6 +48,12 @@ class DTensor(torch.Tensor):
         if k is None:
             k = self._key_cache = spec_key(self._spec)
         return k
+
+    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf:
+            _keep_grad_layout(self)
+        return self
 
     def _set_spec(self, spec: TensorSpec) -> None:
         self._spec = spec
@@ -171,6 +177,26 @@ class _Redistribute(torch.autograd.Function):
         return DTensor._make(local, TensorSpec(src.mesh, target, grad._spec.meta)), None
 
 
+def _keep_grad_layout(leaf: DTensor) -> None:
+    """A sharded leaf gets its gradient in its own layout.
+
+    Dispatch may compute a backward in another layout (the planner moved an input
+    inside an op, below autograd); the gradient is moved back once, when it is
+    accumulated. Replicate leaves (weights) keep what was cheapest, as torch does.
+    """
+    if getattr(leaf, "_grad_hook", False) or not any(p.is_shard() for p in leaf._spec.placements):
+        return
+
+    def move_back(t: DTensor) -> None:
+        g = t.grad
+        target = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
+        if isinstance(g, DTensor) and g._spec.placements != target:
+            t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
+
+    leaf.register_post_accumulate_grad_hook(move_back)
+    leaf._grad_hook = True
+
+
 # ------------------------------------------------------------------ construction
 
 
@@ -205,6 +231,8 @@ def distribute_tensor(
     spec = TensorSpec(mesh, tuple(Replicate() for _ in placements), _global_meta(tensor.shape, tensor.dtype))
     local = execute_local_layout(data, spec, placements)
     out = DTensor._make(local.contiguous(), spec.with_placements(placements), requires_grad=tensor.requires_grad)
+    if tensor.requires_grad:
+        _keep_grad_layout(out)
     return out
 
 
