@@ -481,8 +481,8 @@ def _reason(chosen: Option, others: list[Option]) -> str:
         text += f" vs {fmt_time(rep.time)} for replicate-then-local"
     tied = [o for o in rest if round(o.time, 12) == round(chosen.time, 12)]
     if tied:
-        text += (f"; tied with {len(tied)} other(s) (e.g. #{tied[0].number}): ties prefer a pending output, "
-                 "then fewer input changes, then more sharding, then the rule's order")
+        text += (f"; tied with {len(tied)} other(s) (e.g. #{tied[0].number}): ties prefer fewer input changes, "
+                 "then a pending output, then more sharding, then the rule's order")
     cheaper = [o for o in rest if o.time < chosen.time * 0.99]  # a 1% margin: estimates are not exact
     if cheaper:
         text += (f"; note #{cheaper[0].number} is cheaper with its exact plan ({fmt_time(cheaper[0].time)}): "

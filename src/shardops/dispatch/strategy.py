@@ -12,8 +12,9 @@ mesh dim and prices each combination:
          + the redundant local work a gather creates (every rank then
            runs the kernel on the whole gathered data)
 
-and `choose()` takes the cheapest; ties prefer a pending output (a later
-linear op may absorb it), then more sharding, then the rule's row order.
+and the cheapest wins; ties prefer leaving inputs as they are, then a pending
+output (a later linear op may absorb it), then more sharding, then the rule's
+row order.
 """
 from __future__ import annotations
 
