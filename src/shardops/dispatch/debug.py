@@ -27,10 +27,8 @@ def decision_checksum(decision: Any) -> int:
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
-    data = t.detach().contiguous().cpu()
-    if data.dtype == torch.bfloat16:
-        data = data.view(torch.int16)
-    return _crc(data.numpy().tobytes())
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return _crc(bytes(raw.tolist()))  # no numpy dependency; debug mode only
 
 
 def check_agreement(decision: Any, flat: Sequence[Any], tensor_pos: Sequence[int]) -> None:
