@@ -298,12 +298,15 @@ def coverage_slots(prepared: Sequence[Prepared]) -> list[Placement]:
 
 def _pending_kinds_ok(layouts: Sequence[Sequence[Placement]], tensors: Sequence[torch.Tensor]) -> bool:
     """At most one pending kind per operand: mixed kinds have no order-free meaning. NormP on several
-    mesh dims only in float64: its nested square roots round differently in each resolution order."""
+    mesh dims only in float64: its nested square roots round differently in each resolution order;
+    and none in half precision, whose resolved norm is not exact on the sample grid."""
     for pl, t in zip(layouts, tensors):
         if len({p for p in pl if p.is_partial()}) > 1:
             return False
         if t.dtype != torch.float64 and sum(isinstance(p, NormPartial) for p in pl) > 1:
             return False
+        if t.dtype in (torch.bfloat16, torch.float16) and any(isinstance(p, NormPartial) for p in pl):
+            return False  # a half-precision sqrt(sum of squares) is not exact on the sample grid
     return True
 
 

@@ -65,7 +65,11 @@ def _linear_rows(schema: OpSchema) -> list[Row]:
     elif base == "div" and schema.arg("rounding_mode") is not None:
         pass  # floor/trunc division is not linear: a pending sum must be resolved first
     elif base in ("mul", "div") and n == 2:
-        rows.append(row(Partial("sum"), [Partial("sum"), R]))
+        # NOTE: (a + b) / c = a/c + b/c except at c == 0, where the parts of opposite sign give
+        # inf - inf = NaN instead of the total's +-inf. Integer operands are where zeros are
+        # common, so their true division resolves the pending sum first.
+        if base == "mul" or specs[0].dtype.is_floating_point:
+            rows.append(row(Partial("sum"), [Partial("sum"), R]))
         if base == "mul":
             rows.append(row(Partial("sum"), [R, Partial("sum")]))
     elif base in ("mul", "div") and n == 1:
@@ -135,7 +139,20 @@ def _register_foreach() -> None:
             if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
                 continue
             first = op._schema.arguments[0].alias_info
-            DECOMPOSITIONS[op] = _foreach(single, inplace=first is not None and first.is_write)
+            DECOMPOSITIONS[op] = _foreach(_single_for(single_name, ov, single), inplace=first is not None and first.is_write)
+
+
+# The per-tensor op a _foreach overload stands for, where its name alone doesn't say.
+_SCALAR_TWINS = {"maximum": aten.clamp_min, "minimum": aten.clamp_max, "maximum_": aten.clamp_min_, "minimum_": aten.clamp_max_}
+
+
+def _single_for(single_name: str, overload: str, single):
+    scalar_form = overload.startswith("Scalar") or overload == "Tensor"
+    if single_name in _SCALAR_TWINS and overload.startswith("Scalar"):
+        return _SCALAR_TWINS[single_name]
+    if single_name.rstrip("_") in ("addcmul", "addcdiv") and scalar_form:
+        return lambda s, a, b, value=1: single(s, a, b, value=value)  # value is keyword-only there
+    return single
 
 
 def _register_pointwise() -> None:
