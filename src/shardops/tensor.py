@@ -182,15 +182,19 @@ def _keep_grad_layout(leaf: DTensor) -> None:
 
     Dispatch may compute a backward in another layout (the planner moved an input
     inside an op, below autograd); the gradient is moved back once, when it is
-    accumulated. Replicate leaves (weights) keep what was cheapest, as torch does.
+    accumulated. Mesh dims where the leaf is replicated (weights) keep what was
+    cheapest, Partial(sum) included, as torch does.
     """
     if getattr(leaf, "_grad_hook", False) or not any(p.is_shard() for p in leaf._spec.placements):
         return
 
     def move_back(t: DTensor) -> None:
         g = t.grad
-        target = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
-        if isinstance(g, DTensor) and g._spec.placements != target:
+        if not isinstance(g, DTensor):
+            return
+        # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays
+        target = tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
+        if g._spec.placements != target:
             t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
 
     leaf.register_post_accumulate_grad_hook(move_back)
