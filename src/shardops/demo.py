@@ -192,12 +192,14 @@ def step_clip(mesh, d) -> Row:
         return torch.nn.utils.clip_grad_norm_(params, max_norm=1.0)
 
     total, comm = _measure(clip)
-    refs = [torch.zeros_like(f).requires_grad_() for f in fulls]
+    # NOTE: the reference runs in float64: over a million float32 elements torch's own float32
+    # norm is off by ~1e-5 relative, more than the sharded one (per-shard norms, then combined).
+    refs = [torch.zeros_like(f, dtype=torch.float64).requires_grad_() for f in fulls]
     for r, f in zip(refs, fulls):
-        r.grad = f.clone()
+        r.grad = f.double()
     ref_total = torch.nn.utils.clip_grad_norm_(refs, max_norm=1.0)
     total_full = total.full_tensor() if isinstance(total, so.DTensor) else total
-    ok = _close(total_full, ref_total) and all(_close(p.grad.full_tensor(), r.grad) for p, r in zip(params, refs))
+    ok = _close(total_full, ref_total, rtol=1e-5) and all(_close(p.grad.full_tensor(), r.grad, rtol=1e-5) for p, r in zip(params, refs))
     gather = sum(_local_bytes(p.grad) for p in params)
     return Row("clip_grad_norm_ (4 params, mixed layouts)", "grads [S,S]/[R,S]/[S,S]/[R,S] -> clipped in place", comm.get_comm_counts(),
                comm.get_total_bytes(), comm.get_rounds(), gather, ok)

@@ -252,7 +252,7 @@ def execute_local_layout(data: torch.Tensor, replicated: TensorSpec, placements:
             from .redistribute import _partition
 
             x = _partition(x, p.reduce_op if hasattr(p, "reduce_op") else "sum", coord[i])
-    return x.clone() if x is data else x
+    return x.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensor
 
 
 def from_local(
