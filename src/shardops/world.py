@@ -50,7 +50,9 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     """Run `fn(*args, **kwargs)` once per rank, one thread per rank; return each rank's result.
 
     An exception on any rank is raised here (the first one, by rank), and every
-    rank waiting in a shardops collective is released with an error at once.
+    rank waiting in a shardops collective is released with an error at once. After
+    a failure, a rank busy outside shardops is waited for at most `timeout` seconds
+    more; then it is left behind (a daemon thread that raises at its next collective).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ShardingError(f"run: world_size must be a positive int, got {world_size!r}")
@@ -69,14 +71,29 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
             world.fail(f"rank {rank} raised {type(e).__name__}: {e}")
         finally:
             _local.comm = None
+            world.rank_done(rank)
 
     threads = [threading.Thread(target=body, args=(r,), name=f"shardops-rank{r}", daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        stuck = world.wait_for_ranks()
+    except BaseException as e:  # e.g. KeyboardInterrupt: release every rank waiting in a collective
+        world.fail(f"the caller of shardops.run stopped waiting ({type(e).__name__})")
+        raise
+    for r, t in enumerate(threads):
+        if r not in stuck:
+            t.join()  # already past its last line: returns at once
     primary = [e for e in errors if e is not None and not isinstance(e, CollectiveError)]
     failed = primary or [e for e in errors if e is not None]
+    left_behind = (
+        f"shardops.run: rank(s) {stuck} were still running {timeout:g}s after the failure and were left behind; "
+        "they raise at their next collective."
+    )
     if failed:
+        if stuck:
+            failed[0].add_note(left_behind)
         raise failed[0]
+    if stuck:
+        raise CollectiveError(f"{world.failure}. {left_behind}")
     return results

@@ -30,6 +30,8 @@ class ThreadsWorld:
         self._slots: dict[tuple, dict[str, Any]] = {}
         self._seq: dict[tuple, int] = {}
         self.failure: str | None = None
+        self.failed_at: float | None = None  # time.monotonic() of the first failure
+        self.finished: set[int] = set()  # ranks whose function has returned or raised
 
     def communicator(self, rank: int) -> "ThreadsCommunicator":
         return ThreadsCommunicator(self, rank)
@@ -37,14 +39,41 @@ class ThreadsWorld:
     def fail(self, reason: str) -> None:
         """Make every rank waiting now, or arriving later, raise `reason`."""
         with self._cond:
-            if self.failure is None:
-                self.failure = reason
+            self._set_failure(reason)
             self._cond.notify_all()
+
+    def _set_failure(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            self.failed_at = time.monotonic()
+
+    def rank_done(self, rank: int) -> None:
+        """`rank` left its function: a collective still waiting for it can stop waiting."""
+        with self._cond:
+            self.finished.add(rank)
+            self._cond.notify_all()
+
+    def wait_for_ranks(self) -> list[int]:
+        """Wait until every rank has finished, or `timeout` after a failure; return the ranks still running.
+
+        A rank still running then is outside any collective (those were released by the
+        failure): it raises at its next collective, but nothing can stop its own code.
+        """
+        with self._cond:
+            while len(self.finished) < self.world_size:
+                if self.failed_at is None:
+                    self._cond.wait()
+                    continue
+                left = self.failed_at + self.timeout - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return [r for r in range(self.world_size) if r not in self.finished]
 
     def exchange(self, rank: int, group: Group, signature: tuple, payload: Any) -> dict[int, Any]:
         """Deposit `payload`, wait for every member, return every member's payload."""
         with self._cond:
-            self._raise_if_failed(signature)
+            self._raise_if_failed(signature, group)
             seq_key = (rank, group.ranks)
             seq = self._seq.get(seq_key, 0)
             self._seq[seq_key] = seq + 1
@@ -53,15 +82,19 @@ class ThreadsWorld:
             self._cond.notify_all()
             deadline = time.monotonic() + self.timeout
             while len(slot["entries"]) < group.size:
-                self._raise_if_failed(signature)
+                self._raise_if_failed(signature, group)
+                missing = [r for r in group.ranks if r not in slot["entries"]]
+                gone = [r for r in missing if r in self.finished]
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = [r for r in group.ranks if r not in slot["entries"]]
-                    reason = (
-                        f"{signature[0]} over ranks {list(group.ranks)}: rank(s) {missing} did not arrive "
-                        f"within the timeout of {self.timeout:g}s (rank {rank} gave up)"
+                if gone or left <= 0:
+                    reason = f"{signature[0]} over ranks {list(group.ranks)}: " + (
+                        # a rank that has returned will never arrive: waiting for the timeout is pointless
+                        f"rank(s) {gone} returned from their function without joining this collective, so they did not "
+                        f"arrive within the timeout of {self.timeout:g}s (rank {rank} stopped waiting at once)"
+                        if gone
+                        else f"rank(s) {missing} did not arrive within the timeout of {self.timeout:g}s (rank {rank} gave up)"
                     )
-                    self.failure = self.failure or reason
+                    self._set_failure(reason)
                     self._cond.notify_all()
                     raise CollectiveError(reason)
                 self._cond.wait(left)
@@ -72,9 +105,9 @@ class ThreadsWorld:
         _check_agreement(rank, group, entries)
         return {r: p for r, (_, p) in entries.items()}
 
-    def _raise_if_failed(self, signature: tuple) -> None:
+    def _raise_if_failed(self, signature: tuple, group: Group) -> None:
         if self.failure is not None:
-            raise CollectiveError(f"{signature[0]} aborted: {self.failure}")
+            raise CollectiveError(f"{signature[0]} over ranks {list(group.ranks)} aborted: {self.failure}")
 
 
 def _check_agreement(rank: int, group: Group, entries: dict[int, tuple]) -> None:

@@ -1,0 +1,103 @@
+"""A representative subset of the suite, run with the SHARDOPS_DEBUG agreement checks on.
+
+With debug on, every dispatch all-gathers (uncounted) a checksum of the chosen plan and of
+each plain-tensor operand, and raises if ranks disagree. CI runs this file; it re-runs:
+
+- the property tests of test_properties.py on a few examples each (derandomized: the same
+  examples every run), for the families that have landed;
+- the DTensor basics of test_dtensor.py (pointwise autograd, pending partials, views,
+  in-place ops, errors), imported below so pytest collects them here again.
+
+The whole suite also runs under SHARDOPS_DEBUG=1 (the checks are uncounted, so figures
+asserted from CommDebugMode stay the same).
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+
+import shardops as so
+from shardops.dispatch import core
+
+try:
+    from . import test_properties as props
+except ImportError:  # tests/ is not a package
+    import test_properties as props
+
+# Re-collected here, under the debug fixture below.
+from test_dtensor import (  # noqa: F401,E402
+    test_inplace_keeps_self_layout,
+    test_ops_across_meshes_raise,
+    test_partial_sum_stays_pending_where_exact,
+    test_pointwise_autograd_mesh2x2,
+    test_redistribute_backward_returns_gradient_to_source_layout,
+    test_sharded_input_gets_gradient_in_its_own_layout,
+    test_view_ops_match_torch,
+)
+
+EXAMPLES = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def debug_checks():
+    before = core._state["debug"]
+    so.set_debug(True)
+    yield
+    so.set_debug(before)
+
+
+def test_debug_checks_are_on():
+    assert core._state["debug"]
+
+
+@given(props.redistribute_cases())
+@props.examples(EXAMPLES)
+def test_redistribute_debug(case):
+    props.check_property(case)
+
+
+@given(props.pointwise_cases())
+@props.examples(EXAMPLES)
+def test_pointwise_debug(case):
+    props.check_property(case)
+
+
+@given(props.view_cases())
+@props.examples(EXAMPLES)
+def test_views_debug(case):
+    props.check_property(case)
+
+
+@props._REDUCTIONS_SKIP
+@given(props.reduction_cases())
+@props.examples(EXAMPLES)
+def test_reductions_debug(case):
+    props.check_property(case)
+
+
+@props._SOFTMAX_SKIP
+@given(props.softmax_cases())
+@props.examples(EXAMPLES)
+def test_softmax_debug(case):
+    props.check_property(case)
+
+
+@props._LOSS_SKIP
+@given(props.loss_cases())
+@props.examples(EXAMPLES)
+def test_cross_entropy_debug(case):
+    props.check_property(case)
+
+
+@props._NORMALIZE_SKIP
+@given(props.normalization_cases())
+@props.examples(EXAMPLES)
+def test_layer_norm_debug(case):
+    props.check_property(case)
+
+
+@props._MOMENTS_SKIP
+@given(props.moment_cases())
+@props.examples(EXAMPLES)
+def test_moments_debug(case):
+    props.check_property(case)
