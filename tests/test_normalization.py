@@ -103,11 +103,9 @@ def _check(kind, mesh_shape, placements, k, affine, affine_like_input=False, sha
     for got, want in zip(grads, want_grads):
         if want is not None and got is not None:
             _assert_close(got, want, dtype)
-    if layouts["y"] == layouts["x"]:  # computed in place: the input's gradient keeps the input's layout
-        assert layouts["dx"] == layouts["x"]
-    # NOTE: where the planner moved the input (e.g. all_to_all onto an outer dim, cheaper than
-    # statistics for a 10-wide row), the gradient comes back in the layout the op ran in: the
-    # runtime does not route gradients back through the forward's internal redistribution.
+    # the input's gradient keeps the input's layout, also where the planner moved the input
+    # inside the op (e.g. all_to_all onto an outer dim, cheaper than statistics for a 10-wide row)
+    assert layouts["dx"] == layouts["x"]
     return layouts
 
 
@@ -203,16 +201,8 @@ def test_sharded_algorithm_mesh2x2(kind, placements, dw):
         if want is not None:
             _assert_close(got, want, torch.float64)
     assert fwd_rounds == 1  # one collective over the group spanning both mesh dims
-    assert layouts["y"] == tuple(placements)
-    if not any(isinstance(p, StridedShard) for p in placements):  # see test_strided_gradient_layout
-        assert layouts["dx"] == tuple(placements)
-        assert layouts["dw"] == dw  # P(sum) where outer dims are sharded, sharded like the normalized dims
-
-
-def test_strided_gradient_layout():
-    placements = [StridedShard(2, 2), Shard(2)]
-    _, _, layouts, _, _ = so.run(_sharded, 4, "layer_norm", (2, 2), placements, 2, True, True, (4, 3, 64), torch.float64, 1e-5)[0]
-    assert layouts["dx"] == tuple(placements)
+    assert layouts["y"] == layouts["dx"] == tuple(placements)
+    assert layouts["dw"] == dw  # P(sum) where outer dims are sharded, sharded like the normalized dims
 
 
 def test_layer_norm_large_mean_float32():

@@ -95,10 +95,7 @@ def _check(op, mesh_shape, placements, shape, dim, kwargs, kind="randn", dtype=t
             want_v.backward(res["grad_out"])
             want_dx = xr.grad
         _assert_values(res["dx"], want_dx)
-        # the input's gradient keeps the input's layout (StridedShard: AccumulateGrad's detach
-        # moves it, see test_normalization.test_strided_gradient_layout)
-        if not any(isinstance(p, StridedShard) for p in res["x_layout"]):
-            assert res["dx_layout"] == res["x_layout"]
+        assert res["dx_layout"] == res["x_layout"]  # the input's gradient keeps the input's layout
     return res
 
 
