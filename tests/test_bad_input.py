@@ -171,11 +171,6 @@ def test_in_place_cast_refused_and_self_unchanged():
         assert placements == (Shard(1),) and torch.equal(full, ints)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dispatch_out_variant copies the result into out= with a silent cast (torch refuses a float result "
-    "in an int out); fix: check torch.can_cast(result dtype, out dtype) first (core.py diff in the issue 8 report)",
-)
 def test_out_that_cannot_hold_the_result_refused_and_unchanged():
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(3))
 
@@ -587,13 +582,7 @@ def _half_mesh(size: int) -> DeviceMesh:
     return DeviceMesh("cpu", list(range(size)))  # ranks 0..size-1 of a world of 4
 
 
-@pytest.mark.parametrize(
-    "mesh_size",
-    [2, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason="distribute_tensor on a 1-rank mesh skips the broadcast "
-                                                  "that checks membership, then fails on coordinate None (TypeError); "
-                                                  "fix: check mesh.get_coordinate() first (tensor.py diff in the issue 8 report)"))],
-    ids=["2 of 4", "1 of 4"],
-)
+@pytest.mark.parametrize("mesh_size", [2, 1], ids=["2 of 4", "1 of 4"])
 def test_distribute_on_a_mesh_without_this_rank_refused(mesh_size):
     def body():
         mesh = _half_mesh(mesh_size)
@@ -608,11 +597,6 @@ def test_distribute_on_a_mesh_without_this_rank_refused(mesh_size):
             assert kind == "ShardingError" and f"rank {rank} is not part of" in message, result
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="from_local reads mesh.get_coordinate() (None off the mesh) without a check: TypeError, not "
-    "ShardingError; fix: one check in from_local (tensor.py diff in the issue 8 report)",
-)
 def test_from_local_on_a_mesh_without_this_rank_refused():
     def body():
         mesh = _half_mesh(2)
@@ -649,11 +633,6 @@ def test_collective_on_a_tensor_of_a_mesh_without_this_rank_refused():
             assert result[0] == "ShardingError" and f"rank {rank} is not part of" in result[1], result
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pointwise rules skip output dims of size <= 1, so an in-place op on a tensor sharded along one (a batch "
-    "of 1 on a data-parallel dim) finds no row that keeps self's layout (pointwise.py diff in the issue 8 report)",
-)
 @pytest.mark.parametrize("name", ["mul_", "fill_", "zero_"])
 def test_in_place_op_on_a_tensor_sharded_along_a_size_one_dim(name):
     call = {"mul_": lambda x: x.mul_(2), "fill_": lambda x: x.fill_(3.0), "zero_": lambda x: x.zero_()}[name]

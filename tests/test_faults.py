@@ -535,12 +535,6 @@ def test_group_made_on_first_use_with_a_member_gone_threads():
     assert_threads_world_healthy()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch_dist makes a group on first use with dist.new_group; when a member is gone that raises c10d's "
-    "DistStoreError ('wait timeout ... keys: /default_pg/...'), not a CollectiveError naming the group "
-    "(wrap _new_group like _c10d does: torch_dist.py diff in the issue 8 report)",
-)
 def test_group_made_on_first_use_with_a_member_gone_gloo():
     run = gloo_outcomes(prog_group_made_on_first_use, WORLD, {})
     assert run.outcomes[2] == ("exited", 3)

@@ -392,30 +392,6 @@ def _check_grad(got, want, where: str, layout: str) -> None:
 # When a fix lands, its pinned reproduction passes, strict xfail fails the run, and the entry goes.
 
 
-def _squeeze_of_a_dim_kept_globally(case: Case) -> bool:
-    """squeeze(dim) of a dim of global size >= 2: a rank whose shard of it (before or after the planner
-    moves the input) has size 1 drops it locally. (squeeze() with no dim is fixed.)"""
-    if case.op != "view.squeeze" or case.world_size == 1 or case.kw["dim"] is None:
-        return False
-    shape = case.shapes[0]
-    return shape[case.kw["dim"] % len(shape)] >= 2
-
-
-def _max_over_an_empty_region(case: Case) -> bool:
-    if case.op not in ("reduce.max_dim", "reduce.min_dim"):
-        return False
-    shape, dim = case.shapes[0], case.kw["dim"]
-    return math.prod(shape) == 0 if dim is None else shape[(dim if isinstance(dim, int) else dim[0]) % len(shape)] == 0
-
-
-def _pointwise_sharded_on_a_tiny_dim(case: Case) -> bool:
-    """An operand sharded on a dim of 0 or 1 elements: in-place pointwise ops on it (autograd's own
-    fill_/zero_ of gradient buffers included) find no row that keeps its layout."""
-    if not case.op.startswith("pointwise."):
-        return False
-    return any(pl is not None and any(p.is_shard() and shape[p.dim] <= 1 for p in pl) for shape, pl in zip(case.shapes, case.layouts))
-
-
 def _cat_of_empty_vector(case: Case) -> bool:
     return case.op == "concat.cat" and any(shape == (0,) for shape in case.shapes)
 
@@ -425,22 +401,6 @@ def _welford_mean_with_inf(case: Case) -> bool:
 
 
 KNOWN_ISSUES = {
-    "squeeze(dim) (aten.squeeze.dim / squeeze_.dim) runs the local kernel as is: a shard whose local size is 1 "
-    "loses a dim the global tensor keeps (views.py: register them with _squeeze_global_dims too)": (
-        _squeeze_of_a_dim_kept_globally,
-        Case(op="view.squeeze", mesh=(4,), shapes=((5, 3),), layouts=((Shard(0),),), kwargs=(("dim", 0),)),
-    ),
-    "max()/min()/max.dim/min.dim over an empty region return (-inf, an index) where torch raises: each shard puts "
-    "the identity in for its empty part and aten's meta kernel does not check (reductions.py)": (
-        _max_over_an_empty_region,
-        Case(op="reduce.max_dim", mesh=(2,), shapes=((0,),), layouts=((Shard(0),),), kwargs=(("dim", None), ("keepdim", False))),
-    ),
-    "pointwise rules skip output dims of size <= 1, so an in-place op (mul_, fill_, zero_, and autograd's own "
-    "fill_ of a gradient buffer) on a tensor sharded along such a dim raises 'would need self in another layout' "
-    "(pointwise.py _shard_rows)": (
-        _pointwise_sharded_on_a_tiny_dim,
-        Case(op="pointwise.lerp", mesh=(2,), shapes=((0,), (), (1,)), layouts=((Replicate(),), None, (Shard(0),)), kwargs=()),
-    ),
     "torch.cat: a 1-d empty DTensor input gets a plain torch.Tensor gradient (torch's cat backward makes it with "
     "at::zeros for legacy empty inputs, which never reaches DTensor dispatch; concat.py)": (
         _cat_of_empty_vector,
@@ -455,6 +415,13 @@ KNOWN_ISSUES = {
 
 # Cases these tests found failing that are fixed now: they must keep passing.
 REGRESSIONS = [
+    # squeeze(dim) dropped a dim whose local size was 1 but whose global size was not
+    Case(op="view.squeeze", mesh=(4,), shapes=((5, 3),), layouts=((Shard(0),),), kwargs=(("dim", 0),)),
+    # max()/max.dim over an empty region returned (-inf, an index) where torch raises
+    Case(op="reduce.max_dim", mesh=(2,), shapes=((0,),), layouts=((Shard(0),),), kwargs=(("dim", None), ("keepdim", False))),
+    Case(op="reduce.min_dim", mesh=(1, 2), shapes=((0,),), layouts=((Shard(0), Replicate()),), kwargs=(("dim", 0), ("keepdim", False))),
+    # in-place pointwise ops (autograd's fill_ of a gradient buffer here) on a tensor sharded along a size-1 dim were refused
+    Case(op="pointwise.lerp", mesh=(2,), shapes=((0,), (), (1,)), layouts=((Replicate(),), None, (Shard(0),)), kwargs=()),
     # squeeze() dropped a dim of local size 1 that the global tensor keeps
     Case(op="view.squeeze", mesh=(2,), shapes=((1, 2),), layouts=((Shard(0),),), kwargs=(("dim", None),)),
     Case(op="view.squeeze", mesh=(2,), shapes=((2,),), layouts=((Shard(0),),), kwargs=(("dim", None),)),

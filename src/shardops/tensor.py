@@ -1,6 +1,7 @@
 """DTensor: a torch.Tensor wrapper whose data is this rank's shard of a global tensor."""
 from __future__ import annotations
 
+import zlib
 from typing import Any, Sequence
 
 import torch
@@ -117,7 +118,10 @@ class DTensor(torch.Tensor):
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
     ) -> "DTensor":
-        return from_local(local_tensor, device_mesh, placements, shape=shape, stride=stride)
+        dt = from_local(local_tensor, device_mesh, placements, shape=shape, stride=stride)
+        if run_check:
+            check_same_everywhere(dt, "from_local(run_check=True)")
+        return dt
 
     # torch.Tensor niceties that must not reach dispatch with Python-level args
     def __reduce_ex__(self, proto):  # pragma: no cover
@@ -224,6 +228,7 @@ def distribute_tensor(
     if any(p.is_partial() for p in placements):
         # Distributing into a pending reduction: the source value sits on coordinate 0 (sum) or everywhere.
         pass
+    _check_member(mesh, "distribute_tensor")
     data = tensor.detach()
     if src_data_rank is not None and mesh.size() > 1:
         comm = mesh.comm
@@ -267,6 +272,7 @@ def from_local(
     if isinstance(local_tensor, DTensor):
         raise ShardingError("from_local: input is already a DTensor")
     mesh = device_mesh if device_mesh is not None else _default_mesh()
+    _check_member(mesh, "from_local")
     placements = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim, "from_local")
     if shape is None:
         gshape = list(local_tensor.shape)
@@ -286,6 +292,34 @@ def from_local(
         )
     spec = TensorSpec(mesh, placements, _global_meta(gshape, local_tensor.dtype, stride))
     return _FromLocal.apply(local_tensor, spec)
+
+
+def _check_member(mesh: DeviceMesh, what: str) -> None:
+    if mesh.get_coordinate() is None:
+        raise ShardingError(
+            f"{what}: rank {mesh.get_rank()} is not part of {mesh}; only its ranks may hold its tensors "
+            "(make the DTensor on the ranks of the mesh, or use a mesh that contains this rank)."
+        )
+
+
+def check_same_everywhere(dt: "DTensor", what: str) -> None:
+    """from_local(run_check=True): every rank agrees on the global shape and dtype (one small all_gather).
+
+    Ranks that disagree would otherwise issue mismatched collectives: in the threads world an
+    error at the first one, under gloo padding read as data or a process aborted by gloo.
+    """
+    spec = dt._spec
+    group = spec.mesh.group(tuple(range(spec.mesh.ndim)))
+    mine = torch.tensor([len(spec.shape), *spec.shape, zlib.crc32(str(spec.dtype).encode())], dtype=torch.int64)  # crc32: hash() differs between processes
+    sizes = spec.mesh.comm.all_gather(torch.tensor([mine.numel()]), group)
+    if len({int(s) for s in sizes}) > 1:
+        raise ShardingError(f"{what}: ranks disagree on the tensor's number of dims ({[int(s) for s in sizes]}); pass shape= on every rank")
+    for rank, theirs in zip(group.ranks, spec.mesh.comm.all_gather(mine, group)):
+        if not torch.equal(theirs, mine):
+            raise ShardingError(
+                f"{what}: rank {rank} sees another global shape or dtype than rank {spec.mesh.get_rank()} "
+                f"({spec.dtype}{list(spec.shape)}); uneven shards need the same shape= on every rank"
+            )
 
 
 def _default_mesh() -> DeviceMesh:

@@ -159,7 +159,13 @@ class TorchDistCommunicator(Communicator):
         rank of the world to call it in the same order, which a first use
         inside one group's collective cannot promise.
         """
-        return dist.new_group(list(members), use_local_synchronization=True, group_desc="shardops_" + "_".join(map(str, members)))
+        try:
+            return dist.new_group(list(members), use_local_synchronization=True, group_desc="shardops_" + "_".join(map(str, members)))
+        except (RuntimeError, dist.DistError) as e:  # a member gone or late: c10d's store times out
+            raise CollectiveError(
+                f"making the process group over ranks {list(members)} (first use of this group) failed in "
+                f"torch.distributed: {e}. A member is gone, or did not reach this collective within the timeout."
+            ) from e
 
     # ------------------------------------------------------------ collectives
 

@@ -10,6 +10,7 @@ A cache hit does no parsing, no planning and builds no specs.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -175,6 +176,9 @@ def make_schema(func, flat, tree, tensor_pos, specs) -> OpSchema:
     return OpSchema(func, tuple(args), dict(kwargs), tuple(specs))
 
 
+_last_meta_error = threading.local()
+
+
 def meta_outputs(func, flat, tree, tensor_pos, specs) -> tuple[list[TensorMeta], Any] | None:
     """Global output metadata from running the op on meta tensors (None if meta can't run it)."""
     leaves = list(flat)
@@ -184,7 +188,8 @@ def meta_outputs(func, flat, tree, tensor_pos, specs) -> tuple[list[TensorMeta],
     args, kwargs = unflatten_args(leaves, tree)
     try:
         out = func(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - ops without meta kernels fall back
+    except Exception as e:  # noqa: BLE001 - ops without meta kernels fall back
+        _last_meta_error.error = e  # torch's own refusal, if that is what it was: named by the fallback's errors
         return None
     metas = [TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     return metas, out
@@ -219,9 +224,12 @@ def dispatch_out_variant(func, args: tuple, kwargs: dict, names: tuple[str, ...]
     packet = getattr(aten, func._schema.name.split("::")[-1])
     result = packet(*args, **rest)
     results = result if isinstance(result, (tuple, list)) else (result,)
-    for res, out in zip(results, outs):
+    for res, out in zip(results, outs):  # every check before the first write: a refused call changes nothing
         if not isinstance(out, DTensor):
             raise ShardingError(f"{func}: out= must be a DTensor when the inputs are DTensors")
+        if not torch.can_cast(res.dtype, out.dtype):
+            raise ShardingError(f"{func}: result type {res.dtype} can't be cast to the desired output type {out.dtype} of out= (as torch refuses it)")
+    for res, out in zip(results, outs):
         if not isinstance(res, DTensor):
             res = DTensor._make(res, TensorSpec(out._spec.mesh, (Replicate(),) * out._spec.mesh.ndim, TensorMeta(tuple(res.shape), tuple(res.stride()), res.dtype)))
         moved = res._redistribute_local(out._spec.placements) if res._spec.placements != out._spec.placements else res._local_tensor
@@ -287,6 +295,10 @@ def _fallback_decision(func, schema, specs, flat, tensor_pos) -> Decision:
     d = Decision(func, specs, plans, None, None, None, None, fallback=True)
     d.inplace = _inplace_index(func, flat, tensor_pos) == 0
     if d.inplace and any(not p.is_replicate() and not p.is_partial() for p in specs[0].placements):
+        meta_error = getattr(_last_meta_error, "error", None) if func in RULES else None
+        if meta_error is not None and not isinstance(meta_error, NotImplementedError):
+            # The op has a rule but torch refused the call itself (a dtype or shape error): say that, not "layout".
+            raise ShardingError(f"{schema.name} on {list(specs)}: torch refuses this call: {meta_error}") from meta_error
         raise ShardingError(
             f"{schema.name}: in-place op with no sharded strategy on {specs[0]!r}; it would change self's "
             "layout. Redistribute self to Replicate first, or use the out-of-place op."

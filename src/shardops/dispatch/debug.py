@@ -22,7 +22,10 @@ def _crc(data: bytes) -> int:
 
 def decision_checksum(decision: Any) -> int:
     c = decision.candidate
-    text = repr(decision.func) + (c.describe() if c is not None else "fallback") + repr([p.steps for p in decision.plans])
+    # Global shapes and dtypes too: ranks that disagree on them (from_local with uneven locals and no
+    # shape=) pick the same plan but move differently sized pieces.
+    metas = repr([(s.shape, s.dtype, s.placements) for s in decision.in_specs])
+    text = repr(decision.func) + (c.describe() if c is not None else "fallback") + repr([p.steps for p in decision.plans]) + metas
     return _crc(text.encode())
 
 

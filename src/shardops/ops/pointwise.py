@@ -25,14 +25,19 @@ def _shard_rows(schema: OpSchema) -> list[Row]:
     out_shape = torch.broadcast_shapes(*[s.shape for s in specs]) if specs else ()
     rows = []
     for d in range(out_ndim):
-        if out_shape[d] <= 1:
-            continue
+        if out_shape[d] <= 1 and not _sharded_on(specs, d, out_ndim):
+            continue  # nothing to gain from sharding a dim of 0 or 1 elements, unless an operand already is
         ins = []
         for s in specs:
             k = d - (out_ndim - s.ndim)
             ins.append(R if k < 0 or s.shape[k] != out_shape[d] else _shard(k))
         rows.append(row([_shard(d)] * _n_outputs(schema), ins))
     return rows
+
+
+def _sharded_on(specs, d: int, out_ndim: int) -> bool:
+    """An operand is sharded on (its dim aligned with) output dim d: an in-place op on it must keep that."""
+    return any(p.is_shard(d - (out_ndim - s.ndim)) for s in specs for p in s.placements if d - (out_ndim - s.ndim) >= 0)
 
 
 def _shard(d: int):

@@ -218,11 +218,24 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def refuse_empty_like_torch(ctx, dims: Sequence[int], flat: bool, args, kwargs) -> None:
+    """torch refuses max/amax/argmax/... over an empty region: so does every rank, before any collective.
+
+    (Each shard substitutes the identity for its own empty part, which is right only while
+    the global region is not empty; aten's meta kernels do not check this.)
+    """
+    spec = ctx.in_specs[0]
+    if spec.numel == 0 if flat else any(spec.shape[d] == 0 for d in dims):
+        ctx.func(torch.empty(spec.shape, dtype=spec.dtype), *args, **kwargs)  # raises torch's own error
+
+
 def linear_sharded(ctx, x: torch.Tensor, *args, **kwargs):
     """Local reduce; over mesh dims whose output is Replicate, gather the shard results and combine (one round)."""
     lin = LINEAR[ctx.func]
     spec = ctx.in_specs[0]
     dims = reduced_dims(ctx.schema)
+    if lin.identity_on_empty:
+        refuse_empty_like_torch(ctx, dims, False, args, kwargs)
     outs = _local_partials(ctx, lin, dims, x, args, kwargs)
     gather = [i for i in mesh_dims_reducing(spec, dims) if not ctx.out_specs[0].placements[i].is_partial()]
     if gather:
@@ -277,6 +290,7 @@ def select_sharded(ctx, x: torch.Tensor, *args, **kwargs):
     spec = ctx.in_specs[0]
     flat = ctx.schema.arg("dim") is None
     dims = tuple(range(spec.ndim)) if flat else reduced_dims(ctx.schema)
+    refuse_empty_like_torch(ctx, dims, flat, args, kwargs)
     values, index = _local_best(ctx, x, spec, which, with_values, flat, dims)
     group = mesh_dims_reducing(spec, dims)
     if group:

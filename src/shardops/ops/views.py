@@ -38,8 +38,10 @@ def _squeeze_global_dims(ctx, local, *args, **kwargs):
     """squeeze() drops the GLOBAL size-1 dims: a short shard's local size 1 must stay."""
     shape = ctx.schema.self_spec.shape
     dims = ctx.schema.arg("dim")
+    dims = [dims] if isinstance(dims, int) else dims  # squeeze.dim / squeeze_.dim take one int
     dims = range(len(shape)) if dims is None else [d % max(len(shape), 1) for d in dims]
-    return aten.squeeze.dims(local, [d for d in dims if shape[d] == 1])
+    squeeze = aten.squeeze_.dims if ctx.schema.op is aten.squeeze_.dim else aten.squeeze.dims
+    return squeeze(local, [d for d in dims if shape[d] == 1])
 
 
 def _dim_map_rule(mapping: Callable[[OpSchema], dict[int, int]], n_out: int = 1, local_size: bool = False, algorithm=None):
@@ -206,8 +208,7 @@ def _scalar_rule(schema: OpSchema) -> list[Row]:
 
 
 register(_dim_map_rule(_unsqueeze), aten.unsqueeze.default, aten.unsqueeze_.default)
-register(_dim_map_rule(_squeeze, algorithm=_squeeze_global_dims), aten.squeeze.default, aten.squeeze.dims)
-register(_dim_map_rule(_squeeze), aten.squeeze.dim, aten.squeeze_.dim)
+register(_dim_map_rule(_squeeze, algorithm=_squeeze_global_dims), aten.squeeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.squeeze_.dim)
 register(_dim_map_rule(_permute), aten.permute.default)
 register(_dim_map_rule(_transpose), aten.transpose.int, aten.t.default, aten.transpose_.default, aten.t_.default)
 register(_dim_map_rule(_expand, local_size=True), aten.expand.default)
