@@ -5,9 +5,11 @@ import zlib
 from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .dispatch import core
-from .dispatch.registry import TORCH_FUNCTIONS
+from .dispatch.debug import check_agreement
+from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
 from .dispatch.schema import spec_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
@@ -66,7 +68,7 @@ class DTensor(torch.Tensor):
     # -- dispatch
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return core.dispatch(func, args, kwargs)
+        return dispatch(func, args, kwargs)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -126,6 +128,103 @@ class DTensor(torch.Tensor):
     # torch.Tensor niceties that must not reach dispatch with Python-level args
     def __reduce_ex__(self, proto):  # pragma: no cover
         raise ShardingError("DTensor cannot be pickled; pickle dt.to_local() and its placements instead")
+
+
+# ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
+
+
+def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
+    """An aten op on DTensor operands: the local tensors and specs go to dispatch/core, the results come back wrapped."""
+    kwargs = kwargs or {}
+    decomposition = DECOMPOSITIONS.get(func)
+    if decomposition is not None:
+        return decomposition(*args, **kwargs)
+    names = core.out_arg_names(func)
+    if names and all(n in kwargs for n in names):
+        return _dispatch_out_variant(func, args, kwargs, names)
+    flat, tree = core.flatten_args(args, kwargs)
+    key_parts = []
+    tensor_pos = []
+    for i, a in enumerate(flat):
+        if isinstance(a, DTensor):
+            key_parts.append(a._key)
+            tensor_pos.append(i)
+        elif isinstance(a, torch.Tensor):
+            key_parts.append(core.plain_key(a))
+            tensor_pos.append(i)
+        else:
+            key_parts.append(core.static_key(a))
+    key = core.cache_key(func, len(args), kwargs, tuple(key_parts))
+    decision = core._CACHE.get(key)
+    if decision is None:
+        leaves = list(flat)
+        for i, spec in zip(tensor_pos, _operand_specs(flat, tensor_pos, func)):
+            leaves[i] = spec
+        decision = core.decide_for_dispatch(key, func, leaves, tree, tensor_pos)
+    if core._state["debug"]:
+        check_agreement(decision, [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)])
+    leaves = list(flat)
+    for i in tensor_pos:
+        if type(flat[i]) is DTensor:
+            leaves[i] = flat[i]._local_tensor
+    core.move_inputs(decision, leaves, tensor_pos)
+    if decision.inplace:
+        if decision.moves and decision.moves[0] == 0:  # self's pending partial was resolved in place
+            flat[tensor_pos[0]]._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
+        core.compute(decision, leaves, tree)
+        return flat[tensor_pos[0]]
+    out = core.compute(decision, leaves, tree)
+    if type(out) is torch.Tensor and decision.out_specs is not None:
+        return DTensor._make(out, decision.out_specs[0])
+    out_leaves, out_tree = pytree.tree_flatten(out)
+    specs = iter(core.output_specs(decision, out_leaves))
+    wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
+    return pytree.tree_unflatten(wrapped, out_tree)
+
+
+def _operand_specs(flat: Sequence[Any], tensor_pos: Sequence[int], func) -> list[TensorSpec]:
+    """Each tensor operand's spec; a plain tensor is taken as Replicate on the DTensors' mesh."""
+    mesh = None
+    for i in tensor_pos:
+        if isinstance(flat[i], DTensor):
+            m = flat[i]._spec.mesh
+            if mesh is None:
+                mesh = m
+            elif m != mesh:
+                raise ShardingError(
+                    f"{func}: operands live on different meshes ({mesh} and {m}); "
+                    "redistribute them onto one mesh first (e.g. build both with the same DeviceMesh)."
+                )
+    specs = []
+    for i in tensor_pos:
+        a = flat[i]
+        if isinstance(a, DTensor):
+            specs.append(a._spec)
+        else:
+            meta = TensorMeta(tuple(a.shape), tuple(a.stride()), a.dtype)
+            specs.append(TensorSpec(mesh, (Replicate(),) * mesh.ndim, meta))
+    return specs
+
+
+def _dispatch_out_variant(func, args: tuple, kwargs: dict, names: tuple[str, ...]) -> Any:
+    """out= overloads: run the functional op, then move each result into its out tensor."""
+    outs = [kwargs[n] for n in names]
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1])
+    result = packet(*args, **rest)
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for res, out in zip(results, outs):  # every check before the first write: a refused call changes nothing
+        if not isinstance(out, DTensor):
+            raise ShardingError(f"{func}: out= must be a DTensor when the inputs are DTensors")
+        if not torch.can_cast(res.dtype, out.dtype):
+            raise ShardingError(f"{func}: result type {res.dtype} can't be cast to the desired output type {out.dtype} of out= (as torch refuses it)")
+    for res, out in zip(results, outs):
+        if not isinstance(res, DTensor):
+            res = DTensor._make(res, TensorSpec(out._spec.mesh, (Replicate(),) * out._spec.mesh.ndim, TensorMeta(tuple(res.shape), tuple(res.stride()), res.dtype)))
+        moved = res._redistribute_local(out._spec.placements) if res._spec.placements != out._spec.placements else res._local_tensor
+        out._local_tensor.resize_(moved.shape).copy_(moved)
+        out._set_spec(TensorSpec(out._spec.mesh, out._spec.placements, TensorMeta(res._spec.shape, res._spec.meta.stride, out._spec.dtype)))
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 # ------------------------------------------------------------------ autograd functions

@@ -42,13 +42,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import core
 from ..dispatch.registry import register, register_torch_function
 from ..dispatch.schema import OpSchema
 from ..dispatch.strategy import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..spec import TensorSpec
+from ..tensor import dispatch
 from .common import all_gather_stacked, all_reduce, member_shapes, mesh_dims_sharding
 
 aten = torch.ops.aten
@@ -352,7 +352,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, normalized_shape, eps):
-        out, rstd = core.dispatch(aten._fused_rms_norm.default, (x, normalized_shape, weight, eps), {})
+        out, rstd = dispatch(aten._fused_rms_norm.default, (x, normalized_shape, weight, eps), {})
         ctx.save_for_backward(x, rstd, weight)
         ctx.normalized_shape = normalized_shape
         return out
@@ -363,7 +363,7 @@ class _RMSNorm(torch.autograd.Function):
         mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
         if not any(mask):
             return None, None, None, None
-        d_in, d_w = core.dispatch(aten._fused_rms_norm_backward.default, (grad, x, ctx.normalized_shape, rstd, weight, mask), {})
+        d_in, d_w = dispatch(aten._fused_rms_norm_backward.default, (grad, x, ctx.normalized_shape, rstd, weight, mask), {})
         return d_in, d_w, None, None
 
 

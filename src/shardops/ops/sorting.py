@@ -38,7 +38,6 @@ from typing import Sequence
 
 import torch
 
-from ..dispatch import core
 from ..dispatch.registry import register, register_torch_function
 from ..dispatch.schema import OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
@@ -46,7 +45,7 @@ from ..errors import ShardingError
 from ..placements import Placement, Replicate, Shard, StridedShard, dim_positions
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
-from ..tensor import DTensor
+from ..tensor import DTensor, dispatch
 from .common import global_index_tensor, global_positions, member_shapes, mesh_dims_sharding
 
 aten = torch.ops.aten
@@ -296,7 +295,7 @@ class _SelectAlongDim(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, op, args, kwargs, dim):
-        values, indices = core.dispatch(op, (x,) + tuple(args), dict(kwargs))
+        values, indices = dispatch(op, (x,) + tuple(args), dict(kwargs))
         ctx.mark_non_differentiable(indices)
         ctx.save_for_backward(indices)
         ctx.x_spec, ctx.dim = x._spec, dim
