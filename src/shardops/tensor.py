@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
-from .dispatch.schema import spec_key
+from .dispatch.schema import spec_key, static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, Shard, local_shape_and_offset, normalize_placements, shard_positions
@@ -153,7 +153,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
             key_parts.append(core.plain_key(a))
             tensor_pos.append(i)
         else:
-            key_parts.append(core.static_key(a))
+            key_parts.append(static_key(a))
     key = core.cache_key(func, len(args), kwargs, tuple(key_parts))
     decision = core._CACHE.get(key)
     if decision is None:
@@ -353,9 +353,7 @@ def execute_local_layout(data: torch.Tensor, replicated: TensorSpec, placements:
             pos = shard_positions(p, x.shape[p.dim], replicated.mesh.shape[i], coord[i])
             x = x.narrow(p.dim, pos.start, len(pos)) if isinstance(pos, range) else x.index_select(p.dim, torch.tensor(pos, dtype=torch.long, device=x.device))
         elif p.is_partial():
-            from .redistribute import _partition
-
-            x = _partition(x, p.reduce_op if hasattr(p, "reduce_op") else "sum", coord[i])
+            x = p.split(x, coord[i])
     return x.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensor
 
 

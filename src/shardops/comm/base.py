@@ -22,8 +22,8 @@ from typing import Sequence
 import torch
 
 from ..errors import ShardingError
+from ..placements import REDUCE_OPS, reduce_values
 
-REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
@@ -187,21 +187,4 @@ def _check_op(op: str) -> None:
         raise ShardingError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
 
 
-def reduce_stack(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Reduce equal-shaped tensors with `op` (the same order on every rank: deterministic)."""
-    out = tensors[0].clone()
-    if op in ("sum", "avg"):
-        for t in tensors[1:]:
-            out = out + t
-        if op == "avg":
-            out = out / len(tensors) if out.is_floating_point() or out.is_complex() else out // len(tensors)
-    elif op == "product":
-        for t in tensors[1:]:
-            out = out * t
-    elif op == "max":
-        for t in tensors[1:]:
-            out = torch.maximum(out, t)
-    elif op == "min":
-        for t in tensors[1:]:
-            out = torch.minimum(out, t)
-    return out
+reduce_stack = reduce_values  # the meaning of each op lives with the placements (placements.Partial)

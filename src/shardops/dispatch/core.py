@@ -14,7 +14,6 @@ model. A cache hit does no parsing, no planning and builds no specs.
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -28,7 +27,7 @@ from ..placements import Replicate
 from ..redistribute import Plan, execute, plan, plan_bytes
 from ..spec import TensorMeta, TensorSpec
 from .registry import REPLICATE_ONLY, RULES
-from .schema import OpSchema, static_key
+from .schema import OpSchema
 from .strategy import Candidate, candidates, with_plans
 
 aten = torch.ops.aten

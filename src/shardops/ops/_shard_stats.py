@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from ..dispatch.schema import _binding, normalize_dim
-from ..placements import NormPartial, Placement, Replicate, dim_positions
+from ..placements import Placement, Replicate, dim_positions
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec
 from .common import mesh_dims_sharding, shift_after_reduce
@@ -250,8 +250,3 @@ def input_grad(local: torch.Tensor, placements: Sequence[Placement], x_spec: Ten
         local = redistribute_local(local, spec, target)
     return DTensor._make(local, spec.with_placements(target))
 
-
-def norm_neutral(p: NormPartial | float) -> float:
-    """A value that changes no p-norm of p-norms: 0, or +inf where small values win (p < 0, -inf)."""
-    q = p.norm_type if isinstance(p, NormPartial) else float(p)
-    return math.inf if q < 0 else 0.0

@@ -23,7 +23,7 @@ from ..dispatch.registry import register, register_torch_function
 from ..dispatch.schema import OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..placements import NormPartial, Partial, Replicate, Shard
-from ._shard_stats import call_default, needs_grad, norm_neutral
+from ._shard_stats import call_default, needs_grad
 
 aten = torch.ops.aten
 R = Replicate()
@@ -52,10 +52,6 @@ def _concat_rule(schema: OpSchema) -> list[Row]:
 # ------------------------------------------------------------------ torch-level alignment of pending norms
 
 
-def _neutral_off_origin(local: torch.Tensor, p: NormPartial, coordinate: int) -> torch.Tensor:
-    return local if coordinate == 0 else torch.full_like(local, norm_neutral(p))
-
-
 def align_pending_norms(tensors):
     """Replicate operands become NormP(p) on mesh dims where the others are NormP(p) (local, exact)."""
     from ..tensor import DTensor
@@ -76,7 +72,7 @@ def align_pending_norms(tensors):
         for k, pl in enumerate(placements):
             others = {q for j, q in enumerate(pl) if j != i and q.is_partial()}
             if pl[i].is_replicate() and others <= {p}:
-                locals_[k] = _neutral_off_origin(locals_[k], p, coord[i])
+                locals_[k] = p.split(locals_[k], coord[i])
                 pl[i] = p
     return [
         t if tuple(pl) == t._spec.placements else DTensor._make(loc, t._spec.with_placements(pl))

@@ -32,7 +32,6 @@ from ..dispatch.registry import DECOMPOSITIONS, register, register_torch_functio
 from ..dispatch.schema import OpSchema
 from ..dispatch.strategy import Row, row
 from ..placements import NormPartial, Replicate, Shard
-from ..redistribute import _norm_post, _norm_pre
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
 from .common import all_reduce, shift_after_reduce
@@ -43,7 +42,6 @@ from ._shard_stats import (
     grad_local,
     input_grad,
     needs_grad,
-    norm_neutral,
     reduced_dims,
     reduced_group,
     reduction_layouts,
@@ -77,7 +75,7 @@ def _empty_safe_norm(ctx, x, *args, **kwargs):
     p, dims, _ = _norm_args(ctx.schema)
     if math.prod(x.shape[d] for d in dims) == 0:
         out = ctx.out_specs[0]
-        return torch.full(out.local_shape(), norm_neutral(p), dtype=out.dtype, device=x.device)
+        return torch.full(out.local_shape(), NormPartial(p).neutral, dtype=out.dtype, device=x.device)
     return ctx.func(x, *args, **kwargs)
 
 
@@ -97,7 +95,7 @@ def _empty_safe_dist(ctx, a, b, *args, **kwargs):
     if a.numel() == 0 or b.numel() == 0:
         p = ctx.schema.arg("p", 2)
         out = ctx.out_specs[0]
-        return torch.full(out.local_shape(), norm_neutral(2.0 if p is None else p), dtype=out.dtype, device=a.device)
+        return torch.full(out.local_shape(), NormPartial(2.0 if p is None else p).neutral, dtype=out.dtype, device=a.device)
     return ctx.func(a, b, *args, **kwargs)
 
 
@@ -134,8 +132,7 @@ def resolve_norm(local: torch.Tensor, spec) -> torch.Tensor:
     if not pending:
         return local
     p = spec.placements[pending[0]]
-    pre, op = _norm_pre(local, p)
-    return _norm_post(all_reduce(pre, spec, pending, op), p)
+    return p.from_wire(all_reduce(p.to_wire(local), spec, pending, p.wire_op))
 
 
 def self_norm(local: torch.Tensor, spec, placements) -> torch.Tensor:
@@ -153,7 +150,7 @@ def _extreme_norm_and_count(x: torch.Tensor, p: float, spec, dims) -> tuple[torc
     a = x.abs()
     if math.prod(x.shape[d] for d in dims) == 0:
         shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
-        local = torch.full(shape, norm_neutral(p), dtype=a.dtype, device=x.device)
+        local = torch.full(shape, NormPartial(p).neutral, dtype=a.dtype, device=x.device)
         count = torch.zeros(shape, dtype=torch.int64, device=x.device)
     else:
         local = a.amax(dims, keepdim=True) if p > 0 else a.amin(dims, keepdim=True)

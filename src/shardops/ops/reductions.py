@@ -151,21 +151,6 @@ def identity(op: str, dtype: torch.dtype) -> Any:
     return info.min if op == "max" else info.max
 
 
-def _combine(stacked: torch.Tensor, how: str) -> torch.Tensor:
-    """Combine shard results stacked on dim 0 (every rank the same order: deterministic)."""
-    if how == "sum":
-        return stacked.sum(0)
-    if how == "product":
-        return stacked.prod(0)
-    if how == "max":
-        return stacked.amax(0)
-    if how == "min":
-        return stacked.amin(0)
-    if how == "all":
-        return stacked.all(0)
-    return stacked.any(0)
-
-
 # ------------------------------------------------------------------ linear reductions
 
 
@@ -240,7 +225,7 @@ def linear_sharded(ctx, x: torch.Tensor, *args, **kwargs):
     gather = [i for i in mesh_dims_reducing(spec, dims) if not ctx.out_specs[0].placements[i].is_partial()]
     if gather:
         stacked = all_gather_stacked(torch.stack(outs), spec, gather)
-        outs = tuple(_combine(stacked[:, k], how).to(o.dtype) for k, (how, o) in enumerate(zip(lin.combine, outs)))
+        outs = tuple(Partial(PENDING_OP[how]).combine(stacked[:, k]).to(o.dtype) for k, (how, o) in enumerate(zip(lin.combine, outs)))
     return outs if len(outs) > 1 else outs[0]
 
 
