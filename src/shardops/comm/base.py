@@ -79,6 +79,11 @@ class CommDebugMode:
         self.log: list[tuple[str, int]] = []
 
     def __enter__(self) -> "CommDebugMode":
+        # as torch's CommDebugMode: every entry counts from zero
+        self.counts = Counter()
+        self.bytes = 0
+        self.rounds = 0
+        self.log = []
         _active_modes().append(self)
         return self
 
