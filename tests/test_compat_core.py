@@ -116,3 +116,32 @@ def test_comm_debug_mode_counts_from_zero_on_each_entry():
     for first, second, empty_count, empty_bytes in so.run(body, world_size=4):
         assert first == second == (1, {"all_gather": 1}, 16, 1)  # this rank's 1x4 f32 shard
         assert (empty_count, empty_bytes) == (0, 0)
+
+
+# ---------------------------------------------------------------- torch-level entries bind once per call shape
+
+
+def test_call_signature_binds_forms_and_caches_the_call_shape():
+    from shardops.dispatch.schema import CallSignature
+
+    def _unbiased(self, unbiased, *, dim=None, keepdim=False): ...  # noqa: E704
+    def _general(self, dim=None, unbiased=None, keepdim=False, *, correction=None): ...  # noqa: E704
+
+    _unbiased.accepts = lambda args, kwargs: len(args) > 1 and type(args[1]) is bool
+    sig = CallSignature(_unbiased, _general, aliases={"input": "self"})
+    x = torch.ones(2)
+    assert sig.bind((x, True), {}) == {"self": x, "unbiased": True, "dim": None, "keepdim": False}
+    assert sig.bind((x, 1), {"keepdim": True}) == {"self": x, "dim": 1, "unbiased": None, "keepdim": True, "correction": None}
+    assert sig.bind((), {"input": x, "correction": 0})["correction"] == 0
+    assert sig.bind((x, 1, True, True, 5), {}) is None  # no form takes it: torch decides
+    shapes = len(sig._shapes)
+    assert sig.bind((x, 2), {"keepdim": False})["dim"] == 2 and len(sig._shapes) == shapes  # cached shape, new values
+
+
+def test_every_torch_level_entry_comes_from_the_one_factory():
+    from shardops.dispatch.registry import TORCH_FUNCTIONS
+
+    families = [torch.sum, torch.Tensor.max, torch.var, torch.std_mean, torch.cumsum, torch.ops.aten.cummax.default,
+                torch.norm, torch.linalg.vector_norm, torch.dist, torch.logsumexp, torch.cat, torch.topk, torch.sort,
+                torch.nn.functional.rms_norm]
+    assert all(TORCH_FUNCTIONS[f].__qualname__.startswith("torch_entry.") for f in families)

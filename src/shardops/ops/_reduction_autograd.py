@@ -20,19 +20,21 @@ Only output-sized values move; the input's shards never do.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..dispatch.registry import register_torch_function
+from ..dispatch.registry import register_torch_entry
+from ..dispatch.schema import CallSignature
 from ..errors import ShardingError
 from ..placements import Placement, Replicate
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
+from ..tensor import DTensor
 from .common import all_gather_stacked, all_reduce, global_positions, shift_after_reduce
 
 R = Replicate()
@@ -58,8 +60,6 @@ def reduced_layout(layout: Sequence[Placement], dims: Sequence[int], keepdim: bo
 
 def local_in(t: torch.Tensor, placements: Sequence[Placement], mesh) -> torch.Tensor:
     """This rank's piece of `t` in `placements` (a plain tensor is taken as Replicate)."""
-    from ..tensor import DTensor
-
     if isinstance(t, DTensor):
         return t._redistribute_local(placements)
     spec = TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype))
@@ -74,8 +74,6 @@ def restore_dims(t: torch.Tensor, dims: Sequence[int], keepdim: bool) -> torch.T
 
 
 def wrap_grad(local: torch.Tensor, x_spec: TensorSpec):
-    from ..tensor import DTensor
-
     meta = TensorMeta(x_spec.shape, contiguous_stride(x_spec.shape), x_spec.dtype)
     return DTensor._make(local.to(x_spec.dtype).contiguous(), TensorSpec(x_spec.mesh, grad_layout(x_spec), meta))
 
@@ -131,8 +129,6 @@ def _resolved(x):
     (reduce_scatter then gather, or all_reduce) can round differently, and then `x == result`
     would miss the extreme. The backward would have to resolve x anyway.
     """
-    from ..tensor import DTensor
-
     layout = grad_layout(x._spec)
     if layout == x._spec.placements:
         return x
@@ -281,25 +277,15 @@ def _mode(input, dim=-1, keepdim=False, *, out=None): ...  # noqa: E704
 def _count_nonzero(input, dim=None): ...  # noqa: E704
 
 
+_ALIASES = {"axis": "dim", "keepdims": "keepdim", "self": "input"}
 SIGNATURES = {
-    f.__name__.lstrip("_"): inspect.signature(f)
+    f.__name__.lstrip("_"): CallSignature(f, aliases=_ALIASES)
     for f in (_dims_dtype, _dims, _amax, _aminmax, _kthvalue, _mode, _count_nonzero)
 }
-_ALIASES = {"axis": "dim", "keepdims": "keepdim", "self": "input"}
 
 
 class TorchDecides(Exception):
     """A call this module leaves to torch (named dims, wrong types): torch raises its own error."""
-
-
-def bind(sig: str, args: tuple, kwargs: dict) -> dict:
-    """Arguments of a torch-level call by name."""
-    try:
-        bound = SIGNATURES[sig].bind(*args, **{_ALIASES.get(k, k): v for k, v in kwargs.items()})
-    except TypeError:
-        raise TorchDecides from None
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def check_dims(name: str, spec: TensorSpec, raw, single: bool = False) -> tuple[int, ...]:
@@ -322,40 +308,32 @@ def check_dims(name: str, spec: TensorSpec, raw, single: bool = False) -> tuple[
     return tuple(sorted(out)) if spec.ndim else ()
 
 
-def plain(func, args, kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
 def wants_grad(x) -> bool:
     return torch.is_grad_enabled() and x.requires_grad and x.ndim > 0
 
 
-def torch_entry(func, sig, describe):
-    """A __torch_function__ override: checks the call (ShardingError naming the op), then runs
-    it through ShardedReduction when x needs a gradient, else straight to dispatch."""
-    name = func.__name__
+def _parse_reduction(func, describe, b: dict, args: tuple, kwargs: dict) -> tuple | None:
+    """(x, Call) for ShardedReduction when x needs a gradient; None: straight to dispatch.
 
-    def entry(*args, **kwargs):
-        from ..tensor import DTensor
+    The call is checked first (a bad dim raises ShardingError naming the op), gradient or not."""
+    x = b["input"]
+    if not isinstance(x, DTensor) or b.get("out") is not None:
+        return None
+    try:
+        call = describe(func.__name__, b, x._spec)
+    except TorchDecides:
+        return None
+    if call is None or not wants_grad(x):
+        return None
+    call.func = func
+    call.args = args[1:] if args and args[0] is x else args
+    call.kwargs = {k: v for k, v in kwargs.items() if k not in ("input", "self")}
+    return x, call
 
-        try:
-            b = bind(sig, args, kwargs)
-            x = b["input"]
-            if not isinstance(x, DTensor) or b.get("out") is not None:
-                raise TorchDecides
-            call = describe(name, b, x._spec)
-        except TorchDecides:
-            return plain(func, args, kwargs)
-        if call is None or not wants_grad(x):
-            return plain(func, args, kwargs)
-        call.func = func
-        call.args = args[1:] if args and args[0] is x else args
-        call.kwargs = {k: v for k, v in kwargs.items() if k not in ("input", "self")}
-        out = ShardedReduction.apply(x, call)
-        return call.result_type(out) if call.result_type is not None else out
 
-    return entry
+def _apply_reduction(x, call: Call):
+    out = ShardedReduction.apply(x, call)
+    return call.result_type(out) if call.result_type is not None else out
 
 
 def _named(raw) -> bool:
@@ -413,4 +391,4 @@ def register_entries(table: Sequence[tuple[Sequence[Any], str, Callable]]) -> No
     """(torch callables, signature, describe) rows -> __torch_function__ overrides."""
     for funcs, sig, describe in table:
         for func in funcs:
-            register_torch_function(torch_entry(func, sig, describe), func)
+            register_torch_entry(SIGNATURES[sig], partial(_parse_reduction, func, describe), _apply_reduction, func)

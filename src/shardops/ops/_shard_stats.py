@@ -18,10 +18,11 @@ from typing import Any, Sequence
 
 import torch
 
-from ..dispatch.schema import _binding, normalize_dim
+from ..dispatch.schema import normalize_dim
 from ..placements import Placement, Replicate, dim_positions
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec
+from ..tensor import DTensor
 from .common import mesh_dims_sharding, shift_after_reduce
 
 R = Replicate()
@@ -175,29 +176,12 @@ def needs_grad(*tensors: Any) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def bind(op, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """An aten overload's arguments by name, defaults filled in (what OpSchema.bound gives a rule)."""
-    names, defaults, _ = _binding(op)
-    bound = dict(defaults)
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def call_default(func, args: tuple, kwargs: dict) -> Any:
-    """Run a torch function the ordinary way (into __torch_dispatch__), without our override."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
 def without_partials(placements: Sequence[Placement]) -> tuple[Placement, ...]:
     return tuple(R if p.is_partial() else p for p in placements)
 
 
 def resolve_partials(x):
     """`x` with pending reductions resolved (no autograd): ops without partial rows need the values."""
-    from ..tensor import DTensor
-
     target = without_partials(x._spec.placements)
     if target == x._spec.placements:
         return x
@@ -226,8 +210,6 @@ def to_layout(local: torch.Tensor, spec: TensorSpec, placements: Sequence[Placem
 
 def grad_local(grad: torch.Tensor, like: TensorSpec, placements: Sequence[Placement] | None = None) -> torch.Tensor:
     """This rank's piece of `grad` in `placements` (default: `like`'s layout with pending reductions as Replicate)."""
-    from ..tensor import DTensor
-
     target = without_partials(like.placements) if placements is None else tuple(placements)
     if isinstance(grad, DTensor):
         return grad._redistribute_local(target)
@@ -240,8 +222,6 @@ def input_grad(local: torch.Tensor, placements: Sequence[Placement], x_spec: Ten
 
     As for redistribute's backward: a Partial input gets a Replicate gradient.
     """
-    from ..tensor import DTensor
-
     local = local.to(x_spec.dtype)
     meta = TensorMeta(x_spec.shape, x_spec.meta.stride, x_spec.dtype)
     spec = TensorSpec(x_spec.mesh, tuple(placements), meta)

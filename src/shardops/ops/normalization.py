@@ -42,8 +42,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema
+from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
@@ -367,10 +367,14 @@ class _RMSNorm(torch.autograd.Function):
         return d_in, d_w, None, None
 
 
-def rms_norm(input, normalized_shape, weight=None, eps=None):
+def _rms_norm_call(input, normalized_shape, weight=None, eps=None): ...  # noqa: E704  (torch's form)
+
+
+def _parse_rms_norm(b: dict, *_) -> tuple:
     """F.rms_norm / torch.rms_norm for DTensor operands (see the module docstring)."""
-    shape = [normalized_shape] if isinstance(normalized_shape, int) else [int(s) for s in normalized_shape]
-    return _RMSNorm.apply(input, weight, shape, eps)
+    shape = b["normalized_shape"]
+    shape = [shape] if isinstance(shape, int) else [int(s) for s in shape]
+    return b["input"], b["weight"], shape, b["eps"]
 
 
 # one object per variant: rows of different mesh dims combine only if they share the algorithm
@@ -382,4 +386,4 @@ register(_layer_norm_rule, aten.native_layer_norm.default)
 register(_layer_norm_backward_rule, aten.native_layer_norm_backward.default)
 register(_rms_norm_rule, aten._fused_rms_norm.default)
 register(_rms_norm_backward_rule, aten._fused_rms_norm_backward.default)
-register_torch_function(rms_norm, F.rms_norm, torch.rms_norm)
+register_torch_entry(CallSignature(_rms_norm_call), _parse_rms_norm, _RMSNorm.apply, F.rms_norm, torch.rms_norm)

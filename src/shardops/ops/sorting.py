@@ -38,8 +38,8 @@ from typing import Sequence
 
 import torch
 
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema, normalize_dim
+from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..errors import ShardingError
 from ..placements import Placement, Replicate, Shard, StridedShard, dim_positions
@@ -309,38 +309,39 @@ class _SelectAlongDim(torch.autograd.Function):
         return _scatter_to_owner(values_grad, indices, ctx.x_spec, ctx.dim), None, None, None, None
 
 
-def _default(func, *args, **kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+# torch's forms, with aten's names
+def _topk_call(self, k, dim=-1, largest=True, sorted=True, *, out=None): ...  # noqa: E704
+def _sort_call(self, dim=-1, descending=False, *, stable=None, out=None): ...  # noqa: E704
 
 
-def topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
-    """torch.topk / Tensor.topk for a DTensor input (see the module docstring)."""
-    if out is not None or not isinstance(input, DTensor):
-        return _default(torch.topk, input, k, dim, largest, sorted, **({"out": out} if out is not None else {}))
-    d = normalize_dim(dim, input.ndim, "topk")
-    size = input.shape[d] if input.ndim else 1
+def _parse_topk(b: dict, *_) -> tuple | None:
+    """torch.topk / Tensor.topk on a DTensor: the planned op and a sharded backward (see the module docstring)."""
+    x, k = b["self"], b["k"]
+    if b.get("out") is not None or not isinstance(x, DTensor):
+        return None
+    d = normalize_dim(b["dim"], x.ndim, "topk")
+    size = x.shape[d] if x.ndim else 1
     if not 0 <= k <= size:
-        raise ShardingError(f"topk: k={k} is out of range for dim {d} of size {size} of {input._spec!r}; use 0 <= k <= {size}.")
-    values, indices = _SelectAlongDim.apply(input, aten.topk.default, (k, d, largest, sorted), {}, d)
-    return torch.return_types.topk((values, indices))
+        raise ShardingError(f"topk: k={k} is out of range for dim {d} of size {size} of {x._spec!r}; use 0 <= k <= {size}.")
+    return x, aten.topk.default, (k, d, b["largest"], b["sorted"]), {}, d, torch.return_types.topk
 
 
-def sort(input, dim=-1, descending=False, *, stable=None, out=None):
-    """torch.sort / Tensor.sort for a DTensor input (see the module docstring)."""
-    if out is not None or not isinstance(input, DTensor):
-        kw = {"stable": stable} if stable is not None else {}
-        return _default(torch.sort, input, dim=dim, descending=descending, out=out, **kw)
-    d = normalize_dim(dim, input.ndim, "sort")
+def _parse_sort(b: dict, *_) -> tuple | None:
+    """torch.sort / Tensor.sort on a DTensor (see the module docstring)."""
+    x, stable = b["self"], b["stable"]
+    if b.get("out") is not None or not isinstance(x, DTensor):
+        return None
+    d = normalize_dim(b["dim"], x.ndim, "sort")
     if stable is None:  # the overload torch itself picks
-        op, args, kwargs = aten.sort.default, (d, descending), {}
-    else:
-        op, args, kwargs = aten.sort.stable, (), {"stable": stable, "dim": d, "descending": descending}
-    values, indices = _SelectAlongDim.apply(input, op, args, kwargs, d)
-    return torch.return_types.sort((values, indices))
+        return x, aten.sort.default, (d, b["descending"]), {}, d, torch.return_types.sort
+    return x, aten.sort.stable, (), {"stable": stable, "dim": d, "descending": b["descending"]}, d, torch.return_types.sort
+
+
+def _apply_select(x, op, args, kwargs, dim, result_type):
+    return result_type(_SelectAlongDim.apply(x, op, args, kwargs, dim))
 
 
 register(_topk_rule, aten.topk.default)
 register(_sort_rule, aten.sort.default, aten.sort.stable)
-register_torch_function(topk, torch.topk, torch.Tensor.topk)
-register_torch_function(sort, torch.sort, torch.Tensor.sort)
+register_torch_entry(CallSignature(_topk_call, aliases={"input": "self"}), _parse_topk, _apply_select, torch.topk, torch.Tensor.topk)
+register_torch_entry(CallSignature(_sort_call, aliases={"input": "self"}), _parse_sort, _apply_select, torch.sort, torch.Tensor.sort)
