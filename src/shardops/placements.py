@@ -222,6 +222,11 @@ def combine_stacked(stacked: torch.Tensor, op: str) -> torch.Tensor:
     raise ShardingError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
 
 
+def without_partials(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """`placements` with every pending reduction read as Replicate: where a gradient, or a resolved value, lives."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
 # ---------------------------------------------------------------- layout math
 
 

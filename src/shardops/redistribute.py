@@ -25,7 +25,7 @@ import torch
 from . import cost
 from .comm.base import CommDebugMode
 from .errors import ShardingError
-from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
+from .placements import Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
 from .spec import TensorSpec
 
 

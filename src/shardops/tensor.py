@@ -13,7 +13,7 @@ from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
 from .dispatch.schema import spec_key, static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
-from .placements import Placement, Replicate, Shard, local_shape_and_offset, normalize_placements, shard_positions
+from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 
@@ -257,7 +257,7 @@ class _FromLocal(torch.autograd.Function):
         if not isinstance(grad, DTensor):
             return grad, None
         # The gradient goes back to the source layout; a Partial source gets a Replicate gradient.
-        target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        target = without_partials(spec.placements)
         return grad._redistribute_local(target), None
 
 
@@ -273,7 +273,7 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: DTensor):
         src = ctx.src
-        target = tuple(Replicate() if p.is_partial() else p for p in src.placements)
+        target = without_partials(src.placements)
         if not isinstance(grad, DTensor):
             return grad, None
         local = grad._redistribute_local(target)
@@ -322,12 +322,7 @@ def distribute_tensor(
     """Lay `tensor` out over `device_mesh`; rank `src_data_rank`'s data wins (None: each rank slices its own)."""
     if isinstance(tensor, DTensor):
         raise ShardingError("distribute_tensor: input is already a DTensor; use dt.redistribute(...)")
-    mesh = device_mesh if device_mesh is not None else _default_mesh()
-    placements = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, tensor.ndim, mesh.ndim, "distribute_tensor")
-    if any(p.is_partial() for p in placements):
-        # Distributing into a pending reduction: the source value sits on coordinate 0 (sum) or everywhere.
-        pass
-    _check_member(mesh, "distribute_tensor")
+    mesh, placements = _mesh_and_placements(device_mesh, placements, tensor.ndim, "distribute_tensor")
     data = tensor.detach()
     if src_data_rank is not None and mesh.size() > 1:
         comm = mesh.comm
@@ -368,9 +363,7 @@ def from_local(
     """Wrap this rank's shard. Without `shape`, shards are assumed even (global = local x count)."""
     if isinstance(local_tensor, DTensor):
         raise ShardingError("from_local: input is already a DTensor")
-    mesh = device_mesh if device_mesh is not None else _default_mesh()
-    _check_member(mesh, "from_local")
-    placements = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim, "from_local")
+    mesh, placements = _mesh_and_placements(device_mesh, placements, local_tensor.ndim, "from_local")
     if shape is None:
         gshape = list(local_tensor.shape)
         for n, p in zip(mesh.shape, placements):
@@ -389,6 +382,13 @@ def from_local(
         )
     spec = TensorSpec(mesh, placements, _global_meta(gshape, local_tensor.dtype, stride))
     return _FromLocal.apply(local_tensor, spec)
+
+
+def _mesh_and_placements(mesh: DeviceMesh | None, placements, ndim: int, what: str) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh (this rank must be on it) and the checked placements (default: Replicate) of a new DTensor."""
+    mesh = mesh if mesh is not None else _default_mesh()
+    _check_member(mesh, what)
+    return mesh, normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, ndim, mesh.ndim, what)
 
 
 def _check_member(mesh: DeviceMesh, what: str) -> None:

@@ -31,26 +31,17 @@ from torch.autograd.function import once_differentiable
 from ..dispatch.registry import register_torch_entry
 from ..dispatch.schema import CallSignature
 from ..errors import ShardingError
-from ..placements import Placement, Replicate
+from ..placements import Placement, Replicate, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ..tensor import DTensor
-from .common import all_gather_stacked, all_reduce, global_positions, shift_after_reduce
+from ._shard_stats import resolve_partials
+from .common import all_gather_stacked, all_reduce, global_positions, mesh_dims_sharding, shift_after_reduce
 
 R = Replicate()
 
 
-def mesh_dims_reducing(spec: TensorSpec, dims: Sequence[int]) -> list[int]:
-    """Mesh dims whose placement shards one of the reduced `dims`."""
-    return [i for i, p in enumerate(spec.placements) if p.is_shard() and p.dim in dims]
-
-
 # ------------------------------------------------------------------ layouts of gradients
-
-
-def grad_layout(spec: TensorSpec) -> tuple[Placement, ...]:
-    """The gradient of an input comes back in its layout; a pending input gets a Replicate gradient."""
-    return tuple(R if p.is_partial() else p for p in spec.placements)
 
 
 def reduced_layout(layout: Sequence[Placement], dims: Sequence[int], keepdim: bool) -> tuple[Placement, ...]:
@@ -75,7 +66,7 @@ def restore_dims(t: torch.Tensor, dims: Sequence[int], keepdim: bool) -> torch.T
 
 def wrap_grad(local: torch.Tensor, x_spec: TensorSpec):
     meta = TensorMeta(x_spec.shape, contiguous_stride(x_spec.shape), x_spec.dtype)
-    return DTensor._make(local.to(x_spec.dtype).contiguous(), TensorSpec(x_spec.mesh, grad_layout(x_spec), meta))
+    return DTensor._make(local.to(x_spec.dtype).contiguous(), TensorSpec(x_spec.mesh, without_partials(x_spec.placements), meta))
 
 
 @dataclass
@@ -102,7 +93,10 @@ class ShardedReduction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, call: Call):
         if call.kind in NEEDS_INPUT:
-            x = _resolved(x)
+            # Resolved once and shared by forward and backward: two resolutions along different paths
+            # (reduce_scatter then gather, or all_reduce) can round differently, and then `x == result`
+            # would miss the extreme. The backward would have to resolve x anyway.
+            x = resolve_partials(x)
         with torch._C.DisableTorchFunctionSubclass():
             out = call.func(x, *call.args, **(call.kwargs or {}))
         outs = tuple(out) if isinstance(out, tuple) else (out,)
@@ -122,22 +116,9 @@ class ShardedReduction(torch.autograd.Function):
         return BACKWARDS[ctx.call.kind](ctx.call, ctx.x_spec, x, outs, grads), None
 
 
-def _resolved(x):
-    """x with its pending mesh dims resolved, for ops whose backward reads x.
-
-    Resolved once and shared by forward and backward: two resolutions along different paths
-    (reduce_scatter then gather, or all_reduce) can round differently, and then `x == result`
-    would miss the extreme. The backward would have to resolve x anyway.
-    """
-    layout = grad_layout(x._spec)
-    if layout == x._spec.placements:
-        return x
-    return DTensor._make(x._redistribute_local(layout), x._spec.with_placements(layout))
-
-
 def _grad_out(call: Call, x_spec: TensorSpec, g) -> tuple[torch.Tensor, tuple[Placement, ...]]:
     """The output gradient as this rank's keepdim-shaped piece, aligned with x's layout."""
-    layout = grad_layout(x_spec)
+    layout = without_partials(x_spec.placements)
     local = local_in(g, reduced_layout(layout, call.dims, call.keepdim), x_spec.mesh)
     return restore_dims(local, call.dims, call.keepdim), layout
 
@@ -172,7 +153,7 @@ def _nanmean_backward(call, x_spec, x, outs, grads):
 
 
 def _global_sum(t: torch.Tensor, x_spec: TensorSpec, layout, dims) -> torch.Tensor:
-    return all_reduce(t, x_spec, mesh_dims_reducing(x_spec.with_placements(layout), dims), "sum")
+    return all_reduce(t, x_spec, mesh_dims_sharding(x_spec.with_placements(layout), dims), "sum")
 
 
 def _extreme_backward(call, x_spec, x, outs, grads):
@@ -227,7 +208,7 @@ def _prod_backward(call, x_spec, x, outs, grads):
         xl = xl.reshape(-1)
     others = _exclusive_product(xl, d)
     totals = torch.stack([xl.prod(d, keepdim=True), (xl == 0).sum(d, keepdim=True).to(xl.dtype)])
-    group = mesh_dims_reducing(x_spec.with_placements(layout), call.dims)
+    group = mesh_dims_sharding(x_spec.with_placements(layout), call.dims)
     zeros = totals[1]
     if group:
         stacked = all_gather_stacked(totals, x_spec, group)

@@ -28,13 +28,11 @@ from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..placements import Replicate, Shard
-from .common import shift_after_reduce
+from .common import all_gather_stacked, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 from ._shard_stats import (
-    gather_packed,
     grad_local,
     input_grad,
     needs_grad,
-    reduced_group,
     reduction_layouts,
     reduction_stats_bytes,
     resolve_partials,
@@ -44,11 +42,6 @@ from ._shard_stats import (
 
 aten = torch.ops.aten
 R = Replicate()
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # NOTE: half types accumulate in float32, as torch's CPU and CUDA kernels do.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _shard_pair(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +69,8 @@ def _logsumexp_sharded(ctx, x, *args, **kwargs):
     dims = ctx.schema.dims("dim")
     keepdim = bool(ctx.schema.arg("keepdim", False))
     out_dtype = ctx.out_specs[0].dtype
-    xc = x.to(_compute_dtype(out_dtype))
-    shifts, sums = gather_packed(_shard_pair(xc, dims), spec, reduced_group(spec, dims))
+    xc = x.to(opmath_dtype(out_dtype))
+    shifts, sums = all_gather_stacked(list(_shard_pair(xc, dims)), spec, mesh_dims_sharding(spec, dims))
     out = merge_pairs(shifts, sums)
     if not keepdim:
         out = out.squeeze(dims)
@@ -92,7 +85,7 @@ def _logsumexp_rule(schema: OpSchema) -> list[Row]:
     keepdim = bool(schema.arg("keepdim", False))
     rows = [row(shift_after_reduce(Shard(k), dims, keepdim), Shard(k)) for k in range(spec.ndim) if k not in dims]
     if not spec.dtype.is_complex:
-        dtype = _compute_dtype(spec.dtype if spec.dtype.is_floating_point else torch.get_default_dtype())
+        dtype = opmath_dtype(spec.dtype if spec.dtype.is_floating_point else torch.get_default_dtype())
         per_row = 2 * torch.empty((), dtype=dtype).element_size()
         comm = [("all_gather", reduction_stats_bytes(spec, dims, per_row))]
         rows += [row(R, Shard(k), algorithm=_logsumexp_sharded, comm=comm, label="sharded logsumexp") for k in dims]

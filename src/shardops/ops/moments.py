@@ -28,16 +28,13 @@ from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
 from ..placements import Replicate, Shard
-from .common import shift_after_reduce
+from .common import all_gather_stacked, member_coordinates, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
-    gather_packed,
     grad_local,
     input_grad,
     local_count,
-    member_coordinates,
     needs_grad,
     reduced_dims,
-    reduced_group,
     reduction_layouts,
     reduction_stats_bytes,
     resolve_partials,
@@ -92,8 +89,8 @@ def _shard_stats(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, 
 def _moments_sharded(ctx, x, *args, **kwargs):
     spec = ctx.in_specs[0]
     dims, correction, keepdim = _moment_args(ctx.schema)
-    group = reduced_group(spec, dims)
-    means, m2s = gather_packed(_shard_stats(x, dims), spec, group)
+    group = mesh_dims_sharding(spec, dims)
+    means, m2s = all_gather_stacked(list(_shard_stats(x, dims)), spec, group)
     counts = [local_count(spec, dims, c) for c in member_coordinates(spec, group)]
     counts = torch.tensor(counts, dtype=torch.float64, device=x.device).reshape([-1] + [1] * x.ndim)
     n, mean, m2 = chan_merge(means, m2s, counts)

@@ -30,22 +30,19 @@ import torch
 from ..dispatch.registry import DECOMPOSITIONS, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
-from ..placements import NormPartial, Replicate, Shard
+from ..placements import NormPartial, Replicate, Shard, without_partials
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
-from .common import all_reduce, shift_after_reduce
+from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
-    gather_packed,
     grad_local,
     input_grad,
     needs_grad,
     reduced_dims,
-    reduced_group,
     reduction_layouts,
     resolve_partials,
     to_layout,
     unsqueeze_reduced,
-    without_partials,
 )
 
 aten = torch.ops.aten
@@ -152,7 +149,7 @@ def _extreme_norm_and_count(x: torch.Tensor, p: float, spec, dims) -> tuple[torc
     else:
         local = a.amax(dims, keepdim=True) if p > 0 else a.amin(dims, keepdim=True)
         count = ((a == local) | a.isnan()).sum(dims, keepdim=True)
-    values, counts = gather_packed([local, count], spec, reduced_group(spec, dims))
+    values, counts = all_gather_stacked([local, count], spec, mesh_dims_sharding(spec, dims))
     norm = values.amax(0) if p > 0 else values.amin(0)
     attains = (values == norm) | (values.isnan() & norm.isnan())
     total = (counts * attains).sum(0)

@@ -35,7 +35,7 @@ import torch
 from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
-from ..placements import Partial, Replicate, Shard
+from ..placements import Partial, Replicate, Shard, without_partials
 from ._shard_stats import (
     ShardLine,
     first_along,
@@ -46,7 +46,6 @@ from ._shard_stats import (
     reduction_stats_bytes,
     resolve_partials,
     shard_line,
-    without_partials,
 )
 
 aten = torch.ops.aten
@@ -95,10 +94,6 @@ def _out_dtype(schema: OpSchema) -> torch.dtype:
     if _kind_name(schema.op) in ("cumsum", "cumprod") and not (src.is_floating_point or src.is_complex):
         return torch.int64
     return src
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 # ------------------------------------------------------------------ forward: sharded algorithms
@@ -165,7 +160,7 @@ def _scan_rule(schema: OpSchema) -> list[Row]:
     extreme = name in ("cummax", "cummin")
     if spec.dtype.is_complex and name not in ("cumsum", "cumprod"):
         return [row(Shard(k), Shard(k)) for k in range(spec.ndim) if k != d]
-    per_row = _itemsize(spec.dtype) + 8 if extreme else _itemsize(_out_dtype(schema))
+    per_row = spec.dtype.itemsize + 8 if extreme else _out_dtype(schema).itemsize
     comm = [("all_gather", reduction_stats_bytes(spec, (d,), per_row))]
     algo = _extreme_sharded if extreme else _scan_sharded
     rows = [row(Shard(k), Shard(k)) for k in range(spec.ndim) if k != d]
