@@ -7,8 +7,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from shardops import Partial, Replicate, Shard, verify_samples
+from shardops import Partial, Replicate, Shard, ShardingError
 from shardops import verify as V
+from shardops.verify import samples as verify_samples
 from shardops.dispatch import registry
 from shardops.dispatch.strategy import row
 from shardops.placements import NormPartial
@@ -130,7 +131,7 @@ def test_json_report(tmp_path):
 
 
 def test_case_out_of_range_is_a_clear_error():
-    with pytest.raises(V.ShardingError, match="has cases 0..3"):
+    with pytest.raises(ShardingError, match="has cases 0..3"):
         quiet_verify(["aten.neg.default"], ["4"], case=99)
 
 
@@ -152,8 +153,8 @@ USED = [(k, d) for d in DTYPES for k in KINDS if k in V.alphabet(torch.zeros(1, 
 @pytest.mark.parametrize("m", [2, 4, 8])
 def test_pending_pieces_resolve_exactly(kind, dtype, m):
     x = verify_samples.make_tensor((5, 3), dtype, torch.Generator().manual_seed(1))
-    pieces = V.split_pending(x, kind, m, torch.Generator().manual_seed(2))
-    resolved = V.resolve_pending(pieces, kind)
+    pieces = verify_samples.split_pending(x, kind, m, torch.Generator().manual_seed(2))
+    resolved = verify_samples.resolve_pending(pieces, kind)
     if isinstance(kind, NormPartial):
         torch.testing.assert_close(resolved.double(), x.double().abs(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
     else:
@@ -168,7 +169,7 @@ def test_pending_pieces_resolve_exactly(kind, dtype, m):
 
 def test_sum_pieces_differ_from_an_even_split():
     x = verify_samples.make_tensor((4, 4), torch.float64, torch.Generator().manual_seed(0))
-    pieces = V.split_pending(x, Partial("sum"), 4, torch.Generator().manual_seed(0))
+    pieces = verify_samples.split_pending(x, Partial("sum"), 4, torch.Generator().manual_seed(0))
     assert all(not torch.allclose(p, x / 4) for p in pieces)
     assert any(bool((p * x < 0).any()) for p in pieces)  # sign changes
 
