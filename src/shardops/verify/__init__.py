@@ -4,7 +4,7 @@ One job per module, in the order a run uses them:
 
     targets.py   which ops: every registered op, discovered from the registry at run time
     samples.py   which arguments each op gets (the SAMPLES table: add a row for a new op)
-    prepare.py   samples torch accepts, with torch's outputs and gradients (the reference)
+    references.py samples torch accepts, with torch's outputs and gradients (the reference)
     layouts.py   which input placements: swept (--full) or a seeded sample
     forcing.py   running each sharded algorithm (not only the cost model's pick), recording what ran
     cases.py     one case's local pieces on every rank (pending inputs split exactly)
@@ -21,7 +21,7 @@ from .cli import add_arguments, main
 from .compare import compare
 from .driver import MESHES, parse_mesh, verify
 from .layouts import DEFAULT_BUDGET, alphabet, coverage_slots, sampled_cases
-from .prepare import prepare
+from .references import prepare
 from .report import VerifyReport
 from .targets import Target, discover, select
 

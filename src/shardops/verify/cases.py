@@ -24,7 +24,7 @@ from ..placements import dim_positions
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from .compare import TOLERANCE
 from .layouts import Case
-from .prepare import Prepared, reference, seed_key
+from .references import Prepared, reference, seed_key
 from .samples import resolve_pending, split_pending
 from .targets import Target
 
@@ -80,7 +80,26 @@ def build(target: Target, prep: Prepared, case: Case, mesh: DeviceMesh, seed: in
         coord = mesh.coordinate_of(rank)
         locals_[rank] = [_local_piece(t, pieces, pl, mesh, coord) for t, pieces, pl in per_operand]
     tol = TOLERANCE.get(prep.dtype, 1e-5)
-    return Built(case, target, prep, specs, locals_, ref_inputs, ref_out, ref_grads, ref_grads is not None, tol)
+    return Built(case, target, prep, specs, locals_, ref_inputs, ref_out, ref_grads, _checks_gradients(target, prep, case, ref_inputs, ref_grads), tol)
+
+
+def _checks_gradients(target: Target, prep: Prepared, case: Case, ref_inputs: Sequence[torch.Tensor], ref_grads) -> bool:
+    if ref_grads is None:
+        return False
+    if case.force is not None and target.kind == "torch_function":
+        # An entry intercepted at the torch-function level takes its own differentiable path (e.g.
+        # var through var_mean), which would bypass the forced algorithm; the unforced cases check it.
+        return False
+    if prep.sample.tie_outputs and _has_ties(ref_inputs[0], prep.sample.tie_dim):
+        return False  # equal values: torch and a sharded top-k may pick different ones, both right
+    return True
+
+
+def _has_ties(x: torch.Tensor, dim: int | None) -> bool:
+    if x.ndim == 0 or dim is None:
+        return False
+    ordered = x.sort(dim % x.ndim).values
+    return bool((ordered.diff(dim=dim % x.ndim) == 0).any())
 
 
 def replace_tensors(leaves: list[Any], tensors: Sequence[torch.Tensor]) -> list[Any]:

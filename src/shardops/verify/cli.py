@@ -9,7 +9,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--op", action="append", help="op name, exact or substring (aten.sum.dim_IntList, softmax); repeatable")
     parser.add_argument("--mesh", action="append", choices=sorted(MESHES), help="mesh shape (default: all of 4, 2x2, 2x2x2); repeatable")
     parser.add_argument("--full", action="store_true", help="every layout combination of every sample and dtype (slow: narrow with --op)")
-    parser.add_argument("--budget", type=int, default=None, help="cases per op and mesh in the sampled run (default: 5 / 4 / 3 by mesh dims; plus one case per sharded algorithm)")
+    parser.add_argument("--budget", type=int, default=None, help="cases per op and mesh in the sampled run (default: 4 / 4 / 2 by mesh dims; plus one case per sharded algorithm)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled run")
     parser.add_argument("--case", type=int, default=None, help="run only this case (with one --op and one --mesh): the reproduction of a failure")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")

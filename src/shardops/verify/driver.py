@@ -30,12 +30,16 @@ from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from . import forcing
 from .cases import build, replace_tensors
 from .layouts import DEFAULT_BUDGET, Case, all_cases, describe_layouts, sampled_cases
-from .prepare import Prepared, prepare, seed_key
+from ..tensor import DTensor
+from ..world import run
+from . import runner
+from .references import Prepared, call, prepare, seed_key
 from .report import Failure, OpRow, VerifyReport, print_report, repro_line
 from .runner import run_cases
 from .targets import Target, discover, select
 
 MESHES = {"4": (4,), "2x2": (2, 2), "2x2x2": (2, 2, 2)}
+PROBE_RANKS = 4  # the 1-D mesh on which an op's algorithms are listed
 TORCH_FUNCTION_BUDGET_SHARE = 0.5  # torch-level entries mostly re-run the aten ops they wrap
 
 
@@ -49,19 +53,28 @@ def parse_mesh(mesh: str | Sequence[int]) -> tuple[str, tuple[int, ...]]:
 
 
 def algorithm_labels(target: Target, prepared: Sequence[Prepared]) -> list[set[str]]:
-    """Per prepared sample, the labels of the sharded algorithms the op's rows offer for it.
+    """Per prepared sample, the labels of the sharded algorithms the op can run on it.
 
-    Planned on a 1-D mesh of 4 (each candidate is then one row of the rule). Only aten ops with a
-    rule have rows; torch-level entries run the aten ops they wrap, which are checked on their own.
+    An aten op with a rule: its rows, planned on a 1-D mesh of 4 (each candidate is one row).
+    A torch-level entry (torch.cumsum, F.rms_norm, ...): the algorithms of the aten ops it reaches,
+    found by a probe run of its float64 samples (values only, Replicate inputs).
     """
     fn = target.fn
-    if not isinstance(fn, torch._ops.OpOverload) or fn not in registry.RULES:
-        return [set() for _ in prepared]
-    mesh = DeviceMesh("cpu", torch.arange(4))
+    if isinstance(fn, torch._ops.OpOverload):
+        return _planned_labels(fn, prepared) if fn in registry.RULES else [set() for _ in prepared]
+    return _probed_labels(target, prepared)
+
+
+def _specs_on(mesh: DeviceMesh, prep: Prepared) -> list[TensorSpec]:
+    replicate = (Replicate(),) * mesh.ndim
+    return [TensorSpec(mesh, replicate, TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype)) for t in prep.tensors]
+
+
+def _planned_labels(fn, prepared: Sequence[Prepared]) -> list[set[str]]:
+    mesh = DeviceMesh("cpu", torch.arange(PROBE_RANKS))
     found = []
     for prep in prepared:
-        specs = [TensorSpec(mesh, (Replicate(),), TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype)) for t in prep.tensors]
-        args, kwargs = pytree.tree_unflatten(replace_tensors(prep.leaves, specs), prep.tree)
+        args, kwargs = pytree.tree_unflatten(replace_tensors(prep.leaves, _specs_on(mesh, prep)), prep.tree)
         try:
             report = core.plan_op(fn, args, kwargs)
         except Exception:  # noqa: BLE001 - the rule refuses this sample: it offers no algorithm for it
@@ -69,6 +82,33 @@ def algorithm_labels(target: Target, prepared: Sequence[Prepared]) -> list[set[s
             continue
         found.append(forcing.labels_of(report.candidates))
     return found
+
+
+def _probed_labels(target: Target, prepared: Sequence[Prepared]) -> list[set[str]]:
+    mesh = DeviceMesh("cpu", torch.arange(PROBE_RANKS))
+    found: list[set[str]] = [set() for _ in prepared]
+    with forcing.forcing(None):  # the planner's hook, which sees what is offered
+        for i, prep in enumerate(prepared):
+            _probe_one(target, prep, mesh, found[i])
+    return found
+
+
+def _probe_one(target: Target, prep: Prepared, mesh: DeviceMesh, found: set[str]) -> None:
+    if prep.dtype != torch.float64:
+        return
+    specs = _specs_on(mesh, prep)
+
+    def probe() -> None:
+        leaves = replace_tensors(prep.leaves, [DTensor._make(t.clone(), s) for t, s in zip(prep.tensors, specs)])
+        with forcing.offering() as offered:
+            call(target.fn, prep.tree, leaves)
+        found.update(offered)
+
+    core.clear_cache()  # a cached decision is not offered again
+    try:
+        run(probe, PROBE_RANKS, timeout=runner.CASE_TIMEOUT)
+    except Exception:  # noqa: BLE001 - the sample fails on DTensors: its cases report that
+        pass
 
 
 def forced_cases(prepared: Sequence[Prepared], labels: Sequence[set[str]], mesh_shape, first_index: int, seed: int) -> list[Case]:
@@ -177,7 +217,18 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
             _run_unit(t, prepared, mesh, shape, cases, rows[t.group], failures, settings)
             rows[t.group].seconds += time.perf_counter() - t0
             bar.advance(task, len(cases))
+    _attribute_elsewhere(rows)
     return VerifyReport(rows, failures, {}, settings)
+
+
+def _attribute_elsewhere(rows: dict[str, OpRow]) -> None:
+    """For each op's registered algorithms its own cases did not run: which other ops' cases ran them."""
+    for r in rows.values():
+        for label in sorted(r.algorithms_registered):
+            if not r.algorithms_run[label]:
+                others = [o.group for o in rows.values() if o is not r and o.algorithms_run[label]]
+                if others:
+                    r.algorithms_run_elsewhere[label] = others
 
 
 def _run_unit(t: Target, prepared, mesh_name_: str, shape, cases: list[Case], row: OpRow, failures: list[Failure], settings) -> None:

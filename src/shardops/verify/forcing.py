@@ -7,7 +7,9 @@ runs cases with one algorithm forced: `forcing(label)` keeps, for every op
 whose candidates include a row with that label, only those candidates (the
 cheapest of them wins), and leaves every other op to the cost model.
 
-`recording()` (one per rank thread and case) collects the labels of the
+`offering()` collects the labels of every algorithm the planner could have
+chosen (verify's probe of torch-level entries, whose rows belong to the aten
+ops they reach). `recording()` (one per rank thread and case) collects the labels of the
 sharded algorithms that actually ran, so the report says what ran, not what
 was asked for. Both work through the planner's CHOICE_HOOKS; decisions are
 cached, so the cache is cleared whenever the forced label changes.
@@ -47,6 +49,9 @@ def _recorded(algorithm: Callable[..., Any], label: str) -> Callable[..., Any]:
 
 
 def _choose(ranked: list[Candidate]) -> list[Candidate]:
+    offered = getattr(_thread, "offered", None)
+    if offered is not None:
+        offered.update(labels_of(ranked))
     label = _forced["label"]
     if label is not None:
         ranked = [c for c in ranked if label in algorithm_labels(c)] or ranked
@@ -99,6 +104,18 @@ def recording() -> Iterator[set[str]]:
         yield ran
     finally:
         _thread.ran = previous
+
+
+@contextlib.contextmanager
+def offering() -> Iterator[set[str]]:
+    """On this thread, the labels of every sharded algorithm the planner is offered inside the block
+    (chosen or not; decisions served from the cache are not seen: clear it first)."""
+    previous = getattr(_thread, "offered", None)
+    _thread.offered = offered = set()
+    try:
+        yield offered
+    finally:
+        _thread.offered = previous
 
 
 def labels_of(candidates: Sequence[Candidate]) -> set[str]:

@@ -19,7 +19,7 @@ from ..world import current_comm, run
 from .cases import Built, replace_tensors
 from .compare import tie_aware, worst_of
 from .forcing import recording
-from .prepare import call, differentiable
+from .references import call, differentiable
 
 CASE_TIMEOUT = 30.0  # seconds a rank waits in a collective before the case counts as hung
 
