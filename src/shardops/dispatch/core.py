@@ -379,8 +379,9 @@ class PlanReport:
     replicate_only: bool
 
 
-def plan_op(func, args: tuple, kwargs: dict | None = None, links=None) -> PlanReport:
-    """Every candidate for `func` on TensorSpec operands: metadata only, no data, no collectives, no rank needed."""
+def plan_op(func, args: tuple, kwargs: dict | None = None, links=None, limit: int | None = None) -> PlanReport:
+    """The candidates for `func` on TensorSpec operands (the best `limit`; see strategy.candidates):
+    metadata only, no data, no collectives, no rank needed."""
     kwargs = kwargs or {}
     flat, tree = pytree.tree_flatten((args, kwargs))
     tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, TensorSpec)]
@@ -393,5 +394,5 @@ def plan_op(func, args: tuple, kwargs: dict | None = None, links=None) -> PlanRe
         return PlanReport(schema, [], out_metas, True, func in REPLICATE_ONLY)
     rows = rule(schema)
     inplace = _inplace_index(func, flat, tensor_pos) == 0 and bool(tensor_pos) and tensor_pos[0] == 0
-    cands = candidates(rows, specs, [(m.shape, _itemsize(m.dtype)) for m in out_metas], links=links, filter_fn=_inplace_filter(specs) if inplace else None)
+    cands = candidates(rows, specs, [(m.shape, _itemsize(m.dtype)) for m in out_metas], links=links, filter_fn=_inplace_filter(specs) if inplace else None, limit=limit)
     return PlanReport(schema, cands, out_metas, False, False)
