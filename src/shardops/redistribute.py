@@ -320,7 +320,11 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
                 recv.append(tuple(s))
             x = _assemble(comm.all_to_all(chunks, group, recv), a, step.src)
         state[i] = step.dst
-    return x
+    # A slice of a non-leading dim leaves a strided view, and some of torch's CPU kernels
+    # (native_layer_norm_backward's mean/rstd) read their inputs as contiguous, as torch's
+    # DTensor shards are. The copy is paid only then: collectives already return fresh
+    # contiguous tensors and a leading-dim slice is contiguous.
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _member_shape(spec: TensorSpec, coordinate: Sequence[int], state: Sequence[Placement], mesh_dim: int, c: int) -> tuple[int, ...]:
