@@ -402,6 +402,10 @@ def _check_like_torch(a: dict[str, Any]) -> None:
     mask = a["attn_mask"]
     if mask is not None:
         meta["attn_mask"] = torch.empty(mask.shape, dtype=mask.dtype, device="meta")
+    if mask is not None:
+        # torch's CPU path takes a mask and is_causal together (both apply); its meta path refuses
+        # the pair, so the mask's shape is checked without the causal flag
+        meta["is_causal"] = False
     try:
         call_default(F.scaled_dot_product_attention, (), {**a, **meta})
     except (RuntimeError, ValueError) as e:
