@@ -54,6 +54,7 @@ from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ._shard_stats import ShardLine, call_default, grad_local, needs_grad, resolve_partials, shard_line
 from .common import global_positions, mesh_dims_sharding
+from .softmax import opmath_dtype
 
 aten = torch.ops.aten
 R = Replicate()
@@ -95,7 +96,7 @@ def _sees_a_key(mask: torch.Tensor, causal: bool, lse_shape: Sequence[int]) -> t
 def _empty_forward(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # The CPU kernel dies (SIGFPE) on empty heads, queries or keys: an empty shard never reaches it.
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-    return out, torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+    return out, torch.zeros(q.shape[:-1], dtype=opmath_dtype(q.dtype), device=q.device)
 
 
 def rows_forward(q, k, v, *, q_start: int, is_causal: bool, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +118,7 @@ def rows_forward(q, k, v, *, q_start: int, is_causal: bool, mask, scale) -> tupl
     lse = torch.logsumexp(torch.stack(lses), 0)
     finite = lse > -math.inf
     safe = torch.where(finite, lse, 0.0)
-    out = sum(torch.exp(c - safe).unsqueeze(-1) * o.float() for c, (o, _) in zip(lses, results))
+    out = sum(torch.exp(c - safe).unsqueeze(-1) * o.to(lse.dtype) for c, (o, _) in zip(lses, results))
     # rows that see no key at all: 0 and lse 0, as the kernel gives them
     return torch.where(finite.unsqueeze(-1), out, 0.0).to(q.dtype), torch.where(finite, lse, 0.0)
 
@@ -432,17 +433,23 @@ def _served(a: dict[str, Any]) -> bool:
     return q.ndim == k.ndim == v.ndim == 4 and same and (mask is None or mask.ndim in (2, 4))
 
 
+def _resolved(x):
+    """`x` with pending reductions resolved, through autograd (the gradient flows back to the pending input)."""
+    target = tuple(R if p.is_partial() else p for p in x._spec.placements)
+    return x if target == x._spec.placements else x.redistribute(placements=target)
+
+
 def scaled_dot_product_attention(*args, **kwargs):
     a = _parse_sdpa(args, kwargs)
     if not _served(a):
         return call_default(F.scaled_dot_product_attention, args, kwargs)
     _check_like_torch(a)
-    q, k, v = (resolve_partials(a[n]) for n in ("query", "key", "value"))
+    q, k, v = (_resolved(a[n]) for n in ("query", "key", "value"))
     mask = _additive(a["attn_mask"], q.dtype)
     if mask is not None:
         from ..tensor import DTensor
 
-        mask = resolve_partials(mask) if isinstance(mask, DTensor) else mask.detach()
+        mask = resolve_partials(mask) if isinstance(mask, DTensor) else mask.detach()  # no gradient for a mask
     scale, causal = a["scale"], bool(a["is_causal"])
     flat, tree = core.flatten_args((q, k, v, 0.0, causal), {"attn_mask": mask, "scale": scale})
     tensor_pos = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
