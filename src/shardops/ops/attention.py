@@ -44,15 +44,16 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import cost
 from ..dispatch import core
 from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema
+from ..dispatch.schema import OpSchema, static_key
 from ..dispatch.strategy import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
-from ._shard_stats import ShardLine, call_default, grad_local, needs_grad, resolve_partials, shard_line
+from ._shard_stats import ShardLine, call_default, grad_local, resolve_partials, shard_line
 from .common import global_positions, mesh_dims_sharding
 from .softmax import opmath_dtype
 
@@ -156,8 +157,8 @@ def _kv_head_index(q_spec: TensorSpec, k_spec: TensorSpec) -> torch.Tensor | Non
     return torch.tensor([h // group for h in global_positions(q_spec, HEADS)], dtype=torch.int64)
 
 
-def _sizes_along(spec: TensorSpec, local: torch.Tensor, line: ShardLine) -> list[int]:
-    """Element counts of every line member's piece of `spec` (the shapes differ only along the line's dim)."""
+def _sizes_along(local: torch.Tensor, line: ShardLine) -> list[int]:
+    """Element counts of every line member's piece (shaped like `local` but for the line's dim)."""
     per_position = math.prod(s for d, s in enumerate(local.shape) if d != line.dim)
     return [n * per_position for n in line.sizes]
 
@@ -167,7 +168,7 @@ def gather_keys(k: torch.Tensor, v: torch.Tensor, k_spec: TensorSpec) -> tuple[t
     line = shard_line(k_spec, SEQ)
     if not line.mesh_dims:
         return k, v, None
-    nk, nv = _sizes_along(k_spec, k, line), _sizes_along(k_spec, v, line)
+    nk, nv = _sizes_along(k, line), _sizes_along(v, line)
     mesh = k_spec.mesh
     packed = torch.cat([k.reshape(-1), v.reshape(-1).to(k.dtype)])
     parts = mesh.comm.all_gather(packed, mesh.group(line.mesh_dims), shapes=[(a + b,) for a, b in zip(nk, nv)])
@@ -439,31 +440,46 @@ def _resolved(x):
     return x if target == x._spec.placements else x.redistribute(placements=target)
 
 
+# (q, k, v, mask layouts and shapes, causal, scale, link model) -> the planner's input layouts
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _plan_layouts(q, k, v, mask, causal: bool, scale, a: dict[str, Any]) -> tuple | None:
+    """The input layouts the planner picks for the forward op's rows (None: it has none; torch's path then)."""
+    mask_key = None if mask is None else (mask._key if hasattr(mask, "_spec") else ("plain", mask.shape, mask.dtype))
+    key = (q._key, k._key, v._key, mask_key, causal, static_key(scale), cost._CACHE_EPOCH[0])
+    layouts = _LAYOUTS.get(key)
+    if layouts is None:
+        _check_like_torch(a)
+        flat, tree = core.flatten_args((q, k, v, 0.0, causal), {"attn_mask": mask, "scale": scale})
+        tensor_pos = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+        decision = core.decide(FLASH, flat, tree, tensor_pos)
+        if decision.fallback or decision.candidate is None:
+            return None
+        layouts = _LAYOUTS[key] = tuple(decision.candidate.inputs) + ((None,) if mask is None else ())
+    return layouts
+
+
 def scaled_dot_product_attention(*args, **kwargs):
+    """F.scaled_dot_product_attention with DTensor q, k, v: planned by the flash op's rows, run by `_Attention`."""
+    from ..tensor import DTensor, distribute_tensor
+
     a = _parse_sdpa(args, kwargs)
     if not _served(a):
         return call_default(F.scaled_dot_product_attention, args, kwargs)
-    _check_like_torch(a)
     q, k, v = (_resolved(a[n]) for n in ("query", "key", "value"))
     mask = _additive(a["attn_mask"], q.dtype)
-    if mask is not None:
-        from ..tensor import DTensor
-
-        mask = resolve_partials(mask) if isinstance(mask, DTensor) else mask.detach()  # no gradient for a mask
+    if mask is not None:  # a mask gets no gradient (torch's CPU flash kernel gives it none either)
+        mask = resolve_partials(mask) if isinstance(mask, DTensor) else mask.detach()
     scale, causal = a["scale"], bool(a["is_causal"])
-    flat, tree = core.flatten_args((q, k, v, 0.0, causal), {"attn_mask": mask, "scale": scale})
-    tensor_pos = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
-    decision = core.decide(FLASH, flat, tree, tensor_pos)
-    if decision.fallback or decision.candidate is None:  # no rows: torch's own path (its fallback warns or raises)
+    layouts = _plan_layouts(q, k, v, mask, causal, scale, a)
+    if layouts is None:  # no rows apply: torch's own path (the fallback warns, or raises in strict mode)
         return call_default(F.scaled_dot_product_attention, args, kwargs)
-    layouts = tuple(decision.candidate.inputs) + ((None,) if mask is None else ())
-    if mask is not None and not hasattr(mask, "_spec"):
-        from ..tensor import distribute_tensor
-
+    if mask is not None and not isinstance(mask, DTensor):  # a plain mask is every rank's own copy: Replicate
         mask = distribute_tensor(mask, q._spec.mesh, [R] * q._spec.mesh.ndim, src_data_rank=None)
     return _Attention.apply(q, k, v, mask, causal, scale, layouts)
 
 
 register(_forward_rule, FLASH)
 register(_backward_rule, FLASH_BACKWARD)
-register_torch_function(scaled_dot_product_attention, F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+register_torch_function(scaled_dot_product_attention, F.scaled_dot_product_attention)  # the same object as torch._C._nn's
