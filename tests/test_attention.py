@@ -313,3 +313,23 @@ def test_explicit_attention_heads_sharded_moves_nothing():
         torch.testing.assert_close(out, want.detach(), rtol=1e-5, atol=1e-5)
         for got, w in zip(grads, (ref_q.grad, ref_k.grad, ref_v.grad)):
             torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+
+
+def test_long_sequence_stays_context_parallel():
+    """The query's layout is the caller's parallelism: at this size the cost model alone would
+    all_to_all q, k and v onto the batch of 1 (3 idle ranks); attention keeps q and the output
+    on the sequence and moves only K and V."""
+    q, k, v, _, _ = _inputs((1, 4, 1024, 64))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (4,))
+        dq, dk, dv = (so.distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v))
+        with so.CommDebugMode() as comm:
+            out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        return comm.get_comm_counts(), comm.get_total_bytes(), out.placements, out.full_tensor()
+
+    for counts, nbytes, placements, got in so.run(body, 4):
+        assert counts == {"all_gather": 1} and nbytes == 2 * 4 * 256 * 64 * 4
+        assert placements == (Shard(2),)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -48,7 +48,7 @@ from .. import cost
 from ..dispatch import core
 from ..dispatch.registry import register, register_torch_function
 from ..dispatch.schema import OpSchema, static_key
-from ..dispatch.strategy import Row, row
+from ..dispatch.strategy import Candidate, Row, candidates, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard
 from ..redistribute import redistribute_local
@@ -444,6 +444,30 @@ def _resolved(x):
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
+def _cheapest_keeping_queries(flat: list, tree) -> Candidate | None:
+    """The cheapest candidate of the forward op's rows that leaves q's shards where they are.
+
+    The query's layout is the caller's choice of parallelism (sequence/context, heads, batch)
+    and the output inherits it: only K, V and the mask move. Without this the cost model,
+    which prices bytes and not idle ranks, would all_to_all a long sequence onto a batch of 1.
+    Where no row keeps q (e.g. q sharded on its head dim), the cheapest of all.
+    """
+    tensor_pos = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+    specs = core.operand_specs(flat, tensor_pos, FLASH)
+    metas = core.meta_outputs(FLASH, flat, tree, tensor_pos, specs)
+    if metas is None:
+        return None
+    rows = _forward_rule(core.make_schema(FLASH, flat, tree, tensor_pos, specs))
+    out_shapes = [(m.shape, m.dtype.itemsize) for m in metas[0]]
+    mine = specs[0].placements
+
+    def keeps_queries(c: Candidate) -> bool:
+        return all(got == had for got, had in zip(c.inputs[0], mine) if had.is_shard())
+
+    cands = candidates(rows, specs, out_shapes, filter_fn=keeps_queries) or candidates(rows, specs, out_shapes)
+    return cands[0] if cands else None
+
+
 def _plan_layouts(q, k, v, mask, causal: bool, scale, a: dict[str, Any]) -> tuple | None:
     """The input layouts the planner picks for the forward op's rows (None: it has none; torch's path then)."""
     mask_key = None if mask is None else (mask._key if hasattr(mask, "_spec") else ("plain", mask.shape, mask.dtype))
@@ -452,11 +476,10 @@ def _plan_layouts(q, k, v, mask, causal: bool, scale, a: dict[str, Any]) -> tupl
     if layouts is None:
         _check_like_torch(a)
         flat, tree = core.flatten_args((q, k, v, 0.0, causal), {"attn_mask": mask, "scale": scale})
-        tensor_pos = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
-        decision = core.decide(FLASH, flat, tree, tensor_pos)
-        if decision.fallback or decision.candidate is None:
+        best = _cheapest_keeping_queries(flat, tree)
+        if best is None:
             return None
-        layouts = _LAYOUTS[key] = tuple(decision.candidate.inputs) + ((None,) if mask is None else ())
+        layouts = _LAYOUTS[key] = tuple(best.inputs) + ((None,) if mask is None else ())
     return layouts
 
 
