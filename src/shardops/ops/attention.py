@@ -5,8 +5,9 @@ On CPU (torch 2.13) `F.scaled_dot_product_attention` reaches
 -> (out, logsumexp) and its `_backward`. A bool mask is first turned additive with `where`;
 is_causal and attn_mask may be combined (both apply); GQA (fewer K/V heads) goes into the
 kernel as it is. With dropout_p > 0 it decomposes before dispatch (bmm, _safe_softmax,
-bernoulli_, ...) and those ops' own rows serve it. Inputs are [B, H, L, D] (other ranks take
-torch's math path, which decomposes too).
+bernoulli_, ...) and those ops' own rows serve it. Inputs are [B, H, L, D] (inputs of other
+ndims take torch's math path, which decomposes too). The CPU kernel dies (SIGFPE) on empty
+heads, queries or keys, so an empty shard never reaches it.
 
 Rows for one mesh dim (q, k, v, [mask] -> out, logsumexp; the mask's dims line up with the
 score's [B, H, L, S] from the right and stay Replicate where they broadcast):
@@ -31,7 +32,8 @@ backward each chunk's kernel takes the merged out and logsumexp, so the chunks' 
 their dk/dv are the exact gradients of their keys. Keys >= b are never touched.
 
 `F.scaled_dot_product_attention` on DTensors enters `_Attention` (an autograd.Function) from
-__torch_function__: the planner chooses the layout from the forward op's rows, and the
+__torch_function__: the planner chooses the layout from the forward op's rows, keeping q's
+shards where they are (the caller's parallelism; only K, V and the mask move), and the
 backward reuses the K/V gathered in forward, so a context-parallel step moves K and V once
 (one all_gather) and their gradients once (one reduce_scatter); gradients come back
 contiguous and in the inputs' layouts.
