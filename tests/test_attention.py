@@ -48,6 +48,9 @@ def _inputs(q_shape, kv_heads=None, kv_len=None, dtype=torch.float32, mask=None,
     elif mask == "additive4d":
         m = torch.randn(b, 1, l, s, generator=g).to(dtype)
         m[..., ::4] = -math.inf
+    elif mask == "per_head":
+        m = torch.randn(b, h, l, s, generator=g).to(dtype)
+        m[:, ::2, :, 1::2] = -math.inf
     return q, k, v, grad, m
 
 
@@ -142,6 +145,14 @@ def test_masks(mesh_shape, layout, mask, mask_layout, causal):
     if mask_layout is not None and mask == "additive4d":
         mask_layout = ("S0",) if layout == ("S0",) else (mask_layout,)
     _check(mesh_shape, layout, layout, UNEVEN, mask=mask, mask_layout=mask_layout, is_causal=causal)
+
+
+@pytest.mark.parametrize("layout", ["S0", "S1", "S2"])
+def test_per_head_mask_sharded_like_the_scores_moves_nothing_but_kv(layout):
+    results = _check((4,), (layout,), (layout,), UNEVEN, mask="per_head", mask_layout=(layout,), is_causal=True)
+    for _, _, fwd, bwd in results:
+        expected = {"all_gather": 1} if layout == "S2" else {}
+        assert fwd.get_comm_counts() == expected, "the mask, sharded like the scores, stays where it is"
 
 
 def test_mask_sharded_like_the_scores():
