@@ -314,10 +314,12 @@ def test_explicit_attention_heads_sharded_moves_nothing():
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         dq, dk, dv = (so.distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (q, k, v))
-        with so.CommDebugMode() as comm:
+        with so.CommDebugMode() as fwd:
             out = explicit(dq, dk, dv, torch_mask)
-            out.backward(so.distribute_tensor(grad, mesh, out.placements))
-        return comm.get_total_bytes(), out.placements, out.full_tensor(), [t.grad.full_tensor() for t in (dq, dk, dv)]
+        g = so.distribute_tensor(grad, mesh, out.placements)
+        with so.CommDebugMode() as bwd:
+            out.backward(g)
+        return fwd.get_total_bytes() + bwd.get_total_bytes(), out.placements, out.full_tensor(), [t.grad.full_tensor() for t in (dq, dk, dv)]
 
     for nbytes, placements, out, grads in so.run(body, 4):
         assert nbytes == 0 and placements == (Shard(1),)
@@ -344,3 +346,24 @@ def test_long_sequence_stays_context_parallel():
         assert counts == {"all_gather": 1} and nbytes == 2 * 4 * 256 * 64 * 4
         assert placements == (Shard(2),)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_keys_and_values_send_no_gradient():
+    """Only q needs a gradient: the backward issues no reduce_scatter."""
+    q, k, v, grad, _ = _inputs(SHAPE)
+    ref_q = q.clone().requires_grad_()
+    F.scaled_dot_product_attention(ref_q, k, v, is_causal=True).backward(grad)
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (4,))
+        dq = so.distribute_tensor(q, mesh, [Shard(2)]).requires_grad_()
+        dk, dv = (so.distribute_tensor(t, mesh, [Shard(2)]) for t in (k, v))
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        g = so.distribute_tensor(grad, mesh, out.placements)
+        with so.CommDebugMode() as bwd:
+            out.backward(g)
+        return bwd.get_total_counts(), dq.grad.placements, dq.grad.full_tensor()
+
+    for counts, placements, got in so.run(body, 4):
+        assert counts == 0 and placements == (Shard(2),)
+        torch.testing.assert_close(got, ref_q.grad, rtol=1e-5, atol=1e-5)

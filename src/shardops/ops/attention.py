@@ -366,8 +366,8 @@ class _Attention(torch.autograd.Function):
         options = {"q_start": _q_start(q_spec), **_call_options(is_causal, m_l, scale)}
         out, lse = rows_forward(q_l, k_full, v_full, **options)
         ctx.save_for_backward(q_l, k_full, v_full, out, lse)
-        ctx.mask, ctx.options, ctx.line, ctx.heads = m_l, options, line, heads
-        ctx.specs, ctx.layouts, ctx.inputs = (q_spec, k_spec, v_spec), layouts, (q._spec, k._spec, v._spec)
+        ctx.options, ctx.line, ctx.heads = options, line, heads
+        ctx.layouts, ctx.inputs = layouts, (q._spec, k._spec, v._spec)
         ctx.kv_heads = k.shape[HEADS]
         out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
         ctx.out_spec = TensorSpec(q_spec.mesh, layouts[0], TensorMeta(out_shape, contiguous_stride(out_shape), q.dtype))
@@ -380,16 +380,15 @@ class _Attention(torch.autograd.Function):
         q_l, k_full, v_full, out, lse = ctx.saved_tensors
         g = grad_local(grad, ctx.out_spec, ctx.layouts[0]).to(out.dtype)
         dq, dk, dv = rows_backward(g, q_l, k_full, v_full, out, lse, **ctx.options)
+        dq = _grad_home(dq, ctx.layouts[0], ctx.inputs[0]) if ctx.needs_input_grad[0] else None
+        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):  # frozen K/V: no reduce_scatter
+            return dq, None, None, None, None, None, None
         dk, dv = _sum_heads(dk, dv, ctx.heads, ctx.kv_heads)
         if ctx.line is not None:
             dk, dv = scatter_key_grads(dk, dv, ctx.line)
+        # K/V replicated where q is sharded: each rank holds its query rows' share of their gradient
         kv_grad = tuple(P_SUM if pkv.is_replicate() and pq.is_shard() else pkv for pkv, pq in zip(ctx.layouts[1], ctx.layouts[0]))
-        return (
-            _grad_home(dq, ctx.layouts[0], ctx.inputs[0]),
-            _grad_home(dk, kv_grad, ctx.inputs[1]),
-            _grad_home(dv, kv_grad, ctx.inputs[2]),
-            None, None, None, None,
-        )
+        return dq, _grad_home(dk, kv_grad, ctx.inputs[1]), _grad_home(dv, kv_grad, ctx.inputs[2]), None, None, None, None
 
 
 def _parse_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
