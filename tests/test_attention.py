@@ -367,3 +367,11 @@ def test_frozen_keys_and_values_send_no_gradient():
     for counts, placements, got in so.run(body, 4):
         assert counts == 0 and placements == (Shard(2),)
         torch.testing.assert_close(got, ref_q.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_layout", ["S2", "R"])
+def test_empty_sequence_shards(kv_layout, causal):
+    """3 positions on 4 ranks: the last rank holds no query and no key (the CPU kernel must never see it)."""
+    _check((4,), ("S2",), (kv_layout,), (2, 2, 3, 4), is_causal=causal)
+    _check((2, 2), ("S2", "S2"), (kv_layout, kv_layout), (1, 3, 3, 4), is_causal=causal)
