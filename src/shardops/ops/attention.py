@@ -48,14 +48,15 @@ import torch.nn.functional as F
 
 from .. import cost
 from ..dispatch import core
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema, static_key
-from ..dispatch.strategy import Candidate, Row, candidates, row
+from ..dispatch.registry import call_default, register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema, static_key
+from ..dispatch.strategy import Candidate, Row, row
 from ..errors import ShardingError
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
-from ._shard_stats import ShardLine, call_default, grad_local, resolve_partials, shard_line
+from ..tensor import DTensor, distribute_tensor
+from ._shard_stats import ShardLine, grad_local, resolve_partials, shard_line
 from .common import global_positions, mesh_dims_sharding
 from .softmax import opmath_dtype
 
@@ -334,8 +335,6 @@ def _layout_of(x, placements) -> tuple[torch.Tensor, TensorSpec]:
 
 
 def _wrap(local: torch.Tensor, like: TensorSpec, placements: Sequence[Placement], dtype: torch.dtype | None = None):
-    from ..tensor import DTensor
-
     dtype = like.dtype if dtype is None else dtype
     meta = TensorMeta(like.shape, contiguous_stride(like.shape), dtype)
     return DTensor._make(local.contiguous().to(dtype), TensorSpec(like.mesh, tuple(placements), meta))
@@ -391,28 +390,23 @@ class _Attention(torch.autograd.Function):
         return dq, _grad_home(dk, kv_grad, ctx.inputs[1]), _grad_home(dv, kv_grad, ctx.inputs[2]), None, None, None, None
 
 
-def _parse_sdpa(args: tuple, kwargs: dict) -> dict[str, Any]:
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    bound = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound
+def _sdpa_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, enable_gqa=False): ...  # noqa: E704  (torch's form)
 
 
-def _check_like_torch(a: dict[str, Any]) -> None:
+def _check_like_torch(b: dict[str, Any]) -> None:
     """torch's own validation of the call, run on meta tensors: bad input is refused before any data moves."""
-    meta = {n: torch.empty(a[n].shape, dtype=a[n].dtype, device="meta") for n in ("query", "key", "value")}
-    mask = a["attn_mask"]
+    meta = {n: torch.empty(b[n].shape, dtype=b[n].dtype, device="meta") for n in ("query", "key", "value")}
+    mask = b["attn_mask"]
     if mask is not None:
         meta["attn_mask"] = torch.empty(mask.shape, dtype=mask.dtype, device="meta")
-    if mask is not None:
         # torch's CPU path takes a mask and is_causal together (both apply); its meta path refuses
         # the pair, so the mask's shape is checked without the causal flag
         meta["is_causal"] = False
     try:
-        call_default(F.scaled_dot_product_attention, (), {**a, **meta})
+        call_default(F.scaled_dot_product_attention, (), {**b, **meta})
     except (RuntimeError, ValueError) as e:
-        raise ShardingError(f"scaled_dot_product_attention on {[tuple(a[n].shape) for n in ('query', 'key', 'value')]}: torch refuses this call: {e}") from e
+        shapes = [tuple(b[n].shape) for n in ("query", "key", "value")]
+        raise ShardingError(f"scaled_dot_product_attention on {shapes}: torch refuses this call: {e}") from e
 
 
 def _additive(mask, dtype: torch.dtype):
@@ -422,88 +416,73 @@ def _additive(mask, dtype: torch.dtype):
     return torch.where(mask, torch.zeros((), dtype=dtype), torch.full((), -math.inf, dtype=dtype))
 
 
-def _served(a: dict[str, Any]) -> bool:
+def _served(b: dict[str, Any]) -> bool:
     """Calls `_Attention` serves: DTensor q, k, v of [B, H, L, D], no dropout, a mask that needs no gradient."""
-    from ..tensor import DTensor
-
-    q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
-    if not all(isinstance(t, DTensor) for t in (q, k, v)) or a["dropout_p"]:
+    q, k, v, mask = b["query"], b["key"], b["value"], b["attn_mask"]
+    if not all(isinstance(t, DTensor) for t in (q, k, v)) or b["dropout_p"]:
         return False
-    if mask is not None and (mask.requires_grad or not isinstance(mask, (DTensor, torch.Tensor))):
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.requires_grad):
         return False
     same = q.shape[BATCH] == k.shape[BATCH] == v.shape[BATCH] and k.shape[:3] == v.shape[:3]
     return q.ndim == k.ndim == v.ndim == 4 and same and (mask is None or mask.ndim in (2, 4))
 
 
-def _resolved(x):
+def _resolved(x: DTensor) -> DTensor:
     """`x` with pending reductions resolved, through autograd (the gradient flows back to the pending input)."""
-    target = tuple(R if p.is_partial() else p for p in x._spec.placements)
+    target = without_partials(x._spec.placements)
     return x if target == x._spec.placements else x.redistribute(placements=target)
 
 
-# (q, k, v, mask layouts and shapes, causal, scale, link model) -> the planner's input layouts
-_LAYOUTS: dict[tuple, tuple] = {}
-
-
-def _cheapest_keeping_queries(flat: list, tree) -> Candidate | None:
-    """The cheapest candidate of the forward op's rows that leaves q's shards where they are.
+def _keeping_queries(decision: core.Decision) -> Candidate:
+    """The cheapest candidate that leaves q's shards where they are.
 
     The query's layout is the caller's choice of parallelism (sequence/context, heads, batch)
     and the output inherits it: only K, V and the mask move. Without this the cost model,
     which prices bytes and not idle ranks, would all_to_all a long sequence onto a batch of 1.
     Where no row keeps q (e.g. q sharded on its head dim), the cheapest of all.
     """
-    tensor_pos = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
-    specs = core.operand_specs(flat, tensor_pos, FLASH)
-    metas = core.meta_outputs(FLASH, flat, tree, tensor_pos, specs)
-    if metas is None:
-        return None
-    rows = _forward_rule(core.make_schema(FLASH, flat, tree, tensor_pos, specs))
-    out_shapes = [(m.shape, m.dtype.itemsize) for m in metas[0]]
-    mine = specs[0].placements
-
-    def keeps_queries(c: Candidate) -> bool:
-        return all(got == had for got, had in zip(c.inputs[0], mine) if had.is_shard())
-
-    cands = candidates(rows, specs, out_shapes, filter_fn=keeps_queries) or candidates(rows, specs, out_shapes)
-    return cands[0] if cands else None
+    mine = decision.in_specs[0].placements
+    for c in decision.candidates:
+        if all(got == had for got, had in zip(c.inputs[0], mine) if had.is_shard()):
+            return c
+    return decision.candidate
 
 
-def _plan_layouts(q, k, v, mask, causal: bool, scale, a: dict[str, Any]) -> tuple | None:
-    """The input layouts the planner picks for the forward op's rows (None: it has none; torch's path then)."""
-    mask_key = None if mask is None else (mask._key if hasattr(mask, "_spec") else ("plain", mask.shape, mask.dtype))
-    key = (q._key, k._key, v._key, mask_key, causal, static_key(scale), cost._CACHE_EPOCH[0])
+# (q, k, v, mask layouts and shapes, causal, scale, link model) -> the chosen input layouts
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _plan_layouts(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool, scale, b: dict[str, Any]) -> tuple | None:
+    """The input layouts for the forward op's rows (None: no rows apply; torch's path then)."""
+    key = (q._key, k._key, v._key, None if mask is None else mask._key, causal, static_key(scale), cost._CACHE_EPOCH[0])
     layouts = _LAYOUTS.get(key)
     if layouts is None:
-        _check_like_torch(a)
-        flat, tree = core.flatten_args((q, k, v, 0.0, causal), {"attn_mask": mask, "scale": scale})
-        best = _cheapest_keeping_queries(flat, tree)
-        if best is None:
+        _check_like_torch(b)
+        leaves, tree = core.flatten_args((q._spec, k._spec, v._spec, 0.0, causal), {"attn_mask": None if mask is None else mask._spec, "scale": scale})
+        tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, TensorSpec)]
+        decision = core.decide(FLASH, leaves, tree, tensor_pos)
+        if decision.fallback:
             return None
-        layouts = _LAYOUTS[key] = tuple(best.inputs) + ((None,) if mask is None else ())
+        layouts = _LAYOUTS[key] = tuple(_keeping_queries(decision).inputs) + ((None,) if mask is None else ())
     return layouts
 
 
-def scaled_dot_product_attention(*args, **kwargs):
-    """F.scaled_dot_product_attention with DTensor q, k, v: planned by the flash op's rows, run by `_Attention`."""
-    from ..tensor import DTensor, distribute_tensor
-
-    a = _parse_sdpa(args, kwargs)
-    if not _served(a):
-        return call_default(F.scaled_dot_product_attention, args, kwargs)
-    q, k, v = (_resolved(a[n]) for n in ("query", "key", "value"))
-    mask = _additive(a["attn_mask"], q.dtype)
-    if mask is not None:  # a mask gets no gradient (torch's CPU flash kernel gives it none either)
-        mask = resolve_partials(mask) if isinstance(mask, DTensor) else mask.detach()
-    scale, causal = a["scale"], bool(a["is_causal"])
-    layouts = _plan_layouts(q, k, v, mask, causal, scale, a)
-    if layouts is None:  # no rows apply: torch's own path (the fallback warns, or raises in strict mode)
-        return call_default(F.scaled_dot_product_attention, args, kwargs)
-    if mask is not None and not isinstance(mask, DTensor):  # a plain mask is every rank's own copy: Replicate
-        mask = distribute_tensor(mask, q._spec.mesh, [R] * q._spec.mesh.ndim, src_data_rank=None)
-    return _Attention.apply(q, k, v, mask, causal, scale, layouts)
+def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
+    """F.scaled_dot_product_attention on DTensors: (q, k, v, mask, is_causal, scale, layouts); None: torch's path."""
+    if not _served(b):
+        return None
+    q, k, v = (_resolved(b[n]) for n in ("query", "key", "value"))
+    mask = _additive(b["attn_mask"], q.dtype)
+    if isinstance(mask, DTensor):  # a mask gets no gradient (torch's CPU flash kernel gives it none either)
+        mask = resolve_partials(mask)
+    elif mask is not None:  # a plain mask is every rank's own copy: Replicate
+        mask = distribute_tensor(mask.detach(), q._spec.mesh, [R] * q._spec.mesh.ndim, src_data_rank=None)
+    causal, scale = bool(b["is_causal"]), b["scale"]
+    layouts = _plan_layouts(q, k, v, mask, causal, scale, b)
+    return None if layouts is None else (q, k, v, mask, causal, scale, layouts)
 
 
 register(_forward_rule, FLASH)
 register(_backward_rule, FLASH_BACKWARD)
-register_torch_function(scaled_dot_product_attention, F.scaled_dot_product_attention)  # the same object as torch._C._nn's
+# F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention (one object)
+register_torch_entry(CallSignature(_sdpa_call), _parse_sdpa, _Attention.apply, F.scaled_dot_product_attention)
