@@ -32,7 +32,9 @@ from .. import rng
 from ..dispatch.registry import register, register_torch_function
 from ..dispatch.schema import OpSchema
 from ..dispatch.strategy import Row, row
+from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard, StridedShard
+from .pointwise import _shard_rows
 
 aten = torch.ops.aten
 R = Replicate()
@@ -168,8 +170,7 @@ def _random_range(op, dtype: torch.dtype, schema: OpSchema) -> tuple[int, int]:
         top = 1
     else:
         top = torch.iinfo(dtype).max
-    name = op._overloadname
-    if name == "default" and op._schema.name.endswith("random_"):
+    if op._overloadname == "default" and op._schema.name in ("aten::random_", "aten::random"):
         return 0, top + 1
     low = schema.arg("from", schema.arg("low", 0)) or 0
     high = schema.arg("to", schema.arg("high"))
@@ -193,6 +194,26 @@ def _randn_like(ctx, self, *args, **kwargs):
 def _randint_like(ctx, self, *args, **kwargs):
     out = _empty_out(ctx, self)
     return _draw(ctx, out, _integers(*_random_range(ctx.func, out.dtype, ctx.schema)))
+
+
+def _normal_tensors(ctx, *args, **kwargs):
+    """normal(mean, std) with a tensor mean and/or std: mean + std * z, z drawn on the output's layout."""
+    out = torch.empty(ctx.out_specs[0].local_shape(), dtype=ctx.out_specs[0].dtype)
+    _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
+    mean, std = ctx.schema.arg("mean"), ctx.schema.arg("std", 1.0)
+    local = iter(a for a in args + tuple(kwargs.values()) if isinstance(a, torch.Tensor))
+    mean = next(local) if not isinstance(mean, (int, float)) else mean
+    std = next(local) if not isinstance(std, (int, float)) else std
+    return out.mul_(std).add_(mean)
+
+
+def _functional(fill_in_place: Callable) -> Callable:
+    """uniform(self), random(self) ...: the in-place draw on a fresh tensor of self's shape."""
+
+    def algorithm(ctx, self, *args, **kwargs):
+        return fill_in_place(ctx, torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device), *args, **kwargs)
+
+    return algorithm
 
 
 def _empty_out(ctx, self: torch.Tensor) -> torch.Tensor:
@@ -253,6 +274,20 @@ def probability_rule(algorithm: Callable) -> Callable[[OpSchema], list[Row]]:
 def _probabilities_rule(schema: OpSchema) -> list[Row]:
     """bernoulli(p): the output has p's shape and layout."""
     return [row(p, p, _bernoulli) for p in _layouts_of(schema)] + [row(R, R, _bernoulli)]
+
+
+def _normal_tensors_rule(schema: OpSchema) -> list[Row]:
+    """normal(mean, std) with tensor operands: pointwise rows (operands follow the output's shards)."""
+    rows = [row(r.outputs, r.inputs, _normal_tensors) for r in _shard_rows(schema)]
+    return rows + [row(R, [R] * len(schema.tensor_specs), _normal_tensors)]
+
+
+def _refuse_rule(schema: OpSchema) -> list[Row]:
+    raise ShardingError(
+        f"{schema.name} on {list(schema.tensor_specs)}: this random op has no layout-invariant version in shardops, and "
+        "running torch's would draw different values on each rank (the ranks share or diverge from torch's generator). "
+        "Call it on dt.full_tensor() (every rank the same seed and generator state) and distribute the result."
+    )
 
 
 def _dropout_rule(schema: OpSchema) -> list[Row]:
@@ -318,16 +353,32 @@ register(fill_rule(_random_), aten.random_.default, aten.random_.to, getattr(ate
 register(probability_rule(_bernoulli_tensor_), aten.bernoulli_.Tensor)
 register(_probabilities_rule, aten.bernoulli.default)
 register(fill_rule(_bernoulli_p, pending_out=True), aten.bernoulli.p)
-register(fill_rule(_rand_like, pending_out=True), aten.rand_like.default)
-register(fill_rule(_randn_like, pending_out=True), aten.randn_like.default)
+register(fill_rule(_rand_like, pending_out=True), aten.rand_like.default, aten.rand_like.generator)
+register(fill_rule(_randn_like, pending_out=True), aten.randn_like.default, aten.randn_like.generator)
+# functional twins of the in-place fills (functionalised graphs use them)
+register(fill_rule(_functional(_uniform_), pending_out=True), aten.uniform.default)
+register(fill_rule(_functional(_normal_), pending_out=True), aten.normal_functional.default)
+register(fill_rule(_functional(_exponential_), pending_out=True), aten.exponential.default)
+register(fill_rule(_functional(_geometric_), pending_out=True), aten.geometric.default)
+register(fill_rule(_functional(_log_normal_), pending_out=True), aten.log_normal.default)
+register(fill_rule(_functional(_cauchy_), pending_out=True), aten.cauchy.default)
+register(fill_rule(_functional(_random_), pending_out=True), aten.random.default, aten.random.to, getattr(aten.random, "from"))
+register(probability_rule(_functional(_bernoulli_tensor_)), aten.bernoulli.Tensor)
+register(_normal_tensors_rule, aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor)
+register(
+    _refuse_rule, aten.multinomial.default, aten.poisson.default, aten.binomial.default, aten._standard_gamma.default,
+    aten._sample_dirichlet.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
+    aten.rrelu_with_noise_functional.default, aten.randint_like.Tensor, aten.randint_like.Tensor_generator,
+)
 register(
     fill_rule(_randint_like, pending_out=True),
     aten.randint_like.default, aten.randint_like.low_dtype, aten.randint_like.generator, aten.randint_like.low_generator_dtype,
 )
 register(_dropout_rule, aten.native_dropout.default)
 
-for _method in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_"):
-    register_torch_function(_fill_entry(getattr(torch.Tensor, _method)), getattr(torch.Tensor, _method))
-for _init in (torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.constant_):
-    register_torch_function(_fill_entry(_init), _init)  # these enter __torch_function__ themselves
+# torch-level entries (verify skips them with the random aten ops: their values are not torch's)
+RANDOM_ENTRIES = {getattr(torch.Tensor, m) for m in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")}
+RANDOM_ENTRIES |= {torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.constant_}  # these enter __torch_function__ themselves
+for _entry in RANDOM_ENTRIES:
+    register_torch_function(_fill_entry(_entry), _entry)
 torch.nn.init.trunc_normal_ = trunc_normal_  # torch's has no __torch_function__ entry to hook
