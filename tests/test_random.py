@@ -490,3 +490,17 @@ def test_verify_skips_random_ops_with_a_reason():
     names = {t.name for t in targets}
     assert not any(n.startswith(("aten.bernoulli", "aten.rand", "aten.native_dropout.")) for n in names)
     assert skipped.get(verify.RANDOM_SKIP, 0) >= 20
+
+
+def test_random_benchmark_smoke():
+    """The benchmark runs and reports a ratio (timings are never asserted)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import random_ops, run
+
+    r = random_ops.measure_random(rows_per_rank=64, cols=64, repeats=1)
+    assert [row["case"] for row in r["rows"]][0].startswith("shardops F.dropout") and r["dropout_ratio"] > 0
+    assert "÷ torch bernoulli_" in random_ops.format_random_table(r)
+    assert any("dropout" in t["target"] for t in run.targets({"random": r}))

@@ -38,7 +38,11 @@ MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-CHUNK = 1 << 16  # elements per generation step: int64 temporaries of 512 KiB, cache-resident
+# Elements per generation step: int64 temporaries of 256 KiB stay in cache, and at torch's
+# parallel grain size (32768) every op runs on the calling thread. Larger chunks let each op
+# fork intra-op threads, which on a loaded machine (rank threads, other processes) costs
+# 10x and more; the rank threads already keep the cores busy.
+CHUNK = 1 << 15
 
 
 def _signed(c: int) -> int:
