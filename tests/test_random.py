@@ -114,6 +114,8 @@ OPS = {
     "init.kaiming_uniform_": lambda x: nn.init.kaiming_uniform_(x, a=math.sqrt(5)),
     "init.kaiming_normal_": lambda x: nn.init.kaiming_normal_(x),
     "init.trunc_normal_": _trunc,
+    "init.orthogonal_": lambda x: nn.init.orthogonal_(x),
+    "uniform_ on a transposed view": lambda x: x.t().uniform_().t(),
 }
 LAYOUTS = [
     ((1,), (Replicate(),)),
@@ -481,6 +483,32 @@ def test_seeded_ops_without_a_layout_invariant_version_refuse():
 
     with pytest.raises(so.ShardingError, match="multinomial.*layout-invariant"):
         so.run(body, 2)
+
+
+def test_sparse_init_refuses_a_dtensor_and_still_works_on_plain_tensors():
+    def body():
+        mesh = so.init_device_mesh("cpu", (2,))
+        nn.init.sparse_(so.distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]), 0.5)
+
+    with pytest.raises(so.ShardingError, match="sparse_.*randperm"):
+        so.run(body, 2)
+    w = nn.init.sparse_(torch.empty(6, 4), 0.5)
+    assert ((w == 0).sum(0) == 3).all()
+
+
+def test_a_transposed_view_draws_in_its_own_row_major_order():
+    """The index is the row-major position in the tensor the op sees: x.t().uniform_() equals a fresh [6, 10] draw."""
+
+    def body(view):
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0)])
+        torch.manual_seed(SEED)
+        if view:
+            x.t().uniform_()
+            return x.full_tensor().t()
+        return so.distribute_tensor(torch.zeros(SHAPE[::-1]), mesh, [Shard(1)]).uniform_().full_tensor()
+
+    assert torch.equal(so.run(body, 2, True)[0], so.run(body, 2, False)[0])
 
 
 def test_verify_skips_random_ops_with_a_reason():

@@ -17,8 +17,9 @@ generator is shared by the rank threads and would make replicas diverge):
 An in-place fill replaces every value, so a pending (Partial) self needs no
 resolution: the entries below relabel it Replicate before the draw (0 bytes).
 nn.init.trunc_normal_ (a rejection loop reading .item() every round in torch)
-gets a one-pass inverse-CDF draw on DTensors. orthogonal_ and sparse_ are left to
-torch (orthogonal_'s QR runs replicated; strict mode refuses it).
+gets a one-pass inverse-CDF draw on DTensors. orthogonal_ works as torch's (its
+normal_ draw is replicated and layout-invariant, its QR runs replicated); sparse_
+is refused on DTensors (its torch.randperm has no layout-invariant version).
 """
 from __future__ import annotations
 
@@ -340,6 +341,22 @@ def trunc_normal_(tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, 
     return tensor
 
 
+_torch_sparse_ = torch.nn.init.sparse_
+
+
+def sparse_(tensor, sparsity, std=0.01, generator=None):
+    """nn.init.sparse_: refused on a DTensor (torch.randperm from torch's generator would differ per rank)."""
+    from ..tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        raise ShardingError(
+            f"nn.init.sparse_ on a DTensor {tensor._spec!r}: it picks its zeros with torch.randperm, which draws from "
+            "torch's generator and has no layout-invariant version; initialise a plain tensor on every rank (same seed) "
+            "and distribute_tensor it."
+        )
+    return _torch_sparse_(tensor, sparsity, std, generator=generator)
+
+
 # ------------------------------------------------------------------ registration
 
 register(fill_rule(_uniform_), aten.uniform_.default)
@@ -381,4 +398,5 @@ RANDOM_ENTRIES = {getattr(torch.Tensor, m) for m in ("uniform_", "normal_", "ber
 RANDOM_ENTRIES |= {torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.constant_}  # these enter __torch_function__ themselves
 for _entry in RANDOM_ENTRIES:
     register_torch_function(_fill_entry(_entry), _entry)
-torch.nn.init.trunc_normal_ = trunc_normal_  # torch's has no __torch_function__ entry to hook
+torch.nn.init.trunc_normal_ = trunc_normal_  # torch's have no __torch_function__ entry to hook
+torch.nn.init.sparse_ = sparse_
