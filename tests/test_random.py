@@ -259,6 +259,24 @@ def _local_draw() -> torch.Tensor:
     return rng.fill(out, (8,), (), (), (), key, lambda bits, j0, j1: rng.uniform_closed_open(bits, torch.float32))
 
 
+def test_debug_mode_names_ranks_seeded_differently():
+    def body():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0)])
+        torch.manual_seed(SEED + mesh.get_rank())
+        x.uniform_()
+
+    from shardops.dispatch import core
+
+    was = core._state["debug"]
+    so.set_debug(True)
+    try:
+        with pytest.raises(so.ShardingError, match="different random keys.*torch.manual_seed"):
+            so.run(body, 2)
+    finally:
+        so.set_debug(was)
+
+
 def test_explicit_generator_keys_the_draw():
     def body():
         mesh = so.init_device_mesh("cpu", (2,))

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from .. import rng
+from ..dispatch import core
 from ..dispatch.registry import register, register_torch_function
 from ..dispatch.schema import OpSchema
 from ..dispatch.strategy import Row, row
@@ -50,7 +51,25 @@ def _draw(ctx, out: torch.Tensor, transform, out_index: int = 0) -> torch.Tensor
     spec = ctx.out_specs[out_index]
     mesh = spec.mesh
     key = rng.next_key(ctx.schema.arg("generator"))
+    if core._state["debug"]:
+        _check_same_key(ctx, key)
     return rng.fill(out, spec.shape, mesh.shape, mesh.get_coordinate(), spec.placements, key, transform)
+
+
+def _check_same_key(ctx, key: int) -> None:
+    """SHARDOPS_DEBUG=1: every rank draws with the same key (same seed and draw count), uncounted like debug.py."""
+    mesh = ctx.out_specs[0].mesh
+    group = mesh.group(tuple(range(mesh.ndim)))
+    if group.size == 1:
+        return
+    mine = torch.tensor([rng._signed(key)], dtype=torch.int64)
+    for rank, theirs in zip(group.ranks, mesh.comm._all_gather(mine, group, [(1,)] * group.size)):
+        if not torch.equal(theirs, mine):
+            raise ShardingError(
+                f"{ctx.schema.name}: rank {mesh.get_rank()} and rank {rank} draw with different random keys, so their "
+                "values would not fit together. Call torch.manual_seed(s) with the same s on every rank (a per-rank "
+                "seed, e.g. seed + rank, is for plain-tensor draws only), and issue the same random ops on every rank."
+            )
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
