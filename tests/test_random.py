@@ -196,11 +196,15 @@ def test_fill_of_a_pending_tensor_is_replicated_with_no_bytes(strict):
         with so.CommDebugMode() as comm:
             y = OPS["uniform_"](x)
             z = torch.rand_like(x)
-        return y is x, y.placements, z.placements, y.to_local().clone(), comm.get_total_bytes()
+            pending = [so.DTensor.from_local(torch.full(SHAPE, 1.0 + mesh.get_rank()), mesh, [Partial()]) for _ in range(3)]
+            inits = [nn.init.zeros_(pending[0]), nn.init.ones_(pending[1]), nn.init.constant_(pending[2], 0.5)]
+        return y is x, y.placements, z.placements, y.to_local().clone(), comm.get_total_bytes(), [(t.placements, t.full_tensor()) for t in inits]
 
-    for same, yp, zp, local, moved in so.run(body, 4):
+    for same, yp, zp, local, moved, inits in so.run(body, 4):
         assert same and yp == (Replicate(),) and zp == (Replicate(),) and moved == 0
         assert torch.equal(local, ref)
+        for (placements, full), value in zip(inits, (0.0, 1.0, 0.5)):
+            assert placements == (Replicate(),) and (full == value).all()
 
 
 def test_dropout_of_a_pending_sum_stays_pending_with_one_mask(strict):

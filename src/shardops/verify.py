@@ -141,6 +141,9 @@ def discover() -> tuple[list[Target], dict[str, int]]:
         if _is_random(fn):
             skipped[RANDOM_SKIP] += 1
             continue
+        if callable_name(fn).startswith("Tensor.") and callable_name(fn).endswith("_"):  # Tensor.fill_ & co
+            skipped["in-place variants"] += 1
+            continue
         if isinstance(fn, torch._ops.OpOverload):  # an aten op intercepted before dispatch: verify calls it as such
             found.setdefault(str(fn), _aten_target(fn, "torch_function"))
             continue

@@ -417,5 +417,8 @@ RANDOM_ENTRIES = {getattr(torch.Tensor, m) for m in ("uniform_", "normal_", "ber
 RANDOM_ENTRIES |= {torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.constant_}  # these enter __torch_function__ themselves
 for _entry in RANDOM_ENTRIES:
     register_torch_function(_fill_entry(_entry), _entry)
+# nn.init.zeros_/ones_/constant_ reach these: they overwrite too, so a pending self needs no resolution
+for _entry in (torch.Tensor.zero_, torch.Tensor.fill_):
+    register_torch_function(_fill_entry(_entry), _entry)
 torch.nn.init.trunc_normal_ = trunc_normal_  # torch's have no __torch_function__ entry to hook
 torch.nn.init.sparse_ = sparse_
