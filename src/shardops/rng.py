@@ -43,6 +43,7 @@ _MIX2 = 0x94D049BB133111EB
 # fork intra-op threads, which on a loaded machine (rank threads, other processes) costs
 # 10x and more; the rank threads already keep the cores busy.
 CHUNK = 1 << 15
+DEVICE_CHUNK = 1 << 22  # on an accelerator a chunk is one kernel launch per step: make them big
 
 
 def _signed(c: int) -> int:
@@ -102,7 +103,7 @@ def reseed(seed: int) -> None:
 def next_key(generator: torch.Generator | None = None) -> int:
     """The 64-bit key of one draw (one op call); advances the counter or the given generator."""
     if generator is not None:
-        return int(torch.empty((), dtype=torch.int64).random_(generator=generator)) & MASK64
+        return int(torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=generator)) & MASK64
     st = current_state()
     key = splitmix64(splitmix64(st.seed) ^ st.counter)
     st.counter += 1
@@ -169,12 +170,21 @@ def index_layout(
         run_start = (pos.start if len(pos) else 0) * strides[k - 1]
         run *= len(pos)
         k -= 1
-    outer = tuple(torch.tensor(list(positions[d]), dtype=torch.int64) * strides[d] for d in range(k))
+    outer = tuple(_as_tensor(positions[d]) * strides[d] for d in range(k))
     return IndexLayout(outer, run, run_start)
 
 
-def index_chunks(layout: IndexLayout, chunk: int = CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
-    """(local flat start, int64 global indices) for consecutive pieces of about `chunk` elements."""
+def _as_tensor(positions: range | list[int]) -> torch.Tensor:
+    if isinstance(positions, range):
+        return torch.arange(positions.start, positions.stop, dtype=torch.int64)
+    return torch.tensor(positions, dtype=torch.int64)
+
+
+def index_chunks(layout: IndexLayout, chunk: int = CHUNK, device: torch.device | str = "cpu") -> Iterator[tuple[int, torch.Tensor]]:
+    """(local flat start, int64 global indices on `device`) for consecutive pieces of about `chunk` elements.
+
+    The outer offsets stay on the CPU (one entry per local index of an outer dim: small).
+    """
     n_outer = math.prod(len(o) for o in layout.outer)
     if layout.run == 0 or n_outer == 0:
         return
@@ -192,13 +202,13 @@ def index_chunks(layout: IndexLayout, chunk: int = CHUNK) -> Iterator[tuple[int,
             base = int(outer_offsets(o, o + 1)) if layout.outer else layout.run_start
             for a in range(0, layout.run, chunk):
                 b = min(a + chunk, layout.run)
-                yield o * layout.run + a, torch.arange(base + a, base + b, dtype=torch.int64)
+                yield o * layout.run + a, torch.arange(base + a, base + b, dtype=torch.int64, device=device)
         return
     group = max(chunk // layout.run, 1)
-    run = torch.arange(layout.run, dtype=torch.int64)
+    run = torch.arange(layout.run, dtype=torch.int64, device=device)
     for o0 in range(0, n_outer, group):
         o1 = min(o0 + group, n_outer)
-        yield o0 * layout.run, (outer_offsets(o0, o1)[:, None] + run).reshape(-1)
+        yield o0 * layout.run, (outer_offsets(o0, o1).to(device)[:, None] + run).reshape(-1)
 
 
 # ------------------------------------------------------------------ bits and distributions
@@ -261,9 +271,10 @@ def fill(
     layout = index_layout(global_shape, mesh_shape, coordinate, placements)
     if layout.numel != local.numel():
         raise RuntimeError(f"rng.fill: layout holds {layout.numel} elements, the local tensor {local.numel()}")
-    target = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype)
+    target = local if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
     flat = target.view(-1)
-    for j0, index in index_chunks(layout):
+    chunk = CHUNK if local.device.type == "cpu" else DEVICE_CHUNK
+    for j0, index in index_chunks(layout, chunk, local.device):
         j1 = j0 + index.numel()
         flat[j0:j1] = transform(random_bits(index, key), j0, j1)
     if target is not local:

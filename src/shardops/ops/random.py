@@ -218,10 +218,11 @@ def _randint_like(ctx, self, *args, **kwargs):
 
 def _normal_tensors(ctx, *args, **kwargs):
     """normal(mean, std) with a tensor mean and/or std: mean + std * z, z drawn on the output's layout."""
-    out = torch.empty(ctx.out_specs[0].local_shape(), dtype=ctx.out_specs[0].dtype)
+    tensors = [a for a in args + tuple(kwargs.values()) if isinstance(a, torch.Tensor)]
+    out = torch.empty(ctx.out_specs[0].local_shape(), dtype=ctx.out_specs[0].dtype, device=tensors[0].device)
     _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
     mean, std = ctx.schema.arg("mean"), ctx.schema.arg("std", 1.0)
-    local = iter(a for a in args + tuple(kwargs.values()) if isinstance(a, torch.Tensor))
+    local = iter(tensors)
     mean = next(local) if not isinstance(mean, (int, float)) else mean
     std = next(local) if not isinstance(std, (int, float)) else std
     return out.mul_(std).add_(mean)
