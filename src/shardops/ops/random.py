@@ -20,6 +20,15 @@ nn.init.trunc_normal_ (a rejection loop reading .item() every round in torch)
 gets a one-pass inverse-CDF draw on DTensors. orthogonal_ works as torch's (its
 normal_ draw is replicated and layout-invariant, its QR runs replicated); sparse_
 is refused on DTensors (its torch.randperm has no layout-invariant version).
+Other seeded ops (multinomial, poisson, ...) refuse rather than let each rank draw
+its own values.
+
+What reaches dispatch (traced on torch 2.13 CPU): F.dropout / nn.Dropout ->
+empty_like, bernoulli_.float(1 - p), div_, mul (native_dropout only on other
+paths); F.dropout2d -> new_empty (a Replicate mask per channel) and the same;
+nn.init.uniform_ / xavier_uniform_ / kaiming_uniform_ -> uniform_; normal_ /
+xavier_normal_ / kaiming_normal_ -> normal_; constant_ / ones_ -> fill_;
+zeros_ -> zero_; torch.rand_like -> rand_like; torch.bernoulli(p) -> bernoulli.
 """
 from __future__ import annotations
 
