@@ -281,6 +281,25 @@ def test_debug_mode_names_ranks_seeded_differently():
         so.set_debug(was)
 
 
+def test_activation_checkpointing_recomputes_the_same_dropout_mask():
+    """torch.utils.checkpoint saves and restores torch's RNG state; the draw counter travels with it."""
+    from torch.utils.checkpoint import checkpoint
+
+    def body(use_checkpoint):
+        mesh = so.init_device_mesh("cpu", (2,))
+        torch.manual_seed(SEED)
+        x = so.distribute_tensor(torch.arange(60, dtype=torch.float32).reshape(SHAPE), mesh, [Shard(0)]).requires_grad_()
+        block = lambda t: F.dropout(t * 2.0, 0.5) * t  # noqa: E731 - the gradient depends on the mask
+        y = checkpoint(block, x, use_reentrant=False) if use_checkpoint else block(x)
+        y.sum().backward()
+        after = torch.rand_like(x)  # the sequence continues as if nothing was recomputed
+        return y.full_tensor(), x.grad.full_tensor(), after.full_tensor()
+
+    plain, checkpointed = so.run(body, 2, False)[0], so.run(body, 2, True)[0]
+    for a, b in zip(plain, checkpointed):
+        assert torch.equal(a, b)
+
+
 def test_explicit_generator_keys_the_draw():
     def body():
         mesh = so.init_device_mesh("cpu", (2,))

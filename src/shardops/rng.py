@@ -12,7 +12,9 @@ the same ops in the same order, so their counters agree.
 
 State: (seed, counter). `torch.manual_seed(s)` (wrapped at import; torch's own
 still runs) sets seed = s and restarts the counter, so re-seeding with the same
-value restarts the sequence, as in torch. The epoch counts re-seeds: it is how a
+value restarts the sequence, as in torch. `torch.get_rng_state()` /
+`set_rng_state()` (wrapped too) save and restore the counter with torch's state,
+so activation checkpointing recomputes the same dropout masks. The epoch counts re-seeds: it is how a
 rank thread tells that it has been seeded. Inside `shardops.run` every rank
 thread keeps its own state (the threads share torch's generator, which therefore
 cannot be the source); a rank thread starts from a copy of the process state.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -122,13 +125,47 @@ def _wrap_manual_seed(original: Callable) -> Callable:
     return manual_seed
 
 
+# torch.get_rng_state() / set_rng_state(): activation checkpointing and fork_rng save torch's
+# state and restore it so that a recomputed forward draws the same dropout masks. The counter
+# travels with the saved state object: each state tensor get_rng_state returns is remembered
+# (by identity, while it lives) with this rank's (seed, counter), and restored with it.
+_saved: dict[int, tuple[RngState, RngState]] = {}
+
+
+def _wrap_get_rng_state(original: Callable) -> Callable:
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        st = current_state()
+        _saved[id(state)] = (st, RngState(st.seed, st.counter, st.epoch))
+        weakref.finalize(state, _saved.pop, id(state), None)
+        return state
+
+    get_rng_state.__doc__ = original.__doc__
+    get_rng_state.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_rng_state
+
+
+def _wrap_set_rng_state(original: Callable) -> Callable:
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        original(new_state)
+        saved = _saved.get(id(new_state))
+        if saved is not None and saved[0] is current_state():  # the same rank's state (a thread restores its own)
+            st, snap = saved
+            st.seed, st.counter, st.epoch = snap.seed, snap.counter, snap.epoch
+
+    set_rng_state.__doc__ = original.__doc__
+    set_rng_state.__wrapped__ = original  # type: ignore[attr-defined]
+    return set_rng_state
+
+
 def install_seed_hook() -> None:
-    """Wrap torch.manual_seed / torch.random.manual_seed (idempotent)."""
+    """Wrap torch.manual_seed, get_rng_state, set_rng_state (and their torch.random twins); idempotent."""
     if getattr(torch.manual_seed, "_shardops_wrapped", False):
         return
-    wrapped = _wrap_manual_seed(torch.manual_seed)
-    torch.manual_seed = wrapped
-    torch.random.manual_seed = wrapped
+    seed, get, put = _wrap_manual_seed(torch.manual_seed), _wrap_get_rng_state(torch.get_rng_state), _wrap_set_rng_state(torch.set_rng_state)
+    torch.manual_seed = torch.random.manual_seed = seed
+    torch.get_rng_state = torch.random.get_rng_state = get
+    torch.set_rng_state = torch.random.set_rng_state = put
 
 
 # ------------------------------------------------------------------ global element indices
