@@ -300,6 +300,24 @@ def test_activation_checkpointing_recomputes_the_same_dropout_mask():
         assert torch.equal(a, b)
 
 
+def _torchrun_style_draws():
+    """Under torch.distributed (a process per rank): the state is per process, seeded as users do."""
+    mesh = so.init_device_mesh("cpu", (2,))
+    torch.manual_seed(SEED)
+    x = so.distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(1)])
+    return x.normal_(1.0, 2.0).full_tensor(), F.dropout(x, 0.3).full_tensor()
+
+
+@pytest.mark.slow  # two spawned processes; the process-state path itself is in the default suite (main thread)
+def test_processes_under_gloo_draw_what_rank_threads_draw():
+    from mp import run_gloo
+
+    threads = so.run(_torchrun_style_draws, 2)[0]
+    for rank_result in run_gloo(_torchrun_style_draws, 2, timeout=180):
+        for a, b in zip(rank_result, threads):
+            assert torch.equal(a, b)
+
+
 def test_explicit_generator_keys_the_draw():
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
