@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .placements import Placement, dim_positions
+from .world import in_threads_world
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -77,15 +78,9 @@ _process = RngState(torch.initial_seed() & MASK64)
 _thread = threading.local()
 
 
-def _in_rank_thread() -> bool:
-    from .world import in_threads_world
-
-    return in_threads_world()
-
-
 def current_state() -> RngState:
     """This rank's state: per rank thread inside shardops.run, else per process."""
-    if _in_rank_thread():
+    if in_threads_world():
         st = getattr(_thread, "state", None)
         if st is None:
             st = _thread.state = RngState(_process.seed, _process.counter, _process.epoch)
@@ -99,8 +94,11 @@ def current_state() -> RngState:
 
 
 def reseed(seed: int) -> None:
+    seed = int(seed)
+    if seed < 0:  # torch's mapping of negative seeds (torch.initial_seed() reports this value)
+        seed += 0xFFFF_FFFF_FFFF_FFFF
     st = current_state()
-    st.seed, st.counter, st.epoch = int(seed) & MASK64, 0, st.epoch + 1
+    st.seed, st.counter, st.epoch = seed & MASK64, 0, st.epoch + 1
 
 
 def next_key(generator: torch.Generator | None = None) -> int:
