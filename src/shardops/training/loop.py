@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .models import ModelConfig
+from ..models import ModelArgs
 
 PARTS = ("zero_grad", "forward", "loss", "backward", "grad_sync", "optimizer", "loss_read")
 
@@ -63,10 +63,10 @@ class NoComm:
         return 0
 
 
-def batch(cfg: ModelConfig, batch_size: int, step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(cfg: ModelArgs, batch_size: int, step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
     """The global (inputs, targets) of a step: next-token prediction on random tokens, the same on every rank."""
     gen = torch.Generator().manual_seed(seed + step)
-    tokens = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.max_seq_len + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
@@ -98,7 +98,7 @@ def run_steps(
     return records
 
 
-def reference_parts(model: torch.nn.Module, cfg: ModelConfig, batch_size: int, lr: float) -> dict[str, Callable[[dict], Any]]:
+def reference_parts(model: torch.nn.Module, cfg: ModelArgs, batch_size: int, lr: float) -> dict[str, Callable[[dict], Any]]:
     """Single-device training: the ground truth the sharded sides are checked against."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 

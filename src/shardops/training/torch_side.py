@@ -10,7 +10,6 @@ the c10d calls that actually run (a dispatch mode on this process).
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .loop import batch, run_steps
-from .models import PLANS, ModelConfig, build, torch_namespaces
+from .config import RunSpec, build, plan
 
 _KINDS = (
     ("reduce_scatter", "reduce_scatter"),
@@ -88,25 +87,6 @@ class TorchMeter:
         return sum(n for _, n in self._bytes.sent)
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """What both sides train: model, size, mesh, plan options, steps."""
-
-    model: str = "llama"
-    cfg: ModelConfig = ModelConfig()
-    mesh_shape: tuple[int, ...] = (2, 2)
-    batch_size: int = 4
-    steps: int = 20
-    lr: float = 3e-3
-    local_attention: bool = True
-    sequence_parallel: bool = True
-    dp_mode: str = "replicate"  # torch's side only does replicate (gradients all-reduced over dp)
-
-    @property
-    def dp(self) -> int:
-        return self.mesh_shape[0] if len(self.mesh_shape) == 2 else 1
-
-
 def _retie(model: torch.nn.Module, name: str) -> None:
     """torch's parallelize_module unties GPT-2's shared embedding: a torch user has to tie it again."""
     if name == "gpt2":
@@ -120,17 +100,16 @@ def train_rank(spec: RunSpec) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     import warnings
 
+    import torch.distributed.tensor.parallel as tp_api
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     # CommDebugMode's module tracker hooks every module; torch warns when the input needs no grad
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
-    P, L = torch_namespaces()
     names = ("dp", "tp") if len(spec.mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", spec.mesh_shape, mesh_dim_names=names)
-    model = build(spec.model, spec.cfg)
-    plan = PLANS[spec.model](P, L, local_attention=spec.local_attention, sequence_parallel=spec.sequence_parallel)
-    parallelize_module(model, mesh["tp"], plan)
+    model = build(spec)
+    parallelize_module(model, mesh["tp"], plan(spec, tp_api))
     _retie(model, spec.model)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     dp_group = mesh["dp"].get_group() if spec.dp > 1 else None
