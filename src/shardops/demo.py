@@ -51,11 +51,13 @@ def spec_from(args: argparse.Namespace) -> RunSpec:
 
 
 def reference(spec: RunSpec) -> dict[str, Any]:
+    """Single-device training from the same initial weights: losses, final parameters, first gradients."""
     from .training.config import build
 
     model = build(spec)
-    records = run_steps(reference_parts(model, spec.cfg, spec.batch_size, spec.lr), spec.steps)
-    return {"records": records, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    grads: dict[str, torch.Tensor] = {}
+    records = run_steps(reference_parts(model, spec.cfg, spec.batch_size, spec.lr, grads), spec.steps)
+    return {"records": records, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "grads": grads}
 
 
 def run_shardops(spec: RunSpec, console: Any) -> tuple[list[dict[str, Any]], float]:

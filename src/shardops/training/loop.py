@@ -98,9 +98,19 @@ def run_steps(
     return records
 
 
-def reference_parts(model: torch.nn.Module, cfg: ModelArgs, batch_size: int, lr: float) -> dict[str, Callable[[dict], Any]]:
-    """Single-device training: the ground truth the sharded sides are checked against."""
+def reference_parts(
+    model: torch.nn.Module, cfg: ModelArgs, batch_size: int, lr: float, first_grads: dict[str, torch.Tensor] | None = None
+) -> dict[str, Callable[[dict], Any]]:
+    """Single-device training: the ground truth the sharded sides are checked against.
+
+    `first_grads`, a dict, receives the first step's gradients.
+    """
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def backward(s: dict) -> None:
+        s["loss"].backward()
+        if first_grads is not None and s["step"] == 0:
+            first_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
     def forward(s: dict) -> None:
         s["inputs"], s["targets"] = batch(cfg, batch_size, s["step"])
@@ -116,7 +126,7 @@ def reference_parts(model: torch.nn.Module, cfg: ModelArgs, batch_size: int, lr:
         "zero_grad": lambda s: opt.zero_grad(),
         "forward": forward,
         "loss": loss,
-        "backward": lambda s: s["loss"].backward(),
+        "backward": backward,
         "optimizer": lambda s: opt.step(),
         "loss_read": loss_read,
     }

@@ -47,8 +47,12 @@ def parallelize(spec: RunSpec, model: torch.nn.Module, mesh: Any) -> torch.nn.Mo
     return model
 
 
-def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None = None) -> dict[str, Any]:
-    """One rank of shardops training (inside so.run, or a torch.distributed process); rank 0 calls `on_step`."""
+def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None = None, first_grads: bool = False) -> dict[str, Any]:
+    """One rank of shardops training (inside so.run, or a torch.distributed process); rank 0 calls `on_step`.
+
+    `first_grads`: also return the first step's gradients as full tensors (their reads then count in
+    that step's backward part: for tests, not for measurements).
+    """
     names = ("dp", "tp") if len(spec.mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", spec.mesh_shape, mesh_dim_names=names)
     model = parallelize(spec, build(spec), mesh)
@@ -66,9 +70,13 @@ def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None 
         with so_parallel.loss_parallel():
             s["loss"] = F.cross_entropy(s["logits"].flatten(0, 1), s["targets"].flatten(0, 1))
 
+    grads: dict[str, torch.Tensor] = {}
+
     def backward(s: dict) -> None:
         with so_parallel.loss_parallel():
             s["loss"].backward()
+        if first_grads and s["step"] == 0:
+            grads.update({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
 
     def loss_read(s: dict) -> None:
         value = s["loss"].full_tensor() if isinstance(s["loss"], DTensor) else s["loss"]
@@ -83,5 +91,9 @@ def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None 
         "loss_read": loss_read,
     }
     records = run_steps(parts, spec.steps, ShardopsMeter, on_step if mesh.get_rank() == 0 else None)
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
-    return {"records": records, "params": params}
+    params = {n: _full(p) for n, p in model.named_parameters()}
+    return {"records": records, "params": params, "grads": grads}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
