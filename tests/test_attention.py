@@ -396,3 +396,28 @@ def test_queries_keep_their_shards_on_a_large_planning_space():
     for _, (q_layout, k_layout, v_layout) in so.run(body, 16)[:1]:
         assert (q_layout[0], q_layout[1], q_layout[3]) == (Shard(2), Shard(2), Shard(1)), q_layout
         assert k_layout == v_layout
+
+
+@pytest.mark.skipif(not _has_bmm_rule(), reason="dropout_p > 0 decomposes into bmm & co (the matrix issue's rows)")
+@pytest.mark.parametrize("layout", ["S0", "S1"])
+def test_dropout_heads_or_batch_sharded_draws_what_replicated_draws(layout):
+    """dropout_p > 0 decomposes (bmm, _safe_softmax, bernoulli_, ...): layout-invariant draws make
+    the sharded result and gradients equal the replicated ones after the same seed, with no bytes."""
+    q, k, v, grad, _ = _inputs((2, 4, 6, 8))
+
+    def body(placement):
+        mesh = so.init_device_mesh("cpu", (4,))
+        dq, dk, dv = (so.distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (q, k, v))
+        g = so.distribute_tensor(grad, mesh, [placement])
+        torch.manual_seed(7)
+        with so.CommDebugMode() as comm:
+            out = F.scaled_dot_product_attention(dq, dk, dv, dropout_p=0.3, is_causal=True)
+            out.backward(g.redistribute(placements=out.placements) if out.placements != g.placements else g)
+        return comm.get_total_bytes(), out.placements, [t.full_tensor() for t in (out, dq.grad, dk.grad, dv.grad)]
+
+    (_, _, want), *_ = so.run(body, 4, R)
+    for nbytes, placements, got in so.run(body, 4, PL[layout]):
+        assert nbytes == 0 and placements == (PL[layout],)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want[0], F.scaled_dot_product_attention(q, k, v, is_causal=True)), "dropout did something"
