@@ -421,3 +421,24 @@ def test_dropout_heads_or_batch_sharded_draws_what_replicated_draws(layout):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(want[0], F.scaled_dot_product_attention(q, k, v, is_causal=True)), "dropout did something"
+
+
+@pytest.mark.parametrize("layout", ["S1", "S2"])
+def test_transposed_inputs_as_models_build_them(layout):
+    """q, k, v as a model makes them: [B, L, H, D] activations transposed to [B, H, L, D] views."""
+    q, k, v, grad, _ = _inputs(UNEVEN)
+    ref = _reference(q, k, v, grad, None, is_causal=True)
+    blhd = {"S1": Shard(2), "S2": Shard(1)}[layout]  # the same tensor dim before the transpose
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (4,))
+        leaves = [so.distribute_tensor(t.transpose(1, 2).contiguous(), mesh, [blhd]).requires_grad_() for t in (q, k, v)]
+        dq, dk, dv = (t.transpose(1, 2) for t in leaves)
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        out.backward(so.distribute_tensor(grad, mesh, out.placements))
+        return out.placements, [t.full_tensor() for t in [out] + [x.grad.transpose(1, 2) for x in leaves]]
+
+    for placements, got in so.run(body, 4):
+        assert placements == (PL[layout],)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

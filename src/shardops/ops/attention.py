@@ -334,10 +334,34 @@ def _layout_of(x, placements) -> tuple[torch.Tensor, TensorSpec]:
     return x._redistribute_local(placements), spec
 
 
+def _dense_order(shape: Sequence[int], stride: Sequence[int]) -> list[int] | None:
+    """The dims from outermost to innermost where `stride` is a dense layout of `shape` (None: it is not)."""
+    order = sorted(range(len(shape)), key=lambda d: stride[d], reverse=True)
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return order
+
+
 def _wrap(local: torch.Tensor, like: TensorSpec, placements: Sequence[Placement], dtype: torch.dtype | None = None):
+    """`local` as a DTensor laid out in memory like `like` (dense in the same dim order, else contiguous).
+
+    autograd copies a leaf's gradient whose strides differ from the leaf's (new_empty_strided +
+    copy_); q/k/v are often transposed views of [B, L, H, D] activations, so their gradients
+    keep the inputs' dim order, as torch's CPU flash backward gives them.
+    """
     dtype = like.dtype if dtype is None else dtype
-    meta = TensorMeta(like.shape, contiguous_stride(like.shape), dtype)
-    return DTensor._make(local.contiguous().to(dtype), TensorSpec(like.mesh, tuple(placements), meta))
+    order = _dense_order(like.shape, like.meta.stride)
+    if order is None:
+        stride, local = contiguous_stride(like.shape), local.contiguous()
+    else:
+        stride = like.meta.stride
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        local = local.permute(order).contiguous().permute(inverse)
+    meta = TensorMeta(like.shape, tuple(stride), dtype)
+    return DTensor._make(local.to(dtype), TensorSpec(like.mesh, tuple(placements), meta))
 
 
 def _grad_home(local: torch.Tensor, computed: Sequence[Placement], x_spec: TensorSpec):
