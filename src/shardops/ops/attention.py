@@ -32,11 +32,12 @@ backward each chunk's kernel takes the merged out and logsumexp, so the chunks' 
 their dk/dv are the exact gradients of their keys. Keys >= b are never touched.
 
 `F.scaled_dot_product_attention` on DTensors enters `_Attention` (an autograd.Function) from
-__torch_function__: the planner chooses the layout from the forward op's rows, keeping q's
-shards where they are (the caller's parallelism; only K, V and the mask move), and the
-backward reuses the K/V gathered in forward, so a context-parallel step moves K and V once
-(one all_gather) and their gradients once (one reduce_scatter); gradients come back
-contiguous and in the inputs' layouts.
+__torch_function__. The planner chooses from the forward op's rows, keeping q's shards where
+they are (the caller's parallelism; only K, V and the mask move); the Function runs that row's
+algorithm and keeps the K/V it gathered, so a context-parallel step moves K and V once (one
+all_gather) and their gradients once (one reduce_scatter). The aten backward op called on its
+own (a decomposition, verify) gathers K and V again. Gradients come back in the inputs' layouts
+and memory order (q/k/v are often transposed views of [B, L, H, D] activations).
 """
 from __future__ import annotations
 
