@@ -442,3 +442,27 @@ def test_transposed_inputs_as_models_build_them(layout):
         assert placements == (PL[layout],)
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _context_parallel_program():
+    """One rank of a gloo world: context-parallel causal attention on an uneven sequence."""
+    q, k, v, grad, _ = _inputs(UNEVEN)
+    ref = _reference(q, k, v, grad, None, is_causal=True)
+    mesh = so.init_device_mesh("cpu", (4,))
+    dq, dk, dv = (so.distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v))
+    g = so.distribute_tensor(grad, mesh, [Shard(2)])
+    with so.CommDebugMode() as comm:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        out.backward(g)
+    got = [t.full_tensor() for t in (out, dq.grad, dk.grad, dv.grad)]
+    return comm.get_comm_counts(), comm.get_total_bytes(), [torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, ref)]
+
+
+@pytest.mark.slow
+def test_context_parallel_under_gloo():
+    """The same algorithm over torch.distributed (4 gloo processes): uneven all_gather and reduce_scatter."""
+    from mp import run_gloo
+
+    threads = so.run(_context_parallel_program, 4)
+    for (counts, nbytes, ok), (t_counts, t_bytes, _) in zip(run_gloo(_context_parallel_program, 4, timeout=240), threads):
+        assert all(ok) and counts == t_counts == {"all_gather": 1, "reduce_scatter": 1} and nbytes == t_bytes
