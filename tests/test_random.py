@@ -347,7 +347,7 @@ KS_CRITICAL = 1.95 / math.sqrt(N)  # alpha = 0.001
 
 
 def _sample(op, dtype=torch.float32) -> torch.Tensor:
-    """N values drawn on a 4-rank Shard(0) layout (uneven: 25000 rows each... of (N // 4 * 4 + 3) rows)."""
+    """N values drawn on a 4-rank Shard(0) layout, gathered."""
 
     def body():
         mesh = so.init_device_mesh("cpu", (4,))

@@ -180,7 +180,7 @@ def _bernoulli_float_(ctx, self, *args, **kwargs):
 
 
 def _bernoulli_tensor_(ctx, self, p, *args, **kwargs):
-    return _draw(ctx, self, _below_tensor(_flat(p.to(torch.float64).expand_as(self))))
+    return _draw(ctx, self, _below_tensor(_flat(p.expand_as(self))))  # compared per chunk, in float64
 
 
 def _bernoulli(ctx, p, *args, **kwargs):
