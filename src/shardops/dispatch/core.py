@@ -105,6 +105,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     tensor_pos = []
     for i, a in enumerate(flat):
         if isinstance(a, DTensor):
+            if a._pending_layout is not None and not (i == 0 and _inplace_index(func, flat, tensor_pos) == 0):
+                a._resolve_pending()  # a leaf's pending gradient, read for the first time (writes keep it pending)
             key_parts.append(a._key)
             tensor_pos.append(i)
         elif isinstance(a, torch.Tensor):
