@@ -29,6 +29,8 @@ from parallel_harness import check_training, has_strategies, reference_training,
 
 MESHES = [((4,), None), ((2, 2), "replicate"), ((2, 2), "shard")]
 MESH_IDS = ["tp4", "dp2xtp2-replicate", "dp2xtp2-shard"]
+LM_MESHES = MESHES + [((4,), "shard")]  # the last: data parallel only, no plan
+LM_MESH_IDS = MESH_IDS + ["dp4-shard"]
 
 
 def _tp_mesh():
@@ -389,24 +391,33 @@ def _lm_data(args, batch=4, seq=8, seed=13):
     return torch.randint(0, args.vocab_size, (batch, seq), generator=g), torch.randint(0, args.vocab_size, (batch, seq), generator=g)
 
 
-@pytest.mark.parametrize("mesh_shape,mode", MESHES, ids=MESH_IDS)
-def test_llama_trains_like_single_device(mesh_shape, mode):
+LM = {"llama": (Llama, llama_plan, ("linear", "embedding", "attention", "rotary")), "gpt2": (GPT2, gpt2_plan, ("linear", "embedding", "attention"))}
+
+
+def _train_lm(name, mesh_shape, mode, **plan_kwargs):
+    Model, make_plan, families = LM[name]
     args = ModelArgs()
     tokens, targets = _lm_data(args)
-    ref = reference_training(Llama(args), tokens, targets)
-    with strict(has_strategies("linear", "embedding", "attention", "rotary")):
-        results = so.run(sharded_training, 4, lambda: Llama(args), llama_plan(), mesh_shape, mode, tokens, targets)
+    ref = reference_training(Model(args), tokens, targets)
+    plan = None if (mode is not None and len(mesh_shape) == 1) else make_plan(**plan_kwargs)
+    with strict(has_strategies(*families)):
+        results = so.run(sharded_training, 4, lambda: Model(args), plan, mesh_shape, mode, tokens, targets)
     check_training(results, ref)
 
 
-@pytest.mark.parametrize("mesh_shape,mode", MESHES, ids=MESH_IDS)
-def test_gpt2_trains_like_single_device(mesh_shape, mode):
-    args = ModelArgs()
-    tokens, targets = _lm_data(args)
-    ref = reference_training(GPT2(args), tokens, targets)
-    with strict(has_strategies("linear", "embedding", "attention")):
-        results = so.run(sharded_training, 4, lambda: GPT2(args), gpt2_plan(), mesh_shape, mode, tokens, targets)
-    check_training(results, ref)
+@pytest.mark.parametrize("mesh_shape,mode", LM_MESHES, ids=LM_MESH_IDS)
+@pytest.mark.parametrize("name", list(LM))
+def test_language_model_trains_like_single_device(name, mesh_shape, mode):
+    """Sequence-parallel norms, column/row-parallel attention and MLP (local tensors in between),
+    vocabulary-parallel embedding and loss; GPT-2's tied embeddings stay one parameter."""
+    _train_lm(name, mesh_shape, mode)
+
+
+@pytest.mark.parametrize("mesh_shape,mode", [MESHES[0], MESHES[2]], ids=[MESH_IDS[0], MESH_IDS[2]])
+@pytest.mark.parametrize("name", list(LM))
+def test_language_model_with_attention_on_dtensors(name, mesh_shape, mode):
+    """q/k/v stay DTensors (use_local_output=False): rotary and SDPA run on DTensors."""
+    _train_lm(name, mesh_shape, mode, local_attention=False)
 
 
 def test_data_parallel_refuses_bad_meshes():

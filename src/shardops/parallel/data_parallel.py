@@ -8,7 +8,9 @@ not already live on; all of them without a plan): each rank feeds its own batch
 shard, as with torch's DDP/FSDP, and every parallel boundary of the plan lays its
 tensors out on the whole mesh (batch sharded over dp, the plan's placement over tp).
 Without a plan, the model's plain tensor inputs become DTensors sharded on
-`batch_dim` and the whole model runs on DTensors. A loss computed on the DTensor
+`batch_dim` and the whole model runs on DTensors. The model's DTensor outputs come
+out sharded on `batch_dim` over dp (a plain target then means this rank's shard
+under loss_parallel). A loss computed on the DTensor
 outputs (mean over the batch) is the global loss, exact on uneven batches.
 
 Collectives per training step for the parameters (the activations move as the plan says):
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
@@ -64,6 +67,7 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "repli
         _lift_compute_views(sub, layout)
     if not sub_meshes:
         module.register_forward_pre_hook(_batch_inputs(layout), with_kwargs=True)
+    module.register_forward_hook(_batch_outputs(layout))
     return module
 
 
@@ -135,6 +139,22 @@ def _sub_mesh_of(layout: DataParallelLayout, p: DTensor) -> DeviceMesh:
     """The tp sub-mesh a lifted parameter came from (its non-dp dims, by name)."""
     names = [n for d, n in enumerate(layout.mesh.mesh_dim_names) if d not in layout.dp_dims]
     return layout.mesh[names[0]] if len(names) == 1 else layout.mesh[tuple(names)]
+
+
+def _batch_outputs(layout: DataParallelLayout):
+    """The root's DTensor outputs come out batch-sharded over dp (whatever layout the planner left),
+    so that a plain target next to them means this rank's batch shard (see loss_parallel)."""
+
+    def place(x):
+        if isinstance(x, DTensor) and x.device_mesh == layout.mesh and x.ndim > layout.batch_dim:
+            want = tuple(Shard(layout.batch_dim) if d in layout.dp_dims else p for d, p in enumerate(x.placements))
+            return x if want == x.placements else x.redistribute(placements=want)
+        return x
+
+    def hook(module, args, outputs):
+        return pytree.tree_map(place, outputs)
+
+    return hook
 
 
 def _batch_inputs(layout: DataParallelLayout):
