@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .. import cost
@@ -30,6 +30,10 @@ from ..redistribute import Plan, plan
 from ..spec import TensorSpec
 
 R = Replicate()
+# Called on every ranked candidate list before the choice (cheapest first): each hook returns the
+# candidates to choose from, in order, never none of them. Empty in normal runs; verify forces
+# each sharded algorithm in turn through it (shardops/verify/forcing.py).
+CHOICE_HOOKS: list[Callable[[list["Candidate"]], list["Candidate"]]] = []
 
 
 @dataclass(frozen=True)
@@ -226,4 +230,7 @@ def candidates(
             continue
         if filter_fn is None or filter_fn(c):
             out.append(c)
-    return sorted(out, key=lambda c: rank_key(c, mesh.shape))
+    ranked = sorted(out, key=lambda c: rank_key(c, mesh.shape))
+    for hook in CHOICE_HOOKS:
+        ranked = hook(ranked) or ranked
+    return ranked

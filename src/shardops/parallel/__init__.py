@@ -4,7 +4,8 @@
 
 ports a torchtitan-style plan by changing its import (torch's placements are accepted too).
 """
-from .api import distribute_module, parallelize_module
+from .api import parallelize_module
+from .distribute import distribute_module
 from .data_parallel import data_parallel
 from .loss import loss_parallel
 from .style import (

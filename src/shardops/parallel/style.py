@@ -27,7 +27,7 @@ from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
 from ..tensor import DTensor, distribute_tensor
 from ._layout import as_layouts, as_placement, global_src_rank, move, to_dtensor
-from .api import distribute_module
+from .distribute import distribute_module
 
 __all__ = [
     "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",

@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .comm.base import reduce_stack
-from .placements import NormPartial, Placement
+from ..comm.base import reduce_stack
+from ..placements import NormPartial, Placement
 
 aten = torch.ops.aten
 
