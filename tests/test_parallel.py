@@ -420,6 +420,66 @@ def test_language_model_with_attention_on_dtensors(name, mesh_shape, mode):
     _train_lm(name, mesh_shape, mode, local_attention=False)
 
 
+class Scale(nn.Module):
+    """Elementwise weight and bias: every op it reaches has a strategy in main, so its data
+    parallelism runs strict and its collectives can be counted exactly."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(14)
+        self.weight = nn.Parameter(torch.randn(8, 16, generator=g))
+        self.bias = nn.Parameter(torch.randn(16, generator=g))
+
+    def forward(self, x):
+        return torch.tanh(x * self.weight + self.bias)
+
+
+EXPECTED_DP_COMMS = {  # per step, for the 2 parameters (see data_parallel's module doc)
+    "replicate": ({}, {}, {"all_reduce": 2}),  # forward, backward, optimizer step: each gradient synchronised once
+    "shard": ({"all_gather": 2}, {"reduce_scatter": 2}, {}),  # gathered for compute, gradient reduce-scattered, local step
+}
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_data_parallel_collectives_per_step(mode):
+    g = torch.Generator().manual_seed(15)
+    xs = [torch.randn(6, 8, 16, generator=g) for _ in range(3)]
+    targets = [torch.randn(6, 8, 16, generator=g) for _ in range(3)]
+    ref = Scale()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for x, t in zip(xs, targets):
+        opt.zero_grad()
+        _mse(ref(x), t).backward()
+        opt.step()
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        m = data_parallel(Scale(), mesh, mode)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+        comms = []
+        with strict():
+            for x, t in zip(xs, targets):
+                rank = mesh.get_local_rank()
+                # uneven batch (6 rows on 4 ranks: 2, 2, 2, 0): inputs as DTensors with their global shape
+                local_x = so.from_local(x.chunk(4)[rank] if rank < 3 else x[:0], mesh, [Shard(0)], shape=x.shape)
+                local_t = so.from_local(t.chunk(4)[rank] if rank < 3 else t[:0], mesh, [Shard(0)], shape=t.shape)
+                opt.zero_grad()
+                with so.CommDebugMode() as fwd:
+                    loss = _mse(m(local_x), local_t)
+                with so.CommDebugMode() as bwd:
+                    loss.backward()
+                with so.CommDebugMode() as step:
+                    opt.step()
+                comms.append((fwd.get_comm_counts(), bwd.get_comm_counts(), step.get_comm_counts()))
+        return comms, {n: p.detach().full_tensor() for n, p in m.named_parameters()}, [p.placements for p in m.parameters()]
+
+    for comms, params, placements in so.run(main, 4):
+        assert placements == ([(Replicate(),)] * 2 if mode == "replicate" else [(Shard(0),)] * 2)
+        assert comms == [EXPECTED_DP_COMMS[mode]] * 3
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(params[name], p.detach(), atol=1e-5, rtol=1e-5)
+
+
 def test_data_parallel_refuses_bad_meshes():
     def main():
         mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

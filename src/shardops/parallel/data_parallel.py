@@ -8,7 +8,9 @@ not already live on; all of them without a plan): each rank feeds its own batch
 shard, as with torch's DDP/FSDP, and every parallel boundary of the plan lays its
 tensors out on the whole mesh (batch sharded over dp, the plan's placement over tp).
 Without a plan, the model's plain tensor inputs become DTensors sharded on
-`batch_dim` and the whole model runs on DTensors. The model's DTensor outputs come
+`batch_dim` (equal batch shards, as a distributed sampler gives; for uneven ones
+pass DTensors with their global shape, e.g. `so.from_local(x, mesh, [Shard(0)],
+shape=...)`, which pass through) and the whole model runs on DTensors. The model's DTensor outputs come
 out sharded on `batch_dim` over dp (a plain target then means this rank's shard
 under loss_parallel). A loss computed on the DTensor
 outputs (mean over the batch) is the global loss, exact on uneven batches.
