@@ -129,7 +129,31 @@ def program():
                 _optimizer_all_reduces(our_parallel, mesh, copy.deepcopy(module), style(our_parallel), x, True),
                 _optimizer_all_reduces(torch_parallel, torch_mesh, copy.deepcopy(module), style(torch_parallel), x, False),
             )
+    results["tied-gpt2"] = _tied_gpt2(torch_parallel, torch_mesh, our_parallel, mesh)
     return results
+
+
+def _tied_gpt2(torch_parallel, torch_mesh, our_parallel, mesh):
+    """GPT-2's tied embedding gradient after one backward, against single device, for each API."""
+    import torch.nn.functional as F
+
+    from shardops.models import GPT2, ModelArgs, gpt2_plan
+
+    args = ModelArgs(n_layers=1)
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, args.vocab_size, (2, 8), generator=g)
+    targets = torch.randint(0, args.vocab_size, (2, 8), generator=g)
+    ref = GPT2(args)
+    F.cross_entropy(ref(tokens).flatten(0, 1), targets.flatten(0, 1)).backward()
+    out = {}
+    for name, api, m in (("torch", torch_parallel, torch_mesh), ("ours", our_parallel, mesh)):
+        model = GPT2(args)
+        api.parallelize_module(model, m, gpt2_plan(api=api))
+        with api.loss_parallel():
+            F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1)).backward()
+        grad = model.wte.weight.grad.full_tensor()
+        out[name] = (model.wte.weight is model.lm_head.weight, float((grad - ref.wte.weight.grad).norm() / ref.wte.weight.grad.norm()))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +181,13 @@ def test_style_matches_torch(results, case):
                 assert theirs[name] == (so.Replicate(),) and ours[name] == (so.Shard(0),)
             else:
                 assert ours[name] == theirs[name], (name, ours[name], theirs[name])
+
+
+def test_tied_embeddings_stay_tied_where_torch_unties_them(results):
+    for rank_results in results:
+        r = rank_results["tied-gpt2"]
+        assert r["ours"][0] and r["ours"][1] < 1e-5, r["ours"]
+        assert not r["torch"][0] and r["torch"][1] > 0.1, r["torch"]  # torch: two parameters, the gradient off
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("sequence-parallel")])
