@@ -158,7 +158,7 @@ def _writes_self(func) -> bool:
     return bool(s.arguments) and s.arguments[0].alias_info is not None and s.arguments[0].alias_info.is_write
 
 
-def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=None) -> Decision:
+def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=None, limit: int | None = None) -> Decision:
     """Plan `func` on `leaves`, the call's flattened arguments with every tensor operand as its TensorSpec.
 
     Metadata only: no data, no collectives, no rank needed (explain calls it for any mesh size).
@@ -181,7 +181,7 @@ def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=N
     out_metas = metas[0]
     rows = rule(schema)
     filt = _inplace_filter(specs) if inplace else None
-    ranked = candidates(rows, specs, [(m.shape, m.dtype.itemsize) for m in out_metas], links=links, filter_fn=filt)
+    ranked = candidates(rows, specs, [(m.shape, m.dtype.itemsize) for m in out_metas], links=links, filter_fn=filt, limit=limit)
     if not ranked:
         raise ShardingError(
             f"{schema.name}: in-place op on {specs[0]!r} would need self in another layout; "
@@ -290,15 +290,15 @@ def output_specs(d: Decision, out_leaves: Sequence[Any]) -> tuple[TensorSpec, ..
 # ------------------------------------------------------------------ planning only (explain, verify)
 
 
-def plan_op(func, args: tuple, kwargs: dict | None = None, links=None) -> Decision:
+def plan_op(func, args: tuple, kwargs: dict | None = None, links=None, limit: int | None = None) -> Decision:
     """`decide` for a call whose tensor operands are TensorSpecs (nested lists too).
 
-    The Decision carries `candidates` (every candidate, cheapest first), `out_metas`, `fallback`
-    and `replicate_only`.
+    The Decision carries `candidates` (the best `limit`, cheapest first; see strategy.candidates),
+    `out_metas`, `fallback` and `replicate_only`.
     """
     flat, tree = pytree.tree_flatten((args, kwargs or {}))
     tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, TensorSpec)]
-    return decide(func, flat, tree, tensor_pos, links=links)
+    return decide(func, flat, tree, tensor_pos, links=links, limit=limit)
 
 
 PlanReport = Decision  # the name explain was written against

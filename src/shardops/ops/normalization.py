@@ -194,8 +194,6 @@ def _layer_norm_backward_sharded(ctx, grad, x, normalized_shape, mean, rstd, wei
     spec = ctx.in_specs[1]
     axis = x.ndim - len(normalized_shape)
     mesh_dims = _norm_mesh_dims(spec, axis)
-    if not mesh_dims:  # whole rows here: torch's own kernel (it reads mean/rstd as contiguous)
-        return ctx.func(grad, x, normalized_shape, mean.contiguous(), rstd.contiguous(), weight, bias, output_mask)
     dims, outer = tuple(range(axis, x.ndim)), tuple(range(axis))
     op = opmath_dtype(x.dtype)  # half inputs: float32 sums, as torch's CPU kernel does
     g, rstd = grad.to(op), rstd.to(op)
@@ -227,20 +225,17 @@ def _layer_norm_backward_rule(schema: OpSchema) -> list[Row]:
     outs = _grad_outputs(mask, [True, has_w, has_b])
     n_affine = int(has_w) + int(has_b)
     sum_bytes = 2 * opmath_dtype(spec.dtype).itemsize * _rows_per_rank(spec, axis)
-    # NOTE: torch's CPU kernel reads mean/rstd as contiguous, and a redistributed shard is
-    # often a strided view, so the local rows run through the algorithm too (it makes them
-    # contiguous); a combination takes one algorithm, so each variant gets its own copy.
     rows = []
-    for gather, algo in LN_BACKWARD.items():
-        for p in dict.fromkeys(shard_placements(grad) + shard_placements(spec)):
-            if p.dim < axis:
-                rows.append(row([[p, P, P][i] for i in outs], [p, p, p, p] + [R] * n_affine, algo))
-                continue
-            wp = _on_weight_dim(p, axis)
+    for p in dict.fromkeys(shard_placements(grad) + shard_placements(spec)):
+        if p.dim < axis:  # whole rows on this rank: torch's own kernel (redistributed shards arrive contiguous)
+            rows.append(row([[p, P, P][i] for i in outs], [p, p, p, p] + [R] * n_affine))
+            continue
+        wp = _on_weight_dim(p, axis)
+        for gather, algo in LN_BACKWARD.items():
             comm = _sum_comm(gather, sum_bytes) if mask[0] else []
             rows.append(row([[p, wp, wp][i] for i in outs], [p, p, R, R] + [wp] * n_affine, algo, comm=comm, label=LABEL_LN_BWD.format(HOW[gather])))
-        # every gradient is linear in grad_out: a pending sum passes through
-        rows.append(row([P] * len(outs), [P, R, R, R] + [R] * n_affine, algo))
+    # every gradient is linear in grad_out: a pending sum passes through
+    rows.append(row([P] * len(outs), [P, R, R, R] + [R] * n_affine))
     return rows
 
 
