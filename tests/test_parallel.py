@@ -480,6 +480,34 @@ def test_data_parallel_collectives_per_step(mode):
             torch.testing.assert_close(params[name], p.detach(), atol=1e-5, rtol=1e-5)
 
 
+def test_gradient_accumulation_keeps_gradients_pending():
+    """Two micro-batches accumulate into pending gradients with no collective; one all_reduce
+    per gradient on the first read after them."""
+    g = torch.Generator().manual_seed(16)
+    xs = [torch.randn(8, 8, 16, generator=g) for _ in range(2)]
+    ts = [torch.randn(8, 8, 16, generator=g) for _ in range(2)]
+    ref = Scale()
+    for x, t in zip(xs, ts):
+        _mse(ref(x), t).backward()
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        m = data_parallel(Scale(), mesh, "replicate")
+        rank = mesh.get_local_rank()
+        with strict():
+            with so.CommDebugMode() as accumulate:
+                for x, t in zip(xs, ts):
+                    _mse(m(x.chunk(4)[rank]), so.from_local(t.chunk(4)[rank], mesh, [Shard(0)])).backward()
+            with so.CommDebugMode() as read:
+                grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+        return accumulate.get_comm_counts(), read.get_comm_counts(), grads
+
+    for accumulate, read, grads in so.run(main, 4):
+        assert accumulate == {} and read == {"all_reduce": 2}
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_data_parallel_refuses_bad_meshes():
     def main():
         mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
