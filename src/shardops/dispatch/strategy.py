@@ -43,11 +43,14 @@ class Row:
     # CommDebugMode counts them: all_gather its own piece, all_reduce its whole input).
     comm: tuple[tuple[str, float], ...] = ()
     label: str = ""
+    # A row that holds on this mesh dim only (a view's exact layout: what one mesh dim's
+    # shard becomes depends on what the mesh dims before it cut); None: any mesh dim.
+    mesh_dim: int | None = None
 
 
-def row(outputs, inputs, algorithm=None, comm=(), label="") -> Row:
+def row(outputs, inputs, algorithm=None, comm=(), label="", mesh_dim=None) -> Row:
     as_tuple = lambda x: tuple(x) if isinstance(x, (list, tuple)) else (x,)  # noqa: E731
-    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label)
+    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label, mesh_dim)
 
 
 @dataclass
@@ -104,7 +107,7 @@ def expand(
 ) -> list[tuple[Row, ...]]:
     """Every combination of one row per mesh dim (the implicit all-R row included)."""
     replicate = Row((R,) * max(n_outputs, 1), (R,) * n_inputs)
-    per_dim = [list(rows) + [replicate]] * mesh_ndim
+    per_dim = [[r for r in rows if r.mesh_dim in (None, i)] + [replicate] for i in range(mesh_ndim)]
     combos = []
     for combo in itertools.product(*per_dim):
         algos = {r.algorithm for r in combo if r.algorithm is not None}

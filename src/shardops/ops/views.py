@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import functools
+
 import torch
 
-from ..dispatch.registry import register
+from ..dispatch.registry import DECOMPOSITIONS, register
 from ..dispatch.schema import OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
+from ..errors import ShardingError
 from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
 from ._view_layout import resolve_size, view_groups, view_layout
 
@@ -164,21 +167,33 @@ def _view(schema: OpSchema) -> dict[int, int]:
 
 def _view_rule(schema: OpSchema) -> list[Row]:
     """view/reshape/_unsafe_view: the input's own layout where it maps exactly (StridedShard
-    where a merge needs it, see _view_layout), plus rows that hold in any combination.
+    where a merge needs it, see _view_layout), else rows that hold in any combination.
 
-    The exact rows describe the current layout only (a merged dim's split factor depends
-    on what the other mesh dims cut), so a combination of them is right only for the
-    inputs as they are. That combination moves nothing and passes every partial as it is,
-    so it is always the cheapest and the one chosen; a mix with other inputs would cost a
-    move and is never picked over it.
+    The exact rows are pinned to their mesh dims and describe the current layout only (a
+    merged dim's split factor depends on what the earlier mesh dims cut). Their combination
+    moves nothing and passes every partial as it is, so it is the cheapest candidate and the
+    one chosen; a mix with moved inputs would cost a move and is never picked over it (the
+    algorithm refuses one, should it ever be).
     """
-    generic = _dim_map_rule(_view, local_size=True, strided=False)(schema)
     spec = schema.self_spec
     exact = view_layout(spec.shape, _view_size(schema), spec.mesh.shape, spec.placements)
     if exact is None:
-        return generic
-    rows = [row(o, p, algorithm=_with_local_size) for p, o in zip(spec.placements, exact) if p.is_shard()]
-    return list(dict.fromkeys(rows + generic))
+        return _dim_map_rule(_view, local_size=True, strided=False)(schema)
+    algo = _exact_view(spec.placements)
+    rows = [row(o, p, algorithm=algo, mesh_dim=i) for i, (p, o) in enumerate(zip(spec.placements, exact)) if p.is_shard()]
+    return rows + _partial_rows(schema)
+
+
+@functools.lru_cache(maxsize=None)
+def _exact_view(layout: tuple):
+    """The local view, for the input layout its exact rows were made for."""
+
+    def run(ctx, local, *args, **kwargs):
+        if tuple(ctx.in_specs[0].placements) != layout:
+            raise ShardingError(f"{ctx.schema.name}: internal error: exact view rows for {list(layout)} used on {list(ctx.in_specs[0].placements)}")
+        return _with_local_size(ctx, local, *args, **kwargs)
+
+    return run
 
 
 def _like_rule(schema: OpSchema) -> list[Row]:
@@ -273,3 +288,29 @@ register(_new_factory_rule, aten.new_zeros, aten.new_ones, aten.new_empty, aten.
 register(_identity_rule, aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.contiguous.default, aten.view_as_real.default)
 register(_copy_rule, aten.copy_.default)
 register(_scalar_rule, aten._local_scalar_dense.default)
+
+
+# -- in-place views (squeeze_, unsqueeze_, transpose_, t_): torch.matmul of a vector ends
+# with squeeze_. The functional view picks the layout (its dims renumbered, which the
+# in-place layout filter cannot express); self then takes its local tensor, its spec and
+# the view's sizes and strides.
+
+
+def _inplace_view(functional):
+    def run(self, *args, **kwargs):
+        out = functional(self, *args, **kwargs)
+        self._local_tensor = out._local_tensor
+        self._set_spec(out._spec)
+        # NOTE: the wrapper's own sizes and strides change as torch's in-place view would change them.
+        with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+            aten.as_strided_(self, out.shape, out.stride(), self.storage_offset())
+        return self
+
+    return run
+
+
+for _inplace, _functional in [
+    (aten.squeeze_.dim, aten.squeeze.dim), (aten.squeeze_.dims, aten.squeeze.dims), (aten.squeeze_.default, aten.squeeze.default),
+    (aten.unsqueeze_.default, aten.unsqueeze.default), (aten.transpose_.default, aten.transpose.int), (aten.t_.default, aten.t.default),
+]:
+    DECOMPOSITIONS[_inplace] = _inplace_view(_functional)
