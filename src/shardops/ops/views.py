@@ -224,7 +224,7 @@ def _new_factory_rule(schema: OpSchema) -> list[Row]:
         rows = [row(Shard(d), Shard(d), algorithm=_new_factory_local) for d in range(spec.ndim)]
         rows += [row(p, p, algorithm=_new_factory_local) for p in _strided(schema)]
         return rows + [row(_factory_partial(schema, p), p, algorithm=_new_factory_local) for p in _partial_rows_inputs(schema)]
-    return [row(R, Shard(d)) for d in range(spec.ndim)] + [row(R, p) for p in _partial_rows_inputs(schema)]
+    return [row(R, p) for p in [Shard(d) for d in range(spec.ndim)] + _strided(schema) + list(_partial_rows_inputs(schema))]
 
 
 def _new_factory_local(ctx, local, size, *args, **kwargs):
