@@ -77,7 +77,9 @@ class Attention(nn.Module):
         self.head_dim = args.dim // args.n_heads
         self.rotary = rotary
         self.wq = nn.Linear(args.dim, args.dim, bias=bias)
-        self.wk = nn.Linear(args.dim, args.dim, bias=bias)
+        # no key bias: it shifts all of a query's scores alike, which softmax ignores, so its gradient
+        # is zero up to rounding (and AdamW's normalised step would turn that rounding into updates)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=bias)
         self.wo = nn.Linear(args.dim, args.dim, bias=bias)
 

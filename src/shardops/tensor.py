@@ -24,7 +24,7 @@ _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_key_cache", "_grad_hook")
+    __slots__ = ("_local_tensor", "_spec", "_key_cache", "_grad_hook", "_pending_layout")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -40,6 +40,7 @@ class DTensor(torch.Tensor):
         r._local_tensor = local
         r._spec = spec
         r._key_cache = None
+        r._pending_layout = None
         return r
 
     def __new__(cls, *a, **k):  # pragma: no cover - construction goes through the API functions
@@ -57,6 +58,14 @@ class DTensor(torch.Tensor):
         if requires_grad and self.is_leaf:
             _keep_grad_layout(self)
         return self
+
+    def _resolve_pending(self) -> None:
+        """Move a leaf's gradient to the leaf's layout, once, on its first read (see _keep_grad_layout)."""
+        target, self._pending_layout = self._pending_layout, None
+        if target is not None and target != self._spec.placements:
+            # a fresh local tensor, not copy_: a Partial->Shard or Shard->Replicate move changes the local shape
+            self._local_tensor = execute(self._local_tensor, self._spec, plan(self._spec, target))
+            self._set_spec(self._spec.with_placements(target))
 
     def _set_spec(self, spec: TensorSpec) -> None:
         self._spec = spec
@@ -88,6 +97,8 @@ class DTensor(torch.Tensor):
         return self._spec.mesh
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        if self._pending_layout is not None:
+            self._resolve_pending()
         if not torch.is_grad_enabled():
             return self._local_tensor
         return _ToLocal.apply(self, grad_placements)
@@ -106,6 +117,8 @@ class DTensor(torch.Tensor):
 
     def _redistribute_local(self, placements: Sequence[Placement]) -> torch.Tensor:
         """This rank's shard in `placements` (no autograd)."""
+        if self._pending_layout is not None:
+            self._resolve_pending()
         if tuple(placements) == self._spec.placements:
             return self._local_tensor
         return execute(self._local_tensor, self._spec, plan(self._spec, placements))
@@ -147,6 +160,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     tensor_pos = []
     for i, a in enumerate(flat):
         if isinstance(a, DTensor):
+            if a._pending_layout is not None and not (i == 0 and core._writes_self(func)):
+                a._resolve_pending()  # a leaf's pending gradient, read for the first time (writes keep it pending)
             key_parts.append(a._key)
             tensor_pos.append(i)
         elif isinstance(a, torch.Tensor):
@@ -281,24 +296,31 @@ class _Redistribute(torch.autograd.Function):
 
 
 def _keep_grad_layout(leaf: DTensor) -> None:
-    """A sharded leaf gets its gradient in its own layout.
+    """A leaf's gradient comes back in the leaf's layout, each mesh dim paying at most once per step.
 
     Dispatch may compute a backward in another layout (the planner moved an input
-    inside an op, below autograd); the gradient is moved back once, when it is
-    accumulated. Mesh dims where the leaf is replicated (weights) keep what was
-    cheapest, Partial(sum) included, as torch does.
+    inside an op, below autograd). On mesh dims the leaf shards, the gradient is
+    moved back when it is accumulated. Elsewhere (weights replicated over tp or dp)
+    the gradient keeps the cheapest layout backward left it in (Partial(sum) or
+    sharded, as torch does) and is marked pending: its first read by any op
+    (an optimizer's lerp_, addcmul_, clip_grad_norm_'s norm, full_tensor) moves it
+    to the leaf's layout in place, so later reads pay nothing. torch re-reduces a
+    Partial gradient on every read. In-place writes to the pending gradient
+    (gradient accumulation, zero_) keep it pending.
     """
-    if getattr(leaf, "_grad_hook", False) or not any(p.is_shard() for p in leaf._spec.placements):
+    if getattr(leaf, "_grad_hook", False):
         return
 
     def move_back(t: DTensor) -> None:
         g = t.grad
-        if not isinstance(g, DTensor):
+        if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
             return
         # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays
         target = tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
         if g._spec.placements != target:
-            t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
+            g = t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
+        wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
+        g._pending_layout = wanted if g._spec.placements != wanted else None
 
     leaf.register_post_accumulate_grad_hook(move_back)
     leaf._grad_hook = True
