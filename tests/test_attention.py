@@ -375,3 +375,24 @@ def test_empty_sequence_shards(kv_layout, causal):
     """3 positions on 4 ranks: the last rank holds no query and no key (the CPU kernel must never see it)."""
     _check((4,), ("S2",), (kv_layout,), (2, 2, 3, 4), is_causal=causal)
     _check((2, 2), ("S2", "S2"), (kv_layout, kv_layout), (1, 3, 3, 4), is_causal=causal)
+
+
+def test_queries_keep_their_shards_on_a_large_planning_space():
+    """On a 4-dim mesh the planner prunes its search (its cheapest here moves q onto the batch
+    of 1); the q-keeping candidate is searched for itself."""
+    from shardops.dispatch import core
+    from shardops.ops.attention import FLASH, _keeping_queries
+    from shardops.spec import TensorMeta, TensorSpec, contiguous_stride
+
+    shape = (1, 8, 65536, 128)
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (2, 2, 2, 2))
+        layout = (Shard(2), Shard(2), R, Shard(1))
+        spec = TensorSpec(mesh, layout, TensorMeta(shape, contiguous_stride(shape), torch.float32))
+        decision = core.plan_op(FLASH, (spec, spec, spec, 0.0, True))
+        return decision.candidate.inputs[0], _keeping_queries(decision).inputs
+
+    for _, (q_layout, k_layout, v_layout) in so.run(body, 16)[:1]:
+        assert (q_layout[0], q_layout[1], q_layout[3]) == (Shard(2), Shard(2), Shard(1)), q_layout
+        assert k_layout == v_layout

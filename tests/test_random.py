@@ -103,6 +103,12 @@ OPS = {
     "log_normal_": lambda x: x.log_normal_(),
     "cauchy_": lambda x: x.cauchy_(),
     "normal(tensor mean)": lambda x: torch.normal(x + 1.0, 0.5),
+    "normal(tensor mean, tensor std)": lambda x: torch.normal(x + 1.0, x + 0.5),
+    "rand_like(generator)": lambda x: torch.rand_like(x, generator=torch.Generator().manual_seed(9)),
+    "aten.uniform (functional)": lambda x: aten.uniform(x, -1.0, 1.0),
+    "aten.random.to (functional)": lambda x: aten.random.to(x, 100),
+    "aten.bernoulli.Tensor (functional)": lambda x: aten.bernoulli.Tensor(x, x + 0.5),
+    "aten.normal_functional": lambda x: aten.normal_functional(x, 2.0, 0.5),
     "native_dropout": lambda x: torch.native_dropout(x + 1.0, 0.4, True)[0],
     "native_dropout mask": lambda x: torch.native_dropout(x + 1.0, 0.4, True)[1],
     "F.dropout": lambda x: F.dropout(x + 1.0, 0.1),
@@ -341,7 +347,7 @@ KS_CRITICAL = 1.95 / math.sqrt(N)  # alpha = 0.001
 
 
 def _sample(op, dtype=torch.float32) -> torch.Tensor:
-    """N values drawn on a 4-rank Shard(0) layout (uneven: 25000 rows each... of (N // 4 * 4 + 3) rows)."""
+    """N values drawn on a 4-rank Shard(0) layout, gathered."""
 
     def body():
         mesh = so.init_device_mesh("cpu", (4,))

@@ -50,7 +50,7 @@ from .. import cost
 from ..dispatch import core
 from ..dispatch.registry import call_default, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, static_key
-from ..dispatch.strategy import Candidate, Row, row
+from ..dispatch.strategy import Candidate, Row, candidates, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, without_partials
 from ..redistribute import redistribute_local
@@ -442,10 +442,15 @@ def _keeping_queries(decision: core.Decision) -> Candidate:
     Where no row keeps q (e.g. q sharded on its head dim), the cheapest of all.
     """
     mine = decision.in_specs[0].placements
-    for c in decision.candidates:
-        if all(got == had for got, had in zip(c.inputs[0], mine) if had.is_shard()):
-            return c
-    return decision.candidate
+
+    def keeps_queries(c: Candidate) -> bool:
+        return all(got == had for got, had in zip(c.inputs[0], mine) if had.is_shard())
+
+    if keeps_queries(decision.candidate):
+        return decision.candidate
+    out_shapes = [(m.shape, m.dtype.itemsize) for m in decision.out_metas]
+    kept = candidates(_forward_rule(decision.schema), decision.in_specs, out_shapes, filter_fn=keeps_queries, limit=1)
+    return kept[0] if kept else decision.candidate
 
 
 # (q, k, v, mask layouts and shapes, causal, scale, link model) -> the chosen input layouts

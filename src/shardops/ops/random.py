@@ -40,7 +40,7 @@ import torch
 
 from .. import rng
 from ..dispatch import core
-from ..dispatch.registry import register, register_torch_function
+from ..dispatch.registry import call_default, register, register_torch_function
 from ..dispatch.schema import OpSchema
 from ..dispatch.strategy import Row, row
 from ..errors import ShardingError
@@ -180,7 +180,7 @@ def _bernoulli_float_(ctx, self, *args, **kwargs):
 
 
 def _bernoulli_tensor_(ctx, self, p, *args, **kwargs):
-    return _draw(ctx, self, _below_tensor(_flat(p.to(torch.float64).expand_as(self))))
+    return _draw(ctx, self, _below_tensor(_flat(p.expand_as(self))))  # compared per chunk, in float64
 
 
 def _bernoulli(ctx, p, *args, **kwargs):
@@ -339,8 +339,7 @@ def _relabel_pending(t) -> None:
 def _fill_entry(func: Callable) -> Callable:
     def entry(*args, **kwargs):
         _relabel_pending(args[0] if args else kwargs.get("tensor"))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return call_default(func, args, kwargs)
 
     return entry
 
