@@ -56,11 +56,14 @@ class Row:
     # CommDebugMode counts them: all_gather its own piece, all_reduce its whole input).
     comm: tuple[tuple[str, float], ...] = ()
     label: str = ""
+    # A row that holds on this mesh dim only (a view's exact layout: what one mesh dim's
+    # shard becomes depends on what the mesh dims before it cut); None: any mesh dim.
+    mesh_dim: int | None = None
 
 
-def row(outputs, inputs, algorithm=None, comm=(), label="") -> Row:
+def row(outputs, inputs, algorithm=None, comm=(), label="", mesh_dim=None) -> Row:
     as_tuple = lambda x: tuple(x) if isinstance(x, (list, tuple)) else (x,)  # noqa: E731
-    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label)
+    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label, mesh_dim)
 
 
 @dataclass
@@ -124,9 +127,14 @@ def expand(
     combos = []
     for combo in itertools.product(row_options(rows, n_inputs, n_outputs), repeat=mesh_ndim):
         algos = {r.algorithm for r in combo if r.algorithm is not None}
-        if len(algos) <= 1:
+        if len(algos) <= 1 and all(fits_mesh_dim(r, i) for i, r in enumerate(combo)):
             combos.append(combo)
     return combos
+
+
+def fits_mesh_dim(r: Row, i: int) -> bool:
+    """A row made for one mesh dim (a view's exact layout) is offered on that dim only."""
+    return r.mesh_dim is None or r.mesh_dim == i
 
 
 def _source_local_bytes(spec: TensorSpec) -> float:
@@ -325,7 +333,7 @@ def all_candidates(
     out, total, replicate = [], 0, None
     for indices in itertools.product(range(len(options)), repeat=mesh.ndim):
         combo = tuple(options[r] for r in indices)
-        if len({r.algorithm for r in combo if r.algorithm is not None}) > 1:
+        if len({r.algorithm for r in combo if r.algorithm is not None}) > 1 or not all(fits_mesh_dim(r, i) for i, r in enumerate(combo)):
             continue
         c = price(combo, in_specs, out_shapes, links, _order(indices, len(options)))
         if _mixed_partials(c) or _needs_norm_partial(c, in_specs):
@@ -398,7 +406,7 @@ class _Search:
             valid, sep, floor, changes, pend = [], [], [], [], []
             for index, r in enumerate(self.options):
                 srcs = [spec.placements[i] for spec in in_specs]
-                valid.append(not any(isinstance(t, NormPartial) and t != a for a, t in zip(srcs, r.inputs)))
+                valid.append(fits_mesh_dim(r, i) and not any(isinstance(t, NormPartial) and t != a for a, t in zip(srcs, r.inputs)))
                 moves = sum(_redistribution_term(a, t, loc, n, link) for a, t, loc in zip(srcs, r.inputs, src_local))
                 lat = 0.0
                 if r.algorithm is None:

@@ -124,8 +124,27 @@ def _norm_types(specs) -> list[float]:
     return sorted({p.norm_type for s in specs for p in s.placements if isinstance(p, NormPartial)})
 
 
+def _strided_rows(schema: OpSchema) -> list[Row]:
+    """An operand's StridedShard (FSDP+TP after a view) passes through: every operand with
+    that dim at full size takes the same StridedShard, so ranks hold the same positions."""
+    from ..placements import StridedShard
+
+    specs = schema.tensor_specs
+    out_ndim = max((s.ndim for s in specs), default=0)
+    out_shape = torch.broadcast_shapes(*[s.shape for s in specs]) if specs else ()
+    found = {(p.dim + out_ndim - s.ndim, p.split_factor) for s in specs for p in s.placements if isinstance(p, StridedShard)}
+    rows = []
+    for d, sf in sorted(found):
+        ins = []
+        for s in specs:
+            k = d - (out_ndim - s.ndim)
+            ins.append(R if k < 0 or s.shape[k] != out_shape[d] else StridedShard(k, sf))
+        rows.append(row([StridedShard(d, sf)] * _n_outputs(schema), ins))
+    return rows
+
+
 def pointwise_rule(schema: OpSchema) -> list[Row]:
-    return _shard_rows(schema) + _linear_rows(schema)
+    return _shard_rows(schema) + _strided_rows(schema) + _linear_rows(schema)
 
 
 def _is_pointwise(op) -> bool:

@@ -64,9 +64,12 @@ class NoComm:
 
 
 def batch(cfg: ModelArgs, batch_size: int, step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global (inputs, targets) of a step: next-token prediction on random tokens, the same on every rank."""
+    """The global (inputs, targets) of a step, the same on every rank: next-token prediction on
+    arithmetic sequences mod the vocabulary (random start, stride 1-3), so the loss can fall."""
     gen = torch.Generator().manual_seed(seed + step)
-    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.max_seq_len + 1), generator=gen)
+    start = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=gen)
+    stride = torch.randint(1, 4, (batch_size, 1), generator=gen)
+    tokens = (start + stride * torch.arange(cfg.max_seq_len + 1)) % cfg.vocab_size
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 

@@ -17,7 +17,7 @@ PARAM_TOL = 1e-4  # ||p - p_ref|| <= PARAM_TOL * ||p_ref||, per parameter
 def console() -> Any:
     from rich.console import Console
 
-    return Console()
+    return Console(width=max(132, Console().width))
 
 
 def header(spec: RunSpec) -> str:
@@ -111,12 +111,10 @@ def parts_table(spec: RunSpec, ours: Sequence[dict[str, Any]], theirs: Sequence[
             t_colls, t_bytes, _ = _per_step(their_records, part)
             row += [t_colls, f"{t_bytes:,}"]
         table.add_row(*row)
-    total = [f"{our_records[-1].nbytes:,}"]
     row = ["[bold]step total[/]", "", f"[bold]{our_records[-1].nbytes:,}[/]"]
     if theirs:
         row += ["", f"[bold]{their_records[-1].nbytes:,}[/]"]
     table.add_row(*row)
-    del total
     return table
 
 

@@ -811,3 +811,41 @@ def _attention_call(op, dtype, g, k):
 
 SAMPLES.insert(0, (r"_scaled_dot_product_flash_attention_for_cpu(_backward)?|scaled_dot_product_attention", _attention_call))
 
+
+# ------------------------------------------------------------------ matrix products, embeddings, their views (issue 12)
+#
+# Views between products: merge a (possibly uneven) sequence dim with the batch, split
+# heads out of a hidden dim, and back; the exact layouts include StridedShard.
+MATRIX_VIEW_PAIRS = [((3, 4, 5), ([12, 5],)), ((12, 5), ([3, 4, 5],)), ((2, 3, 8), ([2, 3, 2, 4],)), ((2, 3, 2, 4), ([6, 8],))]
+
+
+def _embedding(op, dtype, g, k):
+    if not dtype.is_floating_point:
+        return None
+    vocab, hidden, ids_shape = ((10, 6, (3, 5)), (7, 4, (6,)))[k % 2]
+    weight = make_tensor((vocab, hidden), dtype, g)
+    ids = torch.randint(0, vocab, ids_shape, generator=g)
+    return Sample((weight, ids), {"padding_idx": [-1, 2][k % 2]})
+
+
+def _embedding_dense_backward(op, dtype, g, k):
+    if not dtype.is_floating_point:
+        return None
+    vocab, hidden, ids_shape = ((10, 6, (3, 5)), (7, 4, (6,)))[k % 2]
+    ids = torch.randint(0, vocab, ids_shape, generator=g)
+    grad = make_tensor(ids_shape + (hidden,), dtype, g)
+    return Sample((grad, ids, vocab, [-1, 2][k % 2], bool(k % 3 == 2)))
+
+
+def _new_empty_strided(op, dtype, g, k):
+    shape = ((8, 6), (5, 3))[k % 2]
+    size, stride = ((list(shape), [1, shape[0]]), ([4, 3], [3, 1]))[k % 2]
+    return Sample((make_tensor(shape, dtype, g), size, stride), check_values=False)
+
+
+SAMPLES[:0] = [
+    (r"view|_unsafe_view|reshape", _pairs(VIEW_PAIRS + MATRIX_VIEW_PAIRS)),
+    (r"embedding", _embedding),
+    (r"embedding_dense_backward", _embedding_dense_backward),
+    (r"new_empty_strided", _new_empty_strided),
+]
