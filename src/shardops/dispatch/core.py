@@ -284,7 +284,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _fallback_decision(func, schema, specs, flat, tensor_pos) -> Decision:
-    if func in REPLICATE_ONLY:
+    # The op has a rule but its meta run failed: torch refuses these arguments (a dtype or shape
+    # error). Running it replicated raises torch's own error: no missing strategy to warn about.
+    refused = func in RULES and not isinstance(getattr(_last_meta_error, "error", None), NotImplementedError)
+    if func in REPLICATE_ONLY or refused:
         pass  # replicate on purpose: no warning about a missing strategy
     elif _state["strict"]:
         raise ShardingError(
@@ -303,7 +306,8 @@ def _fallback_decision(func, schema, specs, flat, tensor_pos) -> Decision:
             f"{schema.name}: in-place op with no sharded strategy on {specs[0]!r}; it would change self's "
             "layout. Redistribute self to Replicate first, or use the out-of-place op."
         )
-    _warn_fallback(d, flat, tensor_pos)
+    if not refused:
+        _warn_fallback(d, flat, tensor_pos)
     return d
 
 
