@@ -87,6 +87,10 @@ def _option(number: int, c: Candidate, specs: tuple[TensorSpec, ...], links) -> 
                   replicate=_is_replicate(c))
 
 
+def _name(o: Option) -> str:
+    return f"#{o.number}" if o.number else o.label  # number 0: an option ranked below the ones shown
+
+
 def _reason(chosen: Option, others: list[Option]) -> str:
     rep = next((o for o in others if o.replicate), None)
     rest = [o for o in others if o is not chosen]
@@ -101,11 +105,11 @@ def _reason(chosen: Option, others: list[Option]) -> str:
         text += f" vs {fmt_time(rep.time)} for replicate-then-local"
     tied = [o for o in rest if round(o.time, 12) == round(chosen.time, 12)]
     if tied:
-        text += (f"; tied with {len(tied)} other(s) (e.g. #{tied[0].number}): ties prefer fewer input changes, "
+        text += (f"; tied with {len(tied)} other(s) (e.g. {_name(tied[0])}): ties prefer fewer input changes, "
                  "then a pending output, then more sharding, then the rule's order")
     cheaper = [o for o in rest if o.time < chosen.time * 0.99]  # a 1% margin: estimates are not exact
     if cheaper:
-        text += (f"; note #{cheaper[0].number} is cheaper with its exact plan ({fmt_time(cheaper[0].time)}): "
+        text += (f"; note {_name(cheaper[0])} is cheaper with its exact plan ({fmt_time(cheaper[0].time)}): "
                  "the runtime ranks candidates by a per-mesh-dim estimate")
     return text
 
@@ -117,20 +121,23 @@ def _plan_step(index: int, func, args, kwargs, out, names: Names, links, top: in
     input_names = [names.name[id(a)] for a in flat if isinstance(a, torch.Tensor)]
     call = _call_text(func, args, kwargs, names)
     s_args, s_kwargs = pytree.tree_unflatten(leaves, tree)
-    report = plan_op(func, s_args, s_kwargs, links=links)
+    # The pruned search returns exactly the best `top` of the runtime's ranking, the count of the
+    # whole space, and the all-Replicate candidate (compared with in the reason) wherever it ranks.
+    report = plan_op(func, s_args, s_kwargs, links=links, limit=top)
     out_tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     if report.fallback:
         return _fallback_step(index, func, call, input_names, specs, out_tensors, report.replicate_only, links)
     shown = [_option(k + 1, c, specs, links) for k, c in enumerate(report.candidates[:top])]
-    rep = next((k for k, c in enumerate(report.candidates) if _is_replicate(c)), None)
     others = list(shown)
-    if rep is not None and rep >= top:
-        others.append(_option(rep + 1, report.candidates[rep], specs, links))
+    rep = getattr(report.candidates, "replicate", None)
+    if rep is not None and not any(_is_replicate(c) for c in report.candidates[:top]):
+        others.append(_option(0, rep, specs, links))  # number 0: ranked below the ones shown
     chosen = shown[0]
     chosen.chosen = True
     mesh = specs[0].mesh
     out_specs = [TensorSpec(mesh, pl, m) for pl, m in zip(chosen.outputs, report.out_metas)]
-    return Step(index, str(func), call, input_names, specs, out_specs, shown, len(report.candidates), chosen, _reason(chosen, others))
+    total = getattr(report.candidates, "total", len(report.candidates))
+    return Step(index, str(func), call, input_names, specs, out_specs, shown, total, chosen, _reason(chosen, others))
 
 
 def _fallback_step(index, func, call, input_names, specs, out_tensors, replicate_only: bool, links) -> Step:

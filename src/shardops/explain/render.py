@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from .result import Explanation, Step, fmt_bytes, fmt_time, placements_text
 from .specs import spec_text
+from .text import fmt_bytes, fmt_time, placements_text
 
 
-def render(e: Explanation) -> str:
+def render(e: Any) -> str:
+    """`e`: an explain.result.Explanation (not imported: result imports this module)."""
     ranks = math.prod(e.mesh_shape)
     lines = [f"explain {e.expression}", f"  mesh {'x'.join(map(str, e.mesh_shape))} ({ranks} ranks), links {', '.join(e.links)}"]
     lines += [f"  {name} = {spec_text(spec)}" for name, spec in e.inputs.items()]
@@ -21,7 +23,7 @@ def render(e: Explanation) -> str:
     return "\n".join(lines)
 
 
-def _render_step(s: Step) -> list[str]:
+def _render_step(s: Any) -> list[str]:
     outs = ", ".join(spec_text(o) for o in s.out_specs)
     head = [f"[{s.index}] {s.call} -> {outs}"]
     if s.fallback:

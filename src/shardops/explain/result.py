@@ -8,24 +8,11 @@ from typing import Any, Sequence
 from ..placements import Placement
 from ..redistribute import Plan, plan_bytes
 from ..spec import TensorSpec
+from .render import render
 from .specs import spec_text
+from .text import fmt_bytes, fmt_time, placements_text  # noqa: F401  (re-exported)
 
 DEFAULT_TOP = 10
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"
 
 
 @dataclass
@@ -74,10 +61,6 @@ class Option:
             "bytes_per_rank": self.bytes, "rounds": self.rounds, "time_s": self.time,
             "redistribute_time_s": self.redistribute_time, "comm_time_s": self.comm_time, "pending_time_s": self.pending_time,
         }
-
-
-def placements_text(placements: Sequence[Placement]) -> str:
-    return ",".join(map(repr, placements))
 
 
 @dataclass
@@ -153,6 +136,4 @@ class Explanation:
         }
 
     def __str__(self) -> str:
-        from .render import render
-
         return render(self)

@@ -39,6 +39,15 @@ def aten_target(op, kind: str) -> Target:
     return Target(str(op), str(op).rsplit(".", 1)[0], op, samples.reference_for(op) or op, samples.generator_for(op), kind)
 
 
+RANDOM_SKIP = "random ops (layout-invariant draws, not torch's values: tests/test_random.py)"
+
+
+def _is_random(fn) -> bool:
+    from ..ops.random import RANDOM_ENTRIES
+
+    return fn in RANDOM_ENTRIES or (isinstance(fn, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in fn.tags)
+
+
 def discover() -> tuple[list[Target], dict[str, int]]:
     """Every registered op, one Target per overload (out= and in-place variants left out)."""
     skipped: Counter[str] = Counter()
@@ -50,11 +59,19 @@ def discover() -> tuple[list[Target], dict[str, int]]:
                 continue
             if core.out_arg_names(op):
                 skipped["out= variants"] += 1
+            elif _is_random(op):
+                skipped[RANDOM_SKIP] += 1
             elif _writes_self(op):
                 skipped["in-place variants"] += 1
             elif str(op) not in found:
                 found[str(op)] = aten_target(op, kind)
     for fn in list(registry.TORCH_FUNCTIONS):
+        if _is_random(fn):
+            skipped[RANDOM_SKIP] += 1
+            continue
+        if callable_name(fn).startswith("Tensor.") and callable_name(fn).endswith("_"):  # Tensor.fill_ & co
+            skipped["in-place variants"] += 1
+            continue
         if isinstance(fn, torch._ops.OpOverload):  # an aten op intercepted before dispatch: verify calls it as such
             found.setdefault(str(fn), aten_target(fn, "torch_function"))
             continue
