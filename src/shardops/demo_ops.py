@@ -1,4 +1,4 @@
-"""The main job: a slice of a transformer training step on a (2,2) mesh, checked against torch.
+"""`shardops demo --ops`: sharded math ops of a transformer step on a (2,2) mesh, checked against torch.
 
     shardops demo --ops                # threads world, 4 ranks in this process
     torchrun --nproc-per-node 4 -m shardops.demo_ops   # the same under torch.distributed (gloo)
