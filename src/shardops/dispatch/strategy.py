@@ -375,6 +375,7 @@ class _Search:
         self.in_bytes = [math.prod(spec.shape) * spec.itemsize for spec in in_specs]
         self.out_bytes = [math.prod(shape) * itemsize for shape, itemsize in out_shapes]
         self.compute_rate = min(link.compute for link in links)
+        self._comm_memo: dict[tuple, float] = {}
         # per mesh dim, per row option
         self.valid, self.sep, self.floor, self.changes, self.pend_coef = [], [], [], [], []
         for i in range(ndim):
@@ -449,7 +450,7 @@ class _Search:
         j = len(indices)
         rest = self.rest_shard[j]
         time = sep + self.rest_time[j]
-        time += comm_time([self.options[r] if self.options[r].algorithm is not None else _NO_COMM for r in indices], self.mesh_shape, self.links)
+        time += self._joint_comm(indices)
         for k in range(self.n_out):
             t = self.n_in + k
             time += pend[k] * self.out_bytes[k] / (shards[t] * rest[t])
@@ -458,6 +459,19 @@ class _Search:
         sharding = sum(m * rest[t] for t, m in enumerate(shards))
         order = _order(indices + (0,) * (len(self.mesh_shape) - j), self.radix)
         return (round(time * (1 - 1e-9), 12), changes + self.rest_changes[j], pending, -sharding, order)
+
+    def _joint_comm(self, indices) -> float:
+        """The joint collectives of the prefix's algorithm rows (memoised: most prefixes share them)."""
+        key = tuple((i, r) for i, r in enumerate(indices) if self.options[r].algorithm is not None and self.options[r].comm)
+        if not key:
+            return 0.0
+        value = self._comm_memo.get(key)
+        if value is None:
+            combo = [_NO_COMM] * len(indices)
+            for i, r in key:
+                combo[i] = self.options[r]
+            value = self._comm_memo[key] = comm_time(combo, self.mesh_shape, self.links)
+        return value
 
     # ---------------------------------------------------------------- answers
 
