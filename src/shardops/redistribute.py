@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -101,16 +102,18 @@ def _plan_cached(src, dst, shape, mesh_shape, itemsize, links, _epoch) -> Plan:
     shard_dims = sorted({p.dim for p in src + dst if p.is_shard()})
     choices = tuple(tuple(sorted({src[i], dst[i], Replicate()} | {Shard(d) for d in shard_dims}, key=repr)) for i in range(len(mesh_shape)))
     key = (src, choices, math.prod(shape), itemsize, mesh_shape, links, _epoch)
-    search = _SEARCHES.get(key)
-    if search is None:
-        if len(_SEARCHES) >= _MAX_SEARCHES:
-            _SEARCHES.pop(next(iter(_SEARCHES)))  # the oldest: searches are cheap to redo
-        search = _SEARCHES[key] = _PlanSearch(src, choices, math.prod(shape), itemsize, mesh_shape, links)
-    return search.plan_to(dst)
+    with _SEARCH_LOCK:  # the ranks of the threads world plan at the same time, and a search is resumed in place
+        search = _SEARCHES.get(key)
+        if search is None:
+            if len(_SEARCHES) >= _MAX_SEARCHES:
+                _SEARCHES.pop(next(iter(_SEARCHES)))  # the oldest: searches are cheap to redo
+            search = _SEARCHES[key] = _PlanSearch(src, choices, math.prod(shape), itemsize, mesh_shape, links)
+        return search.plan_to(dst)
 
 
 _SEARCHES: dict[tuple, "_PlanSearch"] = {}
 _MAX_SEARCHES = 256
+_SEARCH_LOCK = threading.Lock()
 
 
 def clear_plan_cache() -> None:
