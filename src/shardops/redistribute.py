@@ -146,10 +146,15 @@ class _PlanSearch:
         self.best: dict[tuple, tuple[float, int]] = {self.start: (0.0, 0)}
         self.came_from: dict[tuple, tuple[tuple, tuple]] = {}
         self.settled: dict[tuple, float] = {}
+        self.names: dict[tuple, str] = {}
+        self.step_times: dict[tuple, float] = {}  # (kind, mesh dim, shard count): the same for many states
         self.heap = [(0.0, 0, self._name(self.start), self.start)]
 
     def _name(self, state: tuple[int, ...]) -> str:  # the repr of the placement tuple: ties break as they always have
-        return "(" + ", ".join(self.texts[k] for k in state) + ("," if len(state) == 1 else "") + ")"
+        text = self.names.get(state)
+        if text is None:
+            text = self.names[state] = "(" + ", ".join(self.texts[k] for k in state) + ("," if len(state) == 1 else "") + ")"
+        return text
 
     def plan_to(self, dst) -> Plan:
         goal = tuple(self.index[p] for p in dst)
@@ -174,13 +179,17 @@ class _PlanSearch:
                 parts *= mesh_shape[i]
         local = self.numel / parts * self.itemsize
         moves = []
+        times = self.step_times
         for i, options in enumerate(self.choices):
             a = state[i]
             for b in options:
                 kind, guard = self.table[(a, b)]
                 if kind is None or any(last.get(d, -1) > i for d in guard):
                     continue
-                moves.append((kind, (i,), b, _step_time(kind, local, mesh_shape[i], links[i])))
+                dt = times.get((kind, i, parts))
+                if dt is None:
+                    dt = times[(kind, i, parts)] = _step_time(kind, local, mesh_shape[i], links[i])
+                moves.append((kind, (i,), b, dt))
         if sum(self.partial[k] for k in state) >= 2:
             for dims in _joint_reductions(tuple(self.placements[k] for k in state)):
                 sizes = [mesh_shape[i] for i in dims]
