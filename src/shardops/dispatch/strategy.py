@@ -272,7 +272,7 @@ def rank_key(c: Candidate, mesh_shape: Sequence[int]) -> tuple:
 
 _search_key = rank_key  # the search's own reference: tests may patch rank_key to force a divergence
 
-DEFAULT_LIMIT = 8  # candidates the runtime keeps when the search space is large (it uses the first)
+DEFAULT_LIMIT = 1  # candidates kept when the search space is large and no limit is asked: the runtime uses the first
 EXHAUSTIVE_MAX = 256  # search spaces this small are simply enumerated
 
 
