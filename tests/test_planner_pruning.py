@@ -97,9 +97,9 @@ def _rows(func, args, kwargs):
     flat, tree = pytree.tree_flatten((args, kwargs))
     pos = [i for i, a in enumerate(flat) if isinstance(a, TensorSpec)]
     specs = tuple(flat[i] for i in pos)
-    schema = core.make_schema(func, flat, tree, pos, specs)
-    metas = core.meta_outputs(func, flat, tree, pos, specs)
-    if metas is None:
+    schema = core.make_schema(func, flat, tree, specs)
+    metas = core.meta_outputs(func, flat, tree)
+    if isinstance(metas, Exception):
         return None
     rows = RULES[func](schema)
     inplace = func._schema.arguments[0].alias_info is not None and func._schema.arguments[0].alias_info.is_write
@@ -182,5 +182,7 @@ def test_the_search_is_used_on_large_spaces_and_keeps_the_choice():
             exhaustive = all_candidates(rows, specs, shapes, links, filt)
             assert _summary(best, shape) == _summary(exhaustive[0], shape), f"{func} on {shape}"
             report = core.plan_op(func, args, kwargs, limit=3)
-            assert _summary(report.candidates[0], shape) == _summary(exhaustive[0], shape)
+            # plan_op prices its choice with the exact plan: compare the choice, not the estimate
+            assert _summary(report.candidates[0], shape)[1:] == _summary(exhaustive[0], shape)[1:]
+            assert [_summary(c, shape) for c in report.candidates[1:3]] == [_summary(c, shape) for c in exhaustive[1:3]]
             assert report.candidates.total == exhaustive.total

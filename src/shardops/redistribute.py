@@ -31,7 +31,7 @@ import torch
 from . import cost
 from .comm.base import CommDebugMode
 from .errors import ShardingError
-from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
+from .placements import Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
 from .spec import TensorSpec
 
 
@@ -226,7 +226,7 @@ def _kind_and_guard(src: Placement, dst: Placement) -> tuple[str | None, tuple[i
         return None, ()
     if dst.is_shard():
         return "slice", (dst.dim,)
-    if isinstance(dst, Partial):
+    if dst.is_partial() and dst.reachable:
         return "partition", ()
     return None, ()
 
@@ -314,26 +314,6 @@ def _assemble(pieces: Sequence[torch.Tensor], dim: int, placement: Placement) ->
     return out
 
 
-def _norm_pre(x: torch.Tensor, p: NormPartial) -> tuple[torch.Tensor, str]:
-    q = p.norm_type
-    if q in (0.0, 1.0) or math.isinf(q):
-        return x, p.combine_op
-    return (x * x if q == 2.0 else x.pow(q)), "sum"
-
-
-def _norm_post(x: torch.Tensor, p: NormPartial) -> torch.Tensor:
-    q = p.norm_type
-    if q in (0.0, 1.0) or math.isinf(q):
-        return x
-    return x.sqrt() if q == 2.0 else x.pow(1.0 / q)
-
-
-def _partition(x: torch.Tensor, op: str, coord: int) -> torch.Tensor:
-    if op in ("avg", "max", "min") or coord == 0:
-        return x
-    return torch.ones_like(x) if op == "product" else torch.zeros_like(x)
-
-
 def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     """Run plan `p` on this rank's shard of `spec`; returns the new local shard."""
     mesh = spec.mesh
@@ -353,7 +333,7 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
         if step.kind == "slice":
             x = _take(x, step.dst.dim, shard_positions(step.dst, x.shape[step.dst.dim], n, me))
         elif step.kind == "partition":
-            x = _partition(x, step.dst.reduce_op, me)
+            x = step.dst.split(x, me)
         elif step.kind == "all_gather":
             d = step.src.dim
             shapes = [_member_shape(spec, coordinate, state, i, c) for c in range(n)]
@@ -386,18 +366,12 @@ def _member_shape(spec: TensorSpec, coordinate: Sequence[int], state: Sequence[P
     return tuple(_local_shape(spec.shape, spec.mesh.shape, coord, state))
 
 
-def _all_reduce_partial(comm, x: torch.Tensor, src: Placement, group) -> torch.Tensor:
-    if isinstance(src, NormPartial):
-        pre, op = _norm_pre(x, src)
-        return _norm_post(comm.all_reduce(pre, op, group), src)
-    return comm.all_reduce(x, src.reduce_op, group)
+def _all_reduce_partial(comm, x: torch.Tensor, src: Partial, group) -> torch.Tensor:
+    return src.from_wire(comm.all_reduce(src.to_wire(x), src.wire_op, group))
 
 
-def _reduce_scatter_partial(comm, chunks, src: Placement, group) -> torch.Tensor:
-    if isinstance(src, NormPartial):
-        pres = [_norm_pre(c, src)[0] for c in chunks]
-        return _norm_post(comm.reduce_scatter(pres, _norm_pre(chunks[0], src)[1], group), src)
-    return comm.reduce_scatter(chunks, src.reduce_op, group)
+def _reduce_scatter_partial(comm, chunks, src: Partial, group) -> torch.Tensor:
+    return src.from_wire(comm.reduce_scatter([src.to_wire(c) for c in chunks], src.wire_op, group))
 
 
 # ------------------------------------------------------------------ public

@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .. import cost
@@ -39,6 +39,10 @@ from ..redistribute import Plan, plan
 from ..spec import TensorSpec
 
 R = Replicate()
+# Called on every ranked candidate list before the choice (cheapest first): each hook returns the
+# candidates to choose from, in order, never none of them. Empty in normal runs; verify forces
+# each sharded algorithm in turn through it (shardops/verify/forcing.py).
+CHOICE_HOOKS: list[Callable[[list["Candidate"]], list["Candidate"]]] = []
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,14 @@ class Row:
     # CommDebugMode counts them: all_gather its own piece, all_reduce its whole input).
     comm: tuple[tuple[str, float], ...] = ()
     label: str = ""
+    # A row that holds on this mesh dim only (a view's exact layout: what one mesh dim's
+    # shard becomes depends on what the mesh dims before it cut); None: any mesh dim.
+    mesh_dim: int | None = None
 
 
-def row(outputs, inputs, algorithm=None, comm=(), label="") -> Row:
+def row(outputs, inputs, algorithm=None, comm=(), label="", mesh_dim=None) -> Row:
     as_tuple = lambda x: tuple(x) if isinstance(x, (list, tuple)) else (x,)  # noqa: E731
-    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label)
+    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label, mesh_dim)
 
 
 @dataclass
@@ -120,9 +127,14 @@ def expand(
     combos = []
     for combo in itertools.product(row_options(rows, n_inputs, n_outputs), repeat=mesh_ndim):
         algos = {r.algorithm for r in combo if r.algorithm is not None}
-        if len(algos) <= 1:
+        if len(algos) <= 1 and all(fits_mesh_dim(r, i) for i, r in enumerate(combo)):
             combos.append(combo)
     return combos
+
+
+def fits_mesh_dim(r: Row, i: int) -> bool:
+    """A row made for one mesh dim (a view's exact layout) is offered on that dim only."""
+    return r.mesh_dim is None or r.mesh_dim == i
 
 
 def _source_local_bytes(spec: TensorSpec) -> float:
@@ -308,6 +320,8 @@ def candidates(
     links = cost.resolve_links(links, mesh.ndim)
     _check_rows(rows, len(in_specs), len(out_shapes))
     space = (len(rows) + 1) ** mesh.ndim
+    if CHOICE_HOOKS:  # verify forces algorithms: the hooks choose among every candidate
+        return _hooked(all_candidates(rows, in_specs, out_shapes, links, filter_fn))
     if limit is None and space <= EXHAUSTIVE_MAX:
         return all_candidates(rows, in_specs, out_shapes, links, filter_fn)
     search = _Search(rows, in_specs, out_shapes, links)
@@ -315,6 +329,16 @@ def candidates(
     out.total = search.count_valid()
     out.replicate = search.replicate(filter_fn)
     return out
+
+
+def _hooked(ranked: Ranked) -> Ranked:
+    for hook in CHOICE_HOOKS:
+        chosen = hook(ranked)
+        if chosen is not None and chosen is not ranked:
+            chosen = Ranked(chosen)
+            chosen.total, chosen.replicate, chosen.exhaustive = ranked.total, ranked.replicate, ranked.exhaustive
+            ranked = chosen
+    return ranked
 
 
 def all_candidates(
@@ -332,7 +356,7 @@ def all_candidates(
     out, total, replicate = [], 0, None
     for indices in itertools.product(range(len(options)), repeat=mesh.ndim):
         combo = tuple(options[r] for r in indices)
-        if len({r.algorithm for r in combo if r.algorithm is not None}) > 1:
+        if len({r.algorithm for r in combo if r.algorithm is not None}) > 1 or not all(fits_mesh_dim(r, i) for i, r in enumerate(combo)):
             continue
         c = price(combo, in_specs, out_shapes, links, _order(indices, len(options)))
         if _mixed_partials(c) or _needs_norm_partial(c, in_specs):
@@ -407,7 +431,7 @@ class _Search:
             valid, sep, floor, changes, pend = [], [], [], [], []
             for index, r in enumerate(self.options):
                 srcs = [spec.placements[i] for spec in in_specs]
-                valid.append(not any(isinstance(t, NormPartial) and t != a for a, t in zip(srcs, r.inputs)))
+                valid.append(fits_mesh_dim(r, i) and not any(isinstance(t, NormPartial) and t != a for a, t in zip(srcs, r.inputs)))
                 moves = sum(_redistribution_term(a, t, loc, n, link) for a, t, loc in zip(srcs, r.inputs, src_local))
                 lat = 0.0
                 if r.algorithm is None:
