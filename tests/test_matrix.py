@@ -241,3 +241,25 @@ def test_matmul_grid_sampled(case):
 def test_matmul_grid_exhaustive(case):
     _grid_case(*case)
     _grid_case(*case, dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------ explain answers for products
+
+
+def test_explain_matmul_on_8x8():
+    from shardops.explain import explain
+
+    e = explain("matmul(x, w)", mesh=(8, 8), x="f32[1024,4096]:S(0),R", w="f32[4096,4096]:R,S(1)")
+    step = e.steps[0]
+    assert step.op == "aten.mm.default" and not step.fallback
+    assert e.bytes == 0 and "S(0),S(1)" in str(e)
+    e = explain("F.linear(x, w)", mesh=(8, 8), x="f32[64,256,4096]:S(0),S(2)", w="f32[1024,4096]:R,S(1)")
+    assert e.bytes == 0 and not any(s.fallback for s in e.steps)
+
+
+def test_explain_cli_matmul(capsys):
+    from shardops import cli
+
+    code = cli.main(["explain", "matmul(x, w)", "--mesh", "8x8", "--x", "f32[1024,4096]:S(0),R", "--w", "f32[4096,4096]:R,S(1)"])
+    out = capsys.readouterr().out
+    assert code == 0 and "aten.mm.default" in out and "no sharded strategy" not in out
