@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardops as so
 from matrix_harness import check, make
@@ -161,3 +162,20 @@ def test_gradient_buffers_keep_self_layout(layout):
 def test_vector_matmul_in_place_squeeze_keeps_metadata():
     r = check(torch.matmul, [make((6,), 0), make((6, 7), 1)], (4,), [(R,), (S(1),)])
     assert r.nbytes == 0 and r.out_layout == (S(0),)
+
+
+def _attention_block(x, w):
+    """Heads out of a sharded hidden dim, scores, softmax, values, heads merged back, output projection."""
+    b, s, h = x.shape
+    q = x.view(b, s, 4, h // 4).transpose(1, 2)
+    att = torch.softmax(torch.einsum("bhsd,bhtd->bhst", q, q) / 2, dim=-1) @ q
+    return F.linear(att.transpose(1, 2).reshape(b, s, h), w)
+
+
+@pytest.mark.parametrize("mesh_shape,layouts", [((4,), [(S(2),), (S(1),)]), ((2, 2), [(S(0), S(2)), (R, S(1))])])
+def test_heads_split_attention_and_merge_back_moves_nothing(mesh_shape, layouts):
+    r = check(_attention_block, [make((2, 5, 16), 0), make((6, 16), 1)], mesh_shape, layouts)
+    assert r.nbytes == 0, r.counts
+    assert r.out_layout[-1] == Partial("sum")
+    assert r.grad_layouts[0] == tuple(layouts[0])
+    assert r.grad_layouts[1][-1] == S(1)  # a data-parallel (Replicate) weight dim may hold a pending sum
