@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
-from matrix_harness import check, make
+from matrix_harness import check, make, strict_mode
 from shardops import Partial, Replicate, Shard
 
 R = Replicate()
@@ -71,15 +71,13 @@ def test_megatron_mlp_materialised_output_is_one_all_reduce():
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         xs = [so.distribute_tensor(t, mesh, list(pl)) for t, pl in zip(fulls, MLP_LAYOUTS)]
-        so.set_strict(True)
-        try:
-            with so.CommDebugMode() as comm:
-                y = _mlp(*xs).full_tensor()
-        finally:
-            so.set_strict(False)
+        with so.CommDebugMode() as comm:
+            y = _mlp(*xs).full_tensor()
         return dict(comm.get_comm_counts()), comm.get_total_bytes(), y
 
-    for counts, nbytes, y in so.run(body, world_size=4):
+    with strict_mode():
+        results = so.run(body, world_size=4)
+    for counts, nbytes, y in results:
         assert {k: v for k, v in counts.items() if v} == {"all_reduce": 1}
         assert nbytes == want.numel() * 4
         torch.testing.assert_close(y, want, rtol=2e-5, atol=2e-5)
@@ -163,16 +161,14 @@ def test_partial_times_replicate_stays_pending():
         rank = mesh.get_rank()
         part = so.DTensor.from_local(a * (rank + 1) / 10, mesh, [SUM])  # the parts sum to a
         w = so.distribute_tensor(b, mesh, [R])
-        so.set_strict(True)
-        try:
-            with so.CommDebugMode() as comm:
-                y = torch.mm(part, w)
-                z = torch.mm(w.t(), part.t())
-        finally:
-            so.set_strict(False)
+        with so.CommDebugMode() as comm:
+            y = torch.mm(part, w)
+            z = torch.mm(w.t(), part.t())
         return y.placements, z.placements, comm.get_total_bytes(), y.full_tensor(), z.full_tensor()
 
-    for yp, zp, nbytes, y, z in so.run(body, world_size=4):
+    with strict_mode():
+        results = so.run(body, world_size=4)
+    for yp, zp, nbytes, y, z in results:
         assert (yp, zp, nbytes) == ((SUM,), (SUM,), 0)
         torch.testing.assert_close(y, a @ b, rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(z, (a @ b).t(), rtol=2e-5, atol=2e-5)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
-from matrix_harness import check, make
+from matrix_harness import check, make, strict_mode
 from shardops import Partial, Replicate, Shard, StridedShard
 from shardops.ops._view_layout import view_layout
 from shardops.placements import dim_positions
@@ -137,19 +137,17 @@ def test_gradient_buffers_keep_self_layout(layout):
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         x = so.distribute_tensor(full, mesh, list(layout))
-        so.set_strict(True)
-        try:
-            with so.CommDebugMode() as comm:
-                buf = x.new_empty_strided((6, 10), (1, 6))
-                buf.copy_(x)
-                zeros = x.new_zeros((6, 10))
-                other = x.new_zeros((3,))
-                empty = torch.empty_like(x)
-        finally:
-            so.set_strict(False)
+        with so.CommDebugMode() as comm:
+            buf = x.new_empty_strided((6, 10), (1, 6))
+            buf.copy_(x)
+            zeros = x.new_zeros((6, 10))
+            other = x.new_zeros((3,))
+            empty = torch.empty_like(x)
         return comm.get_total_bytes(), buf.placements, zeros.placements, other.placements, empty.placements, buf.full_tensor(), zeros.full_tensor(), buf.stride()
 
-    for nbytes, buf_l, zeros_l, other_l, empty_l, buf, zeros, stride in so.run(body, world_size=4):
+    with strict_mode():
+        results = so.run(body, world_size=4)
+    for nbytes, buf_l, zeros_l, other_l, empty_l, buf, zeros, stride in results:
         assert nbytes == 0
         assert buf_l == layout and empty_l == layout
         assert zeros_l == (R,) if layout[0].is_partial() else zeros_l == layout
