@@ -106,12 +106,14 @@ def test_heads_sharded_attention_scores_move_nothing(form):
     assert r.grad_layouts == [(S(d),), (S(d),)]
 
 
-def test_sequence_parallel_linear_after_merging_batch_and_sequence_moves_nothing():
-    """[b, s, h] with s sharded -> [b*s, h] is StridedShard(0, b): the product and the view back keep it."""
-    r = check(linear, [make((3, 10, 8), 0), make((OUT, 8), 1)], (4,), [(S(1),), (R,)])
+@pytest.mark.parametrize("mesh_shape,layout", [((4,), (S(1),)), ((2, 2), (S(0), S(1))), ((2, 2), (S(1), S(1)))])
+def test_sequence_parallel_linear_after_merging_batch_and_sequence_moves_nothing(mesh_shape, layout):
+    """[b, s, h] with s sharded -> [b*s, h] is StridedShard(0, b) (with batches sharded on dp too:
+    (S(0), StridedShard(0, b/dp))): the product and the view back keep it."""
+    r = check(linear, [make((4, 10, 8), 0), make((OUT, 8), 1), make((OUT,), 2)], mesh_shape, [layout, (R,) * len(mesh_shape), (R,) * len(mesh_shape)])
     assert r.nbytes == 0, r.counts
-    assert r.out_layout == (S(1),)
-    assert r.grad_layouts[0] == (S(1),)
+    assert r.out_layout == layout
+    assert r.grad_layouts[0] == layout
 
 
 # ------------------------------------------------------------------ each op, bias handling, partial inputs
