@@ -96,6 +96,9 @@ class Case:
     rtol: float = 1e-5
     atol_scaled: float = 2e-6
     notes: str = ""
+    # torch's best equivalent when it is not DTensor's default path: measured too, on the same
+    # case, and the one shardops is compared with ("loss_parallel": torch.distributed.tensor.parallel.loss_parallel)
+    dtensor_best: str | None = None
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The global inputs, freshly built from the case's seeded generator."""
@@ -282,6 +285,7 @@ def _ce_case(name: str, *, weighted: bool, ignored: bool) -> Case:
         floor_row_bytes=4,  # one log-sum-exp per row
         grad_inputs=(0,),
         seed=1,
+        dtensor_best="loss_parallel",
     )
 
 
@@ -377,6 +381,51 @@ def select_cases(names: Sequence[str] | None = None) -> list[Case]:
     return [CASES_BY_NAME[n] for n in names]
 
 
+# --- attention (F.scaled_dot_product_attention, forward and backward) --------
+
+ATTENTION_SHAPE = (2, 8, 32, 16)  # q, k, v: [batch, heads, sequence, head dim]
+
+
+def _attention_inputs(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(*ATTENTION_SHAPE, generator=g) for _ in range(4))  # q, k, v, upstream
+
+
+def _attention_loss(q, k, v, upstream, *, causal: bool):
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    loss_full = materialize((out * upstream).sum())
+    loss_full.backward()
+    return loss_full
+
+
+def _attention_case(name: str, layouts: dict[tuple[int, ...], tuple[str, ...]], causal: bool, reduce_dims, row_bytes: int, notes: str) -> Case:
+    return Case(
+        name=name,
+        build=_attention_inputs,
+        fn=lambda q, k, v, u: _attention_loss(q, k, v, u, causal=causal),
+        placements={mesh: (spec,) * 4 for mesh, spec in layouts.items()},
+        kind="fwd_bwd",
+        reduce_dims=reduce_dims,
+        floor_row_bytes=row_bytes,
+        grad_inputs=(0, 1, 2),
+        seed=3,
+        notes=notes,
+    )
+
+
+# Heads or batch sharded are local in shardops (0 B, tests/test_attention.py); they are not
+# rows here because torch DTensor 2.13 traces the CPU flash op's decomposition for every
+# candidate placement there (minutes on a loaded 2-core machine, past the threaded world's
+# timeout) and then raises NotImplementedError in the backward.
+ATTENTION_CASES = [
+    # Sequence sharded (context parallel), causal: K and V must reach every query shard once.
+    _attention_case("attention.context", {(4,): ("S(2)",), (2, 2): ("S(0)", "S(2)")}, True, (2,), 2 * 8 * 4,
+                    "q, k, v sharded on the sequence: floor = each rank's K and V (8 positions per row on 4 ranks; "
+                    "rough on (2, 2), where a rank holds 16)"),
+]
+CASES.extend(ATTENTION_CASES)
+CASES_BY_NAME.update({c.name: c for c in ATTENTION_CASES})
+
+
 # --- matrix products and embeddings (issue 12) ------------------------------
 #
 # Megatron-style tensor parallelism: column-parallel then row-parallel linears, heads-
@@ -439,5 +488,5 @@ MATRIX_CASES = [
     _matrix_case("embedding.vocab", _embedding_inputs, _embedding_loss,
                  (("S(0)",), ("R",), ("R",)), (("R", "S(0)"), ("S(0)", "R"), ("S(0)", "R")), (0,)),
 ]
-CASES += MATRIX_CASES
+CASES.extend(MATRIX_CASES)
 CASES_BY_NAME.update({c.name: c for c in MATRIX_CASES})

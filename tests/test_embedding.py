@@ -62,8 +62,8 @@ def test_2d_mesh(layouts):
     r = check(_lookup(2), [make((VOCAB, HID), 0), _ids((4, 5))], (2, 2), layouts)
     assert r.nbytes == 0, r.counts
     # the table's shards stay; where ids are sharded a replicated table's gradient is pending
-    want = tuple(t if t.is_shard() else SUM if i.is_shard() else R for t, i in zip(*layouts))
-    assert r.grad_layouts[0] == want
+    # after backward, and resolved to the table's own layout when read (once: see tensor.py)
+    assert r.grad_layouts[0] == layouts[0]
 
 
 @pytest.mark.parametrize("layout", [(S(0),), (S(1),)])

@@ -282,7 +282,7 @@ register(_dim_map_rule(_expand, local_size=True), aten.expand.default)
 register(_view_rule, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 register(_dim_map_rule(_keep_other_dims("dim")), aten.select.int, aten.slice.Tensor, aten.narrow.default)
 register(_dim_map_rule(_keep_other_dims("dim"), n_out=1), aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
-register(_like_rule, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like)
+register(_like_rule, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like)  # rand_like, randn_like: ops/random.py
 register(_new_factory_rule, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.new_empty_strided)
 register(_identity_rule, aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.contiguous.default, aten.view_as_real.default)
 register(_copy_rule, aten.copy_.default)

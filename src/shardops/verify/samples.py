@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .comm.base import reduce_stack
-from .placements import NormPartial, Placement
+from ..comm.base import reduce_stack
+from ..placements import NormPartial, Placement
 
 aten = torch.ops.aten
 
@@ -787,6 +787,29 @@ def torch_generator(fn) -> Callable[..., Sample | None] | None:
 
 def _is_out(op) -> bool:
     return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+# ------------------------------------------------------------------ attention (ops/attention.py)
+
+
+def _attention_call(op, dtype, g, k):
+    """q, k, v [B, H, L, D] for the CPU flash op, its backward, and F.scaled_dot_product_attention:
+    plain, causal, an additive mask (with causal too), GQA, lengths that split unevenly."""
+    b, h, lq, lk, d = ((2, 4, 6, 6, 4), (3, 2, 5, 7, 3))[k % 2]
+    kv_heads = h // 2 if k % 3 == 2 else h
+    ctx = Ctx((b, h, lq, d), dtype, g, k)
+    q, key, value = ctx.main(), ctx.partner((b, kv_heads, lk, d)), ctx.partner((b, kv_heads, lk, d))
+    kwargs = {"is_causal": k % 2 == 0, "attn_mask": ctx.partner((lq, lk)) if k % 3 == 1 else None}
+    names = {a.name for a in op._schema.arguments}
+    if kv_heads != h and "enable_gqa" in names:
+        kwargs["enable_gqa"] = True
+    if packet_name(op).endswith("_backward"):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, key, value, 0.0, kwargs["is_causal"], attn_mask=kwargs["attn_mask"])
+        return Sample((ctx.partner(out.shape), q, key, value, out, lse, 0.0, kwargs.pop("is_causal")), kwargs)
+    return Sample((q, key, value), kwargs)
+
+
+SAMPLES.insert(0, (r"_scaled_dot_product_flash_attention_for_cpu(_backward)?|scaled_dot_product_attention", _attention_call))
 
 
 # ------------------------------------------------------------------ matrix products, embeddings, their views (issue 12)
