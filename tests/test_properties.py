@@ -1220,13 +1220,7 @@ def test_regression(case):
     check(case)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rules list Shard(d) rows only, so a pointwise op on a StridedShard input redistributes it (an "
-    "all_to_all) and its gradient comes back Shard: pointwise/views rules should offer the input's own "
-    "StridedShard placements (as ops/softmax.py does)",
-)
-def test_strided_shard_gradient_keeps_its_layout():
+def test_strided_shard_gradient_keeps_its_layout():  # pointwise/view rules offer StridedShard rows (issue 12)
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), mesh, [StridedShard(0, 2)])
