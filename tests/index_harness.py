@@ -23,8 +23,9 @@ def _grad_like(y: torch.Tensor) -> torch.Tensor:
     return torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
 
 
-def reference(fn: Callable, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    leaves = [t.clone().requires_grad_(_differentiable(t)) for t in tensors]
+def reference(fn: Callable, tensors: Sequence[torch.Tensor], wants_grad=None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    wants_grad = wants_grad or [True] * len(tensors)
+    leaves = [t.clone().requires_grad_(_differentiable(t) and w) for t, w in zip(tensors, wants_grad)]
     y = fn(*leaves)
     grads: list[torch.Tensor | None] = [None] * len(leaves)
     if y.requires_grad:
@@ -45,6 +46,7 @@ def run_sharded(
     *,
     strict: bool = True,
     grad: bool = True,
+    wants_grad: Sequence[bool] | None = None,
 ) -> dict:
     """placements[k] None: tensor k is passed as a plain tensor (an index, a mask)."""
 
@@ -53,12 +55,12 @@ def run_sharded(
         try:
             mesh = so.init_device_mesh("cpu", mesh_shape)
             args = []
-            for t, pl in zip(tensors, placements):
+            for t, pl, w in zip(tensors, placements, wants_grad or [True] * len(tensors)):
                 if pl is None:
                     args.append(t)
                     continue
                 d = so.distribute_tensor(t, mesh, list(pl))
-                if grad and _differentiable(t):
+                if grad and w and _differentiable(t):
                     d.requires_grad_()
                 args.append(d)
             with so.CommDebugMode() as fwd:
@@ -92,10 +94,13 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         assert torch.equal(got, want), f"{what}: {got} != {want}"
 
 
-def check(fn: Callable, tensors: Sequence[torch.Tensor], mesh_shape, placements, *, fwd_bytes=None, bwd_bytes=None, strict=True, grad=True) -> dict:
-    """Values and gradients equal torch's; bytes per rank as asked (None: not asserted). Returns the run's record."""
-    want, want_grads = reference(fn, tensors)
-    got = run_sharded(fn, tensors, mesh_shape, placements, strict=strict, grad=grad)
+def check(fn: Callable, tensors: Sequence[torch.Tensor], mesh_shape, placements, *, fwd_bytes=None, bwd_bytes=None, strict=True, grad=True, wants_grad=None) -> dict:
+    """Values and gradients equal torch's; bytes per rank as asked (None: not asserted). Returns the run's record.
+
+    wants_grad[k] False: input k is a constant (a buffer): no gradient asked for it.
+    """
+    want, want_grads = reference(fn, tensors, wants_grad)
+    got = run_sharded(fn, tensors, mesh_shape, placements, strict=strict, grad=grad, wants_grad=wants_grad)
     assert_close(got["value"], want, "value")
     if grad and "grads" in got:
         for k, (g, w) in enumerate(zip(got["grads"], want_grads)):

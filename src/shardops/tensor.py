@@ -38,6 +38,10 @@ class DTensor(torch.Tensor):
         r._local_tensor = local
         r._spec = spec
         r._key_cache = None
+        if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see interop)
+            from .interop import mirror_lazy_bits
+
+            mirror_lazy_bits(r, local)
         return r
 
     def __new__(cls, *a, **k):  # pragma: no cover - construction goes through the API functions
