@@ -186,6 +186,10 @@ def meta_outputs(func, flat, tree, tensor_pos, specs) -> tuple[list[TensorMeta],
         leaves[i] = torch.empty_strided(s.shape, s.meta.stride, dtype=s.dtype, device="meta")
     leaves = [torch.empty_strided(a.shape, a.meta.stride, dtype=a.dtype, device="meta") if isinstance(a, TensorSpec) else a for a in leaves]
     args, kwargs = unflatten_args(leaves, tree)
+    if "device" in kwargs and func is aten._to_copy.default:
+        # index helper (issue 14): x.to(dtype) inside torch.softmax(x, d, dtype=...) passes device=cpu,
+        # which a meta tensor cannot be copied to; the output's metadata does not depend on it.
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
     try:
         out = func(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - ops without meta kernels fall back

@@ -57,3 +57,4 @@ register(_elementwise_view_rule(("sum", "avg", "product")), aten._conj.default, 
 register(_elementwise_view_rule(("sum", "avg")), aten._neg_view.default, aten.resolve_neg.default, aten.real.default, aten.imag.default)
 register(_view_as_complex_rule, aten.view_as_complex.default)
 register(pointwise_rule, aten.polar.default, aten.complex.default)
+register(_elementwise_view_rule(("sum", "avg", "max", "min", "product")), torch.ops.prims.view_of.default)

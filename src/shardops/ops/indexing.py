@@ -606,7 +606,17 @@ def _index_put_rule(schema: OpSchema) -> list[Row]:
     return rows
 
 
+def _empty_strided_rule(schema: OpSchema) -> list[Row]:
+    """new_empty_strided(size, stride): uninitialised memory of a global size -> Replicate; the input
+    only lends dtype and device, so it never moves. (Autograd calls it when it accumulates a gradient.)
+    NOTE: a factory; it belongs with new_zeros & co, which may take it over."""
+    spec = schema.self_spec
+    ins = [Shard(d) for d in range(spec.ndim)] + [p for p in spec.placements if p.is_partial() or isinstance(p, StridedShard)]
+    return [row(R, p) for p in dict.fromkeys(ins)]
+
+
 register(_flip_rule, aten.flip.default)
+register(_empty_strided_rule, aten.new_empty_strided.default)
 register(_roll_rule, aten.roll.default)
 register(_repeat_rule, aten.repeat.default)
 register(_pad_rule, aten.constant_pad_nd.default)
