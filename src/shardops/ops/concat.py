@@ -84,10 +84,58 @@ def align_pending_norms(tensors):
     ]
 
 
+class _CatWithLegacyEmpty(torch.autograd.Function):
+    """torch.cat whose inputs include a 1-d empty DTensor that needs a gradient.
+
+    torch's cat backward makes such an input's gradient with at::zeros, a factory that never
+    reaches DTensor dispatch: the gradient would be a plain tensor. Here every gradient is a
+    DTensor: a slice of the output's gradient, or an empty DTensor laid out like the input.
+    """
+
+    @staticmethod
+    def forward(ctx, dim: int, *tensors):
+        ctx.dim = dim
+        ctx.specs = [t._spec for t in tensors]
+        ctx.legacy = [t.ndim == 1 and t.shape[0] == 0 for t in tensors]
+        return aten.cat.default(list(tensors), dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ..tensor import DTensor
+
+        grads, offset = [], 0
+        for spec, legacy in zip(ctx.specs, ctx.legacy):
+            if legacy:
+                local = grad._local_tensor.new_zeros(spec.local_shape())
+                grads.append(DTensor._make(local, spec.with_placements(tuple(R if p.is_partial() else p for p in spec.placements))))
+                continue
+            size = spec.shape[ctx.dim]
+            grads.append(aten.slice.Tensor(grad, ctx.dim, offset, offset + size))
+            offset += size
+        return (None, *grads)
+
+
+def _legacy_empty_needs_grad(tensors, args, kwargs) -> bool:
+    from ..tensor import DTensor
+
+    return (
+        torch.is_grad_enabled()
+        and all(isinstance(t, DTensor) for t in tensors)
+        and any(t.ndim == 1 and t.shape[0] == 0 and t.requires_grad for t in tensors)
+        and len({t._spec.mesh for t in tensors}) == 1
+        and not kwargs
+        and len(args) <= 1
+    )
+
+
 def _concat_entry(func):
     def entry(tensors, *args, **kwargs):
         if kwargs.get("out") is None and isinstance(tensors, (list, tuple)):
             tensors = align_pending_norms(list(tensors))
+            if func is not torch.stack and _legacy_empty_needs_grad(tensors, args, kwargs):
+                ndim = max(t.ndim for t in tensors)
+                dim = normalize_dim(args[0] if args else 0, ndim, "cat")
+                return _CatWithLegacyEmpty.apply(dim, *tensors)
         return call_default(func, (tensors, *args), kwargs)
 
     return entry
