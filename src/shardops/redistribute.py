@@ -225,8 +225,17 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     mesh = spec.mesh
     comm = mesh.comm
     coordinate = mesh.get_coordinate()
-    state = list(p.src)
     x = local
+    norm_dims = [i for i, s in enumerate(p.src) if isinstance(s, NormPartial)]
+    if len(norm_dims) > 1 and not any(isinstance(d, NormPartial) for d in p.dst):
+        # index helper (issue 14): a norm pending on several mesh dims is resolved in one canonical way,
+        # whatever the plan (all_reduce dim by dim, or reduce_scatter first): p-th powers, one sum over
+        # the joint group, one root. Nested roots would round differently on each path.
+        pre, op = _norm_pre(x, p.src[norm_dims[0]])
+        x = _norm_post(comm.all_reduce(pre, op, mesh.group(tuple(norm_dims))), p.src[norm_dims[0]])
+        resolved = tuple(Replicate() if i in norm_dims else s for i, s in enumerate(p.src))
+        p = plan(spec.with_placements(resolved), p.dst)
+    state = list(p.src)
     for step in p.steps:
         i, n = step.mesh_dim, mesh.shape[step.mesh_dim]
         group = mesh.group(i)
