@@ -606,13 +606,24 @@ def _index_put_rule(schema: OpSchema) -> list[Row]:
     return rows
 
 
+def _empty_like_layout(ctx, x: torch.Tensor, size, stride, *args, **kwargs) -> torch.Tensor:
+    """This rank's shard of new uninitialised memory, its dims in the order the global strides give."""
+    local = ctx.out_specs[0].local_shape()
+    order = sorted(range(len(stride)), key=lambda d: -stride[d])
+    return torch.empty_permuted(local, order, dtype=kwargs.get("dtype") or x.dtype, device=x.device)
+
+
 def _empty_strided_rule(schema: OpSchema) -> list[Row]:
-    """new_empty_strided(size, stride): uninitialised memory of a global size -> Replicate; the input
-    only lends dtype and device, so it never moves. (Autograd calls it when it accumulates a gradient.)
-    NOTE: a factory; it belongs with new_zeros & co, which may take it over."""
+    """new_empty_strided(size, stride): autograd calls it to accumulate a gradient whose strides differ
+    from the parameter's, then copies the gradient in. With the input's own size the memory takes the
+    input's layout (so the copy moves nothing); otherwise it is Replicate. The input only lends dtype
+    and device either way. NOTE: a factory; it belongs with new_zeros & co, which may take it over."""
     spec = schema.self_spec
+    size = list(schema.arg("size"))
+    keep = [p for p in spec.placements if p.is_shard()] if size == list(spec.shape) else []
+    rows = [row(p, p, _empty_like_layout) for p in dict.fromkeys(keep)]
     ins = [Shard(d) for d in range(spec.ndim)] + [p for p in spec.placements if p.is_partial() or isinstance(p, StridedShard)]
-    return [row(R, p) for p in dict.fromkeys(ins)]
+    return rows + [row(R, p) for p in dict.fromkeys(ins)]
 
 
 register(_flip_rule, aten.flip.default)
