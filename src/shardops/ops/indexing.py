@@ -365,17 +365,24 @@ def _owned(spec: TensorSpec, dim: int, index: torch.Tensor) -> tuple[torch.Tenso
     return local >= 0, local.clamp(min=0)
 
 
-def _index_select_algorithm(ctx, x: torch.Tensor, dim, index: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _index_select_move(ctx, x: torch.Tensor, dim, index: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Along the sharded dim, output sharded the same way: the selected rows move to their new owners."""
+    spec, out_spec = ctx.in_specs[0], ctx.out_specs[0]
+    dim = dim % max(x.ndim, 1)
+    source = index.long().cpu() % max(spec.shape[dim], 1)
+    return reindex_along(x, spec.mesh, dim, _axis(spec, dim), _axis(out_spec, dim, index.numel()), source)
+
+
+def _index_select_pick(ctx, x: torch.Tensor, dim, index: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Along the sharded dim, output pending: each rank picks the rows it owns, zeros elsewhere -> P(sum)."""
     spec = ctx.in_specs[0]
     dim = dim % max(x.ndim, 1)
-    out_spec = ctx.out_specs[0]
-    if out_spec.placements and any(p.is_partial() for p in out_spec.placements):  # masked pick -> P(sum)
-        owned, local = _owned(spec, dim, index)
-        picked = x.index_select(dim, local) if x.shape[dim] else x.new_zeros(_replace(x.shape, dim, index.numel()))
-        shape = [1] * x.ndim
-        shape[dim] = -1
-        return torch.where(owned.view(shape), picked, torch.zeros((), dtype=x.dtype, device=x.device))
-    return reindex_along(x, spec.mesh, dim, _axis(spec, dim), _axis(out_spec, dim, index.numel()), index.long().cpu() % max(spec.shape[dim], 1))
+    owned, local = _owned(spec, dim, index)
+    if not x.shape[dim]:
+        return x.new_zeros(_replace(x.shape, dim, index.numel()))
+    shape = [1] * x.ndim
+    shape[dim] = -1
+    return torch.where(owned.view(shape), x.index_select(dim, local), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _replace(shape, dim, size) -> list[int]:
@@ -387,14 +394,13 @@ def _replace(shape, dim, size) -> list[int]:
 def _index_select_rule(schema: OpSchema) -> list[Row]:
     x, index = schema.tensor_specs
     dim = schema.dim("dim", ndim=x.ndim)
-    algo = _index_select_algorithm
     rows = [row(Shard(d), [Shard(d), R]) for d in range(x.ndim) if d != dim]
     if index.ndim and index.shape[0] > 1:
         rows.append(row(Shard(dim), [R, Shard(0)]))  # each rank selects its part of the index
     if x.ndim:
-        rows.append(row(Shard(dim), [Shard(dim), R], algo, comm=(("all_to_all", _shard_bytes(x)),), label=LABEL_MOVE))
+        rows.append(row(Shard(dim), [Shard(dim), R], _index_select_move, comm=(("all_to_all", _shard_bytes(x)),), label=LABEL_MOVE))
         if x.dtype != torch.bool:
-            rows.append(row(P, [Shard(dim), R], algo, label=LABEL_PICK))
+            rows.append(row(P, [Shard(dim), R], _index_select_pick, label=LABEL_PICK))
     return rows + [row(p, [p, R]) for p in _partials(schema)]
 
 
