@@ -145,10 +145,30 @@ def plan(spec: TensorSpec, dst: Sequence[Placement], links=None) -> Plan:
     return _plan_cached(tuple(spec.placements), tuple(dst), tuple(spec.shape), tuple(spec.mesh.shape), spec.itemsize, links, cost._CACHE_EPOCH[0])
 
 
+def _joint_norm_resolution(spec: TensorSpec, p: Plan) -> tuple[tuple[int, ...], Plan] | None:
+    """(mesh dims, plan for the rest) where a norm pending on several mesh dims is resolved at once.
+
+    index helper (issue 14): such a norm is resolved one canonical way whatever the plan (all_reduce
+    dim by dim, or reduce_scatter first): p-th powers, one sum over the joint group, one root. Nested
+    roots would round differently on each path, and two reads of one pending norm would disagree.
+    """
+    norm_dims = tuple(i for i, s in enumerate(p.src) if isinstance(s, NormPartial))
+    if len(norm_dims) < 2 or any(isinstance(d, NormPartial) for d in p.dst):
+        return None
+    resolved = tuple(Replicate() if i in norm_dims else s for i, s in enumerate(p.src))
+    return norm_dims, plan(spec.with_placements(resolved), p.dst)
+
+
 def plan_bytes(spec: TensorSpec, p: Plan, coordinate: Sequence[int]) -> int:
     """Logical bytes this coordinate puts into the plan's collectives (what CommDebugMode counts)."""
-    total, state = 0, list(p.src)
     mesh_shape = spec.mesh.shape
+    joint = _joint_norm_resolution(spec, p)
+    if joint is not None:
+        norm_dims, rest = joint
+        local = math.prod(_local_shape(spec.shape, mesh_shape, coordinate, list(p.src))) * spec.itemsize
+        first = local if math.prod(mesh_shape[i] for i in norm_dims) > 1 else 0
+        return first + plan_bytes(spec.with_placements(rest.src), rest, coordinate)
+    total, state = 0, list(p.src)
     for step in p.steps:
         local = math.prod(_local_shape(spec.shape, mesh_shape, coordinate, state)) * spec.itemsize
         if step.kind in ("all_gather", "all_reduce", "reduce_scatter"):
@@ -226,15 +246,11 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     comm = mesh.comm
     coordinate = mesh.get_coordinate()
     x = local
-    norm_dims = [i for i, s in enumerate(p.src) if isinstance(s, NormPartial)]
-    if len(norm_dims) > 1 and not any(isinstance(d, NormPartial) for d in p.dst):
-        # index helper (issue 14): a norm pending on several mesh dims is resolved in one canonical way,
-        # whatever the plan (all_reduce dim by dim, or reduce_scatter first): p-th powers, one sum over
-        # the joint group, one root. Nested roots would round differently on each path.
-        pre, op = _norm_pre(x, p.src[norm_dims[0]])
-        x = _norm_post(comm.all_reduce(pre, op, mesh.group(tuple(norm_dims))), p.src[norm_dims[0]])
-        resolved = tuple(Replicate() if i in norm_dims else s for i, s in enumerate(p.src))
-        p = plan(spec.with_placements(resolved), p.dst)
+    joint = _joint_norm_resolution(spec, p)
+    if joint is not None:
+        norm_dims, p = joint
+        pre, op = _norm_pre(x, spec.placements[norm_dims[0]])
+        x = _norm_post(comm.all_reduce(pre, op, mesh.group(norm_dims)), spec.placements[norm_dims[0]])
     state = list(p.src)
     for step in p.steps:
         i, n = step.mesh_dim, mesh.shape[step.mesh_dim]

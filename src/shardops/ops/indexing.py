@@ -204,6 +204,8 @@ def _flip_rule(schema: OpSchema) -> list[Row]:
 def _roll_pairs(schema: OpSchema) -> list[tuple[int, int]]:
     spec = schema.self_spec
     shifts, dims = list(schema.arg("shifts")), list(schema.arg("dims") or [])
+    if not dims and spec.ndim == 1:  # a roll of the flattened tensor is a roll along the only dim
+        dims = [0]
     return [(normalize_dim(d, spec.ndim, schema.name), s) for d, s in zip(dims, shifts)]
 
 
@@ -218,12 +220,14 @@ def _roll_algorithm(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         else:
             shifts.append(s)
             dims.append(d)
-    return torch.roll(x, shifts, dims) if dims else x
+    if not dims:
+        return x
+    return torch.roll(x, shifts, dims) if ctx.schema.arg("dims") else torch.roll(x, shifts)
 
 
 def _roll_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
-    if not schema.arg("dims"):
+    if not schema.arg("dims") and spec.ndim != 1:
         return [row(p, p) for p in _partials(schema)]  # a roll of the flattened tensor: replicate (implicit row)
     dims = sorted({d for d, _ in _roll_pairs(schema)})
     return _keep_rows(spec.ndim, dims) + _move_rows(dims, _roll_algorithm, _shard_bytes(spec)) + [row(p, p) for p in _partials(schema)]
