@@ -849,10 +849,16 @@ def _reorder(op, dtype, g, k):
     return Sample(s.args + (["sum", "amax", "amin", "prod"][k % 4],), {"include_self": bool(k % 2)})
 
 
-_PRIMS_SAMPLED = "bessel_i0e|bessel_i1|bessel_i1e|bessel_j0|bessel_j1|erfcx|ndtri|spherical_bessel_j0|view_of|erf_inv"
+def _prims_elementwise() -> str:
+    from .ops.pointwise import _PRIMS_ELEMENTWISE
+
+    return "|".join(_PRIMS_ELEMENTWISE + ["view_of"])
+
+
+_PRIMS_SAMPLED = _prims_elementwise()
 SAMPLES[:0] = [(r"flip|roll|scatter_reduce", _reorder), (r"scatter\.(reduce|value_reduce)", _reorder)]  # before VIEWLIKE / _gather_like, which have no dims/reduce
 SAMPLES += [
     (r"slice_backward|select_backward|constant_pad_nd|repeat|index|index_put|_index_put_impl|index_add|new_empty_strided", _index_family),
-    (r"_conj|conj|_neg_view|resolve_conj|resolve_neg|view_as_complex", _complex_input),
+    (r"_conj|conj|_neg_view|resolve_conj|resolve_neg|view_as_complex|real|imag", _complex_input),
     (r"polar|complex|" + _PRIMS_SAMPLED, POINTWISE),
 ]
