@@ -122,6 +122,12 @@ LAZY_BIT_PATHS = {
     "conj_physical": lambda t: torch.conj_physical(t),
     "neg_of_imag_times": lambda t: t.conj().imag * t.imag,
     "conj_sum": lambda t: t.conj().sum(0),
+    # the planner moves a local that still carries the bit (views and mm pass it through torch's fallback)
+    "conj_flatten": lambda t: t.conj().flatten() * 1,
+    "imag_of_conj_flatten": lambda t: t.conj().imag.flatten() * 1,
+    "conj_flip": lambda t: t.conj().flip(1) * 1,
+    "conj_index_select": lambda t: t.conj().index_select(1, torch.tensor([4, 0, 2])) * 1,
+    "conj_reshape_pairs": lambda t: torch.view_as_real(t.conj().resolve_conj()).flatten(1) * 1,
 }
 
 
@@ -130,6 +136,15 @@ LAZY_BIT_PATHS = {
 def test_lazy_bit_paths(name, mesh_shape, placements):
     f = torch.randn(9, 6, dtype=torch.complex128, generator=GEN)
     check(LAZY_BIT_PATHS[name], [f], mesh_shape, [placements])
+
+
+@pytest.mark.parametrize("mesh_shape,placements", [((4,), [S0]), ((4,), [S1]), ((2, 2), [S0, R])])
+def test_conj_matmul_through_any_path(mesh_shape, placements):
+    """mm understands the conjugate bit, so the conjugated local reaches dispatch as it is; whether mm is
+    sharded or replicated (not strict: the fallback's gather is exactly a move of such a local), the
+    values are torch's."""
+    f = torch.randn(9, 6, dtype=torch.complex128, generator=GEN)
+    check(lambda t: t.conj() @ t.t(), [f], mesh_shape, [placements], strict=False)
 
 
 def test_view_as_real_of_an_unresolved_conjugate_is_refused_like_torch():

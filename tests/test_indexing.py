@@ -184,3 +184,15 @@ def test_rotary_style_3d_slicing_and_cat():
 
     check(rotate_half, [x], (4,), [[Shard(2)]], fwd_bytes=0, bwd_bytes=0)
     check(rotate_half, [x], (2, 2), [[Shard(0), Shard(1)]], fwd_bytes=0, bwd_bytes=0)
+
+
+def test_select_and_slice_of_the_sharded_dim():
+    """select: the owner returns the row, the others zeros -> P(sum), 0 bytes either way; a slice whose
+    kept columns already sit on the ranks that own them in the output moves nothing either."""
+    x = _x(10, 12)
+    got = check(lambda t: t.select(1, 7), [x], (4,), [[S1]], fwd_bytes=0, bwd_bytes=0)
+    assert got["layout"] == (Partial("sum"),) and got["grad_layouts"][0] == (S1,)
+    got = check(lambda t: t[:, 1:11:3], [x], (4,), [[S1]], fwd_bytes=0, bwd_bytes=0)  # columns 1, 4, 7, 10
+    assert got["layout"] == (S1,)
+    got = check(lambda t: t.narrow(1, 2, 8), [x], (4,), [[S1]])
+    assert got["layout"] == (S1,) and got["fwd"] <= 10 * 2 * 8 * 2  # at most two shards' worth change owner

@@ -145,6 +145,18 @@ def plan(spec: TensorSpec, dst: Sequence[Placement], links=None) -> Plan:
     return _plan_cached(tuple(spec.placements), tuple(dst), tuple(spec.shape), tuple(spec.mesh.shape), spec.itemsize, links, cost._CACHE_EPOCH[0])
 
 
+def materialize_lazy_bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` without a lazy conjugate / negative bit, values unchanged.
+
+    Inside __torch_dispatch__ torch excludes its Conjugate and Negative keys, so a kernel that
+    does not handle the bits itself (cat in a collective, index_select in an algorithm) would
+    read the raw values. copy_ handles both bits in the kernel, whatever the dispatch state.
+    """
+    if not (t.is_conj() or t.is_neg()):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _joint_norm_resolution(spec: TensorSpec, p: Plan) -> tuple[tuple[int, ...], Plan] | None:
     """(mesh dims, plan for the rest) where a norm pending on several mesh dims is resolved at once.
 
@@ -245,7 +257,7 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     mesh = spec.mesh
     comm = mesh.comm
     coordinate = mesh.get_coordinate()
-    x = local
+    x = materialize_lazy_bits(local) if p.steps else local
     joint = _joint_norm_resolution(spec, p)
     if joint is not None:
         norm_dims, p = joint

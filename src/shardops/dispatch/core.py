@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from .. import cost
 from ..errors import ShardingError
 from ..placements import Placement, Replicate
-from ..redistribute import Plan, execute, plan, plan_bytes
+from ..redistribute import Plan, execute, materialize_lazy_bits, plan, plan_bytes
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from .registry import DECOMPOSITIONS, REPLICATE_ONLY, RULES
 from .schema import OpSchema, spec_key, static_key
@@ -343,6 +343,8 @@ def run(d: Decision, flat: list, tree, tensor_pos: Sequence[int]) -> Any:
             flat[i]._set_spec(d.in_specs[0].with_placements(d.plans[0].dst))
         else:
             leaves[i] = new
+    if d.algorithm is not None:  # index helper (issue 14): algorithms read values, never lazy conj/neg bits
+        leaves = [materialize_lazy_bits(t) if isinstance(t, torch.Tensor) else t for t in leaves]
     args, kwargs = unflatten_args(leaves, tree)
     if d.algorithm is not None:
         out = d.algorithm(d.context, *args, **kwargs)

@@ -34,6 +34,7 @@ from ..dispatch.schema import OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions
 from ..spec import TensorSpec
+from . import views as _views  # noqa: F401 - its select/slice/narrow rules exist before rows are added to them
 
 aten = torch.ops.aten
 R = Replicate()
@@ -616,6 +617,74 @@ def _index_put_rule(schema: OpSchema) -> list[Row]:
     return rows
 
 
+# ------------------------------------------------------------------ select / slice / narrow along the sharded dim
+# views.py owns these ops' rules (every other dim keeps its shard); the rows below are added to them.
+
+
+def _select_pick(ctx, x: torch.Tensor, dim, index, *args, **kwargs) -> torch.Tensor:
+    """select along the sharded dim: the rank that holds the index returns it, the others zeros -> P(sum)."""
+    spec = ctx.in_specs[0]
+    dim = dim % x.ndim
+    n = spec.shape[dim]
+    held = _positions(n, dim, spec.placements, spec.mesh, spec.mesh.get_coordinate())
+    at = (held == index % n).nonzero().flatten()
+    if at.numel():
+        return x.select(dim, int(at[0]))
+    return x.new_zeros(ctx.out_specs[0].local_shape())
+
+
+def _select_rows(schema: OpSchema) -> list[Row]:
+    x = schema.self_spec
+    if not x.ndim or x.dtype == torch.bool:
+        return []
+    dim = schema.dim("dim")
+    return [row(P, Shard(dim), _select_pick, label=LABEL_PICK)]
+
+
+def _slice_move(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """slice/narrow along the sharded dim: the kept rows move to the owners of the output's shards."""
+    spec, out_spec = ctx.in_specs[0], ctx.out_specs[0]
+    dim, start, step = _slice_args(ctx.schema)
+    n_out = out_spec.shape[dim]
+    source = start + step * torch.arange(n_out)
+    return reindex_along(x, spec.mesh, dim, _axis(spec, dim), _axis(out_spec, dim), source)
+
+
+def _slice_args(schema: OpSchema) -> tuple[int, int, int]:
+    """(dim, first kept index, step) of slice.Tensor / narrow, normalised."""
+    spec = schema.self_spec
+    dim = schema.dim("dim")
+    n = spec.shape[dim]
+    if schema.op is aten.narrow.default:
+        start = schema.arg("start")
+        return dim, start + n if start < 0 else start, 1
+    start, _ = _clamp_slice(schema.arg("start"), schema.arg("end"), n)
+    return dim, start, schema.arg("step", 1) or 1
+
+
+def _slice_rows(schema: OpSchema) -> list[Row]:
+    x = schema.self_spec
+    if not x.ndim or isinstance(schema.arg("start"), torch.Tensor):
+        return []
+    dim = schema.dim("dim")
+    return [row(Shard(dim), Shard(dim), _slice_move, comm=(("all_to_all", _shard_bytes(x)),), label=LABEL_MOVE)]
+
+
+def _extend(extra: Callable[[OpSchema], list[Row]], *ops) -> None:
+    """Add rows to the rules another module registered for `ops` (keeps that module's rows first)."""
+    from ..dispatch.registry import RULES
+
+    for op in ops:
+        base = RULES.get(op)
+        if base is None:
+            continue
+
+        def rule(schema: OpSchema, base=base) -> list[Row]:
+            return list(base(schema)) + extra(schema)
+
+        register(rule, op)
+
+
 def _empty_like_layout(ctx, x: torch.Tensor, size, stride, *args, **kwargs) -> torch.Tensor:
     """This rank's shard of new uninitialised memory, its dims in the order the global strides give."""
     local = ctx.out_specs[0].local_shape()
@@ -652,3 +721,5 @@ register(_index_rule, aten.index.Tensor)
 register(_index_put_rule, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
 for _func in (torch.index_select, torch.Tensor.index_select):
     register_torch_function(_index_select_entry(_func), _func)
+_extend(_select_rows, aten.select.int)
+_extend(_slice_rows, aten.slice.Tensor, aten.narrow.default)
