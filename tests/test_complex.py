@@ -49,6 +49,16 @@ def test_llama_rotary_embedding_is_exact_and_local(layout, heads, seq):
     assert got["grad_layouts"][0] == tuple(placements[0])
 
 
+@pytest.mark.parametrize("layout", ["heads", "sequence", "sequence_heads"])
+def test_llama_rotary_gradient_of_the_angles(layout):
+    """Learned angles: their gradient is exact too (torch.polar's backward); a replicated angle table may
+    get a pending-sum gradient (as torch's DTensor gives a Partial gradient to a replicated weight)."""
+    mesh_shape, placements = ROTARY_LAYOUTS[layout]
+    x = torch.randn(2, 6, 4, 8, generator=GEN)
+    got = check(llama_rotary, [x, _angles(6, 8)], mesh_shape, placements, fwd_bytes=0)
+    assert got["grad_layouts"][0] == tuple(placements[0])
+
+
 def test_rotary_with_head_dim_sharded_off_pairs_gathers_and_stays_exact():
     """head_dim 12 = 6 pairs on 4 ranks: shards of 3 real values split a pair, so the pair dim is gathered
     first (never a wrong value)."""

@@ -699,7 +699,8 @@ def _empty_strided_rule(schema: OpSchema) -> list[Row]:
     and device either way. NOTE: a factory; it belongs with new_zeros & co, which may take it over."""
     spec = schema.self_spec
     size = list(schema.arg("size"))
-    keep = [p for p in spec.placements if p.is_shard()] if size == list(spec.shape) else []
+    # with the input's own size, a pending input gives pending memory: the copy_ of a pending gradient stays pending
+    keep = [p for p in spec.placements if p.is_shard() or p.is_partial()] if size == list(spec.shape) else []
     rows = [row(p, p, _empty_like_layout) for p in dict.fromkeys(keep)]
     ins = [Shard(d) for d in range(spec.ndim)] + [p for p in spec.placements if p.is_partial() or isinstance(p, StridedShard)]
     return rows + [row(R, p) for p in dict.fromkeys(ins)]
