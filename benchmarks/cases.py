@@ -375,3 +375,47 @@ def select_cases(names: Sequence[str] | None = None) -> list[Case]:
     if unknown:
         raise ValueError(f"unknown benchmark case(s) {unknown}; known: {sorted(CASES_BY_NAME)}")
     return [CASES_BY_NAME[n] for n in names]
+
+
+# --- attention (F.scaled_dot_product_attention, forward and backward) --------
+
+ATTENTION_SHAPE = (2, 8, 32, 16)  # q, k, v: [batch, heads, sequence, head dim]
+
+
+def _attention_inputs(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(*ATTENTION_SHAPE, generator=g) for _ in range(4))  # q, k, v, upstream
+
+
+def _attention_loss(q, k, v, upstream, *, causal: bool):
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    loss_full = materialize((out * upstream).sum())
+    loss_full.backward()
+    return loss_full
+
+
+def _attention_case(name: str, layouts: dict[tuple[int, ...], tuple[str, ...]], causal: bool, reduce_dims, row_bytes: int, notes: str) -> Case:
+    return Case(
+        name=name,
+        build=_attention_inputs,
+        fn=lambda q, k, v, u: _attention_loss(q, k, v, u, causal=causal),
+        placements={mesh: (spec,) * 4 for mesh, spec in layouts.items()},
+        kind="fwd_bwd",
+        reduce_dims=reduce_dims,
+        floor_row_bytes=row_bytes,
+        grad_inputs=(0, 1, 2),
+        seed=3,
+        notes=notes,
+    )
+
+
+ATTENTION_CASES = [
+    # Heads sharded (tensor parallel): nothing but the scalar loss needs to move.
+    _attention_case("attention.heads", {(4,): ("S(1)",), (2, 2): ("S(0)", "S(1)")}, False, (0, 1, 2, 3), 4,
+                    "heads sharded: local; the floor is the loss scalar"),
+    # Sequence sharded (context parallel), causal: K and V must reach every query shard once.
+    _attention_case("attention.context", {(4,): ("S(2)",), (2, 2): ("S(0)", "S(2)")}, True, (2,), 2 * 8 * 4,
+                    "q, k, v sharded on the sequence: floor = each rank's K and V (8 positions per row on 4 ranks; "
+                    "rough on (2, 2), where a rank holds 16)"),
+]
+CASES.extend(ATTENTION_CASES)
+CASES_BY_NAME.update({c.name: c for c in ATTENTION_CASES})

@@ -43,12 +43,13 @@ from typing import Any
 
 import torch
 
-BENCHMARKS = ("comm", "overhead", "end_to_end", "planning")
+BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "random")
 TARGET_BYTES_RATIO = 1.0  # shardops bytes / DTensor bytes, every case
 TARGET_GATHER_SAVING = 30.0  # DTensor bytes / shardops bytes where DTensor moves the sharded dim
 
-QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10}}
-FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}}
+QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10},
+         "random": {"repeats": 3}}
+FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "random": {}}
 
 
 # --- 1. communication ------------------------------------------------------------------------
@@ -307,6 +308,15 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             if len(nds) >= 2:
                 parts.append(f"{op} {d[nds[0]]:.0f}→{d[nds[-1]]:.0f} µs ({nds[0]}-D→{nds[-1]}-D)")
         out.append({"target": "planning time growth with mesh ndim (report the curve)", "verdict": "reported", "detail": "; ".join(parts)})
+    rnd = results.get("random")
+    if rnd and "rows" in rnd:
+        from benchmarks.random_ops import TARGET_RATIO
+
+        out.append({
+            "target": f"sharded dropout ≤ {TARGET_RATIO:g}× torch's bernoulli_ on the same shard size",
+            "verdict": "met" if rnd["met"] else "missed",
+            "detail": f"{rnd['dropout_ratio']:.2f}× on a {rnd['numel_per_shard']:,}-element f32 shard",
+        })
     for name in BENCHMARKS:
         if name in results and "error" in results[name]:
             out.append({"target": f"{name} benchmark runs", "verdict": "missed", "detail": results[name]["error"].splitlines()[-1]})
@@ -424,6 +434,7 @@ def run_benchmarks(only: Sequence[str], config: dict[str, Any], cases: Sequence[
         "overhead": lambda: _overhead(config["overhead"]),
         "end_to_end": lambda: _end_to_end(config["end_to_end"]),
         "planning": lambda: _planning(config["planning"]),
+        "random": lambda: __import__("benchmarks.random_ops", fromlist=["measure_random"]).measure_random(**config["random"]),
     }
     for name in BENCHMARKS:
         if name in only:
@@ -487,6 +498,12 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
                "medians of cold runs. DTensor has no metadata-only planning entry point to compare.\n\n"
                + format_growth_table(r["rows"]) + "\n\n" + format_planning_table(r["rows"]))
         )
+    if "random" in results:
+        from benchmarks.random_ops import __doc__ as random_doc, format_random_table
+
+        caption = " ".join(random_doc.split("\n\n")[2].split())
+        parts.append("### Random ops: sharded dropout vs torch's bernoulli_\n\n"
+                     + (_section_error("random", results) or f"{caption}\n\n" + format_random_table(results["random"])))
     return "\n\n".join(parts) + "\n"
 
 

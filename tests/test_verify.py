@@ -7,8 +7,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from shardops import Partial, Replicate, Shard, verify_samples
+from shardops import Partial, Replicate, Shard, ShardingError
 from shardops import verify as V
+from shardops.verify import samples as verify_samples
 from shardops.dispatch import registry
 from shardops.dispatch.strategy import row
 from shardops.placements import NormPartial
@@ -130,7 +131,7 @@ def test_json_report(tmp_path):
 
 
 def test_case_out_of_range_is_a_clear_error():
-    with pytest.raises(V.ShardingError, match="has cases 0..3"):
+    with pytest.raises(ShardingError, match="has cases 0..3"):
         quiet_verify(["aten.neg.default"], ["4"], case=99)
 
 
@@ -152,8 +153,8 @@ USED = [(k, d) for d in DTYPES for k in KINDS if k in V.alphabet(torch.zeros(1, 
 @pytest.mark.parametrize("m", [2, 4, 8])
 def test_pending_pieces_resolve_exactly(kind, dtype, m):
     x = verify_samples.make_tensor((5, 3), dtype, torch.Generator().manual_seed(1))
-    pieces = V.split_pending(x, kind, m, torch.Generator().manual_seed(2))
-    resolved = V.resolve_pending(pieces, kind)
+    pieces = verify_samples.split_pending(x, kind, m, torch.Generator().manual_seed(2))
+    resolved = verify_samples.resolve_pending(pieces, kind)
     if isinstance(kind, NormPartial):
         torch.testing.assert_close(resolved.double(), x.double().abs(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
     else:
@@ -168,7 +169,7 @@ def test_pending_pieces_resolve_exactly(kind, dtype, m):
 
 def test_sum_pieces_differ_from_an_even_split():
     x = verify_samples.make_tensor((4, 4), torch.float64, torch.Generator().manual_seed(0))
-    pieces = V.split_pending(x, Partial("sum"), 4, torch.Generator().manual_seed(0))
+    pieces = verify_samples.split_pending(x, Partial("sum"), 4, torch.Generator().manual_seed(0))
     assert all(not torch.allclose(p, x / 4) for p in pieces)
     assert any(bool((p * x < 0).any()) for p in pieces)  # sign changes
 
@@ -189,3 +190,52 @@ def test_compare_rules():
     assert V.compare(torch.tensor([1.0, 0.0, math.inf]), t, 1)[1] is not None  # NaN moved
     assert V.compare(torch.tensor([1, 2]), torch.tensor([1, 3]), 1.0)[1] is not None  # ints are exact
     assert V.compare(torch.tensor([1.0 + 1e-12]), torch.tensor([1.0], dtype=torch.float64).float(), 1e-5)[1] is None
+
+
+# ------------------------------------------------------------------ every sharded algorithm runs, not only the cost model's pick
+
+
+def test_both_softmax_variants_run_and_are_reported(tmp_path):
+    from shardops.ops import softmax
+
+    path = tmp_path / "verify.json"
+    report, text = quiet_verify(["aten._softmax.default", "aten._log_softmax.default"], ["4", "2x2"], budget=1, json_path=str(path))
+    assert report.ok, text
+    ops = {o["op"]: o for o in json.loads(path.read_text())["ops"]}
+    for name in ("aten._softmax", "aten._log_softmax"):
+        entry = ops[name]
+        assert {softmax.LABEL_GATHER, softmax.LABEL_TWO_REDUCES} <= set(entry["algorithms_registered"])
+        assert entry["algorithms_run"][softmax.LABEL_GATHER] >= 1 and entry["algorithms_run"][softmax.LABEL_TWO_REDUCES] >= 1
+        assert entry["algorithms_not_run"] == []
+
+
+def test_a_registered_algorithm_that_never_ran_fails_the_run():
+    from shardops.verify.report import OpRow, VerifyReport
+
+    row = OpRow("aten.x", cases=3, passed=3)
+    row.algorithms_registered = {"sharded x"}
+    report = VerifyReport({"aten.x": row}, [], {}, {})
+    assert not report.ok and row.status == "NOT RUN"
+    row.algorithms_run["sharded x"] += 1
+    assert report.ok and row.status == "ok"
+
+
+def test_forcing_runs_the_named_algorithm_and_records_it():
+    import shardops as so
+    from shardops.ops import softmax
+    from shardops.verify import forcing
+
+    x = torch.randn(4, 10, dtype=torch.float64)
+
+    def per_rank():
+        mesh = so.init_device_mesh("cpu", (4,))
+        dx = so.distribute_tensor(x, mesh, [Shard(1)])
+        with forcing.recording() as ran, so.CommDebugMode() as comm:
+            y = torch.softmax(dx, dim=1)
+        return ran, comm.get_comm_counts(), y.full_tensor()
+
+    for label, kind in ((softmax.LABEL_TWO_REDUCES, "all_reduce"), (softmax.LABEL_GATHER, "all_gather")):
+        with forcing.forcing(label):
+            ran, counts, y = so.run(per_rank, 4)[0]
+        assert ran == {label} and counts.get(kind, 0) >= 1
+        torch.testing.assert_close(y, torch.softmax(x, 1))

@@ -16,8 +16,10 @@ The math matches torch.distributed.tensor exactly (tests check it against torch)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
+
+import torch
 
 from .errors import ShardingError
 
@@ -80,6 +82,16 @@ class Replicate(Placement):
 
 @dataclass(frozen=True, slots=True)
 class Partial(Placement):
+    """Pending reduction: every rank holds a value; the tensor is their `reduce_op`-reduction.
+
+    The meaning of each reduce op lives here, once:
+      reduce(values)      the tensor from every rank's value (rank order: deterministic)
+      combine(stacked)    the same over dim 0 of one stacked tensor
+      split(x, c)         the value coordinate `c` holds so that reducing over the ranks gives x
+      to_wire/from_wire   what a rank puts into a plain `wire_op` collective, and how the result
+                          is read back (identity here; NormPartial raises to the p-th power)
+    """
+
     reduce_op: str = "sum"
 
     def __post_init__(self) -> None:
@@ -91,35 +103,128 @@ class Partial(Placement):
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
 
+    @property
+    def reachable(self) -> bool:
+        """A redistribution may end here (a Replicate tensor splits into it locally)."""
+        return True
+
+    @property
+    def wire_op(self) -> str:
+        return self.reduce_op
+
+    def to_wire(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def from_wire(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def reduce(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self.from_wire(reduce_values([self.to_wire(v) for v in values], self.wire_op))
+
+    def combine(self, stacked: torch.Tensor) -> torch.Tensor:
+        return self.from_wire(combine_stacked(self.to_wire(stacked), self.wire_op))
+
+    def split(self, x: torch.Tensor, coordinate: int) -> torch.Tensor:
+        if self.reduce_op in ("avg", "max", "min") or coordinate == 0:
+            return x
+        return torch.ones_like(x) if self.reduce_op == "product" else torch.zeros_like(x)
+
     def __repr__(self) -> str:
         return f"P({self.reduce_op})"
 
 
-@dataclass(frozen=True, slots=True)
-class NormPartial(Placement):
-    """Pending p-norm: the tensor is the p-norm over ranks of the ranks' p-norms."""
+@dataclass(frozen=True, slots=True, repr=False)
+class NormPartial(Partial):
+    """Pending p-norm: the tensor is the p-norm over ranks of the ranks' p-norms.
 
+    A Partial whose `reduce_op` is the plain reduction over ranks after raising to the p-th
+    power (max for inf, min for -inf, sum otherwise), as torch's norm placement. A source
+    only: no redistribution ends in it (the ops that make it are its only producers).
+    """
+
+    reduce_op: str = field(init=False, default="sum")
     norm_type: float = 2.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "norm_type", float(self.norm_type))
-
-    def is_partial(self, reduce_op: str | None = None) -> bool:
-        return reduce_op is None or reduce_op == self.combine_op
+        p = float(self.norm_type)
+        object.__setattr__(self, "norm_type", p)
+        object.__setattr__(self, "reduce_op", "max" if p == math.inf else "min" if p == -math.inf else "sum")
 
     @property
     def combine_op(self) -> str:
-        """The plain reduction over ranks after raising to the p-th power."""
-        p = self.norm_type
-        if p == math.inf:
-            return "max"
-        if p == -math.inf:
-            return "min"
-        return "sum"
+        return self.reduce_op
+
+    @property
+    def reachable(self) -> bool:
+        return False
+
+    @property
+    def _powered(self) -> bool:
+        """Values travel as |x|^p (p-norms with p not in 0, 1, +-inf)."""
+        q = self.norm_type
+        return not (q in (0.0, 1.0) or math.isinf(q))
+
+    def to_wire(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._powered:
+            return x
+        return x * x if self.norm_type == 2.0 else x.pow(self.norm_type)
+
+    def from_wire(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._powered:
+            return x
+        return x.sqrt() if self.norm_type == 2.0 else x.pow(1.0 / self.norm_type)
+
+    @property
+    def neutral(self) -> float:
+        """A value that changes no p-norm of p-norms: 0, or +inf where small values win (p < 0)."""
+        return math.inf if self.norm_type < 0 else 0.0
+
+    def split(self, x: torch.Tensor, coordinate: int) -> torch.Tensor:
+        return x if coordinate == 0 else torch.full_like(x, self.neutral)
 
     def __repr__(self) -> str:
         p = self.norm_type
         return f"NormP({int(p) if p.is_integer() else p})"
+
+
+def reduce_values(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Reduce equal-shaped tensors with a plain reduce op, in the given order (deterministic)."""
+    out = values[0].clone()
+    if op in ("sum", "avg"):
+        for t in values[1:]:
+            out = out + t
+        if op == "avg":
+            out = out / len(values) if out.is_floating_point() or out.is_complex() else out // len(values)
+    elif op == "product":
+        for t in values[1:]:
+            out = out * t
+    elif op == "max":
+        for t in values[1:]:
+            out = torch.maximum(out, t)
+    elif op == "min":
+        for t in values[1:]:
+            out = torch.minimum(out, t)
+    return out
+
+
+def combine_stacked(stacked: torch.Tensor, op: str) -> torch.Tensor:
+    """`reduce_values` over dim 0 of one stacked tensor (the ranks' values, in rank order)."""
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "product":
+        return stacked.prod(0)
+    if op == "max":
+        return stacked.amax(0)
+    if op == "min":
+        return stacked.amin(0)
+    if op == "avg":
+        return stacked.mean(0) if stacked.is_floating_point() or stacked.is_complex() else stacked.sum(0) // stacked.shape[0]
+    raise ShardingError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
+
+
+def without_partials(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """`placements` with every pending reduction read as Replicate: where a gradient, or a resolved value, lives."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
 # ---------------------------------------------------------------- layout math

@@ -6,6 +6,10 @@ A state is a placement tuple. A step changes the placement of one mesh dim:
     S(a) -> S(b)     all_to_all          P -> S(d)   reduce_scatter
     R -> S(d)        local slice         R -> P(op)  local (zeros/ones off the source)
 
+and one step changes several: the same pending partial on mesh dims D -> R on all of
+them is ONE all_reduce over the group spanning D (one round, the input sent once;
+priced by cost.joint_collective_time), not one all_reduce per mesh dim.
+
 A step that touches tensor dim d on mesh dim i is allowed only while no mesh dim
 after i shards d: shards nest left to right, so the innermost level must be
 undone first (this is also why torch gathers right to left). Dijkstra over these
@@ -15,6 +19,7 @@ so a plan always exists (NormPartial is a source only).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,13 +40,20 @@ class Step:
     mesh_dim: int
     src: Placement
     dst: Placement
+    # A joint all_reduce: the same pending partial on several mesh dims resolved in ONE
+    # collective over the group spanning them (all of them go src -> dst). Empty: just mesh_dim.
+    joint: tuple[int, ...] = ()
 
     @property
     def collective(self) -> str | None:
         return None if self.kind in ("slice", "partition") else self.kind
 
+    @property
+    def mesh_dims(self) -> tuple[int, ...]:
+        return self.joint or (self.mesh_dim,)
+
     def __repr__(self) -> str:
-        return f"{self.kind}[mesh {self.mesh_dim}] {self.src!r}->{self.dst!r}"
+        return f"{self.kind}[mesh {'+'.join(map(str, self.mesh_dims))}] {self.src!r}->{self.dst!r}"
 
 
 @dataclass(frozen=True)
@@ -62,82 +74,126 @@ class Plan:
 # ------------------------------------------------------------------ planning
 
 
-def _blocked(state: Sequence[Placement], mesh_dim: int, tensor_dim: int) -> bool:
-    return any(p.is_shard(tensor_dim) for p in state[mesh_dim + 1 :])
-
-
-def _step_kind(state: tuple[Placement, ...], i: int, dst: Placement) -> str | None:
-    src = state[i]
-    if src == dst:
-        return None
-    if src.is_shard():
-        if _blocked(state, i, src.dim):
-            return None
-        if dst.is_replicate():
-            return "all_gather"
-        if dst.is_shard() and dst.dim != src.dim and not _blocked(state, i, dst.dim):
-            return "all_to_all"
-        return None
-    if src.is_partial():
-        if dst.is_replicate():
-            return "all_reduce"
-        if dst.is_shard() and not _blocked(state, i, dst.dim):
-            return "reduce_scatter"
-        return None
-    # Replicate source
-    if dst.is_shard():
-        return None if _blocked(state, i, dst.dim) else "slice"
-    if isinstance(dst, Partial):
-        return "partition"
-    return None
-
-
-def _local_numel(shape: Sequence[int], mesh_shape: Sequence[int], state: Sequence[Placement]) -> float:
-    """Average local element count: exact enough for costs, the same on every rank."""
-    parts = math.prod(n for n, p in zip(mesh_shape, state) if p.is_shard())
-    return math.prod(shape) / max(parts, 1)
-
-
-def _step_time(kind: str, i: int, state, shape, mesh_shape, itemsize, links) -> float:
-    n = mesh_shape[i]
-    local = _local_numel(shape, mesh_shape, state) * itemsize
-    if kind == "all_gather":
-        return cost.collective_time(kind, local * n, n, links[i])
-    if kind in ("all_reduce", "reduce_scatter", "all_to_all"):
-        return cost.collective_time(kind, local, n, links[i])
-    return 0.0
+def _joint_reductions(state: tuple[Placement, ...]) -> list[tuple[int, ...]]:
+    """Sets of >= 2 mesh dims holding the same pending partial: each may resolve in one all_reduce."""
+    by_partial: dict[Placement, list[int]] = {}
+    for i, p in enumerate(state):
+        if p.is_partial():
+            by_partial.setdefault(p, []).append(i)
+    out = []
+    for dims in by_partial.values():
+        for size in range(2, len(dims) + 1):
+            out += itertools.combinations(dims, size)
+    return out
 
 
 @lru_cache(maxsize=4096)
 def _plan_cached(src, dst, shape, mesh_shape, itemsize, links, _epoch) -> Plan:
+    """Dijkstra over placement states; ties broken by step count then by the states' reprs.
+
+    Placements are numbered and every (from, to) pair's step kind is tabled once, so the
+    inner loop is integer work: a 4-D mesh has a few hundred states and thousands of
+    transitions. The per-state work (local size, which tensor dims later mesh dims shard,
+    the repr for ties) is done once per state.
+    """
     ndim_mesh = len(mesh_shape)
-    choices = []
     shard_dims = sorted({p.dim for p in src + dst if p.is_shard()})
-    for i in range(ndim_mesh):
-        opts = {src[i], dst[i], Replicate()} | {Shard(d) for d in shard_dims}
-        choices.append(sorted(opts, key=repr))
-    # Dijkstra; ties broken by step count then by the states' reprs (deterministic).
-    start = (0.0, 0, repr(src), src, ())
-    best: dict[tuple, tuple[float, int]] = {src: (0.0, 0)}
-    heap = [start]
+    placements = sorted({*src, *dst, Replicate()} | {Shard(d) for d in shard_dims}, key=repr)
+    index = {p: k for k, p in enumerate(placements)}
+    choices = [sorted({index[src[i]], index[dst[i]], index[Replicate()]} | {index[Shard(d)] for d in shard_dims}) for i in range(ndim_mesh)]
+    table = {(a, b): _kind_and_guard(placements[a], placements[b]) for a in range(len(placements)) for b in range(len(placements))}
+    shard_of = [p.dim if p.is_shard() else None for p in placements]
+    partial = [p.is_partial() for p in placements]
+    texts = [repr(p) for p in placements]
+    replicate = index[Replicate()]
+    numel = math.prod(shape)
+
+    def name(state: tuple[int, ...]) -> str:  # the repr of the placement tuple: ties break as they always have
+        return "(" + ", ".join(texts[k] for k in state) + ("," if len(state) == 1 else "") + ")"
+
+    start, goal = tuple(index[p] for p in src), tuple(index[p] for p in dst)
+    best: dict[tuple, tuple[float, int]] = {start: (0.0, 0)}
+    came_from: dict[tuple, tuple[tuple, tuple]] = {}
+    heap = [(0.0, 0, name(start), start)]
     while heap:
-        t, nsteps, _, state, steps = heapq.heappop(heap)
-        if state == dst:
-            return Plan(src, dst, steps, t)
-        if best.get(state, (math.inf, 0)) < (t, nsteps):
+        t, nsteps, _, state = heapq.heappop(heap)
+        if state == goal:
+            return Plan(src, dst, _path(came_from, start, goal, placements), t)
+        if best[state] < (t, nsteps):
             continue
+        last = {}  # innermost mesh dim sharding each tensor dim: a step on mesh dim i touching d needs last[d] <= i
+        parts = 1
+        for i, k in enumerate(state):
+            d = shard_of[k]
+            if d is not None:
+                last[d] = i
+                parts *= mesh_shape[i]
+        local = numel / parts * itemsize
+        moves = []
         for i in range(ndim_mesh):
-            for p in choices[i]:
-                kind = _step_kind(state, i, p)
-                if kind is None:
+            a = state[i]
+            for b in choices[i]:
+                kind, guard = table[(a, b)]
+                if kind is None or any(last.get(d, -1) > i for d in guard):
                     continue
-                nxt = state[:i] + (p,) + state[i + 1 :]
-                nt = t + _step_time(kind, i, state, shape, mesh_shape, itemsize, links)
-                key = (nt, nsteps + 1)
-                if key < best.get(nxt, (math.inf, 0)):
-                    best[nxt] = key
-                    heapq.heappush(heap, (nt, nsteps + 1, repr(nxt), nxt, steps + (Step(kind, i, state[i], p),)))
+                moves.append((kind, (i,), b, _step_time(kind, local, mesh_shape[i], links[i])))
+        if sum(partial[k] for k in state) >= 2:
+            for dims in _joint_reductions(tuple(placements[k] for k in state)):
+                sizes = [mesh_shape[i] for i in dims]
+                moves.append(("all_reduce", dims, replicate, cost.joint_collective_time("all_reduce", local, sizes, [links[i] for i in dims])))
+        for kind, dims, b, dt in moves:
+            nxt = list(state)
+            for i in dims:
+                nxt[i] = b
+            nxt = tuple(nxt)
+            key = (t + dt, nsteps + 1)
+            if key < best.get(nxt, (math.inf, 0)):
+                best[nxt] = key
+                came_from[nxt] = (state, (kind, dims))
+                heapq.heappush(heap, (key[0], key[1], name(nxt), nxt))
     raise ShardingError(f"redistribute: no way from {list(src)} to {list(dst)} (NormPartial can only be a source)")
+
+
+def _kind_and_guard(src: Placement, dst: Placement) -> tuple[str | None, tuple[int, ...]]:
+    """The one-mesh-dim step src -> dst, and the tensor dims no later mesh dim may shard for it
+    (shards nest left to right: the innermost level is undone first)."""
+    if src == dst:
+        return None, ()
+    if src.is_shard():
+        if dst.is_replicate():
+            return "all_gather", (src.dim,)
+        if dst.is_shard() and dst.dim != src.dim:
+            return "all_to_all", (src.dim, dst.dim)
+        return None, ()
+    if src.is_partial():
+        if dst.is_replicate():
+            return "all_reduce", ()
+        if dst.is_shard():
+            return "reduce_scatter", (dst.dim,)
+        return None, ()
+    if dst.is_shard():
+        return "slice", (dst.dim,)
+    if dst.is_partial() and dst.reachable:
+        return "partition", ()
+    return None, ()
+
+
+def _step_time(kind: str, local: float, n: int, link: cost.Link) -> float:
+    if kind == "all_gather":
+        return cost.collective_time(kind, local * n, n, link)
+    if kind in ("all_reduce", "reduce_scatter", "all_to_all"):
+        return cost.collective_time(kind, local, n, link)
+    return 0.0
+
+
+def _path(came_from, start, goal, placements) -> tuple[Step, ...]:
+    steps = []
+    state = goal
+    while state != start:
+        prev, (kind, dims) = came_from[state]
+        steps.append(Step(kind, dims[0], placements[prev[dims[0]]], placements[state[dims[0]]], dims if len(dims) > 1 else ()))
+        state = prev
+    return tuple(reversed(steps))
 
 
 def plan(spec: TensorSpec, dst: Sequence[Placement], links=None) -> Plan:
@@ -183,6 +239,11 @@ def plan_bytes(spec: TensorSpec, p: Plan, coordinate: Sequence[int]) -> int:
     total, state = 0, list(p.src)
     for step in p.steps:
         local = math.prod(_local_shape(spec.shape, mesh_shape, coordinate, state)) * spec.itemsize
+        if step.joint:  # one all_reduce over the group spanning the dims: the input counted once
+            total += local if math.prod(mesh_shape[i] for i in step.joint) > 1 else 0
+            for i in step.joint:
+                state[i] = step.dst
+            continue
         if step.kind in ("all_gather", "all_reduce", "reduce_scatter"):
             total += local if mesh_shape[step.mesh_dim] > 1 else 0
         elif step.kind == "all_to_all" and mesh_shape[step.mesh_dim] > 1:
@@ -232,26 +293,6 @@ def _assemble(pieces: Sequence[torch.Tensor], dim: int, placement: Placement) ->
     return out
 
 
-def _norm_pre(x: torch.Tensor, p: NormPartial) -> tuple[torch.Tensor, str]:
-    q = p.norm_type
-    if q in (0.0, 1.0) or math.isinf(q):
-        return x, p.combine_op
-    return (x * x if q == 2.0 else x.pow(q)), "sum"
-
-
-def _norm_post(x: torch.Tensor, p: NormPartial) -> torch.Tensor:
-    q = p.norm_type
-    if q in (0.0, 1.0) or math.isinf(q):
-        return x
-    return x.sqrt() if q == 2.0 else x.pow(1.0 / q)
-
-
-def _partition(x: torch.Tensor, op: str, coord: int) -> torch.Tensor:
-    if op in ("avg", "max", "min") or coord == 0:
-        return x
-    return torch.ones_like(x) if op == "product" else torch.zeros_like(x)
-
-
 def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     """Run plan `p` on this rank's shard of `spec`; returns the new local shard."""
     mesh = spec.mesh
@@ -261,17 +302,21 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     joint = _joint_norm_resolution(spec, p)
     if joint is not None:
         norm_dims, p = joint
-        pre, op = _norm_pre(x, spec.placements[norm_dims[0]])
-        x = _norm_post(comm.all_reduce(pre, op, mesh.group(norm_dims)), spec.placements[norm_dims[0]])
+        x = _all_reduce_partial(comm, x, spec.placements[norm_dims[0]], mesh.group(norm_dims))
     state = list(p.src)
     for step in p.steps:
+        if step.joint:  # the same pending partial on several mesh dims: one all_reduce over their joint group
+            x = _all_reduce_partial(comm, x, step.src, mesh.group(step.joint))
+            for i in step.joint:
+                state[i] = step.dst
+            continue
         i, n = step.mesh_dim, mesh.shape[step.mesh_dim]
         group = mesh.group(i)
         me = coordinate[i]
         if step.kind == "slice":
             x = _take(x, step.dst.dim, shard_positions(step.dst, x.shape[step.dst.dim], n, me))
         elif step.kind == "partition":
-            x = _partition(x, step.dst.reduce_op, me)
+            x = step.dst.split(x, me)
         elif step.kind == "all_gather":
             d = step.src.dim
             shapes = [_member_shape(spec, coordinate, state, i, c) for c in range(n)]
@@ -291,7 +336,11 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
                 recv.append(tuple(s))
             x = _assemble(comm.all_to_all(chunks, group, recv), a, step.src)
         state[i] = step.dst
-    return x
+    # A slice of a non-leading dim leaves a strided view, and some of torch's CPU kernels
+    # (native_layer_norm_backward's mean/rstd) read their inputs as contiguous, as torch's
+    # DTensor shards are. The copy is paid only then: collectives already return fresh
+    # contiguous tensors and a leading-dim slice is contiguous.
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def _member_shape(spec: TensorSpec, coordinate: Sequence[int], state: Sequence[Placement], mesh_dim: int, c: int) -> tuple[int, ...]:
@@ -300,18 +349,12 @@ def _member_shape(spec: TensorSpec, coordinate: Sequence[int], state: Sequence[P
     return tuple(_local_shape(spec.shape, spec.mesh.shape, coord, state))
 
 
-def _all_reduce_partial(comm, x: torch.Tensor, src: Placement, group) -> torch.Tensor:
-    if isinstance(src, NormPartial):
-        pre, op = _norm_pre(x, src)
-        return _norm_post(comm.all_reduce(pre, op, group), src)
-    return comm.all_reduce(x, src.reduce_op, group)
+def _all_reduce_partial(comm, x: torch.Tensor, src: Partial, group) -> torch.Tensor:
+    return src.from_wire(comm.all_reduce(src.to_wire(x), src.wire_op, group))
 
 
-def _reduce_scatter_partial(comm, chunks, src: Placement, group) -> torch.Tensor:
-    if isinstance(src, NormPartial):
-        pres = [_norm_pre(c, src)[0] for c in chunks]
-        return _norm_post(comm.reduce_scatter(pres, _norm_pre(chunks[0], src)[1], group), src)
-    return comm.reduce_scatter(chunks, src.reduce_op, group)
+def _reduce_scatter_partial(comm, chunks, src: Partial, group) -> torch.Tensor:
+    return src.from_wire(comm.reduce_scatter([src.to_wire(c) for c in chunks], src.wire_op, group))
 
 
 # ------------------------------------------------------------------ public

@@ -5,13 +5,15 @@ import zlib
 from typing import Any, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from .dispatch import core
-from .dispatch.registry import TORCH_FUNCTIONS
-from .dispatch.schema import spec_key
+from .dispatch.debug import check_agreement
+from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
+from .dispatch.schema import spec_key, static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
-from .placements import Placement, Replicate, Shard, local_shape_and_offset, normalize_placements, shard_positions
+from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 
@@ -22,7 +24,7 @@ _no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_key_cache", "_grad_hook")
+    __slots__ = ("_local_tensor", "_spec", "_key_cache", "_grad_hook", "_pending_layout")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -38,6 +40,7 @@ class DTensor(torch.Tensor):
         r._local_tensor = local
         r._spec = spec
         r._key_cache = None
+        r._pending_layout = None
         if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see interop)
             from .interop import mirror_lazy_bits
 
@@ -60,6 +63,14 @@ class DTensor(torch.Tensor):
             _keep_grad_layout(self)
         return self
 
+    def _resolve_pending(self) -> None:
+        """Move a leaf's gradient to the leaf's layout, once, on its first read (see _keep_grad_layout)."""
+        target, self._pending_layout = self._pending_layout, None
+        if target is not None and target != self._spec.placements:
+            # a fresh local tensor, not copy_: a Partial->Shard or Shard->Replicate move changes the local shape
+            self._local_tensor = execute(self._local_tensor, self._spec, plan(self._spec, target))
+            self._set_spec(self._spec.with_placements(target))
+
     def _set_spec(self, spec: TensorSpec) -> None:
         self._spec = spec
         self._key_cache = None
@@ -70,7 +81,7 @@ class DTensor(torch.Tensor):
     # -- dispatch
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return core.dispatch(func, args, kwargs)
+        return dispatch(func, args, kwargs)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -90,6 +101,8 @@ class DTensor(torch.Tensor):
         return self._spec.mesh
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        if self._pending_layout is not None:
+            self._resolve_pending()
         if not torch.is_grad_enabled():
             return self._local_tensor
         return _ToLocal.apply(self, grad_placements)
@@ -108,6 +121,8 @@ class DTensor(torch.Tensor):
 
     def _redistribute_local(self, placements: Sequence[Placement]) -> torch.Tensor:
         """This rank's shard in `placements` (no autograd)."""
+        if self._pending_layout is not None:
+            self._resolve_pending()
         if tuple(placements) == self._spec.placements:
             return self._local_tensor
         return execute(self._local_tensor, self._spec, plan(self._spec, placements))
@@ -130,6 +145,105 @@ class DTensor(torch.Tensor):
     # torch.Tensor niceties that must not reach dispatch with Python-level args
     def __reduce_ex__(self, proto):  # pragma: no cover
         raise ShardingError("DTensor cannot be pickled; pickle dt.to_local() and its placements instead")
+
+
+# ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
+
+
+def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
+    """An aten op on DTensor operands: the local tensors and specs go to dispatch/core, the results come back wrapped."""
+    kwargs = kwargs or {}
+    decomposition = DECOMPOSITIONS.get(func)
+    if decomposition is not None:
+        return decomposition(*args, **kwargs)
+    names = core.out_arg_names(func)
+    if names and all(n in kwargs for n in names):
+        return _dispatch_out_variant(func, args, kwargs, names)
+    flat, tree = core.flatten_args(args, kwargs)
+    key_parts = []
+    tensor_pos = []
+    for i, a in enumerate(flat):
+        if isinstance(a, DTensor):
+            if a._pending_layout is not None and not (i == 0 and core._writes_self(func)):
+                a._resolve_pending()  # a leaf's pending gradient, read for the first time (writes keep it pending)
+            key_parts.append(a._key)
+            tensor_pos.append(i)
+        elif isinstance(a, torch.Tensor):
+            key_parts.append(core.plain_key(a))
+            tensor_pos.append(i)
+        else:
+            key_parts.append(static_key(a))
+    key = core.cache_key(func, len(args), kwargs, tuple(key_parts))
+    decision = core._CACHE.get(key)
+    if decision is None:
+        leaves = list(flat)
+        for i, spec in zip(tensor_pos, _operand_specs(flat, tensor_pos, func)):
+            leaves[i] = spec
+        decision = core.decide_for_dispatch(key, func, leaves, tree, tensor_pos)
+    if core._state["debug"]:
+        check_agreement(decision, [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)])
+    leaves = list(flat)
+    for i in tensor_pos:
+        if type(flat[i]) is DTensor:
+            leaves[i] = flat[i]._local_tensor
+    core.move_inputs(decision, leaves, tensor_pos)
+    if decision.inplace:
+        if decision.moves and decision.moves[0] == 0:  # self's pending partial was resolved in place
+            flat[tensor_pos[0]]._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
+        core.compute(decision, leaves, tree)
+        return flat[tensor_pos[0]]
+    out = core.compute(decision, leaves, tree)
+    if type(out) is torch.Tensor and decision.out_specs is not None:
+        return DTensor._make(out, decision.out_specs[0])
+    out_leaves, out_tree = pytree.tree_flatten(out)
+    specs = iter(core.output_specs(decision, out_leaves))
+    wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
+    return pytree.tree_unflatten(wrapped, out_tree)
+
+
+def _operand_specs(flat: Sequence[Any], tensor_pos: Sequence[int], func) -> list[TensorSpec]:
+    """Each tensor operand's spec; a plain tensor is taken as Replicate on the DTensors' mesh."""
+    mesh = None
+    for i in tensor_pos:
+        if isinstance(flat[i], DTensor):
+            m = flat[i]._spec.mesh
+            if mesh is None:
+                mesh = m
+            elif m != mesh:
+                raise ShardingError(
+                    f"{func}: operands live on different meshes ({mesh} and {m}); "
+                    "redistribute them onto one mesh first (e.g. build both with the same DeviceMesh)."
+                )
+    specs = []
+    for i in tensor_pos:
+        a = flat[i]
+        if isinstance(a, DTensor):
+            specs.append(a._spec)
+        else:
+            meta = TensorMeta(tuple(a.shape), tuple(a.stride()), a.dtype)
+            specs.append(TensorSpec(mesh, (Replicate(),) * mesh.ndim, meta))
+    return specs
+
+
+def _dispatch_out_variant(func, args: tuple, kwargs: dict, names: tuple[str, ...]) -> Any:
+    """out= overloads: run the functional op, then move each result into its out tensor."""
+    outs = [kwargs[n] for n in names]
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1])
+    result = packet(*args, **rest)
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for res, out in zip(results, outs):  # every check before the first write: a refused call changes nothing
+        if not isinstance(out, DTensor):
+            raise ShardingError(f"{func}: out= must be a DTensor when the inputs are DTensors")
+        if not torch.can_cast(res.dtype, out.dtype):
+            raise ShardingError(f"{func}: result type {res.dtype} can't be cast to the desired output type {out.dtype} of out= (as torch refuses it)")
+    for res, out in zip(results, outs):
+        if not isinstance(res, DTensor):
+            res = DTensor._make(res, TensorSpec(out._spec.mesh, (Replicate(),) * out._spec.mesh.ndim, TensorMeta(tuple(res.shape), tuple(res.stride()), res.dtype)))
+        moved = res._redistribute_local(out._spec.placements) if res._spec.placements != out._spec.placements else res._local_tensor
+        out._local_tensor.resize_(moved.shape).copy_(moved)
+        out._set_spec(TensorSpec(out._spec.mesh, out._spec.placements, TensorMeta(res._spec.shape, res._spec.meta.stride, out._spec.dtype)))
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 # ------------------------------------------------------------------ autograd functions
@@ -162,7 +276,7 @@ class _FromLocal(torch.autograd.Function):
         if not isinstance(grad, DTensor):
             return grad, None
         # The gradient goes back to the source layout; a Partial source gets a Replicate gradient.
-        target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        target = without_partials(spec.placements)
         return grad._redistribute_local(target), None
 
 
@@ -178,7 +292,7 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: DTensor):
         src = ctx.src
-        target = tuple(Replicate() if p.is_partial() else p for p in src.placements)
+        target = without_partials(src.placements)
         if not isinstance(grad, DTensor):
             return grad, None
         local = grad._redistribute_local(target)
@@ -186,24 +300,31 @@ class _Redistribute(torch.autograd.Function):
 
 
 def _keep_grad_layout(leaf: DTensor) -> None:
-    """A sharded leaf gets its gradient in its own layout.
+    """A leaf's gradient comes back in the leaf's layout, each mesh dim paying at most once per step.
 
     Dispatch may compute a backward in another layout (the planner moved an input
-    inside an op, below autograd); the gradient is moved back once, when it is
-    accumulated. Mesh dims where the leaf is replicated (weights) keep what was
-    cheapest, Partial(sum) included, as torch does.
+    inside an op, below autograd). On mesh dims the leaf shards, the gradient is
+    moved back when it is accumulated. Elsewhere (weights replicated over tp or dp)
+    the gradient keeps the cheapest layout backward left it in (Partial(sum) or
+    sharded, as torch does) and is marked pending: its first read by any op
+    (an optimizer's lerp_, addcmul_, clip_grad_norm_'s norm, full_tensor) moves it
+    to the leaf's layout in place, so later reads pay nothing. torch re-reduces a
+    Partial gradient on every read. In-place writes to the pending gradient
+    (gradient accumulation, zero_) keep it pending.
     """
-    if getattr(leaf, "_grad_hook", False) or not any(p.is_shard() for p in leaf._spec.placements):
+    if getattr(leaf, "_grad_hook", False):
         return
 
     def move_back(t: DTensor) -> None:
         g = t.grad
-        if not isinstance(g, DTensor):
+        if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
             return
         # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays
         target = tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
         if g._spec.placements != target:
-            t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
+            g = t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
+        wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
+        g._pending_layout = wanted if g._spec.placements != wanted else None
 
     leaf.register_post_accumulate_grad_hook(move_back)
     leaf._grad_hook = True
@@ -227,12 +348,7 @@ def distribute_tensor(
     """Lay `tensor` out over `device_mesh`; rank `src_data_rank`'s data wins (None: each rank slices its own)."""
     if isinstance(tensor, DTensor):
         raise ShardingError("distribute_tensor: input is already a DTensor; use dt.redistribute(...)")
-    mesh = device_mesh if device_mesh is not None else _default_mesh()
-    placements = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, tensor.ndim, mesh.ndim, "distribute_tensor")
-    if any(p.is_partial() for p in placements):
-        # Distributing into a pending reduction: the source value sits on coordinate 0 (sum) or everywhere.
-        pass
-    _check_member(mesh, "distribute_tensor")
+    mesh, placements = _mesh_and_placements(device_mesh, placements, tensor.ndim, "distribute_tensor")
     data = tensor.detach()
     if src_data_rank is not None and mesh.size() > 1:
         comm = mesh.comm
@@ -263,9 +379,7 @@ def execute_local_layout(data: torch.Tensor, replicated: TensorSpec, placements:
             pos = shard_positions(p, x.shape[p.dim], replicated.mesh.shape[i], coord[i])
             x = x.narrow(p.dim, pos.start, len(pos)) if isinstance(pos, range) else x.index_select(p.dim, torch.tensor(pos, dtype=torch.long, device=x.device))
         elif p.is_partial():
-            from .redistribute import _partition
-
-            x = _partition(x, p.reduce_op if hasattr(p, "reduce_op") else "sum", coord[i])
+            x = p.split(x, coord[i])
     return x.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensor
 
 
@@ -280,9 +394,7 @@ def from_local(
     """Wrap this rank's shard. Without `shape`, shards are assumed even (global = local x count)."""
     if isinstance(local_tensor, DTensor):
         raise ShardingError("from_local: input is already a DTensor")
-    mesh = device_mesh if device_mesh is not None else _default_mesh()
-    _check_member(mesh, "from_local")
-    placements = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, local_tensor.ndim, mesh.ndim, "from_local")
+    mesh, placements = _mesh_and_placements(device_mesh, placements, local_tensor.ndim, "from_local")
     if shape is None:
         gshape = list(local_tensor.shape)
         for n, p in zip(mesh.shape, placements):
@@ -301,6 +413,13 @@ def from_local(
         )
     spec = TensorSpec(mesh, placements, _global_meta(gshape, local_tensor.dtype, stride))
     return _FromLocal.apply(local_tensor, spec)
+
+
+def _mesh_and_placements(mesh: DeviceMesh | None, placements, ndim: int, what: str) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh (this rank must be on it) and the checked placements (default: Replicate) of a new DTensor."""
+    mesh = mesh if mesh is not None else _default_mesh()
+    _check_member(mesh, what)
+    return mesh, normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, ndim, mesh.ndim, what)
 
 
 def _check_member(mesh: DeviceMesh, what: str) -> None:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..errors import ShardingError
+from ..placements import REDUCE_OPS, reduce_values
 
-REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
@@ -79,6 +79,11 @@ class CommDebugMode:
         self.log: list[tuple[str, int]] = []
 
     def __enter__(self) -> "CommDebugMode":
+        # as torch's CommDebugMode: every entry counts from zero
+        self.counts = Counter()
+        self.bytes = 0
+        self.rounds = 0
+        self.log = []
         _active_modes().append(self)
         return self
 
@@ -187,21 +192,4 @@ def _check_op(op: str) -> None:
         raise ShardingError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
 
 
-def reduce_stack(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Reduce equal-shaped tensors with `op` (the same order on every rank: deterministic)."""
-    out = tensors[0].clone()
-    if op in ("sum", "avg"):
-        for t in tensors[1:]:
-            out = out + t
-        if op == "avg":
-            out = out / len(tensors) if out.is_floating_point() or out.is_complex() else out // len(tensors)
-    elif op == "product":
-        for t in tensors[1:]:
-            out = out * t
-    elif op == "max":
-        for t in tensors[1:]:
-            out = torch.maximum(out, t)
-    elif op == "min":
-        for t in tensors[1:]:
-            out = torch.minimum(out, t)
-    return out
+reduce_stack = reduce_values  # the meaning of each op lives with the placements (placements.Partial)

@@ -34,11 +34,9 @@ def tensor_checksum(t: torch.Tensor) -> int:
     return _crc(bytes(raw.tolist()))  # no numpy dependency; debug mode only
 
 
-def check_agreement(decision: Any, flat: Sequence[Any], tensor_pos: Sequence[int]) -> None:
-    from ..tensor import DTensor
-
+def check_agreement(decision: Any, plain: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """`plain`: (operand index, tensor) of each plain torch.Tensor operand, taken as Replicate."""
     mesh = decision.in_specs[0].mesh
-    plain = [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)]
     sums = [decision_checksum(decision)] + [tensor_checksum(t) for _, t in plain]
     mine = torch.tensor(sums, dtype=torch.int64)
     group = mesh.group(tuple(range(mesh.ndim)))

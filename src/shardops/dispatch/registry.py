@@ -6,7 +6,10 @@ Op-family modules end with one table registering every op they cover:
 
 `register_torch_function` maps a torch-level callable (e.g. torch.cumsum) to an
 implementation entered from DTensor.__torch_function__, for ops that carry their
-own sharded backward as an autograd.Function.
+own sharded backward as an autograd.Function. `register_torch_entry` builds that
+implementation the one common way (`torch_entry`): bind the call (schema.CallSignature),
+parse the bound arguments, apply the op's autograd.Function, or else run torch's
+ordinary path into __torch_dispatch__.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .schema import OpSchema
+from .schema import CallSignature, OpSchema
 from .strategy import Row
 
 Rule = Callable[[OpSchema], list[Row]]
@@ -52,6 +55,37 @@ def register_torch_function(fn: Callable[..., Any], *torch_callables: Any) -> Ca
     for c in torch_callables:
         TORCH_FUNCTIONS[c] = fn
     return fn
+
+
+def call_default(func, args: tuple, kwargs: dict) -> Any:
+    """Run a torch function the ordinary way (into __torch_dispatch__), without our override."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+# parse(bound, args, kwargs) -> the arguments of `apply`, or None: not ours (torch's ordinary path)
+Parse = Callable[[dict, tuple, dict], "tuple | None"]
+
+
+def torch_entry(func: Any, signature: CallSignature, parse: Parse, apply: Callable[..., Any]) -> Callable[..., Any]:
+    """A __torch_function__ override for `func`: bind once, parse, apply; calls that are not ours
+    (no form binds, or `parse` says None: no gradient needed, out=, named dims...) run as torch runs them."""
+
+    def entry(*args, **kwargs):
+        bound = signature.bind(args, kwargs)
+        parsed = None if bound is None else parse(bound, args, kwargs)
+        if parsed is None:
+            return call_default(func, args, kwargs)
+        return apply(*parsed)
+
+    entry.__name__ = f"{getattr(func, '__name__', func)}_entry"
+    return entry
+
+
+def register_torch_entry(signature: CallSignature | None, parse: Parse, apply: Callable[..., Any], *torch_callables: Any) -> None:
+    """`torch_entry` for each callable (signature None: each is an aten overload, bound by its own schema)."""
+    for c in torch_callables:
+        TORCH_FUNCTIONS[c] = torch_entry(c, signature or CallSignature.of_op(c), parse, apply)
 
 
 def rule_for(op: Any) -> Rule | None:

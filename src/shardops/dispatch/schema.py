@@ -6,8 +6,9 @@ index `args` by position or repeat type checks.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -85,6 +86,70 @@ class OpSchema:
 
     def is_inplace(self) -> bool:
         return self.op._schema.name.endswith("_") or self.name.endswith("_")
+
+
+class CallSignature:
+    """How a torch-level call's arguments are read by name: the callable's forms (Python
+    signatures, tried in order as torch's argument parser does) and keyword aliases.
+
+    Every torch-level entry binds through here (registry.torch_entry). The binding is worked
+    out once per call shape (number of positional arguments, keyword names, positional
+    argument types) and cached, so a repeated call costs one lookup, a zip and a dict update.
+    A form may carry `accepts(args, kwargs)`, which must read only what the call shape holds
+    (positional types, keyword names): e.g. var(x, True) is the `unbiased` form.
+    """
+
+    _MAX_SHAPES = 256  # call shapes remembered per callable (a program uses a handful)
+
+    def __init__(self, *forms: Callable[..., Any] | inspect.Signature, aliases: dict[str, str] | None = None):
+        self.forms = [(f if isinstance(f, inspect.Signature) else inspect.signature(f), getattr(f, "accepts", None)) for f in forms]
+        self.aliases = aliases or {}
+        self._shapes: dict[tuple, tuple[tuple[str, ...], dict[str, Any]] | None] = {}
+
+    @classmethod
+    def of_op(cls, op: torch._ops.OpOverload) -> "CallSignature":
+        """An aten overload's signature, from its schema (the names rules read through OpSchema.arg)."""
+        params = []
+        for a in op._schema.arguments:
+            kind = inspect.Parameter.KEYWORD_ONLY if a.kwarg_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+            default = a.default_value if a.has_default_value() else inspect.Parameter.empty
+            params.append(inspect.Parameter(a.name, kind, default=default))
+        return cls(inspect.Signature(params))
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        """The call's arguments by name, defaults filled in; None where no form takes the call."""
+        key = (len(args), tuple(kwargs), tuple(map(type, args)))
+        how = self._shapes.get(key, _UNSEEN)
+        if how is _UNSEEN:
+            how = self._learn(args, kwargs)
+            if len(self._shapes) < self._MAX_SHAPES:
+                self._shapes[key] = how
+        if how is None:
+            return None
+        names, defaults = how
+        bound = dict(defaults)
+        bound.update(zip(names, args))
+        if kwargs:
+            aliases = self.aliases
+            for k, v in kwargs.items():
+                bound[aliases.get(k, k)] = v
+        return bound
+
+    def _learn(self, args: tuple, kwargs: dict) -> tuple[tuple[str, ...], dict[str, Any]] | None:
+        kw = {self.aliases.get(k, k): v for k, v in kwargs.items()}
+        for sig, accepts in self.forms:
+            try:
+                sig.bind(*args, **kw)
+            except TypeError:
+                continue
+            if accepts is not None and not accepts(args, kwargs):
+                continue
+            params = list(sig.parameters.values())
+            return tuple(p.name for p in params[: len(args)]), {p.name: p.default for p in params if p.default is not p.empty}
+        return None
+
+
+_UNSEEN = object()
 
 
 def normalize_dim(d: int, ndim: int, op_name: str = "op") -> int:

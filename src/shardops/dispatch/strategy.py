@@ -15,12 +15,21 @@ mesh dim and prices each combination:
 and the cheapest wins; ties prefer leaving inputs as they are, then a pending
 output (a later linear op may absorb it), then more sharding, then the rule's
 row order.
+
+Crossing the rows is exponential in the mesh ndim (20 rows on a 4-D mesh are
+160,000 combinations), so `candidates()` does not enumerate them: it searches
+mesh dim by mesh dim, best first (A* over prefixes of rows), with a lower bound
+on every component of the rank key, and stops after the best `limit`. The
+bound is admissible for each term (see `_Search`), so the candidates it returns
+are exactly the first `limit` of the exhaustive ranking (`all_candidates()`,
+kept for explain and for tests/test_planner_pruning.py, which proves it).
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from .. import cost
@@ -30,6 +39,10 @@ from ..redistribute import Plan, plan
 from ..spec import TensorSpec
 
 R = Replicate()
+# Called on every ranked candidate list before the choice (cheapest first): each hook returns the
+# candidates to choose from, in order, never none of them. Empty in normal runs; verify forces
+# each sharded algorithm in turn through it (shardops/verify/forcing.py).
+CHOICE_HOOKS: list[Callable[[list["Candidate"]], list["Candidate"]]] = []
 
 
 @dataclass(frozen=True)
@@ -43,11 +56,14 @@ class Row:
     # CommDebugMode counts them: all_gather its own piece, all_reduce its whole input).
     comm: tuple[tuple[str, float], ...] = ()
     label: str = ""
+    # A row that holds on this mesh dim only (a view's exact layout: what one mesh dim's
+    # shard becomes depends on what the mesh dims before it cut); None: any mesh dim.
+    mesh_dim: int | None = None
 
 
-def row(outputs, inputs, algorithm=None, comm=(), label="") -> Row:
+def row(outputs, inputs, algorithm=None, comm=(), label="", mesh_dim=None) -> Row:
     as_tuple = lambda x: tuple(x) if isinstance(x, (list, tuple)) else (x,)  # noqa: E731
-    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label)
+    return Row(as_tuple(outputs), as_tuple(inputs), algorithm, tuple(comm), label, mesh_dim)
 
 
 @dataclass
@@ -96,6 +112,11 @@ def _sharding(c: Candidate, mesh_shape: Sequence[int]) -> int:
     return sum(math.prod(n for n, p in zip(mesh_shape, pl) if p.is_shard()) for pl in c.inputs + c.outputs)
 
 
+def row_options(rows: Sequence[Row], n_inputs: int, n_outputs: int) -> list[Row]:
+    """The rows every mesh dim chooses from: the rule's, then the implicit all-Replicate row."""
+    return list(rows) + [Row((R,) * max(n_outputs, 1), (R,) * n_inputs)]
+
+
 def expand(
     rows: Sequence[Row],
     n_inputs: int,
@@ -103,14 +124,32 @@ def expand(
     mesh_ndim: int,
 ) -> list[tuple[Row, ...]]:
     """Every combination of one row per mesh dim (the implicit all-R row included)."""
-    replicate = Row((R,) * max(n_outputs, 1), (R,) * n_inputs)
-    per_dim = [list(rows) + [replicate]] * mesh_ndim
     combos = []
-    for combo in itertools.product(*per_dim):
+    for combo in itertools.product(row_options(rows, n_inputs, n_outputs), repeat=mesh_ndim):
         algos = {r.algorithm for r in combo if r.algorithm is not None}
-        if len(algos) <= 1:
+        if len(algos) <= 1 and all(fits_mesh_dim(r, i) for i, r in enumerate(combo)):
             combos.append(combo)
     return combos
+
+
+def fits_mesh_dim(r: Row, i: int) -> bool:
+    """A row made for one mesh dim (a view's exact layout) is offered on that dim only."""
+    return r.mesh_dim is None or r.mesh_dim == i
+
+
+def _source_local_bytes(spec: TensorSpec) -> float:
+    return spec.numel * spec.itemsize / max(math.prod(n for n, p in zip(spec.mesh.shape, spec.placements) if p.is_shard()), 1)
+
+
+def _redistribution_term(a: Placement, b: Placement, local: float, n: int, link: cost.Link) -> float:
+    """One mesh dim's share of moving a tensor from `a` to `b` (see estimate_redistribution)."""
+    if a == b or a.is_replicate():
+        return 0.0
+    if a.is_shard():
+        kind, nbytes = ("all_to_all", local) if b.is_shard() else ("all_gather", local * n)
+    else:
+        kind, nbytes = ("reduce_scatter", local) if b.is_shard() else ("all_reduce", local)
+    return cost.collective_time(kind, nbytes, n, link)
 
 
 def estimate_redistribution(spec: TensorSpec, target: Sequence[Placement], links: tuple[cost.Link, ...]) -> float:
@@ -121,17 +160,36 @@ def estimate_redistribution(spec: TensorSpec, target: Sequence[Placement], links
     candidate stays cheap on large meshes.
     """
     mesh_shape = spec.mesh.shape
-    local = spec.numel * spec.itemsize / max(math.prod(n for n, p in zip(mesh_shape, spec.placements) if p.is_shard()), 1)
+    local = _source_local_bytes(spec)
+    return sum(_redistribution_term(a, b, local, mesh_shape[i], links[i]) for i, (a, b) in enumerate(zip(spec.placements, target)))
+
+
+def _gathered(kind: str, nbytes: float, group_size: int) -> float:
+    """A row declares what one rank puts in; the cost model takes the full (gathered) size."""
+    return nbytes * group_size if kind == "all_gather" else nbytes
+
+
+def comm_time(combo: Sequence[Row], mesh_shape: Sequence[int], links: Sequence[cost.Link]) -> float:
+    """The op's own collectives. A sharded algorithm whose dim is sharded over several mesh
+    dims issues ONE collective over the group spanning them (ops/common.py), so equal
+    entries of its rows merge into one joint collective (cost.joint_collective_time),
+    issued as many times as the most any one row declares it."""
     total = 0.0
-    for i, (a, b) in enumerate(zip(spec.placements, target)):
-        if a == b or a.is_replicate():
+    joint: dict[tuple[str, float], tuple[list[int], int]] = {}
+    for i, r in enumerate(combo):
+        if r.algorithm is None:  # a plain per-mesh-dim declaration
+            n = mesh_shape[i]
+            total += sum(cost.collective_time(kind, _gathered(kind, b, n), n, links[i]) for kind, b in r.comm)
             continue
-        n = mesh_shape[i]
-        if a.is_shard():
-            kind, nbytes = ("all_to_all", local) if b.is_shard() else ("all_gather", local * n)
-        else:
-            kind, nbytes = ("reduce_scatter", local) if b.is_shard() else ("all_reduce", local)
-        total += cost.collective_time(kind, nbytes, n, links[i])
+        counts: dict[tuple[str, float], int] = {}
+        for kind, b in r.comm:
+            counts[(kind, float(b))] = counts.get((kind, float(b)), 0) + 1
+        for key, count in counts.items():
+            dims, most = joint.get(key, ([], 0))
+            joint[key] = (dims + [i], max(most, count))
+    for (kind, b), (dims, count) in joint.items():
+        sizes = [mesh_shape[i] for i in dims]
+        total += count * cost.joint_collective_time(kind, _gathered(kind, b, math.prod(sizes)), sizes, [links[i] for i in dims])
     return total
 
 
@@ -148,18 +206,14 @@ def price(
     algos = [r.algorithm for r in combo if r.algorithm is not None]
     redist = sum(estimate_redistribution(spec, target, links) for spec, target in zip(in_specs, inputs))
     mesh_shape = in_specs[0].mesh.shape
-    comm_time = sum(
-        cost.collective_time(kind, nbytes * (mesh_shape[i] if kind == "all_gather" else 1), mesh_shape[i], links[i])
-        for i, r in enumerate(combo)
-        for kind, nbytes in r.comm
-    )
+    internal = comm_time(combo, mesh_shape, links)
     pending = 0.0
     for (shape, itemsize), pl in zip(out_shapes, outputs):
         local = math.prod(shape) * itemsize / max(math.prod(n for n, p in zip(mesh_shape, pl) if p.is_shard()), 1)
         pending += sum(resolve_time(shape, local, mesh_shape[i], links[i]) for i, p in enumerate(pl) if p.is_partial())
     changes = sum(a != b for spec, target in zip(in_specs, inputs) for a, b in zip(spec.placements, target))
     compute = _compute_time(in_specs, inputs, out_shapes, outputs, links)
-    return Candidate(inputs, outputs, algos[0] if algos else None, combo, (), redist, comm_time, pending, order, changes, compute)
+    return Candidate(inputs, outputs, algos[0] if algos else None, combo, (), redist, internal, pending, order, changes, compute)
 
 
 def _local_bytes(shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], placements: Sequence[Placement]) -> float:
@@ -205,25 +259,281 @@ def rank_key(c: Candidate, mesh_shape: Sequence[int]) -> tuple:
     return (round(c.time, 12), c.changes, 0 if _pending(c) else 1, -_sharding(c, mesh_shape), c.order)
 
 
+_search_key = rank_key  # the search's own reference: tests may patch rank_key to force a divergence
+
+DEFAULT_LIMIT = 8  # candidates the runtime keeps when the search space is large (it uses the first)
+EXHAUSTIVE_MAX = 256  # search spaces this small are simply enumerated
+
+
+class Ranked(list):
+    """Candidates, cheapest first, with the size of the space they were chosen from."""
+
+    total: int = 0  # combinations that satisfy the structural rules (filter_fn not applied)
+    replicate: "Candidate | None" = None  # the all-Replicate candidate, priced, if allowed
+    exhaustive: bool = False  # True: every candidate is in the list
+
+
+def _check_rows(rows: Sequence[Row], n_in: int, n_out: int) -> None:
+    for r in rows:
+        if len(r.inputs) != n_in or (len(r.outputs) != n_out and len(r.outputs) != 1):
+            raise ShardingError(f"strategy row {r} has {len(r.inputs)} inputs/{len(r.outputs)} outputs, the op has {n_in}/{n_out}")
+
+
 def candidates(
     rows: Sequence[Row],
     in_specs: Sequence[TensorSpec],
     out_shapes: Sequence[tuple[Sequence[int], int]],
     links: tuple[cost.Link, ...] | None = None,
     filter_fn: Callable[[Candidate], bool] | None = None,
-) -> list[Candidate]:
+    limit: int | None = None,
+) -> Ranked:
+    """The best candidates, cheapest first (by `rank_key`).
+
+    limit None: every candidate when the space is small (<= EXHAUSTIVE_MAX combinations),
+    else the best DEFAULT_LIMIT. limit k: exactly the first k of the exhaustive ranking,
+    found by the pruned search however large the mesh.
+    """
     mesh = in_specs[0].mesh
     links = cost.resolve_links(links, mesh.ndim)
-    for r in rows:
-        if len(r.inputs) != len(in_specs) or (len(r.outputs) != len(out_shapes) and len(r.outputs) != 1):
-            raise ShardingError(
-                f"strategy row {r} has {len(r.inputs)} inputs/{len(r.outputs)} outputs, the op has {len(in_specs)}/{len(out_shapes)}"
-            )
-    out = []
-    for i, combo in enumerate(expand(rows, len(in_specs), len(out_shapes), mesh.ndim)):
-        c = price(combo, in_specs, out_shapes, links, i)
+    _check_rows(rows, len(in_specs), len(out_shapes))
+    space = (len(rows) + 1) ** mesh.ndim
+    if CHOICE_HOOKS:  # verify forces algorithms: the hooks choose among every candidate
+        return _hooked(all_candidates(rows, in_specs, out_shapes, links, filter_fn))
+    if limit is None and space <= EXHAUSTIVE_MAX:
+        return all_candidates(rows, in_specs, out_shapes, links, filter_fn)
+    search = _Search(rows, in_specs, out_shapes, links)
+    out = Ranked(sorted(search.best(DEFAULT_LIMIT if limit is None else limit, filter_fn), key=lambda c: rank_key(c, mesh.shape)))
+    out.total = search.count_valid()
+    out.replicate = search.replicate(filter_fn)
+    return out
+
+
+def _hooked(ranked: Ranked) -> Ranked:
+    for hook in CHOICE_HOOKS:
+        chosen = hook(ranked)
+        if chosen is not None and chosen is not ranked:
+            chosen = Ranked(chosen)
+            chosen.total, chosen.replicate, chosen.exhaustive = ranked.total, ranked.replicate, ranked.exhaustive
+            ranked = chosen
+    return ranked
+
+
+def all_candidates(
+    rows: Sequence[Row],
+    in_specs: Sequence[TensorSpec],
+    out_shapes: Sequence[tuple[Sequence[int], int]],
+    links: tuple[cost.Link, ...] | None = None,
+    filter_fn: Callable[[Candidate], bool] | None = None,
+) -> Ranked:
+    """Every candidate, priced and ranked: the exhaustive reference the search must equal."""
+    mesh = in_specs[0].mesh
+    links = cost.resolve_links(links, mesh.ndim)
+    _check_rows(rows, len(in_specs), len(out_shapes))
+    options = row_options(rows, len(in_specs), len(out_shapes))
+    out, total, replicate = [], 0, None
+    for indices in itertools.product(range(len(options)), repeat=mesh.ndim):
+        combo = tuple(options[r] for r in indices)
+        if len({r.algorithm for r in combo if r.algorithm is not None}) > 1 or not all(fits_mesh_dim(r, i) for i, r in enumerate(combo)):
+            continue
+        c = price(combo, in_specs, out_shapes, links, _order(indices, len(options)))
         if _mixed_partials(c) or _needs_norm_partial(c, in_specs):
             continue
+        total += 1
         if filter_fn is None or filter_fn(c):
             out.append(c)
-    return sorted(out, key=lambda c: rank_key(c, mesh.shape))
+            if all(r == len(options) - 1 for r in indices):
+                replicate = c
+    ranked = Ranked(sorted(out, key=lambda c: rank_key(c, mesh.shape)))
+    ranked.total, ranked.replicate, ranked.exhaustive = total, replicate, True
+    return ranked
+
+
+def _order(indices: Sequence[int], radix: int) -> int:
+    """The combination's index in the product of row options (mesh dim 0 most significant)."""
+    order = 0
+    for r in indices:
+        order = order * radix + r
+    return order
+
+
+# ------------------------------------------------------------------ the pruned search
+
+
+_NO_COMM = Row((), ())  # stands in for a row whose per-dim collectives are already in the separable sum
+
+
+class _Search:
+    """Best-first search over the rows of mesh dim 0, then 1, ... (A* over row prefixes).
+
+    A prefix's key is a lower bound, component by component, of the rank key of every
+    candidate that completes it, so the candidates come out of the heap in exact rank
+    order (componentwise bounds bound the lexicographic key):
+
+    - time: the separable terms (each input's per-dim move, the per-dim collectives of
+      rows without an algorithm) of the chosen dims, plus for each later dim its cheapest
+      row's; the joint collectives of the chosen algorithm rows priced over the dims so
+      far (a joint collective only grows with its group), plus each later dim's latency
+      floor (alpha (n-1) per collective it would join); the pending resolution and the
+      gather-then-compute work of the chosen dims with the later dims sharding as much
+      as any of their rows can (both shrink with sharding). Lowered by a relative 1e-9
+      so float rounding in another summation order cannot lift it above the exact time.
+    - changes: the chosen dims' count plus each later dim's least.
+    - pending: 0 unless neither the chosen nor any later row leaves an output pending.
+    - -sharding: with each later dim sharding every tensor any of its rows can shard.
+    - order: the prefix followed by row 0 everywhere (the product index is monotone).
+
+    Combinations the exhaustive path drops are cut as soon as a prefix shows them: two
+    algorithms, two different partials in one placement tuple, a NormPartial target that
+    is not already the source. `filter_fn` (in-place ops) sees complete candidates only.
+    """
+
+    def __init__(self, rows, in_specs, out_shapes, links):
+        self.in_specs, self.out_shapes, self.links = tuple(in_specs), tuple(out_shapes), tuple(links)
+        self.mesh_shape = tuple(in_specs[0].mesh.shape)
+        self.n_in, self.n_out = len(in_specs), len(out_shapes)
+        self.options = row_options(rows, self.n_in, self.n_out)
+        self.radix = len(self.options)
+        ndim = len(self.mesh_shape)
+        self.tuples = [r.inputs + tuple(r.outputs[min(k, len(r.outputs) - 1)] for k in range(self.n_out)) for r in self.options]
+        src_local = [_source_local_bytes(spec) for spec in in_specs]
+        self.in_bytes = [math.prod(spec.shape) * spec.itemsize for spec in in_specs]
+        self.out_bytes = [math.prod(shape) * itemsize for shape, itemsize in out_shapes]
+        self.compute_rate = min(link.compute for link in links)
+        # per mesh dim, per row option
+        self.valid, self.sep, self.floor, self.changes, self.pend_coef = [], [], [], [], []
+        for i in range(ndim):
+            n, link = self.mesh_shape[i], links[i]
+            valid, sep, floor, changes, pend = [], [], [], [], []
+            for index, r in enumerate(self.options):
+                srcs = [spec.placements[i] for spec in in_specs]
+                valid.append(fits_mesh_dim(r, i) and not any(isinstance(t, NormPartial) and t != a for a, t in zip(srcs, r.inputs)))
+                moves = sum(_redistribution_term(a, t, loc, n, link) for a, t, loc in zip(srcs, r.inputs, src_local))
+                lat = 0.0
+                if r.algorithm is None:
+                    moves += sum(cost.collective_time(kind, _gathered(kind, b, n), n, link) for kind, b in r.comm)
+                elif n > 1:
+                    lat = sum((2 if kind == "all_reduce" else 1) * (n - 1) * link.latency for kind, _ in {(k, float(b)) for k, b in r.comm})
+                sep.append(moves)
+                floor.append(lat)
+                changes.append(sum(a != t for a, t in zip(srcs, r.inputs)))
+                # resolve_time per byte of a pending output on this dim
+                pend.append([
+                    (2 if len(shape) == 0 else 1) * (n - 1) / n / link.bandwidth if n > 1 and p.is_partial() else 0.0
+                    for (shape, _), p in zip(out_shapes, self.tuples[index][self.n_in :])
+                ])
+            self.valid.append(valid)
+            self.sep.append(sep)
+            self.floor.append(floor)
+            self.changes.append(changes)
+            self.pend_coef.append(pend)
+        # suffix bounds: index j covers mesh dims j..ndim-1
+        n_tuples = self.n_in + self.n_out
+        self.rest_time = [0.0] * (ndim + 1)
+        self.rest_changes = [0] * (ndim + 1)
+        self.rest_shard = [[1] * n_tuples for _ in range(ndim + 1)]
+        self.rest_pending = [False] * (ndim + 1)
+        for i in reversed(range(ndim)):
+            ok = [r for r in range(self.radix) if self.valid[i][r]]
+            self.rest_time[i] = self.rest_time[i + 1] + min((self.sep[i][r] + self.floor[i][r] for r in ok), default=0.0)
+            self.rest_changes[i] = self.rest_changes[i + 1] + min((self.changes[i][r] for r in ok), default=0)
+            self.rest_pending[i] = self.rest_pending[i + 1] or any(p.is_partial() for r in ok for p in self.tuples[r][self.n_in:])
+            self.rest_shard[i] = [
+                m * (self.mesh_shape[i] if any(self.tuples[r][t].is_shard() for r in ok) else 1) for t, m in enumerate(self.rest_shard[i + 1])
+            ]
+
+    # ---------------------------------------------------------------- states
+
+    def _child(self, state, r: int):
+        """The prefix `state` extended by row r on the next mesh dim; None if no completion is valid."""
+        indices, sep, changes, algo, partials, shards, gathers, pend = state
+        i = len(indices)
+        if not self.valid[i][r]:
+            return None
+        row = self.options[r]
+        if row.algorithm is not None:
+            if algo is not None and algo != row.algorithm:
+                return None
+            algo = row.algorithm
+        placed = self.tuples[r]
+        new_partials = list(partials)
+        for t, p in enumerate(placed):
+            if p.is_partial():
+                if partials[t] is None:
+                    new_partials[t] = p
+                elif partials[t] != p:
+                    return None
+        n = self.mesh_shape[i]
+        new_shards = tuple(m * n if p.is_shard() else m for m, p in zip(shards, placed))
+        new_gathers = tuple(g or (spec.placements[i].is_shard() and p.is_replicate()) for g, spec, p in zip(gathers, self.in_specs, placed))
+        new_pend = tuple(a + b for a, b in zip(pend, self.pend_coef[i][r]))
+        return (indices + (r,), sep + self.sep[i][r], changes + self.changes[i][r], algo, tuple(new_partials), new_shards, new_gathers, new_pend)
+
+    def _bound(self, state) -> tuple:
+        indices, sep, changes, algo, partials, shards, gathers, pend = state
+        j = len(indices)
+        rest = self.rest_shard[j]
+        time = sep + self.rest_time[j]
+        time += comm_time([self.options[r] if self.options[r].algorithm is not None else _NO_COMM for r in indices], self.mesh_shape, self.links)
+        for k in range(self.n_out):
+            t = self.n_in + k
+            time += pend[k] * self.out_bytes[k] / (shards[t] * rest[t])
+        time += sum(b / (shards[k] * rest[k]) for k, b in enumerate(self.in_bytes) if gathers[k]) / self.compute_rate
+        pending = 0 if any(p is not None for p in partials[self.n_in :]) or self.rest_pending[j] else 1
+        sharding = sum(m * rest[t] for t, m in enumerate(shards))
+        order = _order(indices + (0,) * (len(self.mesh_shape) - j), self.radix)
+        return (round(time * (1 - 1e-9), 12), changes + self.rest_changes[j], pending, -sharding, order)
+
+    # ---------------------------------------------------------------- answers
+
+    def best(self, limit: int, filter_fn=None) -> list[Candidate]:
+        ndim = len(self.mesh_shape)
+        root = ((), 0.0, 0, None, (None,) * (self.n_in + self.n_out), (1,) * (self.n_in + self.n_out), (False,) * self.n_in, (0.0,) * self.n_out)
+        tick = itertools.count()
+        heap = [(self._bound(root), 1, next(tick), root)]
+        out: list[Candidate] = []
+        while heap and len(out) < limit:
+            _, kind, _, item = heapq.heappop(heap)
+            if kind == 0:  # a priced candidate: nothing left in the heap can rank before it
+                out.append(item)
+                continue
+            if len(item[0]) == ndim:
+                c = self._price(item[0])
+                if filter_fn is None or filter_fn(c):
+                    heapq.heappush(heap, (_search_key(c, self.mesh_shape), 0, next(tick), c))
+                continue
+            for r in range(self.radix):
+                child = self._child(item, r)
+                if child is not None:
+                    heapq.heappush(heap, (self._bound(child), 1, next(tick), child))
+        return out
+
+    def _price(self, indices: Sequence[int]) -> Candidate:
+        combo = tuple(self.options[r] for r in indices)
+        return price(combo, self.in_specs, self.out_shapes, self.links, _order(indices, self.radix))
+
+    def replicate(self, filter_fn=None) -> Candidate | None:
+        c = self._price((self.radix - 1,) * len(self.mesh_shape))
+        return c if filter_fn is None or filter_fn(c) else None
+
+    def count_valid(self) -> int:
+        """How many combinations pass the structural rules: a count over (algorithm, partials) states."""
+        states = {(None, (None,) * (self.n_in + self.n_out)): 1}
+        for i in range(len(self.mesh_shape)):
+            nxt: dict = {}
+            for (algo, partials), count in states.items():
+                for r in range(self.radix):
+                    row = self.options[r]
+                    if not self.valid[i][r] or (row.algorithm is not None and algo is not None and row.algorithm != algo):
+                        continue
+                    new = list(partials)
+                    for t, p in enumerate(self.tuples[r]):
+                        if p.is_partial():
+                            if new[t] is None:
+                                new[t] = p
+                            elif new[t] != p:
+                                break
+                    else:
+                        key = (row.algorithm if row.algorithm is not None else algo, tuple(new))
+                        nxt[key] = nxt.get(key, 0) + count
+            states = nxt
+        return sum(states.values())

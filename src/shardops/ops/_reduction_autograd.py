@@ -20,35 +20,28 @@ Only output-sized values move; the input's shards never do.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..dispatch.registry import register_torch_function
+from ..dispatch.registry import register_torch_entry
+from ..dispatch.schema import CallSignature
 from ..errors import ShardingError
-from ..placements import Placement, Replicate
+from ..placements import Placement, Replicate, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
-from .common import all_gather_stacked, all_reduce, global_positions, shift_after_reduce
+from ..tensor import DTensor
+from ._shard_stats import resolve_partials
+from .common import all_gather_stacked, all_reduce, global_positions, mesh_dims_sharding, shift_after_reduce
 
 R = Replicate()
 
 
-def mesh_dims_reducing(spec: TensorSpec, dims: Sequence[int]) -> list[int]:
-    """Mesh dims whose placement shards one of the reduced `dims`."""
-    return [i for i, p in enumerate(spec.placements) if p.is_shard() and p.dim in dims]
-
-
 # ------------------------------------------------------------------ layouts of gradients
-
-
-def grad_layout(spec: TensorSpec) -> tuple[Placement, ...]:
-    """The gradient of an input comes back in its layout; a pending input gets a Replicate gradient."""
-    return tuple(R if p.is_partial() else p for p in spec.placements)
 
 
 def reduced_layout(layout: Sequence[Placement], dims: Sequence[int], keepdim: bool) -> tuple[Placement, ...]:
@@ -58,8 +51,6 @@ def reduced_layout(layout: Sequence[Placement], dims: Sequence[int], keepdim: bo
 
 def local_in(t: torch.Tensor, placements: Sequence[Placement], mesh) -> torch.Tensor:
     """This rank's piece of `t` in `placements` (a plain tensor is taken as Replicate)."""
-    from ..tensor import DTensor
-
     if isinstance(t, DTensor):
         return t._redistribute_local(placements)
     spec = TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype))
@@ -74,10 +65,8 @@ def restore_dims(t: torch.Tensor, dims: Sequence[int], keepdim: bool) -> torch.T
 
 
 def wrap_grad(local: torch.Tensor, x_spec: TensorSpec):
-    from ..tensor import DTensor
-
     meta = TensorMeta(x_spec.shape, contiguous_stride(x_spec.shape), x_spec.dtype)
-    return DTensor._make(local.to(x_spec.dtype).contiguous(), TensorSpec(x_spec.mesh, grad_layout(x_spec), meta))
+    return DTensor._make(local.to(x_spec.dtype).contiguous(), TensorSpec(x_spec.mesh, without_partials(x_spec.placements), meta))
 
 
 @dataclass
@@ -104,7 +93,10 @@ class ShardedReduction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, call: Call):
         if call.kind in NEEDS_INPUT:
-            x = _resolved(x)
+            # Resolved once and shared by forward and backward: two resolutions along different paths
+            # (reduce_scatter then gather, or all_reduce) can round differently, and then `x == result`
+            # would miss the extreme. The backward would have to resolve x anyway.
+            x = resolve_partials(x)
         with torch._C.DisableTorchFunctionSubclass():
             out = call.func(x, *call.args, **(call.kwargs or {}))
         outs = tuple(out) if isinstance(out, tuple) else (out,)
@@ -124,24 +116,9 @@ class ShardedReduction(torch.autograd.Function):
         return BACKWARDS[ctx.call.kind](ctx.call, ctx.x_spec, x, outs, grads), None
 
 
-def _resolved(x):
-    """x with its pending mesh dims resolved, for ops whose backward reads x.
-
-    Resolved once and shared by forward and backward: two resolutions along different paths
-    (reduce_scatter then gather, or all_reduce) can round differently, and then `x == result`
-    would miss the extreme. The backward would have to resolve x anyway.
-    """
-    from ..tensor import DTensor
-
-    layout = grad_layout(x._spec)
-    if layout == x._spec.placements:
-        return x
-    return DTensor._make(x._redistribute_local(layout), x._spec.with_placements(layout))
-
-
 def _grad_out(call: Call, x_spec: TensorSpec, g) -> tuple[torch.Tensor, tuple[Placement, ...]]:
     """The output gradient as this rank's keepdim-shaped piece, aligned with x's layout."""
-    layout = grad_layout(x_spec)
+    layout = without_partials(x_spec.placements)
     local = local_in(g, reduced_layout(layout, call.dims, call.keepdim), x_spec.mesh)
     return restore_dims(local, call.dims, call.keepdim), layout
 
@@ -176,7 +153,7 @@ def _nanmean_backward(call, x_spec, x, outs, grads):
 
 
 def _global_sum(t: torch.Tensor, x_spec: TensorSpec, layout, dims) -> torch.Tensor:
-    return all_reduce(t, x_spec, mesh_dims_reducing(x_spec.with_placements(layout), dims), "sum")
+    return all_reduce(t, x_spec, mesh_dims_sharding(x_spec.with_placements(layout), dims), "sum")
 
 
 def _extreme_backward(call, x_spec, x, outs, grads):
@@ -231,7 +208,7 @@ def _prod_backward(call, x_spec, x, outs, grads):
         xl = xl.reshape(-1)
     others = _exclusive_product(xl, d)
     totals = torch.stack([xl.prod(d, keepdim=True), (xl == 0).sum(d, keepdim=True).to(xl.dtype)])
-    group = mesh_dims_reducing(x_spec.with_placements(layout), call.dims)
+    group = mesh_dims_sharding(x_spec.with_placements(layout), call.dims)
     zeros = totals[1]
     if group:
         stacked = all_gather_stacked(totals, x_spec, group)
@@ -281,25 +258,15 @@ def _mode(input, dim=-1, keepdim=False, *, out=None): ...  # noqa: E704
 def _count_nonzero(input, dim=None): ...  # noqa: E704
 
 
+_ALIASES = {"axis": "dim", "keepdims": "keepdim", "self": "input"}
 SIGNATURES = {
-    f.__name__.lstrip("_"): inspect.signature(f)
+    f.__name__.lstrip("_"): CallSignature(f, aliases=_ALIASES)
     for f in (_dims_dtype, _dims, _amax, _aminmax, _kthvalue, _mode, _count_nonzero)
 }
-_ALIASES = {"axis": "dim", "keepdims": "keepdim", "self": "input"}
 
 
 class TorchDecides(Exception):
     """A call this module leaves to torch (named dims, wrong types): torch raises its own error."""
-
-
-def bind(sig: str, args: tuple, kwargs: dict) -> dict:
-    """Arguments of a torch-level call by name."""
-    try:
-        bound = SIGNATURES[sig].bind(*args, **{_ALIASES.get(k, k): v for k, v in kwargs.items()})
-    except TypeError:
-        raise TorchDecides from None
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def check_dims(name: str, spec: TensorSpec, raw, single: bool = False) -> tuple[int, ...]:
@@ -322,40 +289,32 @@ def check_dims(name: str, spec: TensorSpec, raw, single: bool = False) -> tuple[
     return tuple(sorted(out)) if spec.ndim else ()
 
 
-def plain(func, args, kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
 def wants_grad(x) -> bool:
     return torch.is_grad_enabled() and x.requires_grad and x.ndim > 0
 
 
-def torch_entry(func, sig, describe):
-    """A __torch_function__ override: checks the call (ShardingError naming the op), then runs
-    it through ShardedReduction when x needs a gradient, else straight to dispatch."""
-    name = func.__name__
+def _parse_reduction(func, describe, b: dict, args: tuple, kwargs: dict) -> tuple | None:
+    """(x, Call) for ShardedReduction when x needs a gradient; None: straight to dispatch.
 
-    def entry(*args, **kwargs):
-        from ..tensor import DTensor
+    The call is checked first (a bad dim raises ShardingError naming the op), gradient or not."""
+    x = b["input"]
+    if not isinstance(x, DTensor) or b.get("out") is not None:
+        return None
+    try:
+        call = describe(func.__name__, b, x._spec)
+    except TorchDecides:
+        return None
+    if call is None or not wants_grad(x):
+        return None
+    call.func = func
+    call.args = args[1:] if args and args[0] is x else args
+    call.kwargs = {k: v for k, v in kwargs.items() if k not in ("input", "self")}
+    return x, call
 
-        try:
-            b = bind(sig, args, kwargs)
-            x = b["input"]
-            if not isinstance(x, DTensor) or b.get("out") is not None:
-                raise TorchDecides
-            call = describe(name, b, x._spec)
-        except TorchDecides:
-            return plain(func, args, kwargs)
-        if call is None or not wants_grad(x):
-            return plain(func, args, kwargs)
-        call.func = func
-        call.args = args[1:] if args and args[0] is x else args
-        call.kwargs = {k: v for k, v in kwargs.items() if k not in ("input", "self")}
-        out = ShardedReduction.apply(x, call)
-        return call.result_type(out) if call.result_type is not None else out
 
-    return entry
+def _apply_reduction(x, call: Call):
+    out = ShardedReduction.apply(x, call)
+    return call.result_type(out) if call.result_type is not None else out
 
 
 def _named(raw) -> bool:
@@ -413,4 +372,4 @@ def register_entries(table: Sequence[tuple[Sequence[Any], str, Callable]]) -> No
     """(torch callables, signature, describe) rows -> __torch_function__ overrides."""
     for funcs, sig, describe in table:
         for func in funcs:
-            register_torch_function(torch_entry(func, sig, describe), func)
+            register_torch_entry(SIGNATURES[sig], partial(_parse_reduction, func, describe), _apply_reduction, func)

@@ -8,7 +8,7 @@
   input's own layout.
 
 NOTE: candidates for common.py (shared by softmax/layer-norm style families too):
-`ShardLine`, `gather_packed`, `reduction_layouts`, `grad_local`, `input_grad`.
+`ShardLine`, `reduction_layouts`, `grad_local`, `input_grad`.
 """
 from __future__ import annotations
 
@@ -18,37 +18,14 @@ from typing import Any, Sequence
 
 import torch
 
-from ..dispatch.schema import _binding, normalize_dim
-from ..placements import NormPartial, Placement, Replicate, dim_positions
+from ..dispatch.schema import normalize_dim
+from ..placements import Placement, Replicate, dim_positions, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec
-from .common import mesh_dims_sharding, shift_after_reduce
+from ..tensor import DTensor
+from .common import all_gather_stacked, member_coordinates, mesh_dims_sharding, shift_after_reduce
 
 R = Replicate()
-
-
-# ------------------------------------------------------------------ packing
-
-
-def gather_packed(tensors: Sequence[torch.Tensor], spec: TensorSpec, mesh_dims: Sequence[int]) -> list[torch.Tensor]:
-    """Every member's `tensors` over the group spanning `mesh_dims`, each stacked on a new dim 0.
-
-    All tensors travel as the bytes of one uint8 buffer: one collective (one round) whatever
-    their dtypes (float statistics next to int64 indices, exactly). Members hold equal shapes:
-    the group spans only mesh dims that shard the reduced dims, so the other dims agree.
-    """
-    if not mesh_dims:
-        return [t.unsqueeze(0) for t in tensors]
-    mesh = spec.mesh
-    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    parts = mesh.comm.all_gather(torch.cat(flat), mesh.group(tuple(mesh_dims)))
-    out, offset = [], 0
-    for t, f in zip(tensors, flat):
-        n = f.numel()
-        # clone: a view at an odd byte offset cannot be reinterpreted as a wider dtype
-        out.append(torch.stack([p[offset : offset + n].clone().view(t.dtype).reshape(t.shape) for p in parts]))
-        offset += n
-    return out
 
 
 # ------------------------------------------------------------------ the line of shards along a dim
@@ -83,36 +60,17 @@ class ShardLine:
 
     def gather(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One all_gather of this rank's statistics (stacked per member on dim 0); local if unsharded."""
-        return gather_packed(tensors, self.spec, self.mesh_dims)
-
-
-def member_coordinates(spec: TensorSpec, mesh_dims: Sequence[int]) -> list[list[int]]:
-    """Coordinates of the group members over `mesh_dims`, row-major (the group's order)."""
-    mesh = spec.mesh
-    coord = list(mesh.get_coordinate())
-    out = []
-    for idx in range(math.prod(mesh.shape[d] for d in mesh_dims)):
-        c, rem = list(coord), idx
-        for d in reversed(mesh_dims):
-            c[d] = rem % mesh.shape[d]
-            rem //= mesh.shape[d]
-        out.append(c)
-    return out
+        return all_gather_stacked(list(tensors), self.spec, self.mesh_dims)
 
 
 def shard_line(spec: TensorSpec, dim: int) -> ShardLine:
     """The line of `dim` (a single member, no collective, when no mesh dim shards it)."""
-    mesh_dims = tuple(mesh_dims_sharding(spec, dim))
+    mesh_dims = mesh_dims_sharding(spec, dim)
     coords = member_coordinates(spec, mesh_dims)
     pos = [dim_positions(spec.shape[dim], dim, spec.mesh.shape, c, spec.placements) for c in coords]
     starts = tuple(p[0] if len(p) else spec.shape[dim] for p in pos)
     me = coords.index(list(spec.mesh.get_coordinate()))
     return ShardLine(spec, dim, mesh_dims, me, starts, tuple(len(p) for p in pos))
-
-
-def reduced_group(spec: TensorSpec, dims: Sequence[int]) -> tuple[int, ...]:
-    """Mesh dims sharding any of `dims`: the one group a reduction's statistics travel over."""
-    return tuple(mesh_dims_sharding(spec, dims))
 
 
 def local_count(spec: TensorSpec, dims: Sequence[int], coordinate: Sequence[int]) -> int:
@@ -175,29 +133,8 @@ def needs_grad(*tensors: Any) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def bind(op, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """An aten overload's arguments by name, defaults filled in (what OpSchema.bound gives a rule)."""
-    names, defaults, _ = _binding(op)
-    bound = dict(defaults)
-    bound.update(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def call_default(func, args: tuple, kwargs: dict) -> Any:
-    """Run a torch function the ordinary way (into __torch_dispatch__), without our override."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-def without_partials(placements: Sequence[Placement]) -> tuple[Placement, ...]:
-    return tuple(R if p.is_partial() else p for p in placements)
-
-
 def resolve_partials(x):
     """`x` with pending reductions resolved (no autograd): ops without partial rows need the values."""
-    from ..tensor import DTensor
-
     target = without_partials(x._spec.placements)
     if target == x._spec.placements:
         return x
@@ -226,8 +163,6 @@ def to_layout(local: torch.Tensor, spec: TensorSpec, placements: Sequence[Placem
 
 def grad_local(grad: torch.Tensor, like: TensorSpec, placements: Sequence[Placement] | None = None) -> torch.Tensor:
     """This rank's piece of `grad` in `placements` (default: `like`'s layout with pending reductions as Replicate)."""
-    from ..tensor import DTensor
-
     target = without_partials(like.placements) if placements is None else tuple(placements)
     if isinstance(grad, DTensor):
         return grad._redistribute_local(target)
@@ -240,8 +175,6 @@ def input_grad(local: torch.Tensor, placements: Sequence[Placement], x_spec: Ten
 
     As for redistribute's backward: a Partial input gets a Replicate gradient.
     """
-    from ..tensor import DTensor
-
     local = local.to(x_spec.dtype)
     meta = TensorMeta(x_spec.shape, x_spec.meta.stride, x_spec.dtype)
     spec = TensorSpec(x_spec.mesh, tuple(placements), meta)
@@ -250,8 +183,3 @@ def input_grad(local: torch.Tensor, placements: Sequence[Placement], x_spec: Ten
         local = redistribute_local(local, spec, target)
     return DTensor._make(local, spec.with_placements(target))
 
-
-def norm_neutral(p: NormPartial | float) -> float:
-    """A value that changes no p-norm of p-norms: 0, or +inf where small values win (p < 0, -inf)."""
-    q = p.norm_type if isinstance(p, NormPartial) else float(p)
-    return math.inf if q < 0 else 0.0

@@ -6,16 +6,26 @@ from typing import Sequence
 
 import torch
 
-from ..placements import Placement, Replicate, Shard, dim_positions
+from ..placements import Placement, Replicate, Shard, StridedShard, dim_positions
 from ..spec import TensorSpec
 
 R = Replicate()
 
 
-def mesh_dims_sharding(spec: TensorSpec, tensor_dims: int | Sequence[int]) -> list[int]:
-    """Mesh dims whose placement shards any of `tensor_dims`."""
+def mesh_dims_sharding(spec: TensorSpec, tensor_dims: int | Sequence[int]) -> tuple[int, ...]:
+    """Mesh dims whose placement shards any of `tensor_dims` (a reduction's statistics travel over them)."""
     dims = (tensor_dims,) if isinstance(tensor_dims, int) else tuple(tensor_dims)
-    return [i for i, p in enumerate(spec.placements) if p.is_shard() and p.dim in dims]
+    return tuple(i for i, p in enumerate(spec.placements) if p.is_shard() and p.dim in dims)
+
+
+def shard_placements(spec: TensorSpec) -> list[Placement]:
+    """Shard(d) for every dim, plus the input's own StridedShard placements: the shards worth a row."""
+    return [Shard(d) for d in range(spec.ndim)] + [p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)]
+
+
+def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics are computed in: float32 for half types, as torch's CPU and CUDA kernels do."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def global_positions(spec: TensorSpec, tensor_dim: int, coordinate: Sequence[int] | None = None) -> range | list[int]:
@@ -32,30 +42,64 @@ def global_index_tensor(spec: TensorSpec, tensor_dim: int, device=None) -> torch
     return torch.tensor(pos, dtype=torch.int64, device=device)
 
 
-def member_shapes(spec: TensorSpec, mesh_dims: Sequence[int], local_shape_fn=None) -> list[tuple[int, ...]]:
-    """Local shapes of every member of the group over `mesh_dims` (row-major), for uneven all_gathers."""
+def member_coordinates(spec: TensorSpec, mesh_dims: Sequence[int]) -> list[list[int]]:
+    """Coordinates of the group members over `mesh_dims`, row-major (the group's order)."""
     mesh = spec.mesh
     coord = list(mesh.get_coordinate())
-    shapes = []
+    out = []
     for idx in range(math.prod(mesh.shape[d] for d in mesh_dims)):
-        c = list(coord)
-        rem = idx
+        c, rem = list(coord), idx
         for d in reversed(mesh_dims):
             c[d] = rem % mesh.shape[d]
             rem //= mesh.shape[d]
-        shapes.append(spec.local_shape(c) if local_shape_fn is None else local_shape_fn(c))
-    return shapes
+        out.append(c)
+    return out
 
 
-def all_gather_stacked(t: torch.Tensor, spec: TensorSpec, mesh_dims: Sequence[int]) -> torch.Tensor:
-    """Equal-shaped per-rank values (e.g. per-shard statistics) gathered over `mesh_dims`, stacked on dim 0.
+def member_shapes(spec: TensorSpec, mesh_dims: Sequence[int]) -> list[tuple[int, ...]]:
+    """Local shapes of every member of the group over `mesh_dims` (row-major), for uneven all_gathers."""
+    return [spec.local_shape(c) for c in member_coordinates(spec, mesh_dims)]
 
-    One collective, however many mesh dims: the group spans them all.
+
+def all_gather_packed(
+    tensors: Sequence[torch.Tensor], spec: TensorSpec, mesh_dims: Sequence[int], shapes: Sequence[Sequence[int]] | None = None
+) -> list[list[torch.Tensor]]:
+    """Several tensors of any dtypes gathered in ONE collective over `mesh_dims`; per member in group order, its tensors.
+
+    They travel as the bytes of one uint8 buffer (float statistics next to int64 indices, exactly).
+    `shapes`: every member's shape, shared by its tensors (uneven shards); default: every member's
+    tensors are shaped like this rank's.
     """
+    if not mesh_dims:
+        return [list(tensors)]
     mesh = spec.mesh
     group = mesh.group(tuple(mesh_dims))
-    parts = mesh.comm.all_gather(t, group)
-    return torch.stack(parts, dim=0)
+    layouts = [[tuple(s)] * len(tensors) for s in shapes] if shapes is not None else [[tuple(t.shape) for t in tensors]] * group.size
+    sizes = [[math.prod(s) * t.element_size() for s, t in zip(member, tensors)] for member in layouts]
+    mine = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    pieces = mesh.comm.all_gather(mine, group, [(sum(n),) for n in sizes])
+    out = []
+    for piece, member, nbytes in zip(pieces, layouts, sizes):
+        parts, offset = [], 0
+        for t, shape, n in zip(tensors, member, nbytes):
+            # clone: a view at an odd byte offset cannot be reinterpreted as a wider dtype
+            parts.append(piece[offset : offset + n].clone().view(t.dtype).reshape(shape))
+            offset += n
+        out.append(parts)
+    return out
+
+
+def all_gather_stacked(tensors, spec: TensorSpec, mesh_dims: Sequence[int]):
+    """Equal-shaped per-rank values (e.g. per-shard statistics) gathered over `mesh_dims`, stacked on dim 0.
+
+    `tensors`: one tensor (gives one stacked tensor) or several of any dtypes (a list of stacked
+    tensors, packed into one buffer). One collective, however many mesh dims: the group spans them all.
+    """
+    if isinstance(tensors, torch.Tensor):
+        mesh = spec.mesh
+        return torch.stack(mesh.comm.all_gather(tensors, mesh.group(tuple(mesh_dims))), dim=0)
+    members = all_gather_packed(tensors, spec, mesh_dims)
+    return [torch.stack([m[k] for m in members]) for k in range(len(tensors))]
 
 
 def all_reduce(t: torch.Tensor, spec: TensorSpec, mesh_dims: Sequence[int], op: str = "sum") -> torch.Tensor:

@@ -17,13 +17,16 @@ costs one all-reduce per mesh dim that shards any gradient, not one per tensor.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema, normalize_dim
+from ..dispatch.registry import call_default, register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..placements import NormPartial, Partial, Replicate, Shard
-from ._shard_stats import call_default, needs_grad, norm_neutral
+from ..tensor import DTensor
+from ._shard_stats import needs_grad
 
 aten = torch.ops.aten
 R = Replicate()
@@ -52,14 +55,8 @@ def _concat_rule(schema: OpSchema) -> list[Row]:
 # ------------------------------------------------------------------ torch-level alignment of pending norms
 
 
-def _neutral_off_origin(local: torch.Tensor, p: NormPartial, coordinate: int) -> torch.Tensor:
-    return local if coordinate == 0 else torch.full_like(local, norm_neutral(p))
-
-
 def align_pending_norms(tensors):
     """Replicate operands become NormP(p) on mesh dims where the others are NormP(p) (local, exact)."""
-    from ..tensor import DTensor
-
     if not tensors or not all(isinstance(t, DTensor) for t in tensors) or needs_grad(*tensors):
         return tensors
     mesh = tensors[0]._spec.mesh
@@ -76,7 +73,7 @@ def align_pending_norms(tensors):
         for k, pl in enumerate(placements):
             others = {q for j, q in enumerate(pl) if j != i and q.is_partial()}
             if pl[i].is_replicate() and others <= {p}:
-                locals_[k] = _neutral_off_origin(locals_[k], p, coord[i])
+                locals_[k] = p.split(locals_[k], coord[i])
                 pl[i] = p
     return [
         t if tuple(pl) == t._spec.placements else DTensor._make(loc, t._spec.with_placements(pl))
@@ -115,34 +112,43 @@ class _CatWithLegacyEmpty(torch.autograd.Function):
         return (None, *grads)
 
 
-def _legacy_empty_needs_grad(tensors, args, kwargs) -> bool:
+def _apply_concat(func, args: tuple, kwargs: dict):
+    """torch's ordinary path, except for a cat with a 1-d empty DTensor needing a gradient (see above)."""
     from ..tensor import DTensor
 
-    return (
-        torch.is_grad_enabled()
+    tensors = args[0] if args else kwargs.get("tensors")
+    rest = dict(kwargs)
+    rest.pop("tensors", None)
+    dim = args[1] if len(args) > 1 else rest.pop("dim", 0)
+    if (
+        func is not torch.stack
+        and torch.is_grad_enabled()
+        and not rest
+        and isinstance(dim, int)
         and all(isinstance(t, DTensor) for t in tensors)
         and any(t.ndim == 1 and t.shape[0] == 0 and t.requires_grad for t in tensors)
         and len({t._spec.mesh for t in tensors}) == 1
-        and not kwargs
-        and len(args) <= 1
-    )
+    ):
+        return _CatWithLegacyEmpty.apply(normalize_dim(dim, max(t.ndim for t in tensors), "cat"), *tensors)
+    return call_default(func, args, kwargs)
 
 
-def _concat_entry(func):
-    def entry(tensors, *args, **kwargs):
-        if kwargs.get("out") is None and isinstance(tensors, (list, tuple)):
-            tensors = align_pending_norms(list(tensors))
-            if func is not torch.stack and _legacy_empty_needs_grad(tensors, args, kwargs):
-                ndim = max(t.ndim for t in tensors)
-                dim = normalize_dim(args[0] if args else 0, ndim, "cat")
-                return _CatWithLegacyEmpty.apply(dim, *tensors)
-        return call_default(func, (tensors, *args), kwargs)
+def _concat_call(tensors, dim=0, *, out=None): ...  # noqa: E704
 
-    return entry
+
+def _parse_concat(func, b: dict, args: tuple, kwargs: dict) -> tuple | None:
+    """The call with its pending norms aligned (a local, exact step); None: nothing to align."""
+    tensors = b["tensors"]
+    if b.get("out") is not None or not isinstance(tensors, (list, tuple)):
+        return None
+    aligned = align_pending_norms(list(tensors))
+    if args:
+        return func, (aligned, *args[1:]), kwargs
+    return func, (), {**kwargs, "tensors": aligned}
 
 
 # ------------------------------------------------------------------ registration
 
 register(_concat_rule, aten.cat.default, aten.stack.default)
 for _func in (torch.stack, torch.cat, torch.concat, torch.concatenate):
-    register_torch_function(_concat_entry(_func), _func)
+    register_torch_entry(CallSignature(_concat_call, aliases={"axis": "dim"}), partial(_parse_concat, _func), _apply_concat, _func)

@@ -452,7 +452,8 @@ class _IndexSelectFunction(torch.autograd.Function):
 
 def _index_select_entry(func):
     def entry(*args, **kwargs):
-        from ._shard_stats import call_default, needs_grad
+        from ..dispatch.registry import call_default
+        from ._shard_stats import needs_grad
 
         kw = dict(kwargs)
         pos = list(args)
@@ -685,29 +686,7 @@ def _extend(extra: Callable[[OpSchema], list[Row]], *ops) -> None:
         register(rule, op)
 
 
-def _empty_like_layout(ctx, x: torch.Tensor, size, stride, *args, **kwargs) -> torch.Tensor:
-    """This rank's shard of new uninitialised memory, its dims in the order the global strides give."""
-    local = ctx.out_specs[0].local_shape()
-    order = sorted(range(len(stride)), key=lambda d: -stride[d])
-    return torch.empty_permuted(local, order, dtype=kwargs.get("dtype") or x.dtype, device=x.device)
-
-
-def _empty_strided_rule(schema: OpSchema) -> list[Row]:
-    """new_empty_strided(size, stride): autograd calls it to accumulate a gradient whose strides differ
-    from the parameter's, then copies the gradient in. With the input's own size the memory takes the
-    input's layout (so the copy moves nothing); otherwise it is Replicate. The input only lends dtype
-    and device either way. NOTE: a factory; it belongs with new_zeros & co, which may take it over."""
-    spec = schema.self_spec
-    size = list(schema.arg("size"))
-    # with the input's own size, a pending input gives pending memory: the copy_ of a pending gradient stays pending
-    keep = [p for p in spec.placements if p.is_shard() or p.is_partial()] if size == list(spec.shape) else []
-    rows = [row(p, p, _empty_like_layout) for p in dict.fromkeys(keep)]
-    ins = [Shard(d) for d in range(spec.ndim)] + [p for p in spec.placements if p.is_partial() or isinstance(p, StridedShard)]
-    return rows + [row(R, p) for p in dict.fromkeys(ins)]
-
-
 register(_flip_rule, aten.flip.default)
-register(_empty_strided_rule, aten.new_empty_strided.default)
 register(_roll_rule, aten.roll.default)
 register(_repeat_rule, aten.repeat.default)
 register(_pad_rule, aten.constant_pad_nd.default)

@@ -30,17 +30,12 @@ from ..dispatch.schema import OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..placements import NormPartial, Partial, Placement, Shard, StridedShard
 from ..spec import TensorSpec
-from .common import global_index_tensor
+from .common import global_index_tensor, shard_placements
 
 aten = torch.ops.aten
 PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), Partial("product"))
 LABEL_TRIANGLE = "sharded tril/triu: mask by global row/column indices, no communication"
 
-
-def _shard_placements(spec: TensorSpec) -> list[Placement]:
-    """Shard(d) for every dim, plus the input's own StridedShard placements."""
-    found: list[Placement] = [Shard(d) for d in range(spec.ndim)]
-    return found + [p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)]
 
 
 def _moved(p: Placement, dim: int) -> Placement:
@@ -75,7 +70,7 @@ def _triangle_rule(schema: OpSchema) -> list[Row]:
     if spec.ndim < 2:
         return []  # torch's own error, raised by the local kernel
     rows = []
-    for p in _shard_placements(spec):
+    for p in shard_placements(spec):
         if p.dim < spec.ndim - 2:
             rows.append(row(p, p))
         else:
@@ -101,7 +96,7 @@ def _diagonal_rule(schema: OpSchema) -> list[Row]:
     if spec.ndim < 2:
         return []
     kept = _kept_dims(spec.ndim, *_diagonal_dims(schema, spec.ndim))
-    rows = [row(_moved(p, kept.index(p.dim)), p) for p in _shard_placements(spec) if p.dim in kept]
+    rows = [row(_moved(p, kept.index(p.dim)), p) for p in shard_placements(spec) if p.dim in kept]
     return rows + _pending_rows(spec)
 
 
@@ -115,7 +110,7 @@ def _diagonal_backward_rule(schema: OpSchema) -> list[Row]:
     ndim = len(schema.arg("input_sizes"))
     kept = _kept_dims(ndim, *_diagonal_dims(schema, ndim))
     rows = []
-    for p in _shard_placements(grad):
+    for p in shard_placements(grad):
         if p.dim < len(kept):
             rows.append(row(_moved(p, kept[p.dim]), p, _diagonal_backward_local))
     rows.append(row(Partial("sum"), Partial("sum"), _diagonal_backward_local))

@@ -24,18 +24,15 @@ import math
 
 import torch
 
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema, normalize_dim
+from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..placements import Replicate, Shard
-from .common import shift_after_reduce
+from .common import all_gather_stacked, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 from ._shard_stats import (
-    call_default,
-    gather_packed,
     grad_local,
     input_grad,
     needs_grad,
-    reduced_group,
     reduction_layouts,
     reduction_stats_bytes,
     resolve_partials,
@@ -45,11 +42,6 @@ from ._shard_stats import (
 
 aten = torch.ops.aten
 R = Replicate()
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # NOTE: half types accumulate in float32, as torch's CPU and CUDA kernels do.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _shard_pair(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +69,8 @@ def _logsumexp_sharded(ctx, x, *args, **kwargs):
     dims = ctx.schema.dims("dim")
     keepdim = bool(ctx.schema.arg("keepdim", False))
     out_dtype = ctx.out_specs[0].dtype
-    xc = x.to(_compute_dtype(out_dtype))
-    shifts, sums = gather_packed(_shard_pair(xc, dims), spec, reduced_group(spec, dims))
+    xc = x.to(opmath_dtype(out_dtype))
+    shifts, sums = all_gather_stacked(list(_shard_pair(xc, dims)), spec, mesh_dims_sharding(spec, dims))
     out = merge_pairs(shifts, sums)
     if not keepdim:
         out = out.squeeze(dims)
@@ -93,7 +85,7 @@ def _logsumexp_rule(schema: OpSchema) -> list[Row]:
     keepdim = bool(schema.arg("keepdim", False))
     rows = [row(shift_after_reduce(Shard(k), dims, keepdim), Shard(k)) for k in range(spec.ndim) if k not in dims]
     if not spec.dtype.is_complex:
-        dtype = _compute_dtype(spec.dtype if spec.dtype.is_floating_point else torch.get_default_dtype())
+        dtype = opmath_dtype(spec.dtype if spec.dtype.is_floating_point else torch.get_default_dtype())
         per_row = 2 * torch.empty((), dtype=dtype).element_size()
         comm = [("all_gather", reduction_stats_bytes(spec, dims, per_row))]
         rows += [row(R, Shard(k), algorithm=_logsumexp_sharded, comm=comm, label="sharded logsumexp") for k in dims]
@@ -126,34 +118,27 @@ class _LogsumexpFunction(torch.autograd.Function):
         return input_grad(g * (ctx.x_local - lse).exp(), ctx.layout, ctx.x_spec), None, None
 
 
-def _parse_logsumexp(args: tuple, kwargs: dict):
-    """(input, dims, keepdim) of torch.logsumexp(input, dim, keepdim=False); None: not ours."""
-    kw, pos = dict(kwargs), list(args)
-    if kw.pop("out", None) is not None:
-        return None
-    x = pos.pop(0) if pos else kw.pop("input", kw.pop("self", None))
-    dim = pos.pop(0) if pos else kw.pop("dim", None)
-    keepdim = pos.pop(0) if pos else kw.pop("keepdim", False)
-    if pos or kw or not isinstance(x, torch.Tensor) or x.ndim == 0 or dim is None:
+def _logsumexp_call(self, dim=None, keepdim=False, *, out=None): ...  # noqa: E704  (torch's forms, aten's names)
+
+
+def _parse_logsumexp(b: dict, *_):
+    """(input, dims, keepdim) of a differentiable logsumexp call; None: not ours."""
+    x, dim = b["self"], b["dim"]
+    if b.get("out") is not None or not isinstance(x, torch.Tensor) or x.ndim == 0 or dim is None:
         return None
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     if not dims or not all(isinstance(d, int) for d in dims):
         return None
-    return x, tuple(sorted({normalize_dim(d, x.ndim, "logsumexp") for d in dims})), bool(keepdim)
-
-
-def _logsumexp_entry(func):
-    def entry(*args, **kwargs):
-        parsed = _parse_logsumexp(args, kwargs)
-        if parsed is None or not parsed[0].dtype.is_floating_point or not needs_grad(parsed[0]):
-            return call_default(func, args, kwargs)
-        return _LogsumexpFunction.apply(*parsed)
-
-    return entry
+    dims = tuple(sorted({normalize_dim(d, x.ndim, "logsumexp") for d in dims}))
+    if not x.dtype.is_floating_point or not needs_grad(x):
+        return None
+    return x, dims, bool(b["keepdim"])
 
 
 # ------------------------------------------------------------------ registration
 
 register(_logsumexp_rule, aten.logsumexp.default)
-for _func in (torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp, aten.logsumexp.default):
-    register_torch_function(_logsumexp_entry(_func), _func)
+register_torch_entry(
+    CallSignature(_logsumexp_call, aliases={"input": "self"}), _parse_logsumexp, _LogsumexpFunction.apply,
+    torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp, aten.logsumexp.default,
+)

@@ -41,8 +41,7 @@ from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard
 from ..redistribute import redistribute_local
 from ..spec import TensorSpec
-from .common import all_reduce, global_positions
-from .softmax import opmath_dtype
+from .common import all_reduce, global_positions, opmath_dtype
 
 aten = torch.ops.aten
 R = Replicate()
@@ -234,7 +233,7 @@ def _nll_forward_rule(schema: OpSchema) -> list[Row]:
     cdim = class_dim(x.ndim)
     w_r = [R] if has_weight else []
     partial_total = P if reduction == SUM else R  # mean all-reduces it inside; none returns 0
-    total_comm = [("all_reduce", torch.empty((), dtype=opmath_dtype(x.dtype)).element_size())] if reduction == MEAN else []
+    total_comm = [("all_reduce", opmath_dtype(x.dtype).itemsize)] if reduction == MEAN else []
     algo = _nll_forward_sharded
     rows = [row([P, R], [Shard(cdim), R] + w_r, algo, label=LABEL_VOCAB)]
     if has_weight:

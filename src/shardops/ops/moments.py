@@ -21,26 +21,20 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any
 
 import torch
 
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema
+from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
 from ..placements import Replicate, Shard
-from .common import global_positions, shift_after_reduce
+from .common import all_gather_stacked, global_positions, member_coordinates, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
-    bind,
-    call_default,
-    gather_packed,
     grad_local,
     input_grad,
     local_count,
-    member_coordinates,
     needs_grad,
     reduced_dims,
-    reduced_group,
     reduction_layouts,
     reduction_stats_bytes,
     resolve_partials,
@@ -53,14 +47,12 @@ R = Replicate()
 STATS_BYTES_PER_ROW = 2 * 8  # (mean, M2) in float64
 
 
-def _moment_params(op, bound: dict, ndim: int) -> tuple[tuple[int, ...], float, bool]:
-    """(reduced dims, correction, keepdim) of any var/std/var_mean/std_mean overload, from bound arguments."""
+def _moment_params(op, bound: dict, ndim: int) -> tuple[tuple[int, ...] | None, float, bool]:
+    """(reduced dims, correction, keepdim) of any var/std/var_mean/std_mean form, from bound arguments."""
     dims = reduced_dims(bound.get("dim"), ndim, str(op))
-    if "correction" in bound:
-        correction = bound["correction"]
-        correction = 1 if correction is None else correction
-    else:
-        correction = 1 if bound.get("unbiased", True) else 0
+    unbiased, correction = bound.get("unbiased"), bound.get("correction")
+    if correction is None:
+        correction = 0 if unbiased is False else 1
     return dims, correction, bool(bound.get("keepdim", False))
 
 
@@ -123,9 +115,9 @@ def _any(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 def _moments_sharded(ctx, x, *args, **kwargs):
     spec = ctx.in_specs[0]
     dims, correction, keepdim = _moment_args(ctx.schema)
-    group = reduced_group(spec, dims)
+    group = mesh_dims_sharding(spec, dims)
     mean_local, m2_local = _shard_stats(x, dims)
-    means, m2s = gather_packed((mean_local, _mark_infs(x, dims, spec, m2_local)), spec, group)
+    means, m2s = all_gather_stacked([mean_local, _mark_infs(x, dims, spec, m2_local)], spec, group)
     marked = m2s < 0
     inf_count = torch.where(marked, torch.floor(-m2s / 2), 0.0).sum(0)
     last_inf = (torch.where(marked, torch.remainder(-m2s, 2), 0.0) > 0).any(0)
@@ -213,52 +205,32 @@ class _MomentsFunction(torch.autograd.Function):
         return input_grad(gx, ctx.layout, ctx.x_spec), None, None, None, None, None
 
 
-def _parse_moments(args: tuple, kwargs: dict) -> tuple[Any, tuple[int, ...], float, bool, bool] | None:
-    """(input, dims, correction, keepdim, every_dim) of the python forms of var/std/var_mean/std_mean;
-    None: not ours. every_dim: dim was None (torch's backward treats dof <= 0 differently then).
+# torch's forms of var/std/var_mean/std_mean, with aten's names: f(x, unbiased) and f(x, dim, unbiased, keepdim)
+# or f(x, dim, *, correction, keepdim)
+def _moments_unbiased(self, unbiased, *, dim=None, keepdim=False, correction=None, out=None): ...  # noqa: E704
+def _moments_call(self, dim=None, unbiased=None, keepdim=False, *, correction=None, out=None): ...  # noqa: E704
 
-    Forms: f(x, dim=None, *, correction=None, keepdim=False), f(x, dim, unbiased, keepdim), f(x, unbiased).
-    """
-    kw = dict(kwargs)
-    if kw.pop("out", None) is not None:
+
+_moments_unbiased.accepts = lambda args, kwargs: len(args) > 1 and type(args[1]) is bool
+MOMENTS_SIGNATURE = CallSignature(_moments_unbiased, _moments_call, aliases={"input": "self"})
+
+
+def _parse_moments(kind: str, name: str, b: dict, *_) -> tuple | None:
+    """(input, kind, dims, correction, keepdim, every_dim) of a differentiable call; None: not ours.
+    every_dim: dim was None (torch's backward treats dof <= 0 differently then)."""
+    x = b["self"]
+    if b.get("out") is not None or not isinstance(x, torch.Tensor) or x.ndim == 0:
         return None
-    pos = list(args)
-    x = pos.pop(0) if pos else kw.pop("input", None)
-    if not isinstance(x, torch.Tensor) or x.ndim == 0:
+    if b.get("unbiased") is not None and b.get("correction") is not None:
         return None
-    unbiased = pos.pop(0) if pos and isinstance(pos[0], bool) else None
-    dim = pos.pop(0) if pos else kw.pop("dim", None)
-    if pos:
-        unbiased = pos.pop(0)
-    unbiased = kw.pop("unbiased", unbiased)
-    keepdim = pos.pop(0) if pos else kw.pop("keepdim", False)
-    correction = kw.pop("correction", None)
-    if pos or kw or (unbiased is not None and correction is not None):
+    dims, correction, keepdim = _moment_params(name, b, x.ndim)
+    if dims is None or not x.dtype.is_floating_point or not needs_grad(x):
         return None
-    if correction is None:
-        correction = 0 if unbiased is False else 1
-    dims = reduced_dims(dim, x.ndim, "var")
-    return None if dims is None else (x, dims, correction, bool(keepdim), dim is None)
+    return x, kind, dims, correction, keepdim, b.get("dim") is None
 
 
-def _parse_aten_moments(op, args: tuple, kwargs: dict) -> tuple[Any, tuple[int, ...], float, bool, bool] | None:
-    bound = bind(op, args, kwargs)
-    x = bound["self"]
-    if x.ndim == 0:
-        return None
-    dims, correction, keepdim = _moment_params(op, bound, x.ndim)
-    return None if dims is None else (x, dims, correction, keepdim, bound.get("dim") is None)
-
-
-def _moments_entry(kind: str, with_mean: bool, func, parse=_parse_moments):
-    def entry(*args, **kwargs):
-        parsed = parse(args, kwargs)
-        if parsed is None or not parsed[0].dtype.is_floating_point or not needs_grad(parsed[0]):
-            return call_default(func, args, kwargs)
-        stat, mean = _MomentsFunction.apply(*parsed[:1], kind, *parsed[1:])
-        return (stat, mean) if with_mean else stat
-
-    return entry
+def _stat_only(*parsed):
+    return _MomentsFunction.apply(*parsed)[0]
 
 
 # ------------------------------------------------------------------ registration
@@ -269,12 +241,10 @@ MOMENT_OPS = {
     for with_mean in (False, True)
 }
 register(_moments_rule, *[op for ops in MOMENT_OPS.values() for op in ops])
-for _func in (torch.var, torch.Tensor.var):
-    register_torch_function(_moments_entry("var", False, _func), _func)
-for _func in (torch.std, torch.Tensor.std):
-    register_torch_function(_moments_entry("std", False, _func), _func)
-register_torch_function(_moments_entry("var", True, torch.var_mean), torch.var_mean)
-register_torch_function(_moments_entry("std", True, torch.std_mean), torch.std_mean)
-for (_kind, _with_mean), _ops in MOMENT_OPS.items():  # torch.ops.aten.* called directly get the same backward
-    for _op in _ops:
-        register_torch_function(_moments_entry(_kind, _with_mean, _op, partial(_parse_aten_moments, _op)), _op)
+for (_kind, _with_mean), _ops in MOMENT_OPS.items():
+    _apply = _MomentsFunction.apply if _with_mean else _stat_only
+    _name = f"{_kind}_mean" if _with_mean else _kind
+    _funcs = (getattr(torch, _name),) + ((getattr(torch.Tensor, _name),) if not _with_mean else ())
+    register_torch_entry(MOMENTS_SIGNATURE, partial(_parse_moments, _kind, "var"), _apply, *_funcs)
+    for _op in _ops:  # torch.ops.aten.* called directly get the same backward
+        register_torch_entry(None, partial(_parse_moments, _kind, str(_op)), _apply, _op)

@@ -42,14 +42,14 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import core
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema
+from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..spec import TensorSpec
-from .common import all_gather_stacked, all_reduce, member_shapes, mesh_dims_sharding
+from ..tensor import dispatch
+from .common import all_gather_stacked, all_reduce, member_shapes, mesh_dims_sharding, opmath_dtype, shard_placements
 
 aten = torch.ops.aten
 R = Replicate()
@@ -70,15 +70,6 @@ HOW = {True: "all_gather + local sum", False: "all_reduce"}
 # ------------------------------------------------------------------ shared helpers
 
 
-def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
-    """half/bfloat16 statistics are kept in float32, as torch's CPU kernels do."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _axis(schema: OpSchema, spec: TensorSpec) -> int:
     """First normalized dim; checks normalized_shape against the input's trailing dims."""
     shape = [int(s) for s in schema.arg("normalized_shape")]
@@ -89,12 +80,6 @@ def _axis(schema: OpSchema, spec: TensorSpec) -> int:
             f"{list(spec.shape)} ({spec!r}); pass input.shape[-k:] for some k >= 1."
         )
     return spec.ndim - k
-
-
-def _shard_placements(spec: TensorSpec) -> list[Placement]:
-    """Shard(d) for every dim, plus the input's own StridedShard placements."""
-    found: list[Placement] = [Shard(d) for d in range(spec.ndim)]
-    return found + [p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)]
 
 
 def _on_weight_dim(p: Placement, axis: int) -> Placement:
@@ -193,7 +178,7 @@ def _layer_norm_rule(schema: OpSchema) -> list[Row]:
     n_affine = sum(schema.arg(a) is not None for a in ("weight", "bias"))
     stat_bytes = 2 * F64 * _rows_per_rank(spec, axis)
     rows = []
-    for p in _shard_placements(spec):
+    for p in shard_placements(spec):
         if p.dim < axis:
             rows.append(row([p, p, p], [p] + [R] * n_affine))
         else:
@@ -209,8 +194,6 @@ def _layer_norm_backward_sharded(ctx, grad, x, normalized_shape, mean, rstd, wei
     spec = ctx.in_specs[1]
     axis = x.ndim - len(normalized_shape)
     mesh_dims = _norm_mesh_dims(spec, axis)
-    if not mesh_dims:  # whole rows here: torch's own kernel (it reads mean/rstd as contiguous)
-        return ctx.func(grad, x, normalized_shape, mean.contiguous(), rstd.contiguous(), weight, bias, output_mask)
     dims, outer = tuple(range(axis, x.ndim)), tuple(range(axis))
     op = opmath_dtype(x.dtype)  # half inputs: float32 sums, as torch's CPU kernel does
     g, rstd = grad.to(op), rstd.to(op)
@@ -241,21 +224,18 @@ def _layer_norm_backward_rule(schema: OpSchema) -> list[Row]:
     mask = list(schema.arg("output_mask"))
     outs = _grad_outputs(mask, [True, has_w, has_b])
     n_affine = int(has_w) + int(has_b)
-    sum_bytes = 2 * _itemsize(opmath_dtype(spec.dtype)) * _rows_per_rank(spec, axis)
-    # NOTE: torch's CPU kernel reads mean/rstd as contiguous, and a redistributed shard is
-    # often a strided view, so the local rows run through the algorithm too (it makes them
-    # contiguous); a combination takes one algorithm, so each variant gets its own copy.
+    sum_bytes = 2 * opmath_dtype(spec.dtype).itemsize * _rows_per_rank(spec, axis)
     rows = []
-    for gather, algo in LN_BACKWARD.items():
-        for p in dict.fromkeys(_shard_placements(grad) + _shard_placements(spec)):
-            if p.dim < axis:
-                rows.append(row([[p, P, P][i] for i in outs], [p, p, p, p] + [R] * n_affine, algo))
-                continue
-            wp = _on_weight_dim(p, axis)
+    for p in dict.fromkeys(shard_placements(grad) + shard_placements(spec)):
+        if p.dim < axis:  # whole rows on this rank: torch's own kernel (redistributed shards arrive contiguous)
+            rows.append(row([[p, P, P][i] for i in outs], [p, p, p, p] + [R] * n_affine))
+            continue
+        wp = _on_weight_dim(p, axis)
+        for gather, algo in LN_BACKWARD.items():
             comm = _sum_comm(gather, sum_bytes) if mask[0] else []
             rows.append(row([[p, wp, wp][i] for i in outs], [p, p, R, R] + [wp] * n_affine, algo, comm=comm, label=LABEL_LN_BWD.format(HOW[gather])))
-        # every gradient is linear in grad_out: a pending sum passes through
-        rows.append(row([P] * len(outs), [P, R, R, R] + [R] * n_affine, algo))
+    # every gradient is linear in grad_out: a pending sum passes through
+    rows.append(row([P] * len(outs), [P, R, R, R] + [R] * n_affine))
     return rows
 
 
@@ -289,7 +269,7 @@ def _rms_norm_rule(schema: OpSchema) -> list[Row]:
     has_w = schema.arg("weight") is not None
     sum_bytes = F64 * _rows_per_rank(spec, axis)
     rows = []
-    for p in _shard_placements(spec):
+    for p in shard_placements(spec):
         if p.dim < axis:
             rows.append(row([p, p], [p] + [R] * has_w))
         else:
@@ -325,14 +305,14 @@ def _rms_norm_backward_rule(schema: OpSchema) -> list[Row]:
     has_w = schema.arg("weight") is not None
     mask = list(schema.arg("output_mask"))
     outs = _grad_outputs(mask, [True, has_w])
-    sum_bytes = _itemsize(opmath_dtype(spec.dtype)) * _rows_per_rank(spec, axis)
+    sum_bytes = opmath_dtype(spec.dtype).itemsize * _rows_per_rank(spec, axis)
     # NOTE: aten has no CPU kernel for _fused_rms_norm_backward, so every row runs our
     # math, local rows included; a combination takes one algorithm, so each variant gets
     # its own copy of the local rows. The last row duplicates the implicit all-Replicate
     # row with an algorithm; it comes first in row order, so it wins their tie.
     rows = []
     for gather, algo in RMS_BACKWARD.items():
-        for p in dict.fromkeys(_shard_placements(grad) + _shard_placements(spec)):
+        for p in dict.fromkeys(shard_placements(grad) + shard_placements(spec)):
             if p.dim < axis:
                 rows.append(row([[p, P][i] for i in outs], [p, p, p] + [R] * has_w, algo))
             else:
@@ -352,7 +332,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, normalized_shape, eps):
-        out, rstd = core.dispatch(aten._fused_rms_norm.default, (x, normalized_shape, weight, eps), {})
+        out, rstd = dispatch(aten._fused_rms_norm.default, (x, normalized_shape, weight, eps), {})
         ctx.save_for_backward(x, rstd, weight)
         ctx.normalized_shape = normalized_shape
         return out
@@ -363,14 +343,18 @@ class _RMSNorm(torch.autograd.Function):
         mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
         if not any(mask):
             return None, None, None, None
-        d_in, d_w = core.dispatch(aten._fused_rms_norm_backward.default, (grad, x, ctx.normalized_shape, rstd, weight, mask), {})
+        d_in, d_w = dispatch(aten._fused_rms_norm_backward.default, (grad, x, ctx.normalized_shape, rstd, weight, mask), {})
         return d_in, d_w, None, None
 
 
-def rms_norm(input, normalized_shape, weight=None, eps=None):
+def _rms_norm_call(input, normalized_shape, weight=None, eps=None): ...  # noqa: E704  (torch's form)
+
+
+def _parse_rms_norm(b: dict, *_) -> tuple:
     """F.rms_norm / torch.rms_norm for DTensor operands (see the module docstring)."""
-    shape = [normalized_shape] if isinstance(normalized_shape, int) else [int(s) for s in normalized_shape]
-    return _RMSNorm.apply(input, weight, shape, eps)
+    shape = b["normalized_shape"]
+    shape = [shape] if isinstance(shape, int) else [int(s) for s in shape]
+    return b["input"], b["weight"], shape, b["eps"]
 
 
 # one object per variant: rows of different mesh dims combine only if they share the algorithm
@@ -382,4 +366,4 @@ register(_layer_norm_rule, aten.native_layer_norm.default)
 register(_layer_norm_backward_rule, aten.native_layer_norm_backward.default)
 register(_rms_norm_rule, aten._fused_rms_norm.default)
 register(_rms_norm_backward_rule, aten._fused_rms_norm_backward.default)
-register_torch_function(rms_norm, F.rms_norm, torch.rms_norm)
+register_torch_entry(CallSignature(_rms_norm_call), _parse_rms_norm, _RMSNorm.apply, F.rms_norm, torch.rms_norm)

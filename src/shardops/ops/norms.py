@@ -23,34 +23,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
-from ..dispatch.registry import DECOMPOSITIONS, register, register_torch_function
-from ..dispatch.schema import OpSchema
+from ..dispatch.registry import DECOMPOSITIONS, register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
-from ..placements import NormPartial, Replicate, Shard
-from ..redistribute import _norm_post, _norm_pre
+from ..placements import NormPartial, Replicate, Shard, without_partials
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
-from .common import all_reduce, shift_after_reduce
+from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
-    bind,
-    call_default,
-    gather_packed,
     grad_local,
     input_grad,
     needs_grad,
-    norm_neutral,
     reduced_dims,
-    reduced_group,
     reduction_layouts,
     resolve_partials,
     to_layout,
     unsqueeze_reduced,
-    without_partials,
 )
 
 aten = torch.ops.aten
@@ -77,7 +69,7 @@ def _empty_safe_norm(ctx, x, *args, **kwargs):
     p, dims, _ = _norm_args(ctx.schema)
     if math.prod(x.shape[d] for d in dims) == 0:
         out = ctx.out_specs[0]
-        return torch.full(out.local_shape(), norm_neutral(p), dtype=out.dtype, device=x.device)
+        return torch.full(out.local_shape(), NormPartial(p).neutral, dtype=out.dtype, device=x.device)
     return ctx.func(x, *args, **kwargs)
 
 
@@ -97,7 +89,7 @@ def _empty_safe_dist(ctx, a, b, *args, **kwargs):
     if a.numel() == 0 or b.numel() == 0:
         p = ctx.schema.arg("p", 2)
         out = ctx.out_specs[0]
-        return torch.full(out.local_shape(), norm_neutral(2.0 if p is None else p), dtype=out.dtype, device=a.device)
+        return torch.full(out.local_shape(), NormPartial(2.0 if p is None else p).neutral, dtype=out.dtype, device=a.device)
     return ctx.func(a, b, *args, **kwargs)
 
 
@@ -134,8 +126,7 @@ def resolve_norm(local: torch.Tensor, spec) -> torch.Tensor:
     if not pending:
         return local
     p = spec.placements[pending[0]]
-    pre, op = _norm_pre(local, p)
-    return _norm_post(all_reduce(pre, spec, pending, op), p)
+    return p.from_wire(all_reduce(p.to_wire(local), spec, pending, p.wire_op))
 
 
 def self_norm(local: torch.Tensor, spec, placements) -> torch.Tensor:
@@ -153,12 +144,12 @@ def _extreme_norm_and_count(x: torch.Tensor, p: float, spec, dims) -> tuple[torc
     a = x.abs()
     if math.prod(x.shape[d] for d in dims) == 0:
         shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
-        local = torch.full(shape, norm_neutral(p), dtype=a.dtype, device=x.device)
+        local = torch.full(shape, NormPartial(p).neutral, dtype=a.dtype, device=x.device)
         count = torch.zeros(shape, dtype=torch.int64, device=x.device)
     else:
         local = a.amax(dims, keepdim=True) if p > 0 else a.amin(dims, keepdim=True)
         count = ((a == local) | a.isnan()).sum(dims, keepdim=True)
-    values, counts = gather_packed([local, count], spec, reduced_group(spec, dims))
+    values, counts = all_gather_stacked([local, count], spec, mesh_dims_sharding(spec, dims))
     norm = values.amax(0) if p > 0 else values.amin(0)
     attains = (values == norm) | (values.isnan() & norm.isnan())
     total = (counts * attains).sum(0)
@@ -261,49 +252,29 @@ class _DistFunction(torch.autograd.Function):
 # ------------------------------------------------------------------ torch-level and aten-level entry points
 
 
-def _take(pos: list, kw: dict, name: str, default: Any) -> Any:
-    return pos.pop(0) if pos else kw.pop(name, default)
+# torch's forms, with aten's names
+def _vector_norm_call(self, ord=2, dim=None, keepdim=False, dtype=None, *, out=None): ...  # noqa: E704
+def _norm_call(self, p="fro", dim=None, keepdim=False, dtype=None, *, out=None): ...  # noqa: E704
+def _dist_call(self, other, p=2): ...  # noqa: E704
 
 
-def _parse_norm(args: tuple, kwargs: dict, torch_norm: bool) -> tuple | None:
-    """(x, p, dims, keepdim, dtype) of torch.linalg.vector_norm or torch.norm/Tensor.norm; None: not ours."""
-    kw = dict(kwargs)
-    if kw.pop("out", None) is not None:
+_ALIASES = {"input": "self", "x": "self"}
+
+
+def _parse_norm(b: dict, *_) -> tuple | None:
+    """(x, p, dims, keepdim, dtype) of a differentiable vector_norm/norm call; None: not ours."""
+    x = b["self"]
+    if b.get("out") is not None or not isinstance(x, torch.Tensor) or x.ndim == 0:
         return None
-    pos = list(args)
-    x = _take(pos, kw, "input" if torch_norm else "x", None)
-    p = _take(pos, kw, "p" if torch_norm else "ord", "fro" if torch_norm else 2)
-    dim = _take(pos, kw, "dim", None)
-    keepdim = _take(pos, kw, "keepdim", False)
-    dtype = _take(pos, kw, "dtype", None)
-    if pos or kw or not isinstance(x, torch.Tensor) or x.ndim == 0:
-        return None
+    p, dim = (b["ord"] if "ord" in b else b["p"]), b.get("dim")
     if isinstance(p, str):
         if p != "fro" or not (dim is None or isinstance(dim, int) or len(dim) <= 2):
             return None
         p = 2.0
-    p = 2.0 if p is None else float(p)
     dims = reduced_dims(dim, x.ndim, "norm")
-    return None if dims is None else (x, p, dims, bool(keepdim), dtype)
-
-
-def _parse_aten_norm(op, args: tuple, kwargs: dict) -> tuple | None:
-    bound = bind(op, args, kwargs)
-    x = bound["self"]
-    if x.ndim == 0:
+    if dims is None or not x.dtype.is_floating_point or not needs_grad(x):
         return None
-    p, dims, keepdim = _norm_params(op, bound, x.ndim)
-    return x, p, dims, keepdim, bound.get("dtype")
-
-
-def _norm_entry(func, parse):
-    def entry(*args, **kwargs):
-        parsed = parse(args, kwargs)
-        if parsed is None or not parsed[0].dtype.is_floating_point or not needs_grad(parsed[0]):
-            return call_default(func, args, kwargs)
-        return _VectorNormFunction.apply(*parsed)
-
-    return entry
+    return x, 2.0 if p is None else float(p), dims, bool(b.get("keepdim", False)), b.get("dtype")
 
 
 def _as_dtensor(t, other):
@@ -316,20 +287,16 @@ def _as_dtensor(t, other):
     return DTensor._make(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)))
 
 
-def _dist_entry(func, names: tuple[str, str]):
-    def entry(*args, **kwargs):
-        kw, pos = dict(kwargs), list(args)
-        a, b = _take(pos, kw, names[0], None), _take(pos, kw, names[1], None)
-        p = _take(pos, kw, "p", 2)
-        ours = not pos and not kw and needs_grad(a, b) and all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in (a, b))
-        if not ours or a.shape != b.shape or a.ndim == 0:
-            return call_default(func, args, kwargs)  # broadcasting dist: torch's formula through dispatch
-        a, b = _as_dtensor(a, b), _as_dtensor(b, a)
-        if a is None or b is None:
-            return call_default(func, args, kwargs)
-        return _DistFunction.apply(a, b, 2.0 if p is None else float(p))
-
-    return entry
+def _parse_dist(b: dict, *_) -> tuple | None:
+    """(a, b, p) of a differentiable dist of equal shapes; None: not ours (broadcasting dist: torch's formula)."""
+    x, y, p = b["self"], b["other"], b["p"]
+    tensors = all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point for t in (x, y))
+    if not tensors or not needs_grad(x, y) or x.shape != y.shape or x.ndim == 0:
+        return None
+    x, y = _as_dtensor(x, y), _as_dtensor(y, x)
+    if x is None or y is None:
+        return None
+    return x, y, 2.0 if p is None else float(p)
 
 
 # ------------------------------------------------------------------ registration
@@ -341,14 +308,11 @@ NORM_OPS = (
 register(_vector_norm_rule, *NORM_OPS)
 register(_dist_rule, aten.dist.default)
 DECOMPOSITIONS[aten._foreach_norm.Scalar] = _foreach_norm
-register_torch_function(_norm_entry(torch.linalg.vector_norm, partial(_parse_norm, torch_norm=False)), torch.linalg.vector_norm)
-for _func in (torch.norm, torch.Tensor.norm):
-    register_torch_function(_norm_entry(_func, partial(_parse_norm, torch_norm=True)), _func)
-for _op in NORM_OPS:  # torch.ops.aten.* called directly (verify-style callers) get the same backward
-    register_torch_function(_norm_entry(_op, partial(_parse_aten_norm, _op)), _op)
-register_torch_function(_dist_entry(torch.dist, ("input", "other")), torch.dist)
-register_torch_function(_dist_entry(torch.Tensor.dist, ("self", "other")), torch.Tensor.dist)
-register_torch_function(_dist_entry(aten.dist.default, ("self", "other")), aten.dist.default)
+register_torch_entry(CallSignature(_vector_norm_call, aliases=_ALIASES), _parse_norm, _VectorNormFunction.apply, torch.linalg.vector_norm)
+register_torch_entry(CallSignature(_norm_call, aliases=_ALIASES), _parse_norm, _VectorNormFunction.apply, torch.norm, torch.Tensor.norm)
+# torch.ops.aten.* called directly (verify-style callers) get the same backward
+register_torch_entry(None, _parse_norm, _VectorNormFunction.apply, *NORM_OPS)
+register_torch_entry(CallSignature(_dist_call, aliases=_ALIASES), _parse_dist, _DistFunction.apply, torch.dist, torch.Tensor.dist, aten.dist.default)
 
 
 # linalg__powsum (torch 2.13): sum(|x|^ord) over dims, a linear reduction of a pointwise op, so on

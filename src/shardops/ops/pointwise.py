@@ -57,42 +57,66 @@ def _scalar_other(schema: OpSchema):
 
 # -- the algebra: which partials pass through which op, exactly
 
+SUM, AVG, MAX, MIN = Partial("sum"), Partial("avg"), Partial("max"), Partial("min")
+NORMS = "norms"  # every NormPartial(p) among the operands stays pending as it is
+_SCALED = [(SUM, (SUM,)), (AVG, (AVG,))]  # a sum (or mean) of scaled parts is the scaled sum
+_SCALED_NONNEG = _SCALED + [(MAX, (MAX,)), (MIN, (MIN,)), NORMS]  # c >= 0 keeps the order and the norms
+_SCALED_NEG = _SCALED + [(MIN, (MAX,)), (MAX, (MIN,))]  # c < 0 swaps max and min
+
+# (op, operands) -> [(output, inputs)]: the pending partials an op keeps, exactly.
+# operands: "TT" two tensors; "T" one tensor; "c>0", "c=0", "c<0", "c=nan": one tensor and a scalar.
+# NOTE: (a + b) / c = a/c + b/c except at c == 0, where parts of opposite sign give inf - inf = NaN
+# instead of the total's +-inf; integer operands are where zeros are common, so their true division
+# resolves the pending sum first (see _excluded). Floor/trunc division is not linear at all.
+PASS_THROUGH: dict[tuple[str, str], list] = {
+    ("add", "TT"): [(SUM, (SUM, SUM)), (AVG, (AVG, AVG))],
+    ("sub", "TT"): [(SUM, (SUM, SUM)), (AVG, (AVG, AVG))],
+    ("mul", "TT"): [(SUM, (SUM, R)), (SUM, (R, SUM))],
+    ("div", "TT"): [(SUM, (SUM, R))],
+    ("mul", "c>0"): _SCALED_NONNEG,
+    ("mul", "c=0"): _SCALED_NONNEG,
+    ("mul", "c<0"): _SCALED_NEG,
+    ("mul", "c=nan"): _SCALED,
+    ("div", "c>0"): _SCALED_NONNEG,
+    ("div", "c=0"): _SCALED,
+    ("div", "c<0"): _SCALED_NEG,
+    ("div", "c=nan"): _SCALED,
+    ("neg", "T"): _SCALED_NEG,
+    ("maximum", "TT"): [(MAX, (MAX, MAX))],
+    ("fmax", "TT"): [(MAX, (MAX, MAX))],
+    ("minimum", "TT"): [(MIN, (MIN, MIN))],
+    ("fmin", "TT"): [(MIN, (MIN, MIN))],
+}
+
+
+def _operands(schema: OpSchema, base: str) -> str | None:
+    """The PASS_THROUGH key's operand kind of this call (None: no partial passes)."""
+    specs = schema.tensor_specs
+    if base in ("add", "sub") and schema.arg("alpha", 1) is None:
+        return None
+    if base == "div" and (schema.arg("rounding_mode") is not None or (len(specs) == 2 and not specs[0].dtype.is_floating_point)):
+        return None
+    if len(specs) == 2:
+        return "TT"
+    if len(specs) != 1:
+        return None
+    if base == "neg":
+        return "T"
+    c = _scalar_other(schema)
+    if c is None:
+        return None
+    return "c>0" if c > 0 else "c=0" if c == 0 else "c<0" if c < 0 else "c=nan"
+
 
 def _linear_rows(schema: OpSchema) -> list[Row]:
-    """Rows that keep a pending partial: P(sum)+P(sum), P(sum)*R, P*scalar, -P ..."""
-    specs = schema.tensor_specs
-    n = len(specs)
+    """Rows that keep a pending partial: P(sum)+P(sum), P(sum)*R, P*scalar, -P ... (PASS_THROUGH)."""
     base = schema.op._schema.name.split("::")[-1].rstrip("_")
     rows: list[Row] = []
-    if base in ("add", "sub") and n == 2 and schema.arg("alpha", 1) is not None:
-        for op in ("sum", "avg"):
-            rows.append(row(Partial(op), [Partial(op)] * 2))
-    elif base == "div" and schema.arg("rounding_mode") is not None:
-        pass  # floor/trunc division is not linear: a pending sum must be resolved first
-    elif base in ("mul", "div") and n == 2:
-        # NOTE: (a + b) / c = a/c + b/c except at c == 0, where the parts of opposite sign give
-        # inf - inf = NaN instead of the total's +-inf. Integer operands are where zeros are
-        # common, so their true division resolves the pending sum first.
-        if base == "mul" or specs[0].dtype.is_floating_point:
-            rows.append(row(Partial("sum"), [Partial("sum"), R]))
-        if base == "mul":
-            rows.append(row(Partial("sum"), [R, Partial("sum")]))
-    elif base in ("mul", "div") and n == 1:
-        c = _scalar_other(schema)
-        if c is not None:
-            rows += [row(Partial("sum"), Partial("sum")), row(Partial("avg"), Partial("avg"))]
-            if c >= 0 and not (base == "div" and c == 0):
-                rows += [row(Partial("max"), Partial("max")), row(Partial("min"), Partial("min"))]
-                rows += [row(NormPartial(p), NormPartial(p)) for p in _norm_types(specs)]
-            elif c < 0:
-                rows += [row(Partial("min"), Partial("max")), row(Partial("max"), Partial("min"))]
-    elif base == "neg" and n == 1:
-        rows += [row(Partial("sum"), Partial("sum")), row(Partial("avg"), Partial("avg"))]
-        rows += [row(Partial("min"), Partial("max")), row(Partial("max"), Partial("min"))]
-    elif base in ("maximum", "fmax") and n == 2:
-        rows.append(row(Partial("max"), [Partial("max")] * 2))
-    elif base in ("minimum", "fmin") and n == 2:
-        rows.append(row(Partial("min"), [Partial("min")] * 2))
+    for entry in PASS_THROUGH.get((base, _operands(schema, base)), ()):
+        if entry is NORMS:
+            rows += [row(NormPartial(p), NormPartial(p)) for p in _norm_types(schema.tensor_specs)]
+        else:
+            rows.append(row(entry[0], list(entry[1])))
     return rows
 
 
@@ -100,8 +124,27 @@ def _norm_types(specs) -> list[float]:
     return sorted({p.norm_type for s in specs for p in s.placements if isinstance(p, NormPartial)})
 
 
+def _strided_rows(schema: OpSchema) -> list[Row]:
+    """An operand's StridedShard (FSDP+TP after a view) passes through: every operand with
+    that dim at full size takes the same StridedShard, so ranks hold the same positions."""
+    from ..placements import StridedShard
+
+    specs = schema.tensor_specs
+    out_ndim = max((s.ndim for s in specs), default=0)
+    out_shape = torch.broadcast_shapes(*[s.shape for s in specs]) if specs else ()
+    found = {(p.dim + out_ndim - s.ndim, p.split_factor) for s in specs for p in s.placements if isinstance(p, StridedShard)}
+    rows = []
+    for d, sf in sorted(found):
+        ins = []
+        for s in specs:
+            k = d - (out_ndim - s.ndim)
+            ins.append(R if k < 0 or s.shape[k] != out_shape[d] else StridedShard(k, sf))
+        rows.append(row([StridedShard(d, sf)] * _n_outputs(schema), ins))
+    return rows
+
+
 def pointwise_rule(schema: OpSchema) -> list[Row]:
-    return _shard_rows(schema) + _linear_rows(schema)
+    return _shard_rows(schema) + _strided_rows(schema) + _linear_rows(schema)
 
 
 def _is_pointwise(op) -> bool:

@@ -39,10 +39,9 @@ from ._reduction_autograd import (
     describe_checked,
     describe_max,
     describe_reduce,
-    mesh_dims_reducing,
     register_entries,
 )
-from .common import all_gather_stacked, global_index_tensor, shift_after_reduce
+from .common import all_gather_stacked, global_index_tensor, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 
 aten = torch.ops.aten
 R = Replicate()
@@ -151,21 +150,6 @@ def identity(op: str, dtype: torch.dtype) -> Any:
     return info.min if op == "max" else info.max
 
 
-def _combine(stacked: torch.Tensor, how: str) -> torch.Tensor:
-    """Combine shard results stacked on dim 0 (every rank the same order: deterministic)."""
-    if how == "sum":
-        return stacked.sum(0)
-    if how == "product":
-        return stacked.prod(0)
-    if how == "max":
-        return stacked.amax(0)
-    if how == "min":
-        return stacked.amin(0)
-    if how == "all":
-        return stacked.all(0)
-    return stacked.any(0)
-
-
 # ------------------------------------------------------------------ linear reductions
 
 
@@ -178,7 +162,7 @@ def _linear_rule(schema: OpSchema) -> list[Row]:
     rows = kept_dim_rows(spec, dims, keepdim, n_out)
     pending = [Partial(PENDING_OP[c]) for c in lin.combine]
     out_dtype = _out_dtype(schema, spec, lin)
-    gathered = (("all_gather", output_bytes_per_rank(spec, dims, _itemsize(out_dtype) * n_out)),)
+    gathered = (("all_gather", output_bytes_per_rank(spec, dims, out_dtype.itemsize * n_out)),)
     for d in dims:
         for p in shard_options(spec, d):
             rows.append(row(pending, p, algorithm=linear_sharded, label=f"local {schema.name} -> pending"))
@@ -214,10 +198,6 @@ def _out_dtype(schema: OpSchema, spec: TensorSpec, lin: Linear) -> torch.dtype:
     return spec.dtype
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def refuse_empty_like_torch(ctx, dims: Sequence[int], flat: bool, args, kwargs) -> None:
     """torch refuses max/amax/argmax/... over an empty region: so does every rank, before any collective.
 
@@ -237,10 +217,10 @@ def linear_sharded(ctx, x: torch.Tensor, *args, **kwargs):
     if lin.identity_on_empty:
         refuse_empty_like_torch(ctx, dims, False, args, kwargs)
     outs = _local_partials(ctx, lin, dims, x, args, kwargs)
-    gather = [i for i in mesh_dims_reducing(spec, dims) if not ctx.out_specs[0].placements[i].is_partial()]
+    gather = [i for i in mesh_dims_sharding(spec, dims) if not ctx.out_specs[0].placements[i].is_partial()]
     if gather:
         stacked = all_gather_stacked(torch.stack(outs), spec, gather)
-        outs = tuple(_combine(stacked[:, k], how).to(o.dtype) for k, (how, o) in enumerate(zip(lin.combine, outs)))
+        outs = tuple(Partial(PENDING_OP[how]).combine(stacked[:, k]).to(o.dtype) for k, (how, o) in enumerate(zip(lin.combine, outs)))
     return outs if len(outs) > 1 else outs[0]
 
 
@@ -259,7 +239,7 @@ def _local_partials(ctx, lin: Linear, dims, x, args, kwargs) -> tuple[torch.Tens
 def _mean_over_global_count(ctx, x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     # Like torch's CPU mean: sum (in float for half types), divide by the count, cast.
     out_dtype = ctx.out_specs[0].dtype
-    acc = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype
+    acc = opmath_dtype(out_dtype)
     count = math.prod(ctx.in_specs[0].shape[d] for d in dims)
     keepdim = bool(ctx.schema.arg("keepdim", False))
     total = torch.sum(x, list(dims), keepdim=keepdim, dtype=acc) if dims else x.to(acc)
@@ -292,7 +272,7 @@ def select_sharded(ctx, x: torch.Tensor, *args, **kwargs):
     dims = tuple(range(spec.ndim)) if flat else reduced_dims(ctx.schema)
     refuse_empty_like_torch(ctx, dims, flat, args, kwargs)
     values, index = _local_best(ctx, x, spec, which, with_values, flat, dims)
-    group = mesh_dims_reducing(spec, dims)
+    group = mesh_dims_sharding(spec, dims)
     if group:
         if _compact(spec, dims, flat):
             packed = all_gather_stacked(_pack32(values, index), spec, group)

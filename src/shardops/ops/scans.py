@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema, normalize_dim
+from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
-from ..placements import Partial, Replicate, Shard
+from ..placements import Partial, Replicate, Shard, without_partials
 from ._shard_stats import (
     ShardLine,
-    bind,
-    call_default,
     first_along,
     grad_local,
     input_grad,
@@ -48,7 +46,6 @@ from ._shard_stats import (
     reduction_stats_bytes,
     resolve_partials,
     shard_line,
-    without_partials,
 )
 
 aten = torch.ops.aten
@@ -97,10 +94,6 @@ def _out_dtype(schema: OpSchema) -> torch.dtype:
     if _kind_name(schema.op) in ("cumsum", "cumprod") and not (src.is_floating_point or src.is_complex):
         return torch.int64
     return src
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 # ------------------------------------------------------------------ forward: sharded algorithms
@@ -167,7 +160,7 @@ def _scan_rule(schema: OpSchema) -> list[Row]:
     extreme = name in ("cummax", "cummin")
     if spec.dtype.is_complex and name not in ("cumsum", "cumprod"):
         return [row(Shard(k), Shard(k)) for k in range(spec.ndim) if k != d]
-    per_row = _itemsize(spec.dtype) + 8 if extreme else _itemsize(_out_dtype(schema))
+    per_row = spec.dtype.itemsize + 8 if extreme else _out_dtype(schema).itemsize
     comm = [("all_gather", reduction_stats_bytes(spec, (d,), per_row))]
     algo = _extreme_sharded if extreme else _scan_sharded
     rows = [row(Shard(k), Shard(k)) for k in range(spec.ndim) if k != d]
@@ -322,43 +315,30 @@ class _ScanFunction(torch.autograd.Function):
         return input_grad(gx, ctx.layout, ctx.x_spec), None, None, None
 
 
-def _parse_scan(args: tuple, kwargs: dict) -> tuple[Any, Any, Any] | None:
-    """(input, dim, dtype) of torch.cumsum(input, dim, *, dtype) / Tensor.cumsum(dim, *, dtype); None: not ours."""
-    kw = dict(kwargs)
-    if kw.pop("out", None) is not None:
-        return None
-    pos = list(args)
-    x = pos.pop(0) if pos else kw.pop("input", None)
-    dim = pos.pop(0) if pos else kw.pop("dim", None)
-    dtype = pos.pop(0) if pos else kw.pop("dtype", None)
-    if pos or kw or not isinstance(dim, int) or isinstance(dim, bool):
-        return None
-    return x, dim, dtype
+def _scan_call(self, dim, dtype=None, *, out=None): ...  # noqa: E704  (torch's forms, aten's names)
 
 
-def _parse_aten_scan(op, args: tuple, kwargs: dict) -> tuple[Any, Any, Any] | None:
-    bound = bind(op, args, kwargs)
-    return bound["self"], bound["dim"], bound.get("dtype")
+def _parse_scan(name: str, b: dict, *_) -> tuple | None:
+    """(input, name, dim, dtype) of a differentiable scan call; None: not ours."""
+    x, dim = b["self"], b["dim"]
+    if b.get("out") is not None or not isinstance(dim, int) or isinstance(dim, bool):
+        return None
+    normalize_dim(dim, x.ndim, name)  # a bad dim is the user's error, said before any data moves
+    if not _differentiable(x) or x.ndim == 0:
+        return None
+    return x, name, dim, None if name in ("cummax", "cummin") else b.get("dtype")
 
 
 def _differentiable(x) -> bool:
     return x.dtype.is_floating_point and needs_grad(x)
 
 
-def _scan_entry(name: str, func, parse=_parse_scan, named_tuple: bool = True):
-    def entry(*args, **kwargs):
-        parsed = parse(args, kwargs)
-        if parsed is not None:  # a bad dim is the user's error, said before any data moves
-            normalize_dim(parsed[1], parsed[0].ndim, name)
-        if parsed is None or not _differentiable(parsed[0]) or parsed[0].ndim == 0:
-            return call_default(func, args, kwargs)
-        x, dim, dtype = parsed
-        if name in ("cummax", "cummin"):
-            values, indices = _ScanFunction.apply(x, name, dim, None)
-            return getattr(torch.return_types, name)((values, indices)) if named_tuple else (values, indices)
-        return _ScanFunction.apply(x, name, dim, dtype)
+def _apply_scan(named_tuple: bool):
+    def apply(x, name: str, dim: int, dtype):
+        out = _ScanFunction.apply(x, name, dim, dtype)
+        return getattr(torch.return_types, name)(out) if named_tuple and name in ("cummax", "cummin") else out
 
-    return entry
+    return apply
 
 
 # ------------------------------------------------------------------ registration
@@ -369,7 +349,9 @@ register(
     aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default,
 )
 for _name in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"):
-    for _func in (getattr(torch, _name), getattr(torch.Tensor, _name)):
-        register_torch_function(_scan_entry(_name, _func), _func)
-    _op = getattr(aten, _name).default  # torch.ops.aten.* called directly get the same backward
-    register_torch_function(_scan_entry(_name, _op, partial(_parse_aten_scan, _op), named_tuple=False), _op)
+    _parse = partial(_parse_scan, _name)
+    register_torch_entry(
+        CallSignature(_scan_call, aliases={"input": "self"}), _parse, _apply_scan(True), getattr(torch, _name), getattr(torch.Tensor, _name)
+    )
+    # torch.ops.aten.* called directly get the same backward
+    register_torch_entry(None, _parse, _apply_scan(False), getattr(aten, _name).default)

@@ -30,9 +30,9 @@ import torch
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
 from ..dispatch.strategy import Row, row
-from ..placements import Partial, Placement, Replicate, Shard, StridedShard
+from ..placements import Partial, Replicate
 from ..spec import TensorSpec
-from .common import all_gather_stacked, all_reduce, mesh_dims_sharding
+from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, opmath_dtype, shard_placements
 
 aten = torch.ops.aten
 R = Replicate()
@@ -44,11 +44,6 @@ LABEL_BACKWARD = "sharded softmax backward: all_reduce row sums, 1 round"
 
 
 # ------------------------------------------------------------------ numerics shared with losses
-
-
-def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Statistics of half/bfloat16 inputs are kept in float32, as torch's CPU kernels do."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
@@ -118,12 +113,6 @@ def _softmax_sharded(ctx, x: torch.Tensor, *args, two_reduces: bool, kind: str, 
     return y.to(out_dtype)
 
 
-def _shard_placements(spec: TensorSpec) -> list[Placement]:
-    """Shard(e) for every dim, plus the input's own StridedShard placements."""
-    found = [Shard(e) for e in range(spec.ndim)]
-    found += [p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)]
-    return found
-
 
 def _softmax_rule(kind: str):
     gather = functools.partial(_softmax_sharded, two_reduces=False, kind=kind)
@@ -134,9 +123,9 @@ def _softmax_rule(kind: str):
         if spec.ndim == 0:
             return []
         dim = schema.dim("dim")
-        stat_bytes = stats_numel(spec, dim) * torch.empty((), dtype=opmath_dtype(spec.dtype)).element_size()
+        stat_bytes = stats_numel(spec, dim) * opmath_dtype(spec.dtype).itemsize
         rows = []
-        for p in _shard_placements(spec):
+        for p in shard_placements(spec):
             if p.dim != dim:
                 rows.append(row(p, p))
                 continue
@@ -170,9 +159,9 @@ def _softmax_backward_rule(log: bool):
         if out.ndim == 0:
             return []
         dim = schema.dim("dim", ndim=out.ndim)
-        row_bytes = stats_numel(out, dim) * torch.empty((), dtype=opmath_dtype(grad.dtype)).element_size()
+        row_bytes = stats_numel(out, dim) * opmath_dtype(grad.dtype).itemsize
         rows = []
-        for p in dict.fromkeys(_shard_placements(grad) + _shard_placements(out)):
+        for p in dict.fromkeys(shard_placements(grad) + shard_placements(out)):
             if p.dim == dim:
                 rows.append(row(p, [p, p], algorithm, comm=[("all_reduce", row_bytes)], label=LABEL_BACKWARD))
             else:

@@ -38,16 +38,23 @@ from typing import Sequence
 
 import torch
 
-from ..dispatch import core
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema, normalize_dim
+from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..errors import ShardingError
-from ..placements import Placement, Replicate, Shard, StridedShard, dim_positions
+from ..placements import Placement, Replicate, dim_positions, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
-from ..tensor import DTensor
-from .common import global_index_tensor, global_positions, member_shapes, mesh_dims_sharding
+from ..tensor import DTensor, dispatch
+from .common import (
+    all_gather_packed,
+    global_index_tensor,
+    global_positions,
+    member_coordinates,
+    member_shapes,
+    mesh_dims_sharding,
+    shard_placements,
+)
 
 aten = torch.ops.aten
 R = Replicate()
@@ -64,11 +71,6 @@ def _wire_index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
 
-def _shard_placements(spec: TensorSpec) -> list[Placement]:
-    """Shard(e) for every dim, plus the input's own StridedShard placements."""
-    found: list[Placement] = [Shard(e) for e in range(spec.ndim)]
-    return found + [p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)]
-
 
 def _avg_local_numel(spec: TensorSpec, skip_dim: int | None = None) -> float:
     """Elements per rank on average (without `skip_dim`): the same figure on every rank,
@@ -81,44 +83,13 @@ def _avg_local_numel(spec: TensorSpec, skip_dim: int | None = None) -> float:
     return math.prod(spec.shape[d] for d in dims) / parts
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """(..., ) -> (..., itemsize) uint8: any dtype travels bit-exact."""
-    return t.contiguous().unsqueeze(-1).view(torch.uint8)
-
-
-def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # a fresh buffer: a column slice with size-1 dims counts as contiguous but keeps odd strides
-    return torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b).view(dtype).squeeze(-1)
-
-
-def _all_gather_packed(tensors: Sequence[torch.Tensor], spec: TensorSpec, mesh_dims: Sequence[int], shapes=None) -> list[list[torch.Tensor]]:
-    """Several same-shaped tensors of any dtypes, gathered in ONE collective over `mesh_dims`.
-
-    Returns, per member in group order, its tensors. `shapes`: every member's shape
-    (uneven shards); default: all like this rank's.
-    """
-    widths = [t.element_size() for t in tensors]
-    packed = torch.cat([_as_bytes(t) for t in tensors], dim=-1)
-    member = [tuple(s) + (sum(widths),) for s in shapes] if shapes is not None else None
-    mesh = spec.mesh
-    pieces = mesh.comm.all_gather(packed, mesh.group(tuple(mesh_dims)), member)
-    out = []
-    for piece in pieces:
-        parts, start = [], 0
-        for t, w in zip(tensors, widths):
-            parts.append(_from_bytes(piece[..., start : start + w], t.dtype))
-            start += w
-        out.append(parts)
-    return out
-
-
 def _gather_dim(tensors: Sequence[torch.Tensor], spec: TensorSpec, dim: int, mesh_dims: Sequence[int]) -> list[torch.Tensor]:
     """Whole rows along `dim`, in global order, of tensors laid out like `spec` (one collective)."""
     if not mesh_dims:
         return list(tensors)
     shapes = member_shapes(spec, mesh_dims)
-    coords = member_shapes(spec, mesh_dims, local_shape_fn=tuple)  # the members' coordinates, same order
-    pieces = _all_gather_packed(tensors, spec, mesh_dims, shapes)
+    coords = member_coordinates(spec, mesh_dims)
+    pieces = all_gather_packed(tensors, spec, mesh_dims, shapes)
     positions = [p for c in coords for p in dim_positions(spec.shape[dim], dim, spec.mesh.shape, c, spec.placements)]
     in_order = positions == list(range(len(positions)))
     out = []
@@ -170,7 +141,7 @@ def _topk_sharded(ctx, x, *args, **kwargs):
         shape[dim] = missing
         v = torch.cat([v, v.new_zeros(shape)], dim)
         gi = torch.cat([gi, gi.new_full(shape, n)], dim)
-    pieces = _all_gather_packed([v, gi], spec, mesh_dims_sharding(spec, dim))
+    pieces = all_gather_packed([v, gi], spec, mesh_dims_sharding(spec, dim))
     values = torch.cat([p[0] for p in pieces], dim)
     index = torch.cat([p[1] for p in pieces], dim)
     values, index = _merge_candidates(values, index, k, dim, largest, n)
@@ -185,7 +156,7 @@ def _topk_rule(schema: OpSchema) -> list[Row]:
     index_bytes = torch.empty((), dtype=_wire_index_dtype(spec.shape[dim])).element_size()
     nbytes = _avg_local_numel(spec, skip_dim=dim) * k * (spec.itemsize + index_bytes)
     rows = []
-    for p in _shard_placements(spec):
+    for p in shard_placements(spec):
         if p.dim != dim:
             rows.append(row([p, p], p))
         else:
@@ -215,7 +186,7 @@ def _sort_rule(schema: OpSchema) -> list[Row]:
     dim = schema.dim("dim")
     nbytes = _avg_local_numel(spec) * spec.itemsize
     rows = []
-    for p in _shard_placements(spec):
+    for p in shard_placements(spec):
         if p.dim != dim:
             rows.append(row([p, p], p))
         else:
@@ -224,11 +195,6 @@ def _sort_rule(schema: OpSchema) -> list[Row]:
 
 
 # ------------------------------------------------------------------ backward: scatter to the owner
-
-
-def _grad_layout(spec: TensorSpec) -> tuple[Placement, ...]:
-    """The input's gradient layout: the input's, with a pending partial read as Replicate."""
-    return tuple(R if p.is_partial() else p for p in spec.placements)
 
 
 def _as_dtensor(t, mesh) -> DTensor:
@@ -255,7 +221,7 @@ def _rows_of(values_grad, index: DTensor, dim: int, x_layout: Sequence[Placement
     (free). Everything else keeps the gradient's layout; a pending gradient is settled.
     """
     values_grad = _as_dtensor(values_grad, index._spec.mesh)
-    layout = tuple(R if p.is_partial() else p for p in values_grad._spec.placements)
+    layout = without_partials(values_grad._spec.placements)
     g, i = _local_in(values_grad, layout), _local_in(index, layout)
     spec = values_grad._spec.with_placements(layout)
     gathered = mesh_dims_sharding(spec, dim)
@@ -269,7 +235,7 @@ def _rows_of(values_grad, index: DTensor, dim: int, x_layout: Sequence[Placement
 
 def _scatter_to_owner(values_grad, index: DTensor, x_spec: TensorSpec, dim: int) -> DTensor:
     """The input's gradient: each rank scatters the gradients whose global index it owns."""
-    x_layout = _grad_layout(x_spec)
+    x_layout = without_partials(x_spec.placements)
     g, i, rows_layout = _rows_of(values_grad, index, dim, x_layout)
     # where the rows are whole on a mesh dim, the input's split of `dim` there is taken by index
     out_layout = tuple(x_layout[m] if p.is_replicate() else p for m, p in enumerate(rows_layout))
@@ -296,7 +262,7 @@ class _SelectAlongDim(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, op, args, kwargs, dim):
-        values, indices = core.dispatch(op, (x,) + tuple(args), dict(kwargs))
+        values, indices = dispatch(op, (x,) + tuple(args), dict(kwargs))
         ctx.mark_non_differentiable(indices)
         ctx.save_for_backward(indices)
         ctx.x_spec, ctx.dim = x._spec, dim
@@ -312,38 +278,39 @@ class _SelectAlongDim(torch.autograd.Function):
         return _scatter_to_owner(values_grad, indices, ctx.x_spec, ctx.dim), None, None, None, None
 
 
-def _default(func, *args, **kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+# torch's forms, with aten's names
+def _topk_call(self, k, dim=-1, largest=True, sorted=True, *, out=None): ...  # noqa: E704
+def _sort_call(self, dim=-1, descending=False, *, stable=None, out=None): ...  # noqa: E704
 
 
-def topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
-    """torch.topk / Tensor.topk for a DTensor input (see the module docstring)."""
-    if out is not None or not isinstance(input, DTensor):
-        return _default(torch.topk, input, k, dim, largest, sorted, **({"out": out} if out is not None else {}))
-    d = normalize_dim(dim, input.ndim, "topk")
-    size = input.shape[d] if input.ndim else 1
+def _parse_topk(b: dict, *_) -> tuple | None:
+    """torch.topk / Tensor.topk on a DTensor: the planned op and a sharded backward (see the module docstring)."""
+    x, k = b["self"], b["k"]
+    if b.get("out") is not None or not isinstance(x, DTensor):
+        return None
+    d = normalize_dim(b["dim"], x.ndim, "topk")
+    size = x.shape[d] if x.ndim else 1
     if not 0 <= k <= size:
-        raise ShardingError(f"topk: k={k} is out of range for dim {d} of size {size} of {input._spec!r}; use 0 <= k <= {size}.")
-    values, indices = _SelectAlongDim.apply(input, aten.topk.default, (k, d, largest, sorted), {}, d)
-    return torch.return_types.topk((values, indices))
+        raise ShardingError(f"topk: k={k} is out of range for dim {d} of size {size} of {x._spec!r}; use 0 <= k <= {size}.")
+    return x, aten.topk.default, (k, d, b["largest"], b["sorted"]), {}, d, torch.return_types.topk
 
 
-def sort(input, dim=-1, descending=False, *, stable=None, out=None):
-    """torch.sort / Tensor.sort for a DTensor input (see the module docstring)."""
-    if out is not None or not isinstance(input, DTensor):
-        kw = {"stable": stable} if stable is not None else {}
-        return _default(torch.sort, input, dim=dim, descending=descending, out=out, **kw)
-    d = normalize_dim(dim, input.ndim, "sort")
+def _parse_sort(b: dict, *_) -> tuple | None:
+    """torch.sort / Tensor.sort on a DTensor (see the module docstring)."""
+    x, stable = b["self"], b["stable"]
+    if b.get("out") is not None or not isinstance(x, DTensor):
+        return None
+    d = normalize_dim(b["dim"], x.ndim, "sort")
     if stable is None:  # the overload torch itself picks
-        op, args, kwargs = aten.sort.default, (d, descending), {}
-    else:
-        op, args, kwargs = aten.sort.stable, (), {"stable": stable, "dim": d, "descending": descending}
-    values, indices = _SelectAlongDim.apply(input, op, args, kwargs, d)
-    return torch.return_types.sort((values, indices))
+        return x, aten.sort.default, (d, b["descending"]), {}, d, torch.return_types.sort
+    return x, aten.sort.stable, (), {"stable": stable, "dim": d, "descending": b["descending"]}, d, torch.return_types.sort
+
+
+def _apply_select(x, op, args, kwargs, dim, result_type):
+    return result_type(_SelectAlongDim.apply(x, op, args, kwargs, dim))
 
 
 register(_topk_rule, aten.topk.default)
 register(_sort_rule, aten.sort.default, aten.sort.stable)
-register_torch_function(topk, torch.topk, torch.Tensor.topk)
-register_torch_function(sort, torch.sort, torch.Tensor.sort)
+register_torch_entry(CallSignature(_topk_call, aliases={"input": "self"}), _parse_topk, _apply_select, torch.topk, torch.Tensor.topk)
+register_torch_entry(CallSignature(_sort_call, aliases={"input": "self"}), _parse_sort, _apply_select, torch.sort, torch.Tensor.sort)

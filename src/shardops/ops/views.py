@@ -6,15 +6,18 @@ a view moves values, it never combines them.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
+
+import functools
 
 import torch
 
-from ..dispatch.registry import register
+from ..dispatch.registry import DECOMPOSITIONS, register
 from ..dispatch.schema import OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
+from ..errors import ShardingError
 from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
+from ._view_layout import resolve_size, view_groups, view_layout
 
 aten = torch.ops.aten
 R = Replicate()
@@ -31,7 +34,19 @@ def _with_local_size(ctx, local, *args, **kwargs):
     size = list(ctx.out_specs[0].local_shape())
     if ctx.schema.op is aten.expand.default:
         return ctx.func(local, size, **kwargs)
+    if ctx.schema.op is aten.view.default and not _viewable(local, size):
+        # A shard of a contiguous tensor can be a strided slice that no view reaches;
+        # the values are what matter across ranks, so copy (as reshape would).
+        return aten._unsafe_view(local.contiguous(), size)
     return ctx.func(local, size)
+
+
+def _viewable(local: torch.Tensor, size: list[int]) -> bool:
+    try:
+        local.view(size)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _squeeze_global_dims(ctx, local, *args, **kwargs):
@@ -44,15 +59,27 @@ def _squeeze_global_dims(ctx, local, *args, **kwargs):
     return squeeze(local, [d for d in dims if shape[d] == 1])
 
 
-def _dim_map_rule(mapping: Callable[[OpSchema], dict[int, int]], n_out: int = 1, local_size: bool = False, algorithm=None):
-    """A rule from {input dim: output dim} (dims absent from the map need Replicate)."""
+def _dim_map_rule(mapping: Callable[[OpSchema], dict[int, int]], n_out: int = 1, local_size: bool = False, algorithm=None, strided: bool = True):
+    """A rule from {input dim: output dim} (dims absent from the map need Replicate).
+
+    The dim keeps its whole list of positions, so a StridedShard on a mapped dim
+    passes through with its split factor.
+    """
     algo = _with_local_size if local_size else algorithm
 
     def rule(schema: OpSchema) -> list[Row]:
-        rows = [row([Shard(o)] * n_out, Shard(i), algorithm=algo) for i, o in mapping(schema).items()]
+        m = mapping(schema)
+        rows = [row([Shard(o)] * n_out, Shard(i), algorithm=algo) for i, o in m.items()]
+        if strided:
+            rows += [row([StridedShard(m[p.dim], p.split_factor)] * n_out, p, algorithm=algo) for p in _strided(schema) if p.dim in m]
         return rows + _partial_rows(schema, n_out)
 
     return rule
+
+
+def _strided(schema: OpSchema) -> list[StridedShard]:
+    """The StridedShard placements of self (rows keep them where a dim passes whole)."""
+    return sorted({p for p in schema.self_spec.placements if isinstance(p, StridedShard)}, key=repr)
 
 
 def _unsqueeze(schema: OpSchema) -> dict[int, int]:
@@ -110,41 +137,15 @@ def _keep_other_dims(arg: str) -> Callable[[OpSchema], dict[int, int]]:
     return mapping
 
 
-def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """Pair up runs of input and output dims whose sizes multiply to the same number."""
-    groups, i, j = [], 0, 0
-    while i < len(src) or j < len(dst):
-        gi, gj = [], []
-        pi = pj = 1
-        while True:
-            if (pi == pj and gi and gj) or (i >= len(src) and j >= len(dst)):
-                break
-            if pi <= pj and i < len(src) or j >= len(dst):
-                pi *= src[i]
-                gi.append(i)
-                i += 1
-            else:
-                pj *= dst[j]
-                gj.append(j)
-                j += 1
-        # trailing size-1 dims join the group so that every dim belongs somewhere
-        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
-            gi.append(i)
-            i += 1
-        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
-            gj.append(j)
-            j += 1
-        groups.append((gi, gj))
-    return groups
+def _view_size(schema: OpSchema) -> list[int]:
+    size = schema.arg("size") if schema.arg("size") is not None else schema.arg("shape")
+    return resolve_size(schema.self_spec.shape, size)
 
 
 def _view(schema: OpSchema) -> dict[int, int]:
     spec = schema.self_spec
     src = list(spec.shape)
-    size = list(schema.arg("size") if schema.arg("size") is not None else schema.arg("shape"))
-    if -1 in size:
-        known = math.prod(s for s in size if s != -1)
-        size[size.index(-1)] = math.prod(src) // known if known else 0
+    size = _view_size(schema)
     mesh_size = spec.mesh.size()
     out: dict[int, int] = {}
     for gi, gj in view_groups(src, size):
@@ -164,10 +165,49 @@ def _view(schema: OpSchema) -> dict[int, int]:
     return out
 
 
+def _view_rule(schema: OpSchema) -> list[Row]:
+    """view/reshape/_unsafe_view: the input's own layout where it maps exactly (StridedShard
+    where a merge needs it, see _view_layout), else rows that hold in any combination.
+
+    The exact rows are pinned to their mesh dims and describe the current layout only (a
+    merged dim's split factor depends on what the earlier mesh dims cut). Their combination
+    moves nothing and passes every partial as it is, so it is the cheapest candidate and the
+    one chosen; a mix with moved inputs would cost a move and is never picked over it (the
+    algorithm refuses one, should it ever be).
+    """
+    spec = schema.self_spec
+    exact = view_layout(spec.shape, _view_size(schema), spec.mesh.shape, spec.placements)
+    if exact is None:
+        return _dim_map_rule(_view, local_size=True, strided=False)(schema)
+    algo = _exact_view(spec.placements)
+    rows = [row(o, p, algorithm=algo, mesh_dim=i) for i, (p, o) in enumerate(zip(spec.placements, exact)) if p.is_shard()]
+    return rows + _partial_rows(schema)
+
+
+@functools.lru_cache(maxsize=None)
+def _exact_view(layout: tuple):
+    """The local view, for the input layout its exact rows were made for."""
+
+    def run(ctx, local, *args, **kwargs):
+        if tuple(ctx.in_specs[0].placements) != layout:
+            raise ShardingError(f"{ctx.schema.name}: internal error: exact view rows for {list(layout)} used on {list(ctx.in_specs[0].placements)}")
+        return _with_local_size(ctx, local, *args, **kwargs)
+
+    return run
+
+
 def _like_rule(schema: OpSchema) -> list[Row]:
-    """zeros_like & co: the output takes the input's shards; a partial input gives Replicate."""
+    """zeros_like & co: the output takes the input's shards; a partial input gives Replicate
+    (empty_like keeps it: its values are written before they are read)."""
     nd = schema.self_spec.ndim
-    return [row(Shard(d), Shard(d)) for d in range(nd)] + [row(R, p) for p in _partial_rows_inputs(schema)]
+    rows = [row(Shard(d), Shard(d)) for d in range(nd)] + [row(p, p) for p in _strided(schema)]
+    return rows + [row(_factory_partial(schema, p), p) for p in _partial_rows_inputs(schema)]
+
+
+def _factory_partial(schema: OpSchema, p):
+    """An uninitialised tensor is written whole before it is read: it may take self's pending
+    layout, so that the copy_ into it (autograd's new_empty_strided + copy_) moves nothing."""
+    return p if "empty" in schema.op._schema.name else R
 
 
 def _partial_rows_inputs(schema: OpSchema):
@@ -176,9 +216,34 @@ def _partial_rows_inputs(schema: OpSchema):
 
 
 def _new_factory_rule(schema: OpSchema) -> list[Row]:
-    """new_zeros(size) & co: the input only lends dtype and device; output Replicate."""
-    nd = schema.self_spec.ndim
-    return [row(R, Shard(d)) for d in range(nd)] + [row(R, p) for p in _partial_rows_inputs(schema)]
+    """new_zeros(size) & co: the input lends dtype and device. At self's own size (the
+    gradient buffers autograd makes) the output keeps self's layout, as the *_like ops do;
+    at another size it is Replicate."""
+    spec = schema.self_spec
+    if list(schema.arg("size")) == list(spec.shape):
+        rows = [row(Shard(d), Shard(d), algorithm=_new_factory_local) for d in range(spec.ndim)]
+        rows += [row(p, p, algorithm=_new_factory_local) for p in _strided(schema)]
+        return rows + [row(_factory_partial(schema, p), p, algorithm=_new_factory_local) for p in _partial_rows_inputs(schema)]
+    return [row(R, p) for p in [Shard(d) for d in range(spec.ndim)] + _strided(schema) + list(_partial_rows_inputs(schema))]
+
+
+def _new_factory_local(ctx, local, size, *args, **kwargs):
+    """The factory at this rank's size (new_empty_strided: strides in the global dims' order)."""
+    out = ctx.out_specs[0]
+    local_size = list(out.local_shape())
+    if ctx.schema.op is aten.new_empty_strided.default:
+        return ctx.func(local, local_size, _strides_like(local_size, args[0]), **kwargs)
+    return ctx.func(local, local_size, *args, **kwargs)
+
+
+def _strides_like(size: list[int], global_stride) -> list[int]:
+    """Dense strides for `size` with the dims ordered as in `global_stride` (innermost = smallest)."""
+    order = sorted(range(len(size)), key=lambda d: (global_stride[d], -d))
+    stride, step = [0] * len(size), 1
+    for d in order:
+        stride[d] = step
+        step *= max(size[d], 1)
+    return stride
 
 
 def _identity_rule(schema: OpSchema) -> list[Row]:
@@ -200,6 +265,9 @@ def _copy_rule(schema: OpSchema) -> list[Row]:
     for d in range(dst.ndim):
         k = d - lead
         rows.append(row(Shard(d), [Shard(d), R if k < 0 or src.shape[k] != dst.shape[d] else Shard(k)]))
+    for p in _strided(schema):  # a gradient buffer made like a StridedShard tensor is filled in place
+        k = p.dim - lead
+        rows.append(row(p, [p, R if k < 0 or src.shape[k] != dst.shape[p.dim] else StridedShard(k, p.split_factor)]))
     return rows + [row(p, [p, p]) for p in (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))]
 
 
@@ -212,11 +280,37 @@ register(_dim_map_rule(_squeeze, algorithm=_squeeze_global_dims), aten.squeeze.d
 register(_dim_map_rule(_permute), aten.permute.default)
 register(_dim_map_rule(_transpose), aten.transpose.int, aten.t.default, aten.transpose_.default, aten.t_.default)
 register(_dim_map_rule(_expand, local_size=True), aten.expand.default)
-register(_dim_map_rule(_view, local_size=True), aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+register(_view_rule, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 register(_dim_map_rule(_keep_other_dims("dim")), aten.select.int, aten.slice.Tensor, aten.narrow.default)
 register(_dim_map_rule(_keep_other_dims("dim"), n_out=1), aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
-register(_like_rule, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like)
-register(_new_factory_rule, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full)
+register(_like_rule, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like)  # rand_like, randn_like: ops/random.py
+register(_new_factory_rule, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.new_empty_strided)
 register(_identity_rule, aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.contiguous.default, aten.view_as_real.default)
 register(_copy_rule, aten.copy_.default)
 register(_scalar_rule, aten._local_scalar_dense.default)
+
+
+# -- in-place views (squeeze_, unsqueeze_, transpose_, t_): torch.matmul of a vector ends
+# with squeeze_. The functional view picks the layout (its dims renumbered, which the
+# in-place layout filter cannot express); self then takes its local tensor, its spec and
+# the view's sizes and strides.
+
+
+def _inplace_view(functional):
+    def run(self, *args, **kwargs):
+        out = functional(self, *args, **kwargs)
+        self._local_tensor = out._local_tensor
+        self._set_spec(out._spec)
+        # NOTE: the wrapper's own sizes and strides change as torch's in-place view would change them.
+        with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+            aten.as_strided_(self, out.shape, out.stride(), self.storage_offset())
+        return self
+
+    return run
+
+
+for _inplace, _functional in [
+    (aten.squeeze_.dim, aten.squeeze.dim), (aten.squeeze_.dims, aten.squeeze.dims), (aten.squeeze_.default, aten.squeeze.default),
+    (aten.unsqueeze_.default, aten.unsqueeze.default), (aten.transpose_.default, aten.transpose.int), (aten.t_.default, aten.t.default),
+]:
+    DECOMPOSITIONS[_inplace] = _inplace_view(_functional)

@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .comm.base import reduce_stack
-from .placements import NormPartial, Placement
+from ..comm.base import reduce_stack
+from ..placements import NormPartial, Placement
 
 aten = torch.ops.aten
 
@@ -789,11 +789,73 @@ def _is_out(op) -> bool:
     return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
 
 
+# ------------------------------------------------------------------ attention (ops/attention.py)
+
+
+def _attention_call(op, dtype, g, k):
+    """q, k, v [B, H, L, D] for the CPU flash op, its backward, and F.scaled_dot_product_attention:
+    plain, causal, an additive mask (with causal too), GQA, lengths that split unevenly."""
+    b, h, lq, lk, d = ((2, 4, 6, 6, 4), (3, 2, 5, 7, 3))[k % 2]
+    kv_heads = h // 2 if k % 3 == 2 else h
+    ctx = Ctx((b, h, lq, d), dtype, g, k)
+    q, key, value = ctx.main(), ctx.partner((b, kv_heads, lk, d)), ctx.partner((b, kv_heads, lk, d))
+    kwargs = {"is_causal": k % 2 == 0, "attn_mask": ctx.partner((lq, lk)) if k % 3 == 1 else None}
+    names = {a.name for a in op._schema.arguments}
+    if kv_heads != h and "enable_gqa" in names:
+        kwargs["enable_gqa"] = True
+    if packet_name(op).endswith("_backward"):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, key, value, 0.0, kwargs["is_causal"], attn_mask=kwargs["attn_mask"])
+        return Sample((ctx.partner(out.shape), q, key, value, out, lse, 0.0, kwargs.pop("is_causal")), kwargs)
+    return Sample((q, key, value), kwargs)
+
+
+SAMPLES.insert(0, (r"_scaled_dot_product_flash_attention_for_cpu(_backward)?|scaled_dot_product_attention", _attention_call))
+
+
+# ------------------------------------------------------------------ matrix products, embeddings, their views (issue 12)
+#
+# Views between products: merge a (possibly uneven) sequence dim with the batch, split
+# heads out of a hidden dim, and back; the exact layouts include StridedShard.
+MATRIX_VIEW_PAIRS = [((3, 4, 5), ([12, 5],)), ((12, 5), ([3, 4, 5],)), ((2, 3, 8), ([2, 3, 2, 4],)), ((2, 3, 2, 4), ([6, 8],))]
+
+
+def _embedding(op, dtype, g, k):
+    if not dtype.is_floating_point:
+        return None
+    vocab, hidden, ids_shape = ((10, 6, (3, 5)), (7, 4, (6,)))[k % 2]
+    weight = make_tensor((vocab, hidden), dtype, g)
+    ids = torch.randint(0, vocab, ids_shape, generator=g)
+    return Sample((weight, ids), {"padding_idx": [-1, 2][k % 2]})
+
+
+def _embedding_dense_backward(op, dtype, g, k):
+    if not dtype.is_floating_point:
+        return None
+    vocab, hidden, ids_shape = ((10, 6, (3, 5)), (7, 4, (6,)))[k % 2]
+    ids = torch.randint(0, vocab, ids_shape, generator=g)
+    grad = make_tensor(ids_shape + (hidden,), dtype, g)
+    return Sample((grad, ids, vocab, [-1, 2][k % 2], bool(k % 3 == 2)))
+
+
+def _new_empty_strided(op, dtype, g, k):
+    shape = ((8, 6), (5, 3))[k % 2]
+    size, stride = ((list(shape), [1, shape[0]]), ([4, 3], [3, 1]))[k % 2]
+    return Sample((make_tensor(shape, dtype, g), size, stride), check_values=False)
+
+
+SAMPLES[:0] = [
+    (r"view|_unsafe_view|reshape", _pairs(VIEW_PAIRS + MATRIX_VIEW_PAIRS)),
+    (r"embedding", _embedding),
+    (r"embedding_dense_backward", _embedding_dense_backward),
+    (r"new_empty_strided", _new_empty_strided),
+]
+
+
 # ------------------------------------------------------------------ indexing, padding, complex views (issue 14; appended)
 
 
 def _index_family(op, dtype, g, k):
-    """slice/select backwards, constant_pad_nd, repeat, index.Tensor, index_put, index_add, new_empty_strided."""
+    """slice/select backwards, constant_pad_nd, repeat, index.Tensor, index_put, index_add."""
     shape = ((8, 6), (5, 3))[k % 2]
     dim = k % 2
     ctx = Ctx(shape, dtype, g, k)
@@ -817,8 +879,6 @@ def _index_family(op, dtype, g, k):
     if name == "index_add":
         source = ctx.partner(tuple(len(idx) if d == dim else s for d, s in enumerate(shape)))
         return Sample((x, dim, idx, source))
-    if name == "new_empty_strided":
-        return Sample((x, list(shape), [shape[1], 1]), check_values=False)
     return None
 
 
@@ -850,7 +910,7 @@ def _reorder(op, dtype, g, k):
 
 
 def _prims_elementwise() -> str:
-    from .ops.pointwise import _PRIMS_ELEMENTWISE
+    from ..ops.pointwise import _PRIMS_ELEMENTWISE
 
     return "|".join(_PRIMS_ELEMENTWISE + ["view_of"])
 
@@ -858,7 +918,7 @@ def _prims_elementwise() -> str:
 _PRIMS_SAMPLED = _prims_elementwise()
 SAMPLES[:0] = [(r"flip|roll|scatter_reduce", _reorder), (r"scatter\.(reduce|value_reduce)", _reorder)]  # before VIEWLIKE / _gather_like, which have no dims/reduce
 SAMPLES += [
-    (r"slice_backward|select_backward|constant_pad_nd|repeat|index|index_put|_index_put_impl|index_add|new_empty_strided", _index_family),
+    (r"slice_backward|select_backward|constant_pad_nd|repeat|index|index_put|_index_put_impl|index_add", _index_family),
     (r"_conj|conj|_neg_view|resolve_conj|resolve_neg|view_as_complex|real|imag", _complex_input),
     (r"polar|complex|" + _PRIMS_SAMPLED, POINTWISE),
 ]

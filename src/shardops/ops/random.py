@@ -1,0 +1,433 @@
+"""Random ops: every layout draws the same global tensor (counter-based, see rng.py).
+
+Each rank computes only the elements its shard holds, keyed by their global index,
+so no rank draws more than its shard and no collective runs (0 bytes). Rows for
+one mesh dim (every row, Replicate included, runs the counter-based draw: torch's
+generator is shared by the rank threads and would make replicas diverge):
+
+    in-place fills (uniform_, normal_, bernoulli_, random_, exponential_ ...):
+        S(d) -> S(d), _S(d,k) -> _S(d,k), R -> R (self keeps its layout)
+    like-factories and bernoulli.p (self lends only its shape):
+        the same, plus P(op) -> R (a fresh draw is the whole value)
+    bernoulli_.Tensor / bernoulli (p is a tensor): p follows self's shards
+    native_dropout(x):   (out, mask): S(d) -> (S(d), S(d)); R -> (R, R);
+                         P(sum|avg) -> (P, R): a mask the same on every rank
+                         passes through a pending sum
+
+An in-place fill replaces every value, so a pending (Partial) self needs no
+resolution: the entries below relabel it Replicate before the draw (0 bytes).
+nn.init.trunc_normal_ (a rejection loop reading .item() every round in torch)
+gets a one-pass inverse-CDF draw on DTensors. orthogonal_ works as torch's (its
+normal_ draw is replicated and layout-invariant, its QR runs replicated); sparse_
+is refused on DTensors (its torch.randperm has no layout-invariant version).
+Other seeded ops (multinomial, poisson, ...) refuse rather than let each rank draw
+its own values.
+
+What reaches dispatch (traced on torch 2.13 CPU): F.dropout / nn.Dropout ->
+empty_like, bernoulli_.float(1 - p), div_, mul (native_dropout only on other
+paths); F.dropout2d -> new_empty (a Replicate mask per channel) and the same;
+nn.init.uniform_ / xavier_uniform_ / kaiming_uniform_ -> uniform_; normal_ /
+xavier_normal_ / kaiming_normal_ -> normal_; constant_ / ones_ -> fill_;
+zeros_ -> zero_; torch.rand_like -> rand_like; torch.bernoulli(p) -> bernoulli.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable
+
+import torch
+
+from .. import rng
+from ..dispatch import core
+from ..dispatch.registry import call_default, register, register_torch_function
+from ..dispatch.schema import OpSchema
+from ..dispatch.strategy import Row, row
+from ..errors import ShardingError
+from ..placements import Partial, Replicate, Shard, StridedShard
+from .pointwise import _shard_rows
+
+aten = torch.ops.aten
+R = Replicate()
+LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
+
+
+# ------------------------------------------------------------------ drawing
+
+
+def _draw(ctx, out: torch.Tensor, transform, out_index: int = 0) -> torch.Tensor:
+    """Fill `out` (this rank's piece of output `out_index`) with the next draw."""
+    spec = ctx.out_specs[out_index]
+    mesh = spec.mesh
+    key = rng.next_key(ctx.schema.arg("generator"))
+    if core._state["debug"]:
+        _check_same_key(ctx, key)
+    return rng.fill(out, spec.shape, mesh.shape, mesh.get_coordinate(), spec.placements, key, transform)
+
+
+def _check_same_key(ctx, key: int) -> None:
+    """SHARDOPS_DEBUG=1: every rank draws with the same key (same seed and draw count), uncounted like debug.py."""
+    mesh = ctx.out_specs[0].mesh
+    group = mesh.group(tuple(range(mesh.ndim)))
+    if group.size == 1:
+        return
+    mine = torch.tensor([rng._signed(key)], dtype=torch.int64)
+    for rank, theirs in zip(group.ranks, mesh.comm._all_gather(mine, group, [(1,)] * group.size)):
+        if not torch.equal(theirs, mine):
+            raise ShardingError(
+                f"{ctx.schema.name}: rank {mesh.get_rank()} and rank {rank} draw with different random keys, so their "
+                "values would not fit together. Call torch.manual_seed(s) with the same s on every rank (a per-rank "
+                "seed, e.g. seed + rank, is for plain-tensor draws only), and issue the same random ops on every rank."
+            )
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _uniform(low: float, high: float, dtype: torch.dtype):
+    def transform(bits, j0, j1):
+        return rng.uniform_closed_open(bits, dtype).mul_(high - low).add_(low)
+
+    return transform
+
+
+def _normal(mean: float, std: float, dtype: torch.dtype):
+    """Box-Muller on two 32-bit uniforms per element (one 64-bit draw)."""
+    work = _work_dtype(dtype)
+
+    def transform(bits, j0, j1):
+        u1, u2 = rng.two_uniforms(bits, work)
+        return u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2 * math.pi).cos_()).mul_(std).add_(mean)
+
+    return transform
+
+
+def _keep_below(p: float):
+    """True with probability p: the top 32 bits below round(p * 2^32) (exact to 2^-33)."""
+    threshold = round(min(max(p, 0.0), 1.0) * 2.0**32)
+
+    def transform(bits, j0, j1):
+        return rng.high_bits(bits, 32) < threshold
+
+    return transform
+
+
+def _below_tensor(p_flat: torch.Tensor):
+    """True where a 53-bit uniform is below p (p: this rank's probabilities, flat)."""
+
+    def transform(bits, j0, j1):
+        return rng.uniform_closed_open(bits, torch.float64) < p_flat[j0:j1]
+
+    return transform
+
+
+def _integers(low: int, span: int):
+    """Integers in [low, low + span): 63 random bits modulo span (bias below span / 2^63)."""
+
+    def transform(bits, j0, j1):
+        bits.bitwise_and_((1 << 63) - 1)
+        if span < 1 << 63:
+            bits.remainder_(span)
+        return bits.add_(low)
+
+    return transform
+
+
+def _open_uniform(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(0, 1) exclusive at both ends: (k + 1/2) / 2^n."""
+    n = 53 if dtype == torch.float64 else 24
+    return rng.high_bits(bits, n).to(_work_dtype(dtype)).add_(0.5).mul_(2.0**-n)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return (t if t.is_contiguous() else t.contiguous()).view(-1)
+
+
+# ------------------------------------------------------------------ algorithms (ctx, local args...)
+
+
+def _uniform_(ctx, self, *args, **kwargs):
+    return _draw(ctx, self, _uniform(ctx.schema.arg("from", 0.0), ctx.schema.arg("to", 1.0), self.dtype))
+
+
+def _normal_(ctx, self, *args, **kwargs):
+    return _draw(ctx, self, _normal(ctx.schema.arg("mean", 0.0), ctx.schema.arg("std", 1.0), self.dtype))
+
+
+def _exponential_(ctx, self, *args, **kwargs):
+    lambd = ctx.schema.arg("lambd", 1.0)
+    return _draw(ctx, self, lambda bits, j0, j1: rng.uniform_open_closed(bits, self.dtype).log_().div_(-lambd))
+
+
+def _geometric_(ctx, self, *args, **kwargs):
+    log_q = math.log1p(-ctx.schema.arg("p"))
+    return _draw(ctx, self, lambda bits, j0, j1: _open_uniform(bits, self.dtype).log_().div_(log_q).ceil_())
+
+
+def _log_normal_(ctx, self, *args, **kwargs):
+    normal = _normal(ctx.schema.arg("mean", 1.0), ctx.schema.arg("std", 2.0), self.dtype)
+    return _draw(ctx, self, lambda bits, j0, j1: normal(bits, j0, j1).exp_())
+
+
+def _cauchy_(ctx, self, *args, **kwargs):
+    median, sigma = ctx.schema.arg("median", 0.0), ctx.schema.arg("sigma", 1.0)
+    return _draw(ctx, self, lambda bits, j0, j1: _open_uniform(bits, self.dtype).sub_(0.5).mul_(math.pi).tan_().mul_(sigma).add_(median))
+
+
+def _bernoulli_float_(ctx, self, *args, **kwargs):
+    return _draw(ctx, self, _keep_below(ctx.schema.arg("p", 0.5)))
+
+
+def _bernoulli_tensor_(ctx, self, p, *args, **kwargs):
+    return _draw(ctx, self, _below_tensor(_flat(p.expand_as(self))))  # compared per chunk, in float64
+
+
+def _bernoulli(ctx, p, *args, **kwargs):
+    return _bernoulli_tensor_(ctx, torch.empty_like(p, memory_format=torch.contiguous_format), p)
+
+
+def _bernoulli_p(ctx, self, *args, **kwargs):
+    return _draw(ctx, torch.empty_like(self, memory_format=torch.contiguous_format), _keep_below(ctx.schema.arg("p")))
+
+
+def _random_range(op, dtype: torch.dtype, schema: OpSchema) -> tuple[int, int]:
+    """(low, span) of random_ / randint_like, as torch defines them."""
+    if dtype.is_floating_point:
+        top = 2 ** (1 - round(math.log2(torch.finfo(dtype).eps)))  # every integer up to 2^digits is exact
+    elif dtype == torch.bool:
+        top = 1
+    else:
+        top = torch.iinfo(dtype).max
+    if op._overloadname == "default" and op._schema.name in ("aten::random_", "aten::random"):
+        return 0, top + 1
+    low = schema.arg("from", schema.arg("low", 0)) or 0
+    high = schema.arg("to", schema.arg("high"))
+    return low, (top + 1 - low) if high is None else high - low
+
+
+def _random_(ctx, self, *args, **kwargs):
+    return _draw(ctx, self, _integers(*_random_range(ctx.func, self.dtype, ctx.schema)))
+
+
+def _rand_like(ctx, self, *args, **kwargs):
+    out = _empty_out(ctx, self)
+    return _draw(ctx, out, _uniform(0.0, 1.0, out.dtype))
+
+
+def _randn_like(ctx, self, *args, **kwargs):
+    out = _empty_out(ctx, self)
+    return _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
+
+
+def _randint_like(ctx, self, *args, **kwargs):
+    out = _empty_out(ctx, self)
+    return _draw(ctx, out, _integers(*_random_range(ctx.func, out.dtype, ctx.schema)))
+
+
+def _normal_tensors(ctx, *args, **kwargs):
+    """normal(mean, std) with a tensor mean and/or std: mean + std * z, z drawn on the output's layout."""
+    tensors = [a for a in args + tuple(kwargs.values()) if isinstance(a, torch.Tensor)]
+    out = torch.empty(ctx.out_specs[0].local_shape(), dtype=ctx.out_specs[0].dtype, device=tensors[0].device)
+    _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
+    mean, std = ctx.schema.arg("mean"), ctx.schema.arg("std", 1.0)
+    local = iter(tensors)
+    mean = next(local) if not isinstance(mean, (int, float)) else mean
+    std = next(local) if not isinstance(std, (int, float)) else std
+    return out.mul_(std).add_(mean)
+
+
+def _functional(fill_in_place: Callable) -> Callable:
+    """uniform(self), random(self) ...: the in-place draw on a fresh tensor of self's shape."""
+
+    def algorithm(ctx, self, *args, **kwargs):
+        return fill_in_place(ctx, torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device), *args, **kwargs)
+
+    return algorithm
+
+
+def _empty_out(ctx, self: torch.Tensor) -> torch.Tensor:
+    return torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device)
+
+
+def _native_dropout(ctx, x, *args, **kwargs):
+    p, train = ctx.schema.arg("p"), ctx.schema.arg("train")
+    mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    if train is False:  # torch: the input and an all-true mask, no draw
+        return x.clone(), mask.fill_(True)
+    _draw(ctx, mask, _keep_below(1.0 - p), out_index=1)
+    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+    return x * mask * scale, mask
+
+
+# ------------------------------------------------------------------ rules
+
+
+def _layouts_of(schema: OpSchema) -> list:
+    """Shard(d) for every dim, and the StridedShards self already has."""
+    spec = schema.self_spec
+    strided = sorted({p for p in spec.placements if isinstance(p, StridedShard)}, key=repr)
+    return [Shard(d) for d in range(spec.ndim)] + strided
+
+
+def fill_rule(algorithm: Callable, n_out: int = 1, pending_out: bool = False) -> Callable[[OpSchema], list[Row]]:
+    """Self's values are not read: every layout draws in place; a pending self gives Replicate if `pending_out`."""
+
+    def rule(schema: OpSchema) -> list[Row]:
+        rows = [row([p] * n_out, p, algorithm) for p in _layouts_of(schema)]
+        rows.append(row([R] * n_out, R, algorithm))  # explicit: the implicit replicate row would use torch's generator
+        if pending_out:
+            partials = {p for p in schema.self_spec.placements if p.is_partial()}
+            rows += [row([R] * n_out, p, algorithm) for p in sorted(partials, key=repr)]
+        return rows
+
+    return rule
+
+
+def probability_rule(algorithm: Callable) -> Callable[[OpSchema], list[Row]]:
+    """bernoulli_.Tensor(self, p): p (broadcast to self) follows self's shards; a pending p is resolved."""
+
+    def rule(schema: OpSchema) -> list[Row]:
+        self_spec, p_spec = schema.tensor_specs
+        lead = self_spec.ndim - p_spec.ndim
+        rows = []
+        for layout in _layouts_of(schema):
+            k = layout.dim - lead
+            aligned = k >= 0 and p_spec.shape[k] == self_spec.shape[layout.dim]
+            p_layout = (StridedShard(k, layout.split_factor) if isinstance(layout, StridedShard) else Shard(k)) if aligned else R
+            rows.append(row(layout, [layout, p_layout], algorithm))
+        return rows + [row(R, [R, R], algorithm)]
+
+    return rule
+
+
+def _probabilities_rule(schema: OpSchema) -> list[Row]:
+    """bernoulli(p): the output has p's shape and layout."""
+    return [row(p, p, _bernoulli) for p in _layouts_of(schema)] + [row(R, R, _bernoulli)]
+
+
+def _normal_tensors_rule(schema: OpSchema) -> list[Row]:
+    """normal(mean, std) with tensor operands: pointwise rows (operands follow the output's shards)."""
+    rows = [row(r.outputs, r.inputs, _normal_tensors) for r in _shard_rows(schema)]
+    return rows + [row(R, [R] * len(schema.tensor_specs), _normal_tensors)]
+
+
+def _refuse_rule(schema: OpSchema) -> list[Row]:
+    raise ShardingError(
+        f"{schema.name} on {list(schema.tensor_specs)}: this random op has no layout-invariant version in shardops, and "
+        "running torch's would draw different values on each rank (the ranks share or diverge from torch's generator). "
+        "Call it on dt.full_tensor() (every rank the same seed and generator state) and distribute the result."
+    )
+
+
+def _dropout_rule(schema: OpSchema) -> list[Row]:
+    rows = fill_rule(_native_dropout, n_out=2)(schema)
+    return rows + [row([p, R], p, _native_dropout) for p in LINEAR_PARTIALS]
+
+
+# ------------------------------------------------------------------ torch-level entries
+
+
+def _relabel_pending(t) -> None:
+    """A fill replaces every value: a pending self becomes Replicate without resolving (0 bytes)."""
+    from ..tensor import DTensor
+
+    if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+        t._set_spec(t._spec.with_placements(tuple(R if p.is_partial() else p for p in t.placements)))
+
+
+def _fill_entry(func: Callable) -> Callable:
+    def entry(*args, **kwargs):
+        _relabel_pending(args[0] if args else kwargs.get("tensor"))
+        return call_default(func, args, kwargs)
+
+    return entry
+
+
+_torch_trunc_normal_ = torch.nn.init.trunc_normal_
+
+
+def trunc_normal_(tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0, generator=None):
+    """nn.init.trunc_normal_: on a DTensor one inverse-CDF pass (0 bytes); otherwise torch's."""
+    from ..tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return _torch_trunc_normal_(tensor, mean, std, a, b, generator=generator)
+    if mean < a - 2 * std or mean > b + 2 * std:
+        warnings.warn("mean is more than 2 std from [a, b] in nn.init.trunc_normal_. The distribution of values may be incorrect.", stacklevel=2)
+    _relabel_pending(tensor)
+    cdf = lambda x: (1.0 + math.erf((x - mean) / (std * math.sqrt(2.0)))) / 2.0  # noqa: E731
+    lo, hi = cdf(a), cdf(b)
+
+    def transform(bits, j0, j1):
+        u = rng.uniform_closed_open(bits, torch.float64).mul_(hi - lo).add_(lo)
+        return u.mul_(2).sub_(1).erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
+
+    spec = tensor._spec
+    with torch.no_grad():
+        rng.fill(tensor._local_tensor, spec.shape, spec.mesh.shape, spec.mesh.get_coordinate(), spec.placements, rng.next_key(generator), transform)
+    return tensor
+
+
+_torch_sparse_ = torch.nn.init.sparse_
+
+
+def sparse_(tensor, sparsity, std=0.01, generator=None):
+    """nn.init.sparse_: refused on a DTensor (torch.randperm from torch's generator would differ per rank)."""
+    from ..tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        raise ShardingError(
+            f"nn.init.sparse_ on a DTensor {tensor._spec!r}: it picks its zeros with torch.randperm, which draws from "
+            "torch's generator and has no layout-invariant version; initialise a plain tensor on every rank (same seed) "
+            "and distribute_tensor it."
+        )
+    return _torch_sparse_(tensor, sparsity, std, generator=generator)
+
+
+# ------------------------------------------------------------------ registration
+
+register(fill_rule(_uniform_), aten.uniform_.default)
+register(fill_rule(_normal_), aten.normal_.default)
+register(fill_rule(_exponential_), aten.exponential_.default)
+register(fill_rule(_geometric_), aten.geometric_.default)
+register(fill_rule(_log_normal_), aten.log_normal_.default)
+register(fill_rule(_cauchy_), aten.cauchy_.default)
+register(fill_rule(_bernoulli_float_), aten.bernoulli_.float)
+register(fill_rule(_random_), aten.random_.default, aten.random_.to, getattr(aten.random_, "from"))
+register(probability_rule(_bernoulli_tensor_), aten.bernoulli_.Tensor)
+register(_probabilities_rule, aten.bernoulli.default)
+register(fill_rule(_bernoulli_p, pending_out=True), aten.bernoulli.p)
+register(fill_rule(_rand_like, pending_out=True), aten.rand_like.default, aten.rand_like.generator)
+register(fill_rule(_randn_like, pending_out=True), aten.randn_like.default, aten.randn_like.generator)
+# functional twins of the in-place fills (functionalised graphs use them)
+register(fill_rule(_functional(_uniform_), pending_out=True), aten.uniform.default)
+register(fill_rule(_functional(_normal_), pending_out=True), aten.normal_functional.default)
+register(fill_rule(_functional(_exponential_), pending_out=True), aten.exponential.default)
+register(fill_rule(_functional(_geometric_), pending_out=True), aten.geometric.default)
+register(fill_rule(_functional(_log_normal_), pending_out=True), aten.log_normal.default)
+register(fill_rule(_functional(_cauchy_), pending_out=True), aten.cauchy.default)
+register(fill_rule(_functional(_random_), pending_out=True), aten.random.default, aten.random.to, getattr(aten.random, "from"))
+register(probability_rule(_functional(_bernoulli_tensor_)), aten.bernoulli.Tensor)
+register(_normal_tensors_rule, aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor)
+register(
+    _refuse_rule, aten.multinomial.default, aten.poisson.default, aten.binomial.default, aten._standard_gamma.default,
+    aten._sample_dirichlet.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
+    aten.rrelu_with_noise_functional.default, aten.randint_like.Tensor, aten.randint_like.Tensor_generator,
+)
+register(
+    fill_rule(_randint_like, pending_out=True),
+    aten.randint_like.default, aten.randint_like.low_dtype, aten.randint_like.generator, aten.randint_like.low_generator_dtype,
+)
+register(_dropout_rule, aten.native_dropout.default)
+
+# torch-level entries (verify skips them with the random aten ops: their values are not torch's)
+RANDOM_ENTRIES = {getattr(torch.Tensor, m) for m in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")}
+RANDOM_ENTRIES |= {torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.constant_}  # these enter __torch_function__ themselves
+for _entry in RANDOM_ENTRIES:
+    register_torch_function(_fill_entry(_entry), _entry)
+# nn.init.zeros_/ones_/constant_ reach these: they overwrite too, so a pending self needs no resolution
+for _entry in (torch.Tensor.zero_, torch.Tensor.fill_):
+    register_torch_function(_fill_entry(_entry), _entry)
+torch.nn.init.trunc_normal_ = trunc_normal_  # torch's have no __torch_function__ entry to hook
+torch.nn.init.sparse_ = sparse_

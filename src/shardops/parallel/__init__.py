@@ -1,0 +1,24 @@
+"""Module-level parallelism: torch.distributed.tensor.parallel's API on shardops DTensors, plus data parallelism.
+
+    from shardops.parallel import parallelize_module, ColwiseParallel, RowwiseParallel, ...
+
+ports a torchtitan-style plan by changing its import (torch's placements are accepted too).
+"""
+from .api import parallelize_module
+from .distribute import distribute_module
+from .data_parallel import data_parallel
+from .loss import loss_parallel
+from .style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
+    "RowwiseParallel", "SequenceParallel", "data_parallel", "distribute_module", "loss_parallel", "parallelize_module",
+]

@@ -1,0 +1,174 @@
+"""Data parallelism over the mesh dims a tensor-parallel plan does not use.
+
+    model = parallelize_module(model, mesh["tp"], plan)          # optional
+    model = data_parallel(model, mesh, mode="replicate")         # or mode="shard"
+
+The batch is split over the data-parallel dims (every mesh dim the parameters do
+not already live on; all of them without a plan): each rank feeds its own batch
+shard, as with torch's DDP/FSDP, and every parallel boundary of the plan lays its
+tensors out on the whole mesh (batch sharded over dp, the plan's placement over tp).
+Without a plan, the model's plain tensor inputs become DTensors sharded on
+`batch_dim` (equal batch shards, as a distributed sampler gives; for uneven ones
+pass DTensors with their global shape, e.g. `so.from_local(x, mesh, [Shard(0)],
+shape=...)`, which pass through) and the whole model runs on DTensors. The model's DTensor outputs come
+out sharded on `batch_dim` over dp (a plain target then means this rank's shard
+under loss_parallel). A loss computed on the DTensor
+outputs (mean over the batch) is the global loss, exact on uneven batches.
+
+Collectives per training step for the parameters (the activations move as the plan says):
+
+- mode="replicate": parameters replicated over dp. Forward and backward issue none
+  for them: a weight's gradient comes back pending (Partial(sum) over dp), and its
+  first read (the optimizer step, or clip_grad_norm_) resolves it with one
+  all_reduce over dp, once per step however often the optimizer reads it (over dp
+  and tp together for a sequence-parallel norm weight).
+- mode="shard" (FSDP-style): each parameter is stored sharded over dp on a dim the
+  plan does not shard, so the optimizer state is sharded too and the step is local.
+  Forward: one all_gather over dp per parameter and module use (a compute view,
+  _views); backward: one reduce_scatter over dp per parameter and use (the gather's
+  backward), the gradient arriving in the storage layout. A parameter whose every
+  dim the plan shards (a column-parallel bias) stays replicated over dp (replicate path).
+  The gathered weights are kept by autograd until backward (no re-gather).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from ..errors import ShardingError
+from ..mesh import DeviceMesh
+from ..placements import Placement, Replicate, Shard
+from ..tensor import DTensor, distribute_tensor, from_local
+from ._layout import DATA_PARALLEL_ATTR, DataParallelLayout, as_mesh
+from ._views import FULL, VIEWS_ATTR, set_compute_layout
+
+__all__ = ["data_parallel"]
+
+MODES = ("replicate", "shard")
+
+
+def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "replicate", *, batch_dim: int = 0) -> nn.Module:
+    """Make `module` data-parallel over the dims of `device_mesh` its parameters do not use (see module doc)."""
+    mesh = as_mesh(device_mesh, "data_parallel")
+    if mode not in MODES:
+        raise ShardingError(f"data_parallel: mode must be one of {MODES}, got {mode!r}")
+    if any(getattr(m, DATA_PARALLEL_ATTR, None) is not None for m in module.modules()):
+        raise ShardingError("data_parallel: this module is already data-parallel")
+    sub_meshes = {p.device_mesh for p in module.parameters() if isinstance(p, DTensor)}
+    layout = DataParallelLayout(mesh, _dp_dims(mesh, sub_meshes), batch_dim, mode)
+    lifted: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        sub.__dict__[DATA_PARALLEL_ATTR] = layout
+        for name, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in lifted:
+                lifted[id(p)] = nn.Parameter(_lift(p, layout), requires_grad=p.requires_grad)
+            sub._parameters[name] = lifted[id(p)]
+        _lift_compute_views(sub, layout)
+    if not sub_meshes:
+        module.register_forward_pre_hook(_batch_inputs(layout), with_kwargs=True)
+    module.register_forward_hook(_batch_outputs(layout))
+    return module
+
+
+def _dp_dims(mesh: DeviceMesh, sub_meshes: set[DeviceMesh]) -> tuple[int, ...]:
+    if not sub_meshes:
+        return tuple(range(mesh.ndim))
+    used: set[str] = set()
+    for sub in sub_meshes:
+        names = sub.mesh_dim_names or ()
+        if sub == mesh or not names or not mesh.mesh_dim_names or any(n not in mesh.mesh_dim_names for n in names):
+            raise ShardingError(
+                f"data_parallel: the module's parameters live on {sub}; give data_parallel the whole mesh they were "
+                f"sliced from by name (e.g. parallelize_module(m, mesh['tp'], plan), then data_parallel(m, mesh)), got {mesh}"
+            )
+        used.update(names)
+    dims = tuple(d for d, n in enumerate(mesh.mesh_dim_names) if n not in used)
+    if not dims:
+        raise ShardingError(f"data_parallel: every dim of {mesh} is used by the tensor-parallel plan; no dim is left for data")
+    return dims
+
+
+def _lift(p: torch.Tensor, layout: DataParallelLayout) -> DTensor:
+    """The parameter on the whole mesh: replicated over dp (rank 0 of each dp group wins), then sharded in "shard" mode."""
+    mesh = layout.mesh
+    with torch.no_grad():
+        if isinstance(p, DTensor):
+            placements = layout.lift_param(p.device_mesh, p.placements)
+            group = mesh.group(layout.dp_dims)
+            local = mesh.comm.broadcast(p.to_local().detach().contiguous(), 0, group)
+            dt = from_local(local, mesh, placements, shape=p.shape, stride=p.stride())
+        else:
+            dt = distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim)
+        if layout.mode == "shard":
+            stored = _storage_layout(dt, layout)
+            if stored != dt.placements:
+                dt = dt.redistribute(placements=stored)  # replicate -> shard: local slicing, no collective
+    return dt
+
+
+def _storage_layout(dt: DTensor, layout: DataParallelLayout) -> tuple[Placement, ...]:
+    """FSDP storage: the dp dims shard the first tensor dim no other mesh dim shards (none free: replicated)."""
+    taken = {p.dim for p in dt.placements if p.is_shard()}
+    free = next((d for d in range(dt.ndim) if d not in taken), None)
+    if free is None:
+        return dt.placements
+    return tuple(Shard(free) if d in layout.dp_dims else p for d, p in enumerate(dt.placements))
+
+
+def _compute_layout(stored: tuple[Placement, ...], layout: DataParallelLayout) -> tuple[Placement, ...]:
+    return tuple(Replicate() if d in layout.dp_dims else p for d, p in enumerate(stored))
+
+
+def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout) -> None:
+    """Tie views given on the tp mesh move to the whole mesh; FSDP adds a gather view per sharded parameter."""
+    views = sub.__dict__.get(VIEWS_ATTR, {})
+    for name, p in sub._parameters.items():
+        if not isinstance(p, DTensor):
+            continue
+        old = views.get(name)
+        if old is not None and old != FULL:
+            set_compute_layout(sub, name, layout.lift_param(_sub_mesh_of(layout, p), old))
+        elif old is None and layout.mode == "shard":
+            compute = _compute_layout(p.placements, layout)
+            if compute != p.placements:
+                set_compute_layout(sub, name, compute)
+
+
+def _sub_mesh_of(layout: DataParallelLayout, p: DTensor) -> DeviceMesh:
+    """The tp sub-mesh a lifted parameter came from (its non-dp dims, by name)."""
+    names = [n for d, n in enumerate(layout.mesh.mesh_dim_names) if d not in layout.dp_dims]
+    return layout.mesh[names[0]] if len(names) == 1 else layout.mesh[tuple(names)]
+
+
+def _batch_outputs(layout: DataParallelLayout):
+    """The root's DTensor outputs come out batch-sharded over dp (whatever layout the planner left),
+    so that a plain target next to them means this rank's batch shard (see loss_parallel)."""
+
+    def place(x):
+        if isinstance(x, DTensor) and x.device_mesh == layout.mesh and x.ndim > layout.batch_dim:
+            want = tuple(Shard(layout.batch_dim) if d in layout.dp_dims else p for d, p in enumerate(x.placements))
+            return x if want == x.placements else x.redistribute(placements=want)
+        return x
+
+    def hook(module, args, outputs):
+        return pytree.tree_map(place, outputs)
+
+    return hook
+
+
+def _batch_inputs(layout: DataParallelLayout):
+    """Without a plan: the root's plain tensor inputs are this rank's batch shard."""
+    placements = [Shard(layout.batch_dim) if d in layout.dp_dims else Replicate() for d in range(layout.mesh.ndim)]
+
+    def wrap(x):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > layout.batch_dim:
+            return from_local(x, layout.mesh, placements)
+        return x
+
+    def hook(module, args, kwargs):
+        return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+
+    return hook

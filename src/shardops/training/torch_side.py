@@ -1,0 +1,171 @@
+"""torch DTensor's side of the training comparison: the same model and plan under
+`torch.distributed.tensor.parallel`, run in gloo processes (`launch.run_gloo`).
+
+Data parallelism on torch's side is what a torch user writes next to a
+tensor-parallel plan without FSDP: every gradient all-reduced (averaged) over the
+dp group once per step (DDP's traffic, without its bucketing). Collectives are
+counted by torch's own `CommDebugMode`; the bytes each one puts in are read from
+the c10d calls that actually run (a dispatch mode on this process).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .loop import batch, run_steps
+from .config import RunSpec, build, plan
+
+_KINDS = (
+    ("reduce_scatter", "reduce_scatter"),
+    ("all_reduce", "all_reduce"),
+    ("allreduce", "all_reduce"),
+    ("all_gather", "all_gather"),
+    ("allgather", "all_gather"),
+    ("all_to_all", "all_to_all"),
+    ("alltoall", "all_to_all"),
+    ("broadcast", "broadcast"),
+)
+_SENT_ARGS = ("input", "inputs", "input_tensor", "input_tensors", "input_list", "tensors", "tensor")
+
+
+def _kind(name: str) -> str | None:
+    return next((kind for pattern, kind in _KINDS if pattern in name), None)
+
+
+class _ByteCounter(TorchDispatchMode):
+    """Bytes this process puts into each c10d collective that runs (its input tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) and t.__name__ == "DTensor" for t in types):
+            return NotImplemented  # let DTensor desugar first: its collectives then come through here
+        if func.namespace in ("_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd"):
+            kind = _kind(func._schema.name.split("::")[-1])
+            if kind is not None:
+                named = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+                sent = next((named[n] for n in _SENT_ARGS if n in named), None)
+                nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(sent) if isinstance(t, torch.Tensor))
+                self.sent.append((kind, nbytes))
+        return func(*args, **kwargs)
+
+
+class TorchMeter:
+    """torch's CommDebugMode (the counts) with the bytes of the same calls."""
+
+    def __enter__(self) -> "TorchMeter":
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        self._comm = CommDebugMode()
+        self._bytes = _ByteCounter()
+        self._comm.__enter__()
+        self._bytes.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._bytes.__exit__(*exc)
+        self._comm.__exit__(*exc)
+
+    def counts(self) -> dict[str, int]:
+        # CommDebugMode keys are torch op overloads; name them as shardops does
+        out: collections.Counter = collections.Counter()
+        for op, n in self._comm.get_comm_counts().items():
+            kind = _kind(str(op))
+            if kind is not None:
+                out[kind] += n
+        return dict(out)
+
+    def bytes(self) -> int:
+        return sum(n for _, n in self._bytes.sent)
+
+
+def _retie(model: torch.nn.Module, name: str) -> None:
+    """torch's parallelize_module unties GPT-2's shared embedding: a torch user has to tie it again."""
+    if name == "gpt2":
+        model.lm_head.weight = model.wte.weight
+
+
+def train_rank(spec: RunSpec) -> dict[str, Any]:
+    """One gloo rank of torch DTensor training (call through launch.run_gloo)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    import warnings
+
+    import torch.distributed.tensor.parallel as tp_api
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    # CommDebugMode's module tracker hooks every module; torch warns when the input needs no grad
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+    names = ("dp", "tp") if len(spec.mesh_shape) == 2 else ("tp",)
+    mesh = init_device_mesh("cpu", spec.mesh_shape, mesh_dim_names=names)
+    model = build(spec)
+    parallelize_module(model, mesh["tp"], plan(spec, tp_api))
+    _retie(model, spec.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    dp_group = mesh["dp"].get_group() if spec.dp > 1 else None
+    dp_rank = mesh["dp"].get_local_rank() if spec.dp > 1 else 0
+    rows = spec.batch_size // spec.dp
+
+    def forward(s: dict) -> None:
+        inputs, targets = batch(spec.cfg, spec.batch_size, s["step"])
+        s["inputs"] = inputs[dp_rank * rows : (dp_rank + 1) * rows]
+        s["targets"] = targets[dp_rank * rows : (dp_rank + 1) * rows]
+        with loss_parallel():
+            s["logits"] = model(s["inputs"])
+
+    def loss(s: dict) -> None:
+        with loss_parallel():
+            s["loss"] = F.cross_entropy(s["logits"].flatten(0, 1), s["targets"].flatten(0, 1))
+
+    def backward(s: dict) -> None:
+        with loss_parallel():
+            s["loss"].backward()
+
+    def grad_sync(s: dict) -> None:
+        if dp_group is None:
+            return
+        for p in model.parameters():
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, group=dp_group)
+            g.div_(spec.dp)
+
+    def loss_read(s: dict) -> None:
+        value = s["loss"].full_tensor() if isinstance(s["loss"], DTensor) else s["loss"]
+        value = value.detach().clone()
+        if dp_group is not None:
+            dist.all_reduce(value, group=dp_group)
+            value /= spec.dp
+        s["loss_value"] = value.item()
+
+    parts = {
+        "zero_grad": lambda s: opt.zero_grad(),
+        "forward": forward,
+        "loss": loss,
+        "backward": backward,
+        "grad_sync": grad_sync,
+        "optimizer": lambda s: opt.step(),
+        "loss_read": loss_read,
+    }
+    records = run_steps(parts, spec.steps, TorchMeter)
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+    return {"records": records, "params": params if dist.get_rank() == 0 else None}
+
+
+def train(spec: RunSpec, timeout: float = 600) -> list[dict[str, Any]]:
+    """torch DTensor training on prod(mesh_shape) gloo processes; each rank's records (rank 0 also its final parameters)."""
+    from .launch import run_gloo
+
+    world = 1
+    for n in spec.mesh_shape:
+        world *= n
+    return run_gloo(train_rank, world, spec, timeout=timeout)
