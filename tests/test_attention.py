@@ -460,3 +460,17 @@ def test_context_parallel_under_gloo():
     threads = so.run(_context_parallel_program, 4)
     for (counts, nbytes, ok), (t_counts, t_bytes, _) in zip(run_gloo(_context_parallel_program, 4, timeout=240), threads):
         assert all(ok) and counts == t_counts == {"all_gather": 1, "reduce_scatter": 1} and nbytes == t_bytes
+
+
+def test_operands_on_different_meshes_raise():
+    q, k, v, _, _ = _inputs((2, 4, 8, 4))
+
+    def body():
+        mesh_a = so.init_device_mesh("cpu", (4,))
+        mesh_b = so.init_device_mesh("cpu", (2, 2))
+        dq = so.distribute_tensor(q, mesh_a, [Shard(1)])
+        dk, dv = (so.distribute_tensor(t, mesh_b, [Shard(1), R]) for t in (k, v))
+        F.scaled_dot_product_attention(dq, dk, dv)
+
+    with pytest.raises(so.ShardingError, match="different meshes"):
+        so.run(body, 4)

@@ -520,6 +520,12 @@ def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
         mask = resolve_partials(mask)
     elif mask is not None:  # a plain mask is every rank's own copy: Replicate
         mask = distribute_tensor(mask.detach(), q._spec.mesh, [R] * q._spec.mesh.ndim, src_data_rank=None)
+    meshes = {t._spec.mesh for t in (q, k, v, mask) if t is not None}
+    if len(meshes) > 1:
+        raise ShardingError(
+            f"scaled_dot_product_attention: q, k, v (and attn_mask) live on different meshes ({sorted(map(str, meshes))}); "
+            "redistribute them onto one mesh first (e.g. build them with the same DeviceMesh)."
+        )
     causal, scale = bool(b["is_causal"]), b["scale"]
     plan = _plan(q, k, v, mask, causal, scale, b)
     return None if plan is None else (q, k, v, mask, causal, scale, plan)
