@@ -474,3 +474,11 @@ def test_operands_on_different_meshes_raise():
 
     with pytest.raises(so.ShardingError, match="different meshes"):
         so.run(body, 4)
+
+
+def test_gqa_heads_sharded_on_one_mesh_dim_move_nothing():
+    """dp x tp with 2 K/V heads on tp=2: the groups stay aligned on tp (not on the whole mesh of 4)."""
+    results = _check((2, 2), ("S0", "S1"), ("S0", "S1"), (2, 8, 12, 8), kv_heads=2, enable_gqa=True, is_causal=True)
+    for placements, _, fwd, bwd in results:
+        assert fwd.get_total_bytes() == bwd.get_total_bytes() == 0
+        assert placements == ((Shard(0), Shard(1)),) * 4
