@@ -460,3 +460,25 @@ def test_context_parallel_under_gloo():
     threads = so.run(_context_parallel_program, 4)
     for (counts, nbytes, ok), (t_counts, t_bytes, _) in zip(run_gloo(_context_parallel_program, 4, timeout=240), threads):
         assert all(ok) and counts == t_counts == {"all_gather": 1, "reduce_scatter": 1} and nbytes == t_bytes
+
+
+def test_operands_on_different_meshes_raise():
+    q, k, v, _, _ = _inputs((2, 4, 8, 4))
+
+    def body():
+        mesh_a = so.init_device_mesh("cpu", (4,))
+        mesh_b = so.init_device_mesh("cpu", (2, 2))
+        dq = so.distribute_tensor(q, mesh_a, [Shard(1)])
+        dk, dv = (so.distribute_tensor(t, mesh_b, [Shard(1), R]) for t in (k, v))
+        F.scaled_dot_product_attention(dq, dk, dv)
+
+    with pytest.raises(so.ShardingError, match="different meshes"):
+        so.run(body, 4)
+
+
+def test_gqa_heads_sharded_on_one_mesh_dim_move_nothing():
+    """dp x tp with 2 K/V heads on tp=2: the groups stay aligned on tp (not on the whole mesh of 4)."""
+    results = _check((2, 2), ("S0", "S1"), ("S0", "S1"), (2, 8, 12, 8), kv_heads=2, enable_gqa=True, is_causal=True)
+    for placements, _, fwd, bwd in results:
+        assert fwd.get_total_bytes() == bwd.get_total_bytes() == 0
+        assert placements == ((Shard(0), Shard(1)),) * 4

@@ -13,8 +13,9 @@ Rows for one mesh dim (q, k, v, [mask] -> out, logsumexp; the mask's dims line u
 score's [B, H, L, S] from the right and stay Replicate where they broadcast):
 
     batch    q S(0)  k S(0)  v S(0)  mask S(b)   -> out S(0)  lse S(0)   local
-    heads    q S(1)  k S(1)  v S(1)  mask S(h)   -> S(1)                 local (GQA: only where the
-                                                                         q and K/V heads split evenly)
+    heads    q S(1)  k S(1)  v S(1)  mask S(h)   -> S(1)                 local (GQA: only on mesh dims
+                                                                         where q and K/V heads split
+                                                                         evenly and aligned)
     GQA      q S(1)  k R     v R     mask S(h)   -> S(1)                 local, each rank picks the K/V
                                                                          heads its q heads use
     queries  q S(2)  k R     v R     mask S(l)   -> S(2)                 local, causal mask offset by the
@@ -261,11 +262,23 @@ def _mask_placement(mask: TensorSpec | None, score_dim: int) -> Placement | None
     return Shard(d) if d >= 0 and mask.shape[d] > 1 else R
 
 
-def _heads_split_alike(q: TensorSpec, k: TensorSpec) -> bool:
-    """q and K/V heads can be sharded alike: equal counts, or GQA groups that stay whole on any sub-mesh."""
+def _gqa_head_dims(q: TensorSpec, k: TensorSpec) -> list[int]:
+    """GQA (fewer K/V heads): the mesh dims that may shard q and K/V heads alike.
+
+    Each rank's q heads must use exactly its own K/V heads: both counts split evenly over
+    the product of every mesh dim that shards them (nested or not). Mesh dims where K/V
+    heads are sharded now come first (the caller's layout), then the others in order,
+    each kept while both counts still divide.
+    """
     hq, hk = q.shape[HEADS], k.shape[HEADS]
-    ranks = q.mesh.size()
-    return hq == hk or (hq % ranks == 0 and hk % ranks == 0)
+    mesh_shape = q.mesh.shape
+    current = [i for i, p in enumerate(k.placements) if p == Shard(HEADS)]
+    chosen, product = [], 1
+    for i in current + [i for i in range(len(mesh_shape)) if i not in current]:
+        if hq % (product * mesh_shape[i]) == 0 and hk % (product * mesh_shape[i]) == 0:
+            chosen.append(i)
+            product *= mesh_shape[i]
+    return sorted(chosen)
 
 
 def _shard_bytes(spec: TensorSpec, n: int) -> float:
@@ -297,9 +310,11 @@ def _attention_rows(schema: OpSchema, q, k, v, mask, backward: bool) -> list[Row
     algorithm = _backward_sharded if backward else _forward_sharded
     batch, heads, seq = Shard(BATCH), Shard(HEADS), Shard(SEQ)
     rows = [row(outputs(batch, batch), inputs(batch, batch, BATCH), algorithm, label=LABEL_LOCAL)]
-    if _heads_split_alike(q, k):
+    if q.shape[HEADS] == k.shape[HEADS]:
         rows.append(row(outputs(heads, heads), inputs(heads, heads, HEADS), algorithm, label=LABEL_LOCAL))
-    if q.shape[HEADS] != k.shape[HEADS]:  # GQA: each rank picks the K/V heads of its q heads
+    else:  # GQA: K/V heads sharded alike on the mesh dims that keep the groups aligned, else replicated
+        for i in _gqa_head_dims(q, k):
+            rows.append(row(outputs(heads, heads), inputs(heads, heads, HEADS), algorithm, label=LABEL_LOCAL, mesh_dim=i))
         rows.append(row(outputs(heads, grad_of(R)), inputs(heads, R, HEADS), algorithm, label=LABEL_LOCAL))
     rows.append(row(outputs(seq, grad_of(R)), inputs(seq, R, SEQ), algorithm, label=LABEL_LOCAL))
     rows += _context_rows(q, k, v, outputs(seq, seq), inputs(seq, seq, SEQ), algorithm, backward)
@@ -307,15 +322,16 @@ def _attention_rows(schema: OpSchema, q, k, v, mask, backward: bool) -> list[Row
 
 
 def _context_rows(q, k, v, outs, ins, algorithm, backward: bool) -> list[Row]:
-    """The context-parallel row, priced for the smallest mesh dim (a row serves every mesh dim)."""
-    n = min(k.mesh.shape)
-    gathered = _shard_bytes(k, n) + _shard_bytes(v, n)
-    comm = [("all_gather", gathered)]
-    label = LABEL_CONTEXT
-    if backward:
-        comm.append(("reduce_scatter", gathered * n))
-        label = LABEL_CONTEXT_BACKWARD
-    return [row(outs, ins, algorithm, comm=comm, label=label)]
+    """The context-parallel row, one per mesh dim: its collectives are priced with that dim's size."""
+    rows = []
+    for i, n in enumerate(k.mesh.shape):
+        gathered = _shard_bytes(k, n) + _shard_bytes(v, n)
+        comm = [("all_gather", gathered)]
+        if backward:
+            comm.append(("reduce_scatter", gathered * n))
+        label = LABEL_CONTEXT_BACKWARD if backward else LABEL_CONTEXT
+        rows.append(row(outs, ins, algorithm, comm=comm, label=label, mesh_dim=i))
+    return rows
 
 
 def _forward_rule(schema: OpSchema) -> list[Row]:
@@ -520,6 +536,12 @@ def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
         mask = resolve_partials(mask)
     elif mask is not None:  # a plain mask is every rank's own copy: Replicate
         mask = distribute_tensor(mask.detach(), q._spec.mesh, [R] * q._spec.mesh.ndim, src_data_rank=None)
+    meshes = {t._spec.mesh for t in (q, k, v, mask) if t is not None}
+    if len(meshes) > 1:
+        raise ShardingError(
+            f"scaled_dot_product_attention: q, k, v (and attn_mask) live on different meshes ({sorted(map(str, meshes))}); "
+            "redistribute them onto one mesh first (e.g. build them with the same DeviceMesh)."
+        )
     causal, scale = bool(b["is_causal"]), b["scale"]
     plan = _plan(q, k, v, mask, causal, scale, b)
     return None if plan is None else (q, k, v, mask, causal, scale, plan)
