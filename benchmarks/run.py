@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "random")
+BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "random", "training")
 TARGET_BYTES_RATIO = 1.0  # shardops bytes / DTensor bytes, every case
 TARGET_GATHER_SAVING = 30.0  # DTensor bytes / shardops bytes where DTensor moves the sharded dim
 
@@ -57,8 +57,9 @@ DOCS_HEADER = (
     "`loss_parallel()`), both are measured and shardops is compared with the better one.\n\n"
 )
 QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10},
-         "random": {"repeats": 3}}
-FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "random": {}}
+         "random": {"repeats": 3}, "training": {"quick": True}}
+FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "random": {},
+        "training": {"quick": False}}
 
 
 # --- 1. communication ------------------------------------------------------------------------
@@ -474,6 +475,7 @@ def run_benchmarks(only: Sequence[str], config: dict[str, Any], cases: Sequence[
         "end_to_end": lambda: _end_to_end(config["end_to_end"]),
         "planning": lambda: _planning(config["planning"]),
         "random": lambda: __import__("benchmarks.random_ops", fromlist=["measure_random"]).measure_random(**config["random"]),
+        "training": lambda: {"rows": __import__("benchmarks.training", fromlist=["measure_all"]).measure_all(**config["training"])},
     }
     for name in BENCHMARKS:
         if name in only:
@@ -547,6 +549,12 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
         caption = " ".join(random_doc.split("\n\n")[2].split())
         parts.append("### Random ops: sharded dropout vs torch's bernoulli_\n\n"
                      + (_section_error("random", results) or f"{caption}\n\n" + format_random_table(results["random"])))
+    if "training" in results:
+        from benchmarks.training import __doc__ as training_doc, table as training_table
+
+        caption = " ".join(training_doc.split("\n\n")[2].split())
+        parts.append("### Training steps: LLaMA- and GPT-2-style models, same model, mesh and plan\n\n"
+                     + (_section_error("training", results) or f"{caption}\n\n" + training_table(results["training"]["rows"])))
     return "\n\n".join(parts) + "\n"
 
 

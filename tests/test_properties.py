@@ -441,25 +441,7 @@ def _check_grad(got, want, where: str, layout: str) -> None:
 # When a fix lands, its pinned reproduction passes, strict xfail fails the run, and the entry goes.
 
 
-def _cat_of_empty_vector(case: Case) -> bool:
-    return case.op == "concat.cat" and any(shape == (0,) for shape in case.shapes)
-
-
-def _welford_mean_with_inf(case: Case) -> bool:
-    return case.op in ("moment.var_mean", "moment.std_mean") and case.data == "special"
-
-
-KNOWN_ISSUES = {
-    "torch.cat: a 1-d empty DTensor input gets a plain torch.Tensor gradient (torch's cat backward makes it with "
-    "at::zeros for legacy empty inputs, which never reaches DTensor dispatch; concat.py)": (
-        _cat_of_empty_vector,
-        Case(op="concat.cat", mesh=(2,), shapes=((0,), (3,)), layouts=((Shard(0),), (Shard(0),)), kwargs=(("dim", 0),)),
-    ),
-    "var_mean/std_mean: torch's mean of a row holding +-inf is NaN (Welford), shardops gives +-inf (moments)": (
-        _welford_mean_with_inf,
-        Case(op="moment.var_mean", mesh=(2,), shapes=((6,),), layouts=((Shard(0),),), kwargs=(("dim", 0), ("correction", 1), ("keepdim", False)), dtype="float64", data="special", seed=1),
-    ),
-}
+KNOWN_ISSUES: dict = {}  # none open today; see REGRESSIONS below for the fixed ones
 
 
 # Cases these tests found failing that are fixed now: they must keep passing.
@@ -481,6 +463,10 @@ REGRESSIONS = [
     Case(op="loss.nll_loss", mesh=(2, 2), shapes=((3, 8), (3,), (8,)), layouts=((Shard(1), Replicate()), None, (Replicate(), Shard(0))), kwargs=(("reduction", "sum"),)),
     Case(op="loss.nll_loss", mesh=(2, 2), shapes=((2,), (), (2,)), layouts=((Shard(0), Replicate()), None, (Replicate(), Shard(0))), kwargs=(("reduction", "mean"),)),
     Case(op="loss.cross_entropy", mesh=(2, 2), shapes=((8,), (), (8,)), layouts=((Shard(0), Replicate()), None, (Replicate(), Shard(0))), kwargs=(("reduction", "none"),)),
+    # var_mean/std_mean: torch's (Welford) mean of a row holding +-inf is NaN unless the only infinity is the last element
+    Case(op="moment.var_mean", mesh=(2,), shapes=((6,),), layouts=((Shard(0),),), kwargs=(("dim", 0), ("correction", 1), ("keepdim", False)), dtype="float64", data="special", seed=1),
+    # torch.cat: a 1-d empty DTensor input got a plain-tensor gradient (torch's backward makes it with at::zeros)
+    Case(op="concat.cat", mesh=(2,), shapes=((0,), (3,)), layouts=((Shard(0),), (Shard(0),)), kwargs=(("dim", 0),)),
 ]
 
 
@@ -1220,13 +1206,7 @@ def test_regression(case):
     check(case)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rules list Shard(d) rows only, so a pointwise op on a StridedShard input redistributes it (an "
-    "all_to_all) and its gradient comes back Shard: pointwise/views rules should offer the input's own "
-    "StridedShard placements (as ops/softmax.py does)",
-)
-def test_strided_shard_gradient_keeps_its_layout():
+def test_strided_shard_gradient_keeps_its_layout():  # pointwise/view rules offer StridedShard rows (issue 12)
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), mesh, [StridedShard(0, 2)])

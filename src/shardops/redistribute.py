@@ -31,7 +31,7 @@ import torch
 from . import cost
 from .comm.base import CommDebugMode
 from .errors import ShardingError
-from .placements import Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
+from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
 from .spec import TensorSpec
 
 
@@ -254,10 +254,42 @@ def plan(spec: TensorSpec, dst: Sequence[Placement], links=None) -> Plan:
     return _plan_cached(tuple(spec.placements), tuple(dst), tuple(spec.shape), tuple(spec.mesh.shape), spec.itemsize, links, cost._CACHE_EPOCH[0])
 
 
+def materialize_lazy_bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` without a lazy conjugate / negative bit, values unchanged.
+
+    Inside __torch_dispatch__ torch excludes its Conjugate and Negative keys, so a kernel that
+    does not handle the bits itself (cat in a collective, index_select in an algorithm) would
+    read the raw values. copy_ handles both bits in the kernel, whatever the dispatch state.
+    """
+    if not (t.is_conj() or t.is_neg()):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _joint_norm_resolution(spec: TensorSpec, p: Plan) -> tuple[tuple[int, ...], Plan] | None:
+    """(mesh dims, plan for the rest) where a norm pending on several mesh dims is resolved at once.
+
+    index helper (issue 14): such a norm is resolved one canonical way whatever the plan (all_reduce
+    dim by dim, or reduce_scatter first): p-th powers, one sum over the joint group, one root. Nested
+    roots would round differently on each path, and two reads of one pending norm would disagree.
+    """
+    norm_dims = tuple(i for i, s in enumerate(p.src) if isinstance(s, NormPartial))
+    if len(norm_dims) < 2 or any(isinstance(d, NormPartial) for d in p.dst):
+        return None
+    resolved = tuple(Replicate() if i in norm_dims else s for i, s in enumerate(p.src))
+    return norm_dims, plan(spec.with_placements(resolved), p.dst)
+
+
 def plan_bytes(spec: TensorSpec, p: Plan, coordinate: Sequence[int]) -> int:
     """Logical bytes this coordinate puts into the plan's collectives (what CommDebugMode counts)."""
-    total, state = 0, list(p.src)
     mesh_shape = spec.mesh.shape
+    joint = _joint_norm_resolution(spec, p)
+    if joint is not None:
+        norm_dims, rest = joint
+        local = math.prod(_local_shape(spec.shape, mesh_shape, coordinate, list(p.src))) * spec.itemsize
+        first = local if math.prod(mesh_shape[i] for i in norm_dims) > 1 else 0
+        return first + plan_bytes(spec.with_placements(rest.src), rest, coordinate)
+    total, state = 0, list(p.src)
     for step in p.steps:
         local = math.prod(_local_shape(spec.shape, mesh_shape, coordinate, state)) * spec.itemsize
         if step.joint:  # one all_reduce over the group spanning the dims: the input counted once
@@ -319,8 +351,12 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     mesh = spec.mesh
     comm = mesh.comm
     coordinate = mesh.get_coordinate()
+    x = materialize_lazy_bits(local) if p.steps else local
+    joint = _joint_norm_resolution(spec, p)
+    if joint is not None:
+        norm_dims, p = joint
+        x = _all_reduce_partial(comm, x, spec.placements[norm_dims[0]], mesh.group(norm_dims))
     state = list(p.src)
-    x = local
     for step in p.steps:
         if step.joint:  # the same pending partial on several mesh dims: one all_reduce over their joint group
             x = _all_reduce_partial(comm, x, step.src, mesh.group(step.joint))
