@@ -449,12 +449,12 @@ def _overhead(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _planning(cfg: dict[str, Any]) -> dict[str, Any]:
-    from benchmarks.planning import MESHES_FULL, MESHES_QUICK, measure_planning
+    from benchmarks.planning import MESHES_FULL, MESHES_QUICK, measure_explain, measure_planning
 
     meshes = cfg["meshes"]
     if isinstance(meshes, str):
         meshes = {"quick": MESHES_QUICK, "full": MESHES_FULL}[meshes]
-    return {"rows": measure_planning(meshes, max_reps=cfg["max_reps"])}
+    return {"rows": measure_planning(meshes, max_reps=cfg["max_reps"]), "explain": measure_explain(cfg.get("explain_reps", 3))}
 
 
 def _end_to_end(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -494,7 +494,7 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
     """Every table, as markdown (the body of report.md and README_SNIPPET.md)."""
     from benchmarks.end_to_end import end_to_end_caption, format_end_to_end_table
     from benchmarks.overhead import format_overhead_table, overhead_caption
-    from benchmarks.planning import format_growth_table, format_planning_table
+    from benchmarks.planning import format_explain_table, format_growth_table, format_planning_table
 
     parts = [
         "## Benchmarks: shardops vs torch.distributed.tensor",
@@ -536,10 +536,12 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
         err = _section_error("planning", results)
         parts.append(
             "### Planning time vs mesh ndim (cold: caches cleared)\n\n"
-            + (err or "Propagation (`dispatch.core.plan_op`: rows crossed over mesh dims and priced) plus exact "
-               "redistribution planning (`redistribute.plan`) of the chosen inputs, metadata only, f32[1024, 32768]; "
-               "medians of cold runs. DTensor has no metadata-only planning entry point to compare.\n\n"
-               + format_growth_table(r["rows"]) + "\n\n" + format_planning_table(r["rows"]))
+            + (err or "Propagation (`dispatch.core.plan_op`: the best-first search over each mesh dim's rows, as the "
+               "runtime plans) plus exact redistribution planning (`redistribute.plan`) of the chosen inputs, metadata "
+               "only, f32[1024, 32768]; medians of cold runs. DTensor has no metadata-only planning entry point to compare.\n\n"
+               + format_growth_table(r["rows"]) + "\n\n" + format_planning_table(r["rows"])
+               + ("\n\nCold planning through `so.explain` (a new shape each call; CPU time, minimum of a few calls; "
+                  "target: 4-D ≤ 6× 1-D):\n\n" + format_explain_table(r["explain"]) if r.get("explain") else ""))
         )
     if "random" in results:
         from benchmarks.random_ops import __doc__ as random_doc, format_random_table

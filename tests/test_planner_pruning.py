@@ -57,7 +57,15 @@ def _call(rng: random.Random, mesh):
     y = _spec(mesh, shape, _layout(rng, nd, m, partials=rng.random() < 0.3))
     d = rng.randrange(nd)
     kind = rng.choice(["add", "mul", "add_", "where", "sum", "amax", "mean", "softmax", "log_softmax", "var", "cumsum",
-                       "layer_norm", "topk", "logsumexp", "sort", "norm"])
+                       "layer_norm", "topk", "logsumexp", "sort", "norm", "mm", "view"])
+    if kind == "mm":  # matrix rows: batch, column/row parallel, Partial(sum) x Replicate
+        a, b, c = shape[0], shape[-1], rng.choice([3, 64, 4096])
+        lhs = _spec(mesh, (a, b), _layout(rng, 2, m, partials=rng.random() < 0.3))
+        rhs = _spec(mesh, (b, c), _layout(rng, 2, m, partials=rng.random() < 0.3))
+        return aten.mm.default, (lhs, rhs), {}
+    if kind == "view":  # view rows may hold on one mesh dim only (Row.mesh_dim)
+        src = _spec(mesh, (shape[0], 6, 4), _layout(rng, 3, m))
+        return aten.view.default, (src, [shape[0] * 6, 4] if rng.random() < 0.5 else [shape[0], 3, 8]), {}
     if kind == "add":
         return aten.add.Tensor, (x, y), {}
     if kind == "mul":
