@@ -103,6 +103,24 @@ def test_styles_take_torch_placements_and_reject_other_modules():
     assert all(so.run(main, 4))
 
 
+@pytest.mark.parametrize("src_data_rank", [0, 1, None])
+def test_src_data_rank_is_the_rank_within_the_tp_mesh(src_data_rank):
+    """As torch: parameters come from group rank src_data_rank of the mesh given (a sub-mesh here)."""
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        lin = nn.Linear(4, 4)
+        with torch.no_grad():
+            lin.weight.fill_(float(mesh.get_rank()))
+            lin.bias.fill_(float(mesh.get_rank()))
+        parallelize_module(lin, mesh["tp"], ColwiseParallel(), src_data_rank=src_data_rank)
+        return mesh["tp"].mesh.tolist(), mesh.get_rank(), lin.weight.to_local().unique().tolist()
+
+    for tp_ranks, rank, values in so.run(main, 4):
+        expected = rank if src_data_rank is None else tp_ranks[src_data_rank]
+        assert values == [float(expected)]
+
+
 # ------------------------------------------------------------------ ties
 
 
