@@ -110,9 +110,7 @@ def test_integer_input_promoted_like_torch(name):
     "target_dtype",
     [
         torch.float32,
-        pytest.param(torch.int32, marks=pytest.mark.xfail(strict=True, reason="the vocab-parallel nll algorithm casts "
-                     "the target with .long(), and aten's meta kernel does not check the dtype, so an int32 target torch "
-                     "refuses ('expected target dtype to be Long or Byte') gives a loss (losses.py: check the dtype)")),
+        torch.int32,  # regression: was accepted by the vocab-parallel algorithm (losses.py checks the dtype now)
     ],
     ids=["float", "int32"],
 )
@@ -433,10 +431,7 @@ SPECIAL_INPUT = torch.stack(list(special_rows().values()))
 
 
 # Differences from torch found here, pinned until fixed (strict: a fix makes the test fail until the entry goes).
-SPECIAL_KNOWN = {
-    ("std_mean", "S0S1"): "std_mean's mean of a row holding +-inf: torch gives NaN (its Welford update), shardops "
-    "inf/-inf when one mesh dim splits the row (moments family)",
-}
+SPECIAL_KNOWN: dict[tuple[str, str], str] = {}  # (op, layout) -> why it still differs from torch (none today)
 
 
 @pytest.mark.parametrize("layout", ["S1", "S0S1", "S1S1"])

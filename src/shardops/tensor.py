@@ -41,6 +41,10 @@ class DTensor(torch.Tensor):
         r._spec = spec
         r._key_cache = None
         r._pending_layout = None
+        if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see interop)
+            from .interop.lazy_bits import mirror_lazy_bits
+
+            mirror_lazy_bits(r, local)
         return r
 
     def __new__(cls, *a, **k):  # pragma: no cover - construction goes through the API functions
@@ -349,10 +353,15 @@ def distribute_tensor(
     if src_data_rank is not None and mesh.size() > 1:
         comm = mesh.comm
         group = mesh.group(tuple(range(mesh.ndim)))
-        src_index = group.ranks.index(src_data_rank) if src_data_rank in group.ranks else None
-        if src_index is None:
-            raise ShardingError(f"distribute_tensor: src_data_rank={src_data_rank} is not a rank of {mesh}")
-        data = comm.broadcast(data.contiguous(), src_index, group)
+        # As in torch, src_data_rank is the rank within the group along each mesh dim (0 by default, on a
+        # sub-mesh too): the data of the rank at coordinate (src_data_rank, ..., src_data_rank) wins.
+        if not isinstance(src_data_rank, int) or not all(0 <= src_data_rank < n for n in mesh.shape):
+            raise ShardingError(
+                f"distribute_tensor: src_data_rank={src_data_rank} is not a group rank on every dim of {mesh} "
+                f"(shape {tuple(mesh.shape)}); use 0 <= src_data_rank < {min(mesh.shape)}, or None to keep each rank's own data."
+            )
+        src_rank = int(mesh.mesh[(src_data_rank,) * mesh.ndim])
+        data = comm.broadcast(data.contiguous(), group.ranks.index(src_rank), group)
     spec = TensorSpec(mesh, tuple(Replicate() for _ in placements), _global_meta(tensor.shape, tensor.dtype))
     local = execute_local_layout(data, spec, placements)
     out = DTensor._make(local.contiguous(), spec.with_placements(placements), requires_grad=tensor.requires_grad)

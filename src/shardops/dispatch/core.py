@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from .. import cost
 from ..errors import ShardingError
 from ..placements import Replicate
-from ..redistribute import Plan, execute, plan, plan_bytes
+from ..redistribute import Plan, execute, materialize_lazy_bits, plan, plan_bytes
 from ..spec import TensorMeta, TensorSpec
 from .registry import REPLICATE_ONLY, RULES
 from .schema import OpSchema
@@ -146,6 +146,10 @@ def meta_outputs(func, leaves, tree) -> tuple[list[TensorMeta], Any] | Exception
     """Global output metadata from running the op on meta tensors (torch's error if meta can't run it)."""
     metas = [torch.empty_strided(a.shape, a.meta.stride, dtype=a.dtype, device="meta") if isinstance(a, TensorSpec) else a for a in leaves]
     args, kwargs = unflatten_args(metas, tree)
+    if "device" in kwargs and func is aten._to_copy.default:
+        # index helper (issue 14): x.to(dtype) inside torch.softmax(x, d, dtype=...) passes device=cpu,
+        # which a meta tensor cannot be copied to; the output's metadata does not depend on it.
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
     try:
         out = func(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - ops without meta kernels fall back
@@ -223,7 +227,10 @@ def _inplace_filter(specs):
 def checked_fallback(d: Decision) -> None:
     """A fallback at run time: an error in strict mode or where it would change self's layout, else a warning."""
     specs = d.in_specs
-    if not d.replicate_only and _state["strict"]:
+    # The op has a rule but its meta run failed: torch refuses these arguments (a dtype or shape
+    # error). Running it replicated raises torch's own error: no missing strategy to warn about.
+    refused = d.meta_error is not None and not isinstance(d.meta_error, NotImplementedError)
+    if not d.replicate_only and not refused and _state["strict"]:
         raise ShardingError(
             f"{d.schema.name} has no sharded strategy (strict mode) for inputs {list(specs)}; "
             "call so.set_strict(False) to replicate and run locally, or redistribute to Replicate yourself."
@@ -237,7 +244,8 @@ def checked_fallback(d: Decision) -> None:
             f"{d.schema.name}: in-place op with no sharded strategy on {specs[0]!r}; it would change self's "
             "layout. Redistribute self to Replicate first, or use the out-of-place op."
         )
-    warn_fallback(d)
+    if not refused:
+        warn_fallback(d)
 
 
 def warn_fallback(d: Decision) -> None:
@@ -269,6 +277,8 @@ def move_inputs(d: Decision, leaves: list, tensor_pos: Sequence[int]) -> None:
 
 def compute(d: Decision, leaves: list, tree) -> Any:
     """The local kernel, or the op's sharded algorithm, on the moved local operands."""
+    if d.algorithm is not None:  # index helper (issue 14): algorithms read values, never lazy conj/neg bits
+        leaves = [materialize_lazy_bits(t) if isinstance(t, torch.Tensor) else t for t in leaves]
     args, kwargs = unflatten_args(leaves, tree)
     if d.algorithm is not None:
         return d.algorithm(d.context, *args, **kwargs)

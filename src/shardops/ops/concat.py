@@ -81,6 +81,58 @@ def align_pending_norms(tensors):
     ]
 
 
+class _CatWithLegacyEmpty(torch.autograd.Function):
+    """torch.cat whose inputs include a 1-d empty DTensor that needs a gradient.
+
+    torch's cat backward makes such an input's gradient with at::zeros, a factory that never
+    reaches DTensor dispatch: the gradient would be a plain tensor. Here every gradient is a
+    DTensor: a slice of the output's gradient, or an empty DTensor laid out like the input.
+    """
+
+    @staticmethod
+    def forward(ctx, dim: int, *tensors):
+        ctx.dim = dim
+        ctx.specs = [t._spec for t in tensors]
+        ctx.legacy = [t.ndim == 1 and t.shape[0] == 0 for t in tensors]
+        return aten.cat.default(list(tensors), dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ..tensor import DTensor
+
+        grads, offset = [], 0
+        for spec, legacy in zip(ctx.specs, ctx.legacy):
+            if legacy:
+                local = grad._local_tensor.new_zeros(spec.local_shape())
+                grads.append(DTensor._make(local, spec.with_placements(tuple(R if p.is_partial() else p for p in spec.placements))))
+                continue
+            size = spec.shape[ctx.dim]
+            grads.append(aten.slice.Tensor(grad, ctx.dim, offset, offset + size))
+            offset += size
+        return (None, *grads)
+
+
+def _apply_concat(func, args: tuple, kwargs: dict):
+    """torch's ordinary path, except for a cat with a 1-d empty DTensor needing a gradient (see above)."""
+    from ..tensor import DTensor
+
+    tensors = args[0] if args else kwargs.get("tensors")
+    rest = dict(kwargs)
+    rest.pop("tensors", None)
+    dim = args[1] if len(args) > 1 else rest.pop("dim", 0)
+    if (
+        func is not torch.stack
+        and torch.is_grad_enabled()
+        and not rest
+        and isinstance(dim, int)
+        and all(isinstance(t, DTensor) for t in tensors)
+        and any(t.ndim == 1 and t.shape[0] == 0 and t.requires_grad for t in tensors)
+        and len({t._spec.mesh for t in tensors}) == 1
+    ):
+        return _CatWithLegacyEmpty.apply(normalize_dim(dim, max(t.ndim for t in tensors), "cat"), *tensors)
+    return call_default(func, args, kwargs)
+
+
 def _concat_call(tensors, dim=0, *, out=None): ...  # noqa: E704
 
 
@@ -99,4 +151,4 @@ def _parse_concat(func, b: dict, args: tuple, kwargs: dict) -> tuple | None:
 
 register(_concat_rule, aten.cat.default, aten.stack.default)
 for _func in (torch.stack, torch.cat, torch.concat, torch.concatenate):
-    register_torch_entry(CallSignature(_concat_call, aliases={"axis": "dim"}), partial(_parse_concat, _func), call_default, _func)
+    register_torch_entry(CallSignature(_concat_call, aliases={"axis": "dim"}), partial(_parse_concat, _func), _apply_concat, _func)

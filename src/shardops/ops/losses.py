@@ -215,8 +215,19 @@ def _nll_forward_sharded(ctx, x: torch.Tensor, target: torch.Tensor, weight: tor
     return (loss / total if reduction == MEAN else loss), total
 
 
+def _check_target_dtype(schema: OpSchema, target) -> None:
+    """torch's kernels take int64 or uint8 class targets only; the sharded algorithm must refuse the rest too
+    (aten's meta kernel does not check, and the algorithm would happily index with an int32 target)."""
+    if target.dtype not in (torch.int64, torch.uint8) and not target.dtype.is_floating_point:  # float: torch's meta kernel says it
+        raise ShardingError(
+            f"{schema.name}: expected target dtype to be Long or Byte, but got {target.dtype} (torch refuses it too); "
+            "convert the target with target.long()."
+        )
+
+
 def _nll_forward_rule(schema: OpSchema) -> list[Row]:
     x, target = schema.tensor_specs[0], schema.tensor_specs[1]
+    _check_target_dtype(schema, target)
     has_weight = len(schema.tensor_specs) == 3
     reduction = schema.arg("reduction")
     cdim = class_dim(x.ndim)

@@ -28,7 +28,7 @@ from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
 from ..placements import Replicate, Shard
-from .common import all_gather_stacked, member_coordinates, mesh_dims_sharding, shift_after_reduce
+from .common import all_gather_stacked, global_positions, member_coordinates, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
     grad_local,
     input_grad,
@@ -86,14 +86,46 @@ def _shard_stats(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, 
     return mean, (xd - mean).square().sum(dims, keepdim=True)
 
 
+def _mark_infs(x: torch.Tensor, dims: tuple[int, ...], spec, m2: torch.Tensor) -> torch.Tensor:
+    """M2, with rows holding +-inf (and no NaN) marked -(2 * their inf count + 1 if this shard holds the
+    row's last element and it is infinite).
+
+    torch's Welford mean of a row holding +-inf is NaN unless the only infinity is the row's last
+    element (then +-inf); its variance is NaN. A real M2 is never negative, so the marks travel in
+    the same gather, at no extra byte.
+    """
+    if x.numel() == 0 or not x.is_floating_point():
+        return m2
+    infs = x.isinf().sum(dims, keepdim=True).to(torch.float64)
+    holds_last = all(spec.shape[d] - 1 in global_positions(spec, d) for d in dims)
+    last = x
+    for d in dims:
+        last = last.narrow(d, x.shape[d] - 1, 1)
+    last_inf = last.isinf().to(torch.float64) if holds_last else torch.zeros_like(infs)
+    marked = (infs > 0) & ~_any(x.isnan(), dims)
+    return torch.where(marked, -(2 * infs + last_inf), m2)
+
+
+def _any(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    for d in dims:
+        t = t.any(d, keepdim=True)
+    return t
+
+
 def _moments_sharded(ctx, x, *args, **kwargs):
     spec = ctx.in_specs[0]
     dims, correction, keepdim = _moment_args(ctx.schema)
     group = mesh_dims_sharding(spec, dims)
-    means, m2s = all_gather_stacked(list(_shard_stats(x, dims)), spec, group)
+    mean_local, m2_local = _shard_stats(x, dims)
+    means, m2s = all_gather_stacked([mean_local, _mark_infs(x, dims, spec, m2_local)], spec, group)
+    marked = m2s < 0
+    inf_count = torch.where(marked, torch.floor(-m2s / 2), 0.0).sum(0)
+    last_inf = (torch.where(marked, torch.remainder(-m2s, 2), 0.0) > 0).any(0)
+    m2s = torch.where(marked, math.nan, m2s)
     counts = [local_count(spec, dims, c) for c in member_coordinates(spec, group)]
     counts = torch.tensor(counts, dtype=torch.float64, device=x.device).reshape([-1] + [1] * x.ndim)
     n, mean, m2 = chan_merge(means, m2s, counts)
+    mean = torch.where((inf_count > 1) | ((inf_count == 1) & ~last_inf), math.nan, mean)  # torch's Welford mean
     var = m2 / max(0.0, float(n) - correction)
     if not keepdim:
         var, mean = var.squeeze(dims), mean.squeeze(dims)

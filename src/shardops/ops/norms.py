@@ -313,3 +313,21 @@ register_torch_entry(CallSignature(_norm_call, aliases=_ALIASES), _parse_norm, _
 # torch.ops.aten.* called directly (verify-style callers) get the same backward
 register_torch_entry(None, _parse_norm, _VectorNormFunction.apply, *NORM_OPS)
 register_torch_entry(CallSignature(_dist_call, aliases=_ALIASES), _parse_dist, _DistFunction.apply, torch.dist, torch.Tensor.dist, aten.dist.default)
+
+
+# linalg__powsum (torch 2.13): sum(|x|^ord) over dims, a linear reduction of a pointwise op, so on
+# DTensors it is that pair of ops (a sharded dim gives a pending sum, no collective). _foreach_powsum
+# is the same per tensor. torch defines no derivative for either.
+def _powsum(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if dtype is not None:
+        x = aten._to_copy.default(x, dtype=dtype)
+    powered = aten.pow.Tensor_Scalar(aten.abs.default(x), ord)
+    return aten.sum.dim_IntList(powered, dim if dim is not None else [], keepdim)
+
+
+def _foreach_powsum(tensors, ord=2, dtype=None):
+    return [_powsum(t, ord, dtype=dtype) for t in tensors]
+
+
+DECOMPOSITIONS[aten.linalg__powsum.default] = _powsum
+DECOMPOSITIONS[aten._foreach_powsum.Scalar] = _foreach_powsum

@@ -273,6 +273,8 @@ class _SelectAlongDim(torch.autograd.Function):
         if values_grad is None or not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         (indices,) = ctx.saved_tensors
+        if ctx.x_spec.ndim == 0:  # a 0-dim input is its own single value: the gradient passes through
+            return values_grad, None, None, None, None
         return _scatter_to_owner(values_grad, indices, ctx.x_spec, ctx.dim), None, None, None, None
 
 

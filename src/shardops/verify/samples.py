@@ -849,3 +849,76 @@ SAMPLES[:0] = [
     (r"embedding_dense_backward", _embedding_dense_backward),
     (r"new_empty_strided", _new_empty_strided),
 ]
+
+
+# ------------------------------------------------------------------ indexing, padding, complex views (issue 14; appended)
+
+
+def _index_family(op, dtype, g, k):
+    """slice/select backwards, constant_pad_nd, repeat, index.Tensor, index_put, index_add."""
+    shape = ((8, 6), (5, 3))[k % 2]
+    dim = k % 2
+    ctx = Ctx(shape, dtype, g, k)
+    x = ctx.main()
+    name, n = packet_name(op), shape[dim]
+    idx = torch.randperm(n, generator=g)[: min(3, n)]
+    if name == "slice_backward":
+        start, end, step = [(1, n, 2), (0, 2, 1), (-3, None, 1)][k % 3]
+        return Sample((x[(slice(None),) * dim + (slice(start, end, step),)].clone(), list(shape), dim, start, end if end is not None else 2**62, step))
+    if name == "select_backward":
+        return Sample((x.select(dim, -1).clone(), list(shape), dim, -1))
+    if name == "constant_pad_nd":
+        return Sample((x, [[1, 2], [0, 1, 2, 0], [-1, 1]][k % 3], [0.0, 1.5, 0.0][k % 3] if dtype.is_floating_point else 0))
+    if name == "repeat":
+        return Sample((x, [[1, 2], [2, 1], [2, 1, 1]][k % 3]))
+    if name == "index":
+        return Sample((x, [None, idx] if dim else [idx]))
+    if name in ("index_put", "_index_put_impl"):
+        values = ctx.partner((len(idx),) + tuple(shape[1:]))
+        return Sample((x, [torch.randperm(shape[0], generator=g)[: len(idx)]], values, bool(k % 2)))
+    if name == "index_add":
+        source = ctx.partner(tuple(len(idx) if d == dim else s for d, s in enumerate(shape)))
+        return Sample((x, dim, idx, source))
+    return None
+
+
+def _complex_input(op, dtype, g, k):
+    """_conj, _neg_view, resolve_*, view_as_complex: complex (or real pairs) inputs of the sample's precision."""
+    if dtype not in (torch.float32, torch.float64):
+        return None
+    shape = ((8, 6), (5, 3))[k % 2]
+    if packet_name(op) == "view_as_complex":
+        return Sample((make_tensor(shape + (2,), dtype, g),))
+    cdtype = torch.complex64 if dtype == torch.float32 else torch.complex128
+    z = make_tensor(shape, cdtype, g)
+    return Sample((z.conj() if packet_name(op) == "resolve_conj" else z,))
+
+
+def _reorder(op, dtype, g, k):
+    """flip(dims) / roll(shifts, dims), and scatter_reduce (which needs a reduce)."""
+    ctx = Ctx(((8, 6), (5, 3))[k % 2], dtype, g, k)
+    name = packet_name(op)
+    if name == "flip":
+        return Sample((ctx.main(), [[1], [0], [0, 1]][k % 3]))
+    if name == "roll":
+        shifts, dims = [([2], [1]), ([-3], [0]), ([1, 2], [0, 1])][k % 3]
+        return Sample((ctx.main(), shifts, dims))
+    s = _gather_like(op, dtype, g, k)
+    if name == "scatter":  # scatter.reduce / scatter.value_reduce
+        return Sample(s.args, {"reduce": ["add", "multiply"][k % 2]})
+    return Sample(s.args + (["sum", "amax", "amin", "prod"][k % 4],), {"include_self": bool(k % 2)})
+
+
+def _prims_elementwise() -> str:
+    from ..ops.pointwise import _PRIMS_ELEMENTWISE
+
+    return "|".join(_PRIMS_ELEMENTWISE + ["view_of"])
+
+
+_PRIMS_SAMPLED = _prims_elementwise()
+SAMPLES[:0] = [(r"flip|roll|scatter_reduce", _reorder), (r"scatter\.(reduce|value_reduce)", _reorder)]  # before VIEWLIKE / _gather_like, which have no dims/reduce
+SAMPLES += [
+    (r"slice_backward|select_backward|constant_pad_nd|repeat|index|index_put|_index_put_impl|index_add", _index_family),
+    (r"_conj|conj|_neg_view|resolve_conj|resolve_neg|view_as_complex|real|imag", _complex_input),
+    (r"polar|complex|" + _PRIMS_SAMPLED, POINTWISE),
+]

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from .errors import ShardingError
-from .mesh import DeviceMesh
-from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
-from .spec import TensorMeta, TensorSpec
-from .tensor import DTensor
-from .world import in_threads_world
+from ..errors import ShardingError
+from ..mesh import DeviceMesh
+from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
+from ..spec import TensorMeta, TensorSpec
+from ..tensor import DTensor
+from ..world import in_threads_world
 
 
 def _torch_placement(p: Placement) -> Any:
