@@ -24,7 +24,7 @@ MODEL_OPS = {
     "linear": (aten.mm.default, aten.addmm.default),
     "embedding": (aten.embedding.default, aten.embedding_dense_backward.default),
     "attention": (aten._scaled_dot_product_flash_attention_for_cpu.default,),
-    "rotary": (aten.view_as_complex.default, aten.view_as_real.default, aten.polar.default),
+    "rotary": (aten.view_as_complex.default, aten.view_as_real.default),  # freqs (torch.polar) are plain
 }
 
 

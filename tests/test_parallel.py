@@ -103,6 +103,24 @@ def test_styles_take_torch_placements_and_reject_other_modules():
     assert all(so.run(main, 4))
 
 
+@pytest.mark.parametrize("src_data_rank", [0, 1, None])
+def test_src_data_rank_is_the_rank_within_the_tp_mesh(src_data_rank):
+    """As torch: parameters come from group rank src_data_rank of the mesh given (a sub-mesh here)."""
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        lin = nn.Linear(4, 4)
+        with torch.no_grad():
+            lin.weight.fill_(float(mesh.get_rank()))
+            lin.bias.fill_(float(mesh.get_rank()))
+        parallelize_module(lin, mesh["tp"], ColwiseParallel(), src_data_rank=src_data_rank)
+        return mesh["tp"].mesh.tolist(), mesh.get_rank(), lin.weight.to_local().unique().tolist()
+
+    for tp_ranks, rank, values in so.run(main, 4):
+        expected = rank if src_data_rank is None else tp_ranks[src_data_rank]
+        assert values == [float(expected)]
+
+
 # ------------------------------------------------------------------ ties
 
 
@@ -391,16 +409,24 @@ def _lm_data(args, batch=4, seq=8, seed=13):
     return torch.randint(0, args.vocab_size, (batch, seq), generator=g), torch.randint(0, args.vocab_size, (batch, seq), generator=g)
 
 
-LM = {"llama": (Llama, llama_plan, ("linear", "embedding", "attention", "rotary")), "gpt2": (GPT2, gpt2_plan, ("linear", "embedding", "attention"))}
+LM = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}
+
+
+def _op_families(name: str, plan: dict | None, local_attention: bool) -> tuple[str, ...]:
+    """The op families a run reaches on DTensors: attention (and LLaMA's rotary) run on local
+    tensors between the plan's boundaries, on DTensors without a plan or with local_attention=False."""
+    if plan is not None and local_attention:
+        return ("linear", "embedding")
+    return ("linear", "embedding", "attention") + (("rotary",) if name == "llama" else ())
 
 
 def _train_lm(name, mesh_shape, mode, **plan_kwargs):
-    Model, make_plan, families = LM[name]
+    Model, make_plan = LM[name]
     args = ModelArgs()
     tokens, targets = _lm_data(args)
     ref = reference_training(Model(args), tokens, targets)
     plan = None if (mode is not None and len(mesh_shape) == 1) else make_plan(**plan_kwargs)
-    with strict(has_strategies(*families)):
+    with strict(has_strategies(*_op_families(name, plan, plan_kwargs.get("local_attention", True)))):
         results = so.run(sharded_training, 4, lambda: Model(args), plan, mesh_shape, mode, tokens, targets)
     check_training(results, ref)
 

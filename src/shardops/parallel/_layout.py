@@ -9,6 +9,7 @@ rank's batch shard, exactly what a torch user feeds each data-parallel rank.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -18,7 +19,7 @@ import torch.nn as nn
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
-from ..tensor import DTensor, from_local
+from ..tensor import DTensor, distribute_tensor, from_local
 
 DATA_PARALLEL_ATTR = "_shardops_data_parallel"
 
@@ -56,9 +57,15 @@ def as_layouts(layouts: Any) -> tuple | None:
     return (as_placement(layouts),)
 
 
-def global_src_rank(mesh: DeviceMesh, src_data_rank: int | None) -> int | None:
-    """torch's styles take src_data_rank as a rank within the mesh; distribute_tensor takes a global rank."""
-    return None if src_data_rank is None else int(mesh.mesh.flatten()[src_data_rank])
+def distribute_param(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], src_data_rank: int | None) -> DTensor:
+    """`tensor` laid out on `mesh`, the data of the rank at group rank `src_data_rank` on every mesh dim
+    (torch's meaning, on a sub-mesh too; None: each rank keeps its own data)."""
+    data = tensor.detach()
+    if src_data_rank is not None and mesh.size() > 1:
+        group = mesh.group(tuple(range(mesh.ndim)))  # row-major over the mesh dims
+        src_index = sum(src_data_rank * math.prod(mesh.shape[d + 1 :]) for d in range(mesh.ndim))
+        data = mesh.comm.broadcast(data.contiguous(), src_index, group)
+    return distribute_tensor(data, mesh, placements, src_data_rank=None)
 
 
 @dataclass(frozen=True)

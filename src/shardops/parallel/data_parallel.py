@@ -44,8 +44,8 @@ import torch.utils._pytree as pytree
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard
-from ..tensor import DTensor, distribute_tensor, from_local
-from ._layout import DATA_PARALLEL_ATTR, DataParallelLayout, as_mesh
+from ..tensor import DTensor, from_local
+from ._layout import DATA_PARALLEL_ATTR, DataParallelLayout, as_mesh, distribute_param
 from ._views import VIEWS_ATTR, LocalView, set_compute_layout
 
 __all__ = ["data_parallel"]
@@ -109,7 +109,7 @@ def _lift(p: torch.Tensor, layout: DataParallelLayout) -> DTensor:
             local = mesh.comm.broadcast(p.to_local().detach().contiguous(), 0, group)
             dt = from_local(local, mesh, placements, shape=p.shape, stride=p.stride())
         else:
-            dt = distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim)
+            dt = distribute_param(p, mesh, [Replicate()] * mesh.ndim, 0)
         if layout.mode == "shard":
             stored = _storage_layout(dt, layout)
             if stored != dt.placements:

@@ -12,8 +12,8 @@ import torch.nn as nn
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Replicate
-from ..tensor import DTensor, distribute_tensor
-from ._layout import as_mesh, global_src_rank
+from ..tensor import DTensor
+from ._layout import as_mesh, distribute_param
 
 __all__ = ["distribute_module"]
 
@@ -59,8 +59,8 @@ def _replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
     for key, param in list(module._parameters.items()):
         if param is not None and not isinstance(param, DTensor):
             with torch.no_grad():
-                dt = distribute_tensor(param.detach(), mesh, replicate, src_data_rank=global_src_rank(mesh, 0))
+                dt = distribute_param(param, mesh, replicate, 0)
             module.register_parameter(key, nn.Parameter(dt, requires_grad=param.requires_grad))
     for key, buf in list(module._buffers.items()):
         if buf is not None and not isinstance(buf, DTensor):
-            module._buffers[key] = distribute_tensor(buf, mesh, replicate, src_data_rank=global_src_rank(mesh, 0))
+            module._buffers[key] = distribute_param(buf, mesh, replicate, 0)

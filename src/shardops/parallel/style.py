@@ -25,8 +25,8 @@ import torch.nn as nn
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
-from ..tensor import DTensor, distribute_tensor
-from ._layout import as_layouts, as_placement, global_src_rank, move, to_dtensor
+from ..tensor import DTensor
+from ._layout import as_layouts, as_placement, distribute_param, move, to_dtensor
 from .distribute import distribute_module
 
 __all__ = [
@@ -51,7 +51,7 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements_of: dict[
         if placement is None or isinstance(param, DTensor):
             continue
         with torch.no_grad():
-            dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=global_src_rank(mesh, src_data_rank))
+            dt = distribute_param(param, mesh, [placement], src_data_rank)
         module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
