@@ -7,10 +7,11 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from . import cost
 from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
-from .dispatch.schema import spec_key, static_key
+from .dispatch.schema import static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
@@ -18,13 +19,15 @@ from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 
 
-_no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
+# runs func with subclass __torch_function__ disabled (in C: cheaper than the context manager)
+_torch_function_default = torch._C._disabled_torch_function_impl
+_SCALARS = (int, float, bool, type(None))
 
 
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_key_cache", "_grad_hook")
+    __slots__ = ("_local_tensor", "_spec", "_grad_hook")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -39,18 +42,10 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local
         r._spec = spec
-        r._key_cache = None
         return r
 
     def __new__(cls, *a, **k):  # pragma: no cover - construction goes through the API functions
         raise ShardingError("construct a DTensor with distribute_tensor(...) or DTensor.from_local(...)")
-
-    @property
-    def _key(self) -> tuple:
-        k = self._key_cache
-        if k is None:
-            k = self._key_cache = spec_key(self._spec)
-        return k
 
     def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
         super().requires_grad_(requires_grad)
@@ -58,9 +53,13 @@ class DTensor(torch.Tensor):
             _keep_grad_layout(self)
         return self
 
+    @property
+    def _key(self) -> int:
+        """The spec's cache id (what the dispatch cache keys on for this operand)."""
+        return self._spec.key
+
     def _set_spec(self, spec: TensorSpec) -> None:
         self._spec = spec
-        self._key_cache = None
 
     def __repr__(self) -> str:  # noqa: D105
         return f"DTensor(local={self._local_tensor!r}, spec={self._spec!r})"
@@ -75,8 +74,7 @@ class DTensor(torch.Tensor):
         impl = TORCH_FUNCTIONS.get(func)
         if impl is not None:
             return impl(*args, **(kwargs or {}))
-        with _no_subclass_torch_function():
-            return func(*args, **kwargs) if kwargs else func(*args)
+        return _torch_function_default(func, types, args, kwargs or {})  # on into __torch_dispatch__
 
     # -- public API
     @property
@@ -134,46 +132,61 @@ class DTensor(torch.Tensor):
 
 
 def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
-    """An aten op on DTensor operands: the local tensors and specs go to dispatch/core, the results come back wrapped."""
-    kwargs = kwargs or {}
-    decomposition = DECOMPOSITIONS.get(func)
-    if decomposition is not None:
-        return decomposition(*args, **kwargs)
-    names = core.out_arg_names(func)
-    if names and all(n in kwargs for n in names):
-        return _dispatch_out_variant(func, args, kwargs, names)
-    flat, tree = core.flatten_args(args, kwargs)
-    key_parts = []
+    """An aten op on DTensor operands: the local tensors and specs go to dispatch/core, the results come back wrapped.
+
+    A cache hit builds one flat key (the overload, the call's shape, each operand's spec id, each
+    static argument with its type), looks it up, unwraps, runs the kernel and wraps: no pytree,
+    no spec objects, no signature binding.
+    """
+    flat, tree = core.flatten_args(args, kwargs or {})
+    key = [func, core.tree_key(tree)]
     tensor_pos = []
     for i, a in enumerate(flat):
-        if isinstance(a, DTensor):
-            key_parts.append(a._key)
+        t = type(a)
+        if t is DTensor:
+            key.append(a._spec.key)
+            tensor_pos.append(i)
+        elif t in _SCALARS:
+            key.append(t)  # 1, 1.0 and True decide differently
+            key.append(a if a == a else "nan")  # NaN != NaN would never hit
+        elif isinstance(a, DTensor):
+            key.append(a._spec.key)
             tensor_pos.append(i)
         elif isinstance(a, torch.Tensor):
-            key_parts.append(core.plain_key(a))
+            key.append(core.plain_key(a))
             tensor_pos.append(i)
         else:
-            key_parts.append(static_key(a))
-    key = core.cache_key(func, len(args), kwargs, tuple(key_parts))
+            key.append(static_key(a))
+    key.append(cost._CACHE_EPOCH[0])  # the link model: a new one decides anew
+    key = tuple(key)
     decision = core._CACHE.get(key)
     if decision is None:
+        kwargs = kwargs or {}
+        decomposition = DECOMPOSITIONS.get(func)  # never cached: these always come this way
+        if decomposition is not None:
+            return decomposition(*args, **kwargs)
+        names = core.out_arg_names(func)
+        if names and all(n in kwargs for n in names):
+            return _dispatch_out_variant(func, args, kwargs, names)
         leaves = list(flat)
         for i, spec in zip(tensor_pos, _operand_specs(flat, tensor_pos, func)):
             leaves[i] = spec
         decision = core.decide_for_dispatch(key, func, leaves, tree, tensor_pos)
     if core._state["debug"]:
         check_agreement(decision, [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)])
-    leaves = list(flat)
+    self_ = flat[tensor_pos[0]] if decision.inplace else None
     for i in tensor_pos:
-        if type(flat[i]) is DTensor:
-            leaves[i] = flat[i]._local_tensor
-    core.move_inputs(decision, leaves, tensor_pos)
+        a = flat[i]
+        if isinstance(a, DTensor):
+            flat[i] = a._local_tensor
+    if decision.moves:
+        core.move_inputs(decision, flat, tensor_pos)
     if decision.inplace:
         if decision.moves and decision.moves[0] == 0:  # self's pending partial was resolved in place
-            flat[tensor_pos[0]]._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
-        core.compute(decision, leaves, tree)
-        return flat[tensor_pos[0]]
-    out = core.compute(decision, leaves, tree)
+            self_._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
+        core.compute(decision, flat, tree)
+        return self_
+    out = core.compute(decision, flat, tree)
     if type(out) is torch.Tensor and decision.out_specs is not None:
         return DTensor._make(out, decision.out_specs[0])
     out_leaves, out_tree = pytree.tree_flatten(out)
