@@ -21,7 +21,8 @@ from .spec import TensorMeta, TensorSpec, contiguous_stride
 
 # runs func with subclass __torch_function__ disabled (in C: cheaper than the context manager)
 _torch_function_default = torch._C._disabled_torch_function_impl
-_SCALARS = (int, float, bool, type(None))
+_SCALARS = {int, float, bool, type(None)}
+_NO_KWARGS: dict = {}
 
 
 class DTensor(torch.Tensor):
@@ -138,8 +139,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     static argument with its type), looks it up, unwraps, runs the kernel and wraps: no pytree,
     no spec objects, no signature binding.
     """
-    flat, tree = core.flatten_args(args, kwargs or {})
-    key = [func, core.tree_key(tree)]
+    flat, tree = core.flatten_args(args, kwargs) if kwargs else core.flatten_args(args, _NO_KWARGS)
+    key = [func, tree if tree is None else core.tree_key(tree)]
     tensor_pos = []
     for i, a in enumerate(flat):
         t = type(a)
@@ -186,7 +187,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
             self_._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
         core.compute(decision, flat, tree)
         return self_
-    out = core.compute(decision, flat, tree)
+    if tree is None and decision.algorithm is None:
+        out = func(*flat)  # the common case: core.compute without its argument rebuilding
+    else:
+        out = core.compute(decision, flat, tree)
     if type(out) is torch.Tensor and decision.out_specs is not None:
         return DTensor._make(out, decision.out_specs[0])
     out_leaves, out_tree = pytree.tree_flatten(out)

@@ -59,7 +59,11 @@ def register_torch_function(fn: Callable[..., Any], *torch_callables: Any) -> Ca
 
 def call_default(func, args: tuple, kwargs: dict) -> Any:
     """Run a torch function the ordinary way (into __torch_dispatch__), without our override."""
-    return torch._C._disabled_torch_function_impl(func, (), args, kwargs)
+    with _NO_SUBCLASS_TORCH_FUNCTION():  # (torch._C._disabled_torch_function_impl would enter __torch_function__ again)
+        return func(*args, **kwargs)
+
+
+_NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 
 # parse(bound, args, kwargs) -> the arguments of `apply`, or None: not ours (torch's ordinary path)
@@ -93,29 +97,36 @@ MAX_CALL_KEYS = 4096  # per entry: bounds the parse cache (a program makes a few
 
 
 def call_key(args: tuple, kwargs: dict) -> tuple | None:
-    """What a torch-level parse reads, as one hashable key: grad mode, and per argument its type and
-    value (a tensor: its spec id or shape and dtype, and requires_grad). None: not keyable (then the
+    """What a torch-level parse reads, as one flat hashable key: grad mode, and per argument its type and
+    value (a tensor: its spec id, or shape and dtype, and requires_grad). None: not keyable (then the
     call is parsed every time)."""
     key = [torch.is_grad_enabled()]
-    for a in (*args, *kwargs.items()) if kwargs else args:
-        k = _leaf_key(a)
-        if k is None:
-            return None
-        key.append(k)
+    # a subclass's tensor properties (requires_grad, shape) would each enter __torch_function__
+    with _NO_SUBCLASS_TORCH_FUNCTION():
+        for a in (*args, *kwargs.items()) if kwargs else args:
+            t = type(a)
+            if t in _SCALARS:
+                key.append(t)
+                key.append(a if a == a else "nan")
+            else:
+                k = _leaf_key(a)
+                if k is None:
+                    return None
+                key.append(k)
     return tuple(key)
 
 
-_SCALARS = (int, float, bool, str, type(None), torch.dtype)
+_SCALARS = {int, float, bool, str, type(None), torch.dtype}
 
 
 def _leaf_key(a: Any) -> Any:
     t = type(a)
     if t in _SCALARS:
         return (t, a) if a == a else (t, "nan")
-    spec = getattr(a, "_spec", None) if isinstance(a, torch.Tensor) else None
-    if spec is not None:
-        return (t, spec.key, a.requires_grad)
     if isinstance(a, torch.Tensor):
+        spec = getattr(a, "_spec", None)  # a DTensor: its spec id says mesh, layout, shape and dtype
+        if spec is not None:
+            return (t, spec.key, a.requires_grad)
         return (t, a.shape, a.dtype, a.device.type, a.requires_grad)
     if t is tuple or t is list:
         parts = tuple(_leaf_key(v) for v in a)
