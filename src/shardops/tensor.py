@@ -135,44 +135,35 @@ class DTensor(torch.Tensor):
 def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     """An aten op on DTensor operands: the local tensors and specs go to dispatch/core, the results come back wrapped.
 
-    A cache hit builds one flat key (the overload, the call's shape, each operand's spec id, each
-    static argument with its type), looks it up, unwraps, runs the kernel and wraps: no pytree,
-    no spec objects, no signature binding.
+    A cache hit builds one flat key (the overload, each operand's spec id, each static argument
+    with its type), looks it up, unwraps, runs the kernel and wraps: no pytree, no spec objects,
+    no signature binding. Static lists (dims, sizes) stay in place; only calls with keyword
+    arguments or tensor lists are flattened first.
     """
-    flat, tree = core.flatten_args(args, kwargs) if kwargs else core.flatten_args(args, _NO_KWARGS)
-    key = [func, tree if tree is None else core.tree_key(tree)]
-    tensor_pos = []
-    for i, a in enumerate(flat):
-        t = type(a)
-        if t is DTensor:
-            key.append(a._spec.key)
-            tensor_pos.append(i)
-        elif t in _SCALARS:
-            key.append(t)  # 1, 1.0 and True decide differently
-            key.append(a if a == a else "nan")  # NaN != NaN would never hit
-        elif isinstance(a, DTensor):
-            key.append(a._spec.key)
-            tensor_pos.append(i)
-        elif isinstance(a, torch.Tensor):
-            key.append(core.plain_key(a))
-            tensor_pos.append(i)
-        else:
-            key.append(static_key(a))
+    key = [func]
+    tensor_pos: list[int] = []
+    if not kwargs and _operand_key(args, key, tensor_pos):
+        flat, tree = list(args), None
+    else:
+        flat, tree = core.flatten_args(args, kwargs or _NO_KWARGS)
+        key, tensor_pos = [func, "leaves", core.tree_key(tree)], []
+        _operand_key(flat, key, tensor_pos)
     key.append(cost._CACHE_EPOCH[0])  # the link model: a new one decides anew
     key = tuple(key)
     decision = core._CACHE.get(key)
     if decision is None:
-        kwargs = kwargs or {}
+        kwargs = kwargs or _NO_KWARGS
         decomposition = DECOMPOSITIONS.get(func)  # never cached: these always come this way
         if decomposition is not None:
             return decomposition(*args, **kwargs)
         names = core.out_arg_names(func)
         if names and all(n in kwargs for n in names):
             return _dispatch_out_variant(func, args, kwargs, names)
-        leaves = list(flat)
-        for i, spec in zip(tensor_pos, _operand_specs(flat, tensor_pos, func)):
+        leaves, leaves_tree = core.flatten_args(args, kwargs)  # what decide reads: every list flattened
+        positions = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
+        for i, spec in zip(positions, _operand_specs(leaves, positions, func)):
             leaves[i] = spec
-        decision = core.decide_for_dispatch(key, func, leaves, tree, tensor_pos)
+        decision = core.decide_for_dispatch(key, func, leaves, leaves_tree, positions)
     if core._state["debug"]:
         check_agreement(decision, [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)])
     self_ = flat[tensor_pos[0]] if decision.inplace else None
@@ -197,6 +188,38 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     specs = iter(core.output_specs(decision, out_leaves))
     wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
     return pytree.tree_unflatten(wrapped, out_tree)
+
+
+def _operand_key(items: Sequence[Any], key: list, tensor_pos: list[int]) -> bool:
+    """Append each item's cache key and note the tensor operands' positions; False where a list
+    holds tensors (a Tensor[] argument: the call must be flattened first)."""
+    for i, a in enumerate(items):
+        t = type(a)
+        if t is DTensor:
+            key.append(a._spec.key)
+            tensor_pos.append(i)
+        elif t in _SCALARS:
+            key.append(t)  # 1, 1.0 and True decide differently
+            key.append(a if a == a else "nan")  # NaN != NaN would never hit
+        elif t is list or t is tuple:
+            for v in a:
+                if type(v) not in _SCALARS:
+                    if isinstance(v, torch.Tensor):
+                        return False
+                    key.append(static_key(a))  # anything else: its hashable stand-in
+                    break
+            else:
+                key.append(t)
+                key.append(tuple(a))  # int[] dims and sizes: static
+        elif isinstance(a, DTensor):
+            key.append(a._spec.key)
+            tensor_pos.append(i)
+        elif isinstance(a, torch.Tensor):
+            key.append(core.plain_key(a))
+            tensor_pos.append(i)
+        else:
+            key.append(static_key(a))
+    return True
 
 
 def _operand_specs(flat: Sequence[Any], tensor_pos: Sequence[int], func) -> list[TensorSpec]:

@@ -137,6 +137,8 @@ def _pytree_flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
 def unflatten_args(leaves: list, tree: Any) -> tuple[tuple, dict]:
     if tree is None:
         return tuple(leaves), {}
+    if type(tree) is not tuple:  # a pytree TreeSpec from a caller that flattened with pytree itself
+        return pytree.tree_unflatten(leaves, tree)
     if tree[0] == "pytree":
         return pytree.tree_unflatten(leaves, tree[2])
     n_args, names, shape = tree
@@ -154,7 +156,9 @@ def unflatten_args(leaves: list, tree: Any) -> tuple[tuple, dict]:
 
 def tree_key(tree: Any) -> Any:
     """The hashable part of `flatten_args`'s tree: the call's shape in a cache key."""
-    return tree if tree is None or tree[0] != "pytree" else tree[1]
+    if type(tree) is not tuple:  # a pytree TreeSpec
+        return None if tree is None else str(tree)
+    return tree if tree[0] != "pytree" else tree[1]
 
 
 def plain_key(t: torch.Tensor) -> tuple:
