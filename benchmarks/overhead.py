@@ -52,6 +52,7 @@ SYSTEMS = ("shardops", "DTensor", "floor", "plain")
 # Targets (issue 7): shardops / DTensor per op.
 TARGET_NO_COMM = 1.0
 TARGET_DTENSOR_REDISTRIBUTES = 0.3
+TARGET_FLOOR_NO_COMM = 1.3  # issue 18: shardops / the do-nothing wrapper, where no communication is needed
 
 
 # --- the operands of each system ------------------------------------------------------
@@ -228,11 +229,14 @@ def overhead_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         redistributes = bool(dt_comm)
         target = TARGET_DTENSOR_REDISTRIBUTES if redistributes else TARGET_NO_COMM
         ratio = us["shardops"] / us["DTensor"] if us["shardops"] and us["DTensor"] else None
+        floor_ratio = us["shardops"] / us["floor"] if us["shardops"] and us["floor"] else None
         rows.append(
             {
                 "op": op,
                 "us": us,
                 "ratio": ratio,
+                "floor_ratio": floor_ratio,
+                "floor_met": None if floor_ratio is None or redistributes else floor_ratio <= TARGET_FLOOR_NO_COMM,
                 "dtensor_comm": dt_comm,
                 "shardops_comm": result["comm"]["shardops"].get(op, {}),
                 "shardops_fallbacks": result["fallbacks"].get(op, []),
@@ -250,18 +254,21 @@ def _us(v: float | None) -> str:
 
 def format_overhead_table(result: dict[str, Any]) -> str:
     lines = [
-        "| op | shardops (µs) | DTensor (µs) | ratio | target | floor (µs) | plain torch (µs) | shardops comm | DTensor comm |",
-        "|---|---:|---:|---:|---|---:|---:|---|---|",
+        "| op | shardops (µs) | DTensor (µs) | ratio | target | floor (µs) | ÷ floor | plain torch (µs) | shardops comm | DTensor comm |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---|---|",
     ]
     for r in overhead_rows(result):
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}×"
         met = "n/a" if r["met"] is None else ("met" if r["met"] else "**MISSED**")
+        to_floor = "—" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}×"
+        if r["floor_met"] is not None:
+            to_floor += f" (≤ {TARGET_FLOOR_NO_COMM:g}×: {'met' if r['floor_met'] else '**MISSED**'})"
         so_comm = _fmt_counts(r["shardops_comm"])
         if r["shardops_fallbacks"]:
             so_comm += " (fallback: " + ", ".join(r["shardops_fallbacks"]) + ")"
         lines.append(
             f"| {r['op']} | {_us(r['us']['shardops'])} | {_us(r['us']['DTensor'])} | {ratio} "
-            f"| ≤ {r['target']:g}× ({r['target_kind']}): {met} | {_us(r['us']['floor'])} | {_us(r['us']['plain'])} "
+            f"| ≤ {r['target']:g}× ({r['target_kind']}): {met} | {_us(r['us']['floor'])} | {to_floor} | {_us(r['us']['plain'])} "
             f"| {so_comm} | {_fmt_counts(r['dtensor_comm'])} |"
         )
     text = "\n".join(lines)

@@ -150,6 +150,9 @@ def _draw(op, mesh_shape, placements, seed=SEED):
     return so.run(body, math.prod(mesh_shape))
 
 
+GATHERS_ON_PURPOSE = {"init.orthogonal_"}
+
+
 @pytest.mark.parametrize("name", list(OPS))
 def test_same_seed_same_global_tensor_on_every_layout(name, strict):
     reference = None
@@ -157,7 +160,8 @@ def test_same_seed_same_global_tensor_on_every_layout(name, strict):
         results = _draw(OPS[name], mesh_shape, placements)
         for rank, (full, out_placements, local, moved) in enumerate(results):
             where = f"{name} on mesh {mesh_shape} {placements}, rank {rank}"
-            assert moved == 0, where
+            # orthogonal_ QR-factors the drawn matrix: linalg_qr gathers it (replicate on purpose)
+            assert moved == 0 or name in GATHERS_ON_PURPOSE, where
             assert out_placements == placements, where
             if reference is None:
                 reference = full

@@ -1,8 +1,9 @@
 """TensorMeta and TensorSpec: what dispatch knows about a DTensor without its data."""
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -27,6 +28,12 @@ class TensorSpec:
     mesh: "DeviceMesh"
     placements: tuple[Placement, ...]
     meta: TensorMeta
+    # A small int naming (mesh, placements, shape, stride, dtype): the dispatch cache keys on it, so a
+    # cache hit hashes ints, not meshes and placements. Equal specs share it (while the table holds them).
+    key: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", _spec_id((self.mesh, self.placements, self.meta.shape, self.meta.stride, self.meta.dtype)))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -63,6 +70,20 @@ class TensorSpec:
     def __repr__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         return f"{dt}{list(self.shape)}:{','.join(map(repr, self.placements))}"
+
+
+_SPEC_IDS: dict[tuple, int] = {}
+_NEXT_ID = itertools.count()
+MAX_SPEC_IDS = 1 << 16  # bounds the table; when full it starts again (ids are never reused, so no key collides)
+
+
+def _spec_id(k: tuple) -> int:
+    i = _SPEC_IDS.get(k)
+    if i is None:
+        if len(_SPEC_IDS) >= MAX_SPEC_IDS:
+            _SPEC_IDS.clear()
+        i = _SPEC_IDS.setdefault(k, next(_NEXT_ID))
+    return i
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

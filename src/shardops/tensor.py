@@ -7,10 +7,11 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from . import cost
 from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
-from .dispatch.schema import spec_key, static_key
+from .dispatch.schema import static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
@@ -18,13 +19,16 @@ from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 
 
-_no_subclass_torch_function = torch._C.DisableTorchFunctionSubclass
+# runs func with subclass __torch_function__ disabled (in C: cheaper than the context manager)
+_torch_function_default = torch._C._disabled_torch_function_impl
+_SCALARS = {int, float, bool, type(None)}
+_NO_KWARGS: dict = {}
 
 
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_key_cache", "_grad_hook", "_pending_layout")
+    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -39,7 +43,6 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local
         r._spec = spec
-        r._key_cache = None
         r._pending_layout = None
         if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see interop)
             from .interop.lazy_bits import mirror_lazy_bits
@@ -49,13 +52,6 @@ class DTensor(torch.Tensor):
 
     def __new__(cls, *a, **k):  # pragma: no cover - construction goes through the API functions
         raise ShardingError("construct a DTensor with distribute_tensor(...) or DTensor.from_local(...)")
-
-    @property
-    def _key(self) -> tuple:
-        k = self._key_cache
-        if k is None:
-            k = self._key_cache = spec_key(self._spec)
-        return k
 
     def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
         super().requires_grad_(requires_grad)
@@ -71,9 +67,13 @@ class DTensor(torch.Tensor):
             self._local_tensor = execute(self._local_tensor, self._spec, plan(self._spec, target))
             self._set_spec(self._spec.with_placements(target))
 
+    @property
+    def _key(self) -> int:
+        """The spec's cache id (what the dispatch cache keys on for this operand)."""
+        return self._spec.key
+
     def _set_spec(self, spec: TensorSpec) -> None:
         self._spec = spec
-        self._key_cache = None
 
     def __repr__(self) -> str:  # noqa: D105
         return f"DTensor(local={self._local_tensor!r}, spec={self._spec!r})"
@@ -88,8 +88,7 @@ class DTensor(torch.Tensor):
         impl = TORCH_FUNCTIONS.get(func)
         if impl is not None:
             return impl(*args, **(kwargs or {}))
-        with _no_subclass_torch_function():
-            return func(*args, **kwargs) if kwargs else func(*args)
+        return _torch_function_default(func, types, args, kwargs or {})  # on into __torch_dispatch__
 
     # -- public API
     @property
@@ -151,54 +150,98 @@ class DTensor(torch.Tensor):
 
 
 def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
-    """An aten op on DTensor operands: the local tensors and specs go to dispatch/core, the results come back wrapped."""
-    kwargs = kwargs or {}
-    decomposition = DECOMPOSITIONS.get(func)
-    if decomposition is not None:
-        return decomposition(*args, **kwargs)
-    names = core.out_arg_names(func)
-    if names and all(n in kwargs for n in names):
-        return _dispatch_out_variant(func, args, kwargs, names)
-    flat, tree = core.flatten_args(args, kwargs)
-    key_parts = []
-    tensor_pos = []
-    for i, a in enumerate(flat):
-        if isinstance(a, DTensor):
-            if a._pending_layout is not None and not (i == 0 and core._writes_self(func)):
-                a._resolve_pending()  # a leaf's pending gradient, read for the first time (writes keep it pending)
-            key_parts.append(a._key)
-            tensor_pos.append(i)
-        elif isinstance(a, torch.Tensor):
-            key_parts.append(core.plain_key(a))
-            tensor_pos.append(i)
-        else:
-            key_parts.append(static_key(a))
-    key = core.cache_key(func, len(args), kwargs, tuple(key_parts))
+    """An aten op on DTensor operands: the local tensors and specs go to dispatch/core, the results come back wrapped.
+
+    A cache hit builds one flat key (the overload, each operand's spec id, each static argument
+    with its type), looks it up, unwraps, runs the kernel and wraps: no pytree, no spec objects,
+    no signature binding. Static lists (dims, sizes) stay in place; only calls with keyword
+    arguments or tensor lists are flattened first.
+    """
+    key = [func]
+    tensor_pos: list[int] = []
+    if not kwargs and _operand_key(func, args, key, tensor_pos):
+        flat, tree = list(args), None
+    else:
+        flat, tree = core.flatten_args(args, kwargs or _NO_KWARGS)
+        key, tensor_pos = [func, "leaves", core.tree_key(tree)], []
+        _operand_key(func, flat, key, tensor_pos)
+    key.append(cost._CACHE_EPOCH[0])  # the link model: a new one decides anew
+    key = tuple(key)
     decision = core._CACHE.get(key)
     if decision is None:
-        leaves = list(flat)
-        for i, spec in zip(tensor_pos, _operand_specs(flat, tensor_pos, func)):
+        kwargs = kwargs or _NO_KWARGS
+        decomposition = DECOMPOSITIONS.get(func)  # never cached: these always come this way
+        if decomposition is not None:
+            return decomposition(*args, **kwargs)
+        names = core.out_arg_names(func)
+        if names and all(n in kwargs for n in names):
+            return _dispatch_out_variant(func, args, kwargs, names)
+        leaves, leaves_tree = core.flatten_args(args, kwargs)  # what decide reads: every list flattened
+        positions = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
+        for i, spec in zip(positions, _operand_specs(leaves, positions, func)):
             leaves[i] = spec
-        decision = core.decide_for_dispatch(key, func, leaves, tree, tensor_pos)
+        decision = core.decide_for_dispatch(key, func, leaves, leaves_tree, positions)
     if core._state["debug"]:
         check_agreement(decision, [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)])
-    leaves = list(flat)
+    self_ = flat[tensor_pos[0]] if decision.inplace else None
     for i in tensor_pos:
-        if type(flat[i]) is DTensor:
-            leaves[i] = flat[i]._local_tensor
-    core.move_inputs(decision, leaves, tensor_pos)
+        a = flat[i]
+        if isinstance(a, DTensor):
+            flat[i] = a._local_tensor
+    if decision.moves:
+        core.move_inputs(decision, flat, tensor_pos)
     if decision.inplace:
         if decision.moves and decision.moves[0] == 0:  # self's pending partial was resolved in place
-            flat[tensor_pos[0]]._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
-        core.compute(decision, leaves, tree)
-        return flat[tensor_pos[0]]
-    out = core.compute(decision, leaves, tree)
+            self_._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
+        core.compute(decision, flat, tree)
+        return self_
+    if tree is None and decision.algorithm is None:
+        out = func(*flat)  # the common case: core.compute without its argument rebuilding
+    else:
+        out = core.compute(decision, flat, tree)
     if type(out) is torch.Tensor and decision.out_specs is not None:
         return DTensor._make(out, decision.out_specs[0])
     out_leaves, out_tree = pytree.tree_flatten(out)
     specs = iter(core.output_specs(decision, out_leaves))
     wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
     return pytree.tree_unflatten(wrapped, out_tree)
+
+
+def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int]) -> bool:
+    """Append each item's cache key and note the tensor operands' positions; False where a list
+    holds tensors (a Tensor[] argument: the call must be flattened first). A leaf's pending
+    gradient read here for the first time is moved to the leaf's layout first (a write keeps it)."""
+    for i, a in enumerate(items):
+        t = type(a)
+        if t is DTensor:
+            if a._pending_layout is not None and not (i == 0 and core._writes_self(func)):
+                a._resolve_pending()
+            key.append(a._spec.key)
+            tensor_pos.append(i)
+        elif t in _SCALARS:
+            key.append(t)  # 1, 1.0 and True decide differently
+            key.append(a if a == a else "nan")  # NaN != NaN would never hit
+        elif t is list or t is tuple:
+            for v in a:
+                if type(v) not in _SCALARS:
+                    if isinstance(v, torch.Tensor):
+                        return False
+                    key.append(static_key(a))  # anything else: its hashable stand-in
+                    break
+            else:
+                key.append(t)
+                key.append(tuple(a))  # int[] dims and sizes: static
+        elif isinstance(a, DTensor):
+            if a._pending_layout is not None and not (i == 0 and core._writes_self(func)):
+                a._resolve_pending()
+            key.append(a._spec.key)
+            tensor_pos.append(i)
+        elif isinstance(a, torch.Tensor):
+            key.append(core.plain_key(a))
+            tensor_pos.append(i)
+        else:
+            key.append(static_key(a))
+    return True
 
 
 def _operand_specs(flat: Sequence[Any], tensor_pos: Sequence[int], func) -> list[TensorSpec]:

@@ -33,6 +33,9 @@ from .strategy import Candidate, candidates, with_plans
 aten = torch.ops.aten
 _state = {"strict": False}
 _CACHE: dict[tuple, "Decision"] = {}
+# A decision holds its specs, plans and schema: about 2.5 KB each (tracemalloc over 1,185 decisions
+# of add/sum/softmax on distinct shapes), so the bounded cache stays near 20 MB at most.
+MAX_DECISIONS = 8192
 _state["debug"] = os.environ.get("SHARDOPS_DEBUG", "") not in ("", "0")
 
 
@@ -86,34 +89,76 @@ class Decision:
     replicate_only: bool = False
     meta_error: Exception | None = None  # torch's own refusal on meta tensors, if that is why there is no plan
 
-    @property
-    def moves(self) -> tuple[int, ...]:
-        """Indices of the operands that need redistributing (cached: read on every call)."""
-        m = self.__dict__.get("_moves")
-        if m is None:
-            m = self.__dict__["_moves"] = tuple(k for k, p in enumerate(self.plans) if p.steps)
-        return m
+    def __post_init__(self) -> None:
+        # read on every call: indices of the operands that need redistributing
+        self.moves: tuple[int, ...] = tuple(k for k, p in enumerate(self.plans) if p.steps)
 
 
 # ------------------------------------------------------------------ arguments
 
 
 def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any]:
-    """Leaves of (args, kwargs); tree None marks the common flat case (no kwargs, no lists), which skips pytree."""
-    if not kwargs and not any(isinstance(a, (list, tuple)) for a in args):
-        return list(args), None
-    return pytree.tree_flatten((args, kwargs))
+    """Leaves of (args, kwargs) and how to rebuild them (`unflatten_args`).
+
+    aten arguments nest at most one level (Tensor[], int[]), so a flat walk does, with no
+    pytree: tree None for the common case (no kwargs, no lists), else a small hashable tuple
+    (each argument a leaf or a list/tuple of n leaves; it is part of the cache key, so
+    ([0, 1], []) and ([0], [1]) never share a decision). Anything deeper goes through pytree.
+    """
+    if not kwargs:
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                break
+        else:
+            return list(args), None
+    leaves: list = []
+    shape = []
+    for a in (*args, *kwargs.values()):
+        t = type(a)
+        if t is list or t is tuple:
+            for v in a:
+                if isinstance(v, (list, tuple, dict)):
+                    return _pytree_flatten(args, kwargs)
+            shape.append((t, len(a)))
+            leaves.extend(a)
+        elif isinstance(a, (list, tuple, dict)):  # a named tuple, a dict: pytree knows them
+            return _pytree_flatten(args, kwargs)
+        else:
+            shape.append(None)
+            leaves.append(a)
+    return leaves, (len(args), tuple(kwargs), tuple(shape))
+
+
+def _pytree_flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return leaves, ("pytree", str(spec), spec)
 
 
 def unflatten_args(leaves: list, tree: Any) -> tuple[tuple, dict]:
     if tree is None:
         return tuple(leaves), {}
-    return pytree.tree_unflatten(leaves, tree)
+    if type(tree) is not tuple:  # a pytree TreeSpec from a caller that flattened with pytree itself
+        return pytree.tree_unflatten(leaves, tree)
+    if tree[0] == "pytree":
+        return pytree.tree_unflatten(leaves, tree[2])
+    n_args, names, shape = tree
+    values, i = [], 0
+    for kind in shape:
+        if kind is None:
+            values.append(leaves[i])
+            i += 1
+        else:
+            container, n = kind
+            values.append(container(leaves[i : i + n]))
+            i += n
+    return tuple(values[:n_args]), dict(zip(names, values[n_args:]))
 
 
-def cache_key(func, n_args: int, kwargs: dict, key_parts: tuple) -> tuple:
-    """Everything that changes a decision: the overload, the call's shape, each leaf's key, the link model."""
-    return (func, n_args, tuple(kwargs), key_parts, cost._CACHE_EPOCH[0])
+def tree_key(tree: Any) -> Any:
+    """The hashable part of `flatten_args`'s tree: the call's shape in a cache key."""
+    if type(tree) is not tuple:  # a pytree TreeSpec
+        return None if tree is None else str(tree)
+    return tree if tree[0] != "pytree" else tree[1]
 
 
 def plain_key(t: torch.Tensor) -> tuple:
@@ -206,6 +251,8 @@ def decide_for_dispatch(key: tuple, func, leaves: Sequence[Any], tree, tensor_po
         checked_fallback(decision)
         return decision
     decision.candidates = []  # explain's list; a cached decision keeps only its choice
+    if len(_CACHE) >= MAX_DECISIONS:  # bounded: the oldest decision goes (a later call decides it again)
+        _CACHE.pop(next(iter(_CACHE)), None)
     _CACHE[key] = decision
     return decision
 
@@ -306,7 +353,7 @@ def plan_op(func, args: tuple, kwargs: dict | None = None, links=None, limit: in
     The Decision carries `candidates` (the best `limit`, cheapest first; see strategy.candidates),
     `out_metas`, `fallback` and `replicate_only`.
     """
-    flat, tree = pytree.tree_flatten((args, kwargs or {}))
+    flat, tree = flatten_args(tuple(args), kwargs or {})
     tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, TensorSpec)]
     return decide(func, flat, tree, tensor_pos, links=links, limit=limit)
 

@@ -59,8 +59,11 @@ def register_torch_function(fn: Callable[..., Any], *torch_callables: Any) -> Ca
 
 def call_default(func, args: tuple, kwargs: dict) -> Any:
     """Run a torch function the ordinary way (into __torch_dispatch__), without our override."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with _NO_SUBCLASS_TORCH_FUNCTION():  # (torch._C._disabled_torch_function_impl would enter __torch_function__ again)
         return func(*args, **kwargs)
+
+
+_NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 
 # parse(bound, args, kwargs) -> the arguments of `apply`, or None: not ours (torch's ordinary path)
@@ -71,15 +74,64 @@ def torch_entry(func: Any, signature: CallSignature, parse: Parse, apply: Callab
     """A __torch_function__ override for `func`: bind once, parse, apply; calls that are not ours
     (no form binds, or `parse` says None: no gradient needed, out=, named dims...) run as torch runs them."""
 
+    not_ours: set[tuple] = set()  # call keys whose parse said "not ours": the parse is cached too
+
     def entry(*args, **kwargs):
+        key = call_key(args, kwargs)
+        if key in not_ours:
+            return call_default(func, args, kwargs)
         bound = signature.bind(args, kwargs)
         parsed = None if bound is None else parse(bound, args, kwargs)
         if parsed is None:
+            if key is not None and len(not_ours) < MAX_CALL_KEYS:
+                not_ours.add(key)
             return call_default(func, args, kwargs)
         return apply(*parsed)
 
     entry.__name__ = f"{getattr(func, '__name__', func)}_entry"
+    entry.not_ours = not_ours
     return entry
+
+
+MAX_CALL_KEYS = 4096  # per entry: bounds the parse cache (a program makes a few call shapes per op)
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple | None:
+    """What a torch-level parse reads, as one flat hashable key: grad mode, and per argument its type and
+    value (a tensor: its spec id, or shape and dtype, and requires_grad). None: not keyable (then the
+    call is parsed every time)."""
+    key = [torch.is_grad_enabled()]
+    # a subclass's tensor properties (requires_grad, shape) would each enter __torch_function__
+    with _NO_SUBCLASS_TORCH_FUNCTION():
+        for a in (*args, *kwargs.items()) if kwargs else args:
+            t = type(a)
+            if t in _SCALARS:
+                key.append(t)
+                key.append(a if a == a else "nan")
+            else:
+                k = _leaf_key(a)
+                if k is None:
+                    return None
+                key.append(k)
+    return tuple(key)
+
+
+_SCALARS = {int, float, bool, str, type(None), torch.dtype}
+
+
+def _leaf_key(a: Any) -> Any:
+    t = type(a)
+    if t in _SCALARS:
+        return (t, a) if a == a else (t, "nan")
+    if isinstance(a, torch.Tensor):
+        spec = getattr(a, "_spec", None)  # a DTensor: its spec id says mesh, layout, shape and dtype
+        if spec is not None:
+            return (t, spec.key, a.requires_grad)
+        return (t, a.shape, a.dtype, a.device.type, a.requires_grad)
+    if t is tuple or t is list:
+        parts = tuple(_leaf_key(v) for v in a)
+        return None if None in parts else (t, parts)
+    return None
 
 
 def register_torch_entry(signature: CallSignature | None, parse: Parse, apply: Callable[..., Any], *torch_callables: Any) -> None:

@@ -34,17 +34,18 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 from typing import Callable
 
 import torch
 
 from .. import rng
 from ..dispatch import core
-from ..dispatch.registry import call_default, register, register_torch_function
-from ..dispatch.schema import OpSchema
+from ..dispatch.registry import call_default, register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
 from ..errors import ShardingError
-from ..placements import Partial, Replicate, Shard, StridedShard
+from ..placements import Partial, Replicate, Shard, StridedShard, without_partials
 from .pointwise import _shard_rows
 
 aten = torch.ops.aten
@@ -333,15 +334,15 @@ def _relabel_pending(t) -> None:
     from ..tensor import DTensor
 
     if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-        t._set_spec(t._spec.with_placements(tuple(R if p.is_partial() else p for p in t.placements)))
+        t._set_spec(t._spec.with_placements(without_partials(t.placements)))
 
 
-def _fill_entry(func: Callable) -> Callable:
-    def entry(*args, **kwargs):
-        _relabel_pending(args[0] if args else kwargs.get("tensor"))
-        return call_default(func, args, kwargs)
+def _fill_call(tensor, *args, **kwargs): ...  # noqa: E704  (every fill: the tensor first)
 
-    return entry
+
+def _relabel_then_fill(func: Callable, b: dict, args: tuple, kwargs: dict) -> tuple:
+    _relabel_pending(b["tensor"])
+    return func, args, kwargs
 
 
 _torch_trunc_normal_ = torch.nn.init.trunc_normal_
@@ -424,10 +425,8 @@ register(_dropout_rule, aten.native_dropout.default)
 # torch-level entries (verify skips them with the random aten ops: their values are not torch's)
 RANDOM_ENTRIES = {getattr(torch.Tensor, m) for m in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")}
 RANDOM_ENTRIES |= {torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.constant_}  # these enter __torch_function__ themselves
-for _entry in RANDOM_ENTRIES:
-    register_torch_function(_fill_entry(_entry), _entry)
-# nn.init.zeros_/ones_/constant_ reach these: they overwrite too, so a pending self needs no resolution
-for _entry in (torch.Tensor.zero_, torch.Tensor.fill_):
-    register_torch_function(_fill_entry(_entry), _entry)
+# nn.init.zeros_/ones_/constant_ reach zero_/fill_: they overwrite too, so a pending self needs no resolution
+for _entry in RANDOM_ENTRIES | {torch.Tensor.zero_, torch.Tensor.fill_}:
+    register_torch_entry(CallSignature(_fill_call, aliases={"self": "tensor"}), partial(_relabel_then_fill, _entry), call_default, _entry)
 torch.nn.init.trunc_normal_ = trunc_normal_  # torch's have no __torch_function__ entry to hook
 torch.nn.init.sparse_ = sparse_
