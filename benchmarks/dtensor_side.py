@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import statistics
 import sys
 import threading
@@ -279,7 +280,18 @@ def _short_error(e: BaseException) -> str:
     return f"{type(root).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def _measure_on_rank(case: Case, mesh: Any, reference: tuple[list, list]) -> dict[str, Any]:
+def best_path(name: str | None):
+    """The context a case's `dtensor_best` path runs in (a null context for DTensor's default path)."""
+    if name is None:
+        return contextlib.nullcontext()
+    if name == "loss_parallel":
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    raise ValueError(f"unknown DTensor path {name!r}")
+
+
+def _measure_on_rank(case: Case, mesh: Any, reference: tuple[list, list], path: str | None = None) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh_shape = tuple(mesh.shape)
@@ -308,6 +320,7 @@ def _measure_on_rank(case: Case, mesh: Any, reference: tuple[list, list]) -> dic
     return {
         "case": case.name,
         "mesh": mesh_shape,
+        "path": path or "default",
         "placements": case.placement_specs(mesh_shape),
         "counts": counter.counts,
         "bytes": counter.bytes,
@@ -322,13 +335,15 @@ def _measure_on_rank(case: Case, mesh: Any, reference: tuple[list, list]) -> dic
 
 
 def measure_dtensor(
-    case_names: Sequence[str] | None = None, mesh_shapes: Sequence[Sequence[int]] = MESH_SHAPES
+    case_names: Sequence[str] | None = None, mesh_shapes: Sequence[Sequence[int]] = MESH_SHAPES, best: bool = False
 ) -> list[dict[str, Any]]:
     """Run each case with torch.distributed.tensor on a 4-thread world.
 
+    best=True: only the cases with a `dtensor_best` path (e.g. loss_parallel), run on that path.
+
     Returns one dict per (case, mesh), in case order, with keys:
 
-    - case, mesh, placements (the input PlacementSpecs);
+    - case, mesh, path ("default" or the best path's name), placements (the input PlacementSpecs);
     - counts: rank 0's collective calls by kind, e.g. {"all_gather": 2};
     - bytes: what rank 0 put into those calls (their input tensors);
     - rounds: rank 0's collective calls (each one a sequential step);
@@ -344,18 +359,28 @@ def measure_dtensor(
     """
     from torch.distributed.tensor import init_device_mesh
 
-    cases = select_cases(case_names)
+    cases = [c for c in select_cases(case_names) if c.dtensor_best or not best]
+    if not cases:
+        return []
     mesh_shapes = [tuple(s) for s in mesh_shapes]
     for s in mesh_shapes:
         if len(s) == 0 or torch.Size(s).numel() != WORLD_SIZE:
             raise ValueError(f"mesh shape {s} does not cover the {WORLD_SIZE}-rank world")
     references = {c.name: _reference(c) for c in cases}
 
-    def per_rank(rank: int) -> list[dict[str, Any]]:
+    def per_rank(rank: int, group: Sequence[Case]) -> list[dict[str, Any]]:
         meshes = [init_device_mesh("cpu", s) for s in mesh_shapes]
-        return [_measure_on_rank(c, m, references[c.name]) for c in cases for m in meshes]
+        return [_measure_on_rank(c, m, references[c.name], c.dtensor_best if best else None) for c in group for m in meshes]
 
-    per_rank_rows = run_threaded(per_rank)
+    # NOTE: a best path such as loss_parallel() swaps DTensor's op handlers process-wide, so it is
+    # entered once here, around the rank threads, never inside them.
+    per_rank_rows = [[] for _ in range(WORLD_SIZE)]
+    paths = dict.fromkeys(c.dtensor_best if best else None for c in cases)
+    for path in paths:
+        group = [c for c in cases if (c.dtensor_best if best else None) == path]
+        with best_path(path):
+            for rank, part in enumerate(run_threaded(lambda rank, group=group: per_rank(rank, group))):
+                per_rank_rows[rank] += part
     rows = per_rank_rows[0]
     for i, row in enumerate(rows):
         others = [r[i] for r in per_rank_rows]

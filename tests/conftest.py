@@ -1,17 +1,7 @@
 import os
 import sys
-import warnings
-
-import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
-
-
-@pytest.fixture(autouse=True)
-def _quiet_fallback_warnings():
-    import shardops
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", shardops.FallbackWarning)
-        yield
+# FallbackWarning is an error in the whole suite (pyproject.toml: filterwarnings); a test that
+# expects a fallback says so with pytest.warns(so.FallbackWarning).

@@ -8,6 +8,7 @@ op's own, forward and backward.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -15,6 +16,16 @@ import torch
 
 import shardops as so
 from shardops import Replicate
+
+
+@contextlib.contextmanager
+def strict_mode(strict: bool = True):
+    """Strict mode for a whole so.run (set once, outside the rank threads, which share it)."""
+    so.set_strict(strict)
+    try:
+        yield
+    finally:
+        so.set_strict(False)
 
 
 @dataclass
@@ -58,21 +69,18 @@ def check(
         mesh = so.init_device_mesh("cpu", tuple(mesh_shape))
         xs = [so.distribute_tensor(t, mesh, list(pl)) for t, pl in zip(fulls, layouts)]
         xs = [x.requires_grad_() if g else x for x, g in zip(xs, grads)]
-        so.set_strict(strict)
-        try:
-            with so.CommDebugMode() as comm:
-                y = fn(*xs)
-                if any(grads):
-                    g_layout = [Replicate() if p.is_partial() else p for p in y.placements]
-                    y.backward(so.distribute_tensor(upstream, mesh, g_layout, src_data_rank=None))
-        finally:
-            so.set_strict(False)
+        with so.CommDebugMode() as comm:
+            y = fn(*xs)
+            if any(grads):
+                g_layout = [Replicate() if p.is_partial() else p for p in y.placements]
+                y.backward(so.distribute_tensor(upstream, mesh, g_layout, src_data_rank=None))
         with torch.no_grad():
             got = [x.grad.full_tensor() if g and x.grad is not None else None for x, g in zip(xs, grads)]
             return Result(y.placements, [x.grad.placements if g and x.grad is not None else None for x, g in zip(xs, grads)],
                           comm.get_total_bytes(), dict(comm.get_comm_counts())), y.full_tensor(), got
 
-    results = so.run(body, world_size=int(torch.tensor(mesh_shape).prod()))
+    with strict_mode(strict):
+        results = so.run(body, world_size=int(torch.tensor(mesh_shape).prod()))
     tol = tolerance(want.dtype)
     for rank, (_, out, got) in enumerate(results):
         torch.testing.assert_close(out, want.detach(), **tol, msg=lambda m: f"rank {rank} output: {m}")

@@ -292,13 +292,6 @@ def test_bad_input_raises_sharding_error():
 # ------------------------------------------------------------------ explicit attention (matrix rows)
 
 
-def _has_bmm_rule() -> bool:
-    from shardops.dispatch.registry import RULES
-
-    return aten.bmm.default in RULES
-
-
-@pytest.mark.skipif(not _has_bmm_rule(), reason="needs the matrix-product rows (bmm, views) of the matrix issue")
 def test_explicit_attention_heads_sharded_moves_nothing():
     q, k, v, grad, m = _inputs((2, 8, 12, 8), mask="additive")
     torch_mask = m
@@ -396,3 +389,74 @@ def test_queries_keep_their_shards_on_a_large_planning_space():
     for _, (q_layout, k_layout, v_layout) in so.run(body, 16)[:1]:
         assert (q_layout[0], q_layout[1], q_layout[3]) == (Shard(2), Shard(2), Shard(1)), q_layout
         assert k_layout == v_layout
+
+
+@pytest.mark.parametrize("layout", ["S0", "S1"])
+def test_dropout_heads_or_batch_sharded_draws_what_replicated_draws(layout):
+    """dropout_p > 0 decomposes (bmm, _safe_softmax, bernoulli_, ...): layout-invariant draws make
+    the sharded result and gradients equal the replicated ones after the same seed, with no bytes.
+    Even batch and heads: the decomposition merges them into bmm's batch dim ([B, H] -> [B*H]),
+    which an uneven batch shard does not survive without moving data (views' business)."""
+    q, k, v, grad, _ = _inputs((4, 4, 6, 8))
+
+    def body(placement):
+        mesh = so.init_device_mesh("cpu", (4,))
+        dq, dk, dv = (so.distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (q, k, v))
+        g = so.distribute_tensor(grad, mesh, [placement])
+        torch.manual_seed(7)
+        with so.CommDebugMode() as comm:
+            out = F.scaled_dot_product_attention(dq, dk, dv, dropout_p=0.3, is_causal=True)
+            out.backward(g.redistribute(placements=out.placements) if out.placements != g.placements else g)
+        return comm.get_total_bytes(), out.placements, [t.full_tensor() for t in (out, dq.grad, dk.grad, dv.grad)]
+
+    (_, _, want), *_ = so.run(body, 4, R)
+    for nbytes, placements, got in so.run(body, 4, PL[layout]):
+        assert nbytes == 0 and placements == (PL[layout],)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want[0], F.scaled_dot_product_attention(q, k, v, is_causal=True)), "dropout did something"
+
+
+@pytest.mark.parametrize("layout", ["S1", "S2"])
+def test_transposed_inputs_as_models_build_them(layout):
+    """q, k, v as a model makes them: [B, L, H, D] activations transposed to [B, H, L, D] views."""
+    q, k, v, grad, _ = _inputs(UNEVEN)
+    ref = _reference(q, k, v, grad, None, is_causal=True)
+    blhd = {"S1": Shard(2), "S2": Shard(1)}[layout]  # the same tensor dim before the transpose
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (4,))
+        leaves = [so.distribute_tensor(t.transpose(1, 2).contiguous(), mesh, [blhd]).requires_grad_() for t in (q, k, v)]
+        dq, dk, dv = (t.transpose(1, 2) for t in leaves)
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        out.backward(so.distribute_tensor(grad, mesh, out.placements))
+        return out.placements, [t.full_tensor() for t in [out] + [x.grad.transpose(1, 2) for x in leaves]]
+
+    for placements, got in so.run(body, 4):
+        assert placements == (PL[layout],)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _context_parallel_program():
+    """One rank of a gloo world: context-parallel causal attention on an uneven sequence."""
+    q, k, v, grad, _ = _inputs(UNEVEN)
+    ref = _reference(q, k, v, grad, None, is_causal=True)
+    mesh = so.init_device_mesh("cpu", (4,))
+    dq, dk, dv = (so.distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v))
+    g = so.distribute_tensor(grad, mesh, [Shard(2)])
+    with so.CommDebugMode() as comm:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        out.backward(g)
+    got = [t.full_tensor() for t in (out, dq.grad, dk.grad, dv.grad)]
+    return comm.get_comm_counts(), comm.get_total_bytes(), [torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, ref)]
+
+
+@pytest.mark.slow
+def test_context_parallel_under_gloo():
+    """The same algorithm over torch.distributed (4 gloo processes): uneven all_gather and reduce_scatter."""
+    from mp import run_gloo
+
+    threads = so.run(_context_parallel_program, 4)
+    for (counts, nbytes, ok), (t_counts, t_bytes, _) in zip(run_gloo(_context_parallel_program, 4, timeout=240), threads):
+        assert all(ok) and counts == t_counts == {"all_gather": 1, "reduce_scatter": 1} and nbytes == t_bytes

@@ -1,4 +1,5 @@
-"""The main job: `shardops demo` in the threads world and under a torchrun-style gloo launch."""
+"""The main job: `shardops demo` (training) and `shardops demo --ops` (math ops), in the threads
+world and under a torchrun-style gloo launch."""
 import os
 import socket
 import subprocess
@@ -12,8 +13,17 @@ from shardops import demo
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 
-def test_demo_threads_world_verifies_and_exits_zero(capsys):
-    assert demo.main([]) == 0
+TINY = ["--size", "tiny", "--steps", "3"]
+
+
+def test_training_demo_threads_world_is_exact_and_exits_zero(capsys):
+    assert demo.main(TINY + ["--no-torch"]) == 0
+    out = capsys.readouterr().out
+    assert "exact: every loss within" in out and "step total" in out
+
+
+def test_ops_demo_threads_world_verifies_and_exits_zero(capsys):
+    assert demo.main(["--ops"]) == 0
     out = capsys.readouterr().out
     assert "all outputs and gradients match single-device torch" in out
     assert "vocab-parallel cross_entropy" in out and "clip_grad_norm_" in out
@@ -25,13 +35,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_demo_under_torchrun_style_gloo_launch():
+def _torchrun(args: list[str]) -> list[str]:
     port, world = _free_port(), 4
     procs = []
     for rank in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_RANK=str(rank), PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "shardops.demo"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-m", "shardops.demo", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -39,6 +49,16 @@ def test_demo_under_torchrun_style_gloo_launch():
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [0] * world, outs
+    return outs
+
+
+def test_training_demo_under_torchrun_style_gloo_launch():
+    outs = _torchrun(TINY)
+    assert "exact: every loss within" in outs[0]
+
+
+def test_ops_demo_under_torchrun_style_gloo_launch():
+    outs = _torchrun(["--ops"])
     assert "torch.distributed gloo, 4 processes" in outs[0]
     assert "all outputs and gradients match single-device torch" in outs[0]
 

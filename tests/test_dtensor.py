@@ -209,9 +209,12 @@ def test_inplace_needing_layout_change_raises():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])
         y = so.distribute_tensor(torch.ones(4), mesh, [Replicate()])
-        x.unsqueeze_(0)  # fine: keeps the shard
-        z = so.distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])
-        z.transpose_(0, 1)  # the shard dim would move: self's layout would change
+        x.unsqueeze_(0)  # fine: keeps the shard (renumbered)
+        assert x.shape == (1, 4, 4) and x.placements == (Shard(1),)
+        x.transpose_(1, 2)  # fine: an in-place view renumbers the shard dim, no data moves
+        assert x.placements == (Shard(2),)
+        z = so.distribute_tensor(torch.zeros(1, 4), mesh, [Shard(0)])
+        z.squeeze_(0)  # drops the sharded dim: self's data would have to move
 
     with pytest.raises(so.ShardingError, match="in-place"):
         so.run(body, 2)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
-from matrix_harness import check, make
+from matrix_harness import check, make, strict_mode
 from shardops import Partial, Replicate, Shard
 
 R = Replicate()
@@ -83,15 +83,13 @@ def test_nn_embedding_module_vocab_parallel():
         mesh = so.init_device_mesh("cpu", (4,))
         emb = torch.nn.Embedding(VOCAB, HID, padding_idx=0)
         emb.weight = torch.nn.Parameter(so.distribute_tensor(table, mesh, [S(0)]))
-        so.set_strict(True)
-        try:
-            y = emb(so.distribute_tensor(ids, mesh, [R]))
-            y.pow(2).sum().backward()  # pow resolves the pending sum: the lookup itself is exact
-        finally:
-            so.set_strict(False)
+        y = emb(so.distribute_tensor(ids, mesh, [R]))
+        y.pow(2).sum().backward()  # pow resolves the pending sum: the lookup itself is exact
         return emb.weight.grad.placements, emb.weight.grad.full_tensor()
 
-    for layout, grad in so.run(body, world_size=4):
+    with strict_mode():
+        results = so.run(body, world_size=4)
+    for layout, grad in results:
         assert layout == (S(0),)
         torch.testing.assert_close(grad, ref.weight.grad, rtol=2e-5, atol=2e-5)
 

@@ -166,7 +166,7 @@ def test_multi_op_expression_shows_each_step():
 
 
 def test_replicate_fallback_is_visible():
-    e = explain("x @ y", mesh=4, x="f32[8,6]:S(0)", y="f32[6,4]:R")
+    e = explain("torch.cdist(x, y)", mesh=4, x="f32[8,6]:S(0)", y="f32[5,6]:R")
     step = e.steps[0]
     assert step.fallback and not step.replicate_only
     assert "no sharded strategy" in str(e)

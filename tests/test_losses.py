@@ -251,7 +251,11 @@ def test_weight_sharded_like_the_classes():
 )
 def test_label_smoothing(shape, mesh_shape, layout, reduction, sharded):
     """Adds sum over classes of log-probs x weight, weight.gather(0, target), masked_fill_ (torch 2.13 CPU)."""
-    _check("cross_entropy", shape, mesh_shape, layout, True, reduction, True, 3, smoothing=0.1)
+    # With a weight, reduction="mean" and ignore_index, torch's formula calls masked_select (an
+    # output whose size depends on the data), which has no sharded strategy: a known fallback.
+    expect = pytest.warns(so.FallbackWarning, match="masked_select") if reduction == "mean" else contextlib.nullcontext()
+    with expect:
+        _check("cross_entropy", shape, mesh_shape, layout, True, reduction, True, 3, smoothing=0.1)
     _check("cross_entropy", shape, mesh_shape, layout, True, reduction, False, -100, smoothing=0.3, keeps_layout=sharded)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
-from matrix_harness import check, make
+from matrix_harness import check, make, strict_mode
 from shardops import Partial, Replicate, Shard
 
 R = Replicate()
@@ -71,15 +71,13 @@ def test_megatron_mlp_materialised_output_is_one_all_reduce():
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         xs = [so.distribute_tensor(t, mesh, list(pl)) for t, pl in zip(fulls, MLP_LAYOUTS)]
-        so.set_strict(True)
-        try:
-            with so.CommDebugMode() as comm:
-                y = _mlp(*xs).full_tensor()
-        finally:
-            so.set_strict(False)
+        with so.CommDebugMode() as comm:
+            y = _mlp(*xs).full_tensor()
         return dict(comm.get_comm_counts()), comm.get_total_bytes(), y
 
-    for counts, nbytes, y in so.run(body, world_size=4):
+    with strict_mode():
+        results = so.run(body, world_size=4)
+    for counts, nbytes, y in results:
         assert {k: v for k, v in counts.items() if v} == {"all_reduce": 1}
         assert nbytes == want.numel() * 4
         torch.testing.assert_close(y, want, rtol=2e-5, atol=2e-5)
@@ -108,12 +106,14 @@ def test_heads_sharded_attention_scores_move_nothing(form):
     assert r.grad_layouts == [(S(d),), (S(d),)]
 
 
-def test_sequence_parallel_linear_after_merging_batch_and_sequence_moves_nothing():
-    """[b, s, h] with s sharded -> [b*s, h] is StridedShard(0, b): the product and the view back keep it."""
-    r = check(linear, [make((3, 10, 8), 0), make((OUT, 8), 1)], (4,), [(S(1),), (R,)])
+@pytest.mark.parametrize("mesh_shape,layout", [((4,), (S(1),)), ((2, 2), (S(0), S(1))), ((2, 2), (S(1), S(1)))])
+def test_sequence_parallel_linear_after_merging_batch_and_sequence_moves_nothing(mesh_shape, layout):
+    """[b, s, h] with s sharded -> [b*s, h] is StridedShard(0, b) (with batches sharded on dp too:
+    (S(0), StridedShard(0, b/dp))): the product and the view back keep it."""
+    r = check(linear, [make((4, 10, 8), 0), make((OUT, 8), 1), make((OUT,), 2)], mesh_shape, [layout, (R,) * len(mesh_shape), (R,) * len(mesh_shape)])
     assert r.nbytes == 0, r.counts
-    assert r.out_layout == (S(1),)
-    assert r.grad_layouts[0] == (S(1),)
+    assert r.out_layout == layout
+    assert r.grad_layouts[0] == layout
 
 
 # ------------------------------------------------------------------ each op, bias handling, partial inputs
@@ -163,16 +163,14 @@ def test_partial_times_replicate_stays_pending():
         rank = mesh.get_rank()
         part = so.DTensor.from_local(a * (rank + 1) / 10, mesh, [SUM])  # the parts sum to a
         w = so.distribute_tensor(b, mesh, [R])
-        so.set_strict(True)
-        try:
-            with so.CommDebugMode() as comm:
-                y = torch.mm(part, w)
-                z = torch.mm(w.t(), part.t())
-        finally:
-            so.set_strict(False)
+        with so.CommDebugMode() as comm:
+            y = torch.mm(part, w)
+            z = torch.mm(w.t(), part.t())
         return y.placements, z.placements, comm.get_total_bytes(), y.full_tensor(), z.full_tensor()
 
-    for yp, zp, nbytes, y, z in so.run(body, world_size=4):
+    with strict_mode():
+        results = so.run(body, world_size=4)
+    for yp, zp, nbytes, y, z in results:
         assert (yp, zp, nbytes) == ((SUM,), (SUM,), 0)
         torch.testing.assert_close(y, a @ b, rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(z, (a @ b).t(), rtol=2e-5, atol=2e-5)
@@ -241,3 +239,25 @@ def test_matmul_grid_sampled(case):
 def test_matmul_grid_exhaustive(case):
     _grid_case(*case)
     _grid_case(*case, dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------ explain answers for products
+
+
+def test_explain_matmul_on_8x8():
+    from shardops.explain import explain
+
+    e = explain("matmul(x, w)", mesh=(8, 8), x="f32[1024,4096]:S(0),R", w="f32[4096,4096]:R,S(1)")
+    step = e.steps[0]
+    assert step.op == "aten.mm.default" and not step.fallback
+    assert e.bytes == 0 and "S(0),S(1)" in str(e)
+    e = explain("F.linear(x, w)", mesh=(8, 8), x="f32[64,256,4096]:S(0),S(2)", w="f32[1024,4096]:R,S(1)")
+    assert e.bytes == 0 and not any(s.fallback for s in e.steps)
+
+
+def test_explain_cli_matmul(capsys):
+    from shardops import cli
+
+    code = cli.main(["explain", "matmul(x, w)", "--mesh", "8x8", "--x", "f32[1024,4096]:S(0),R", "--w", "f32[4096,4096]:R,S(1)"])
+    out = capsys.readouterr().out
+    assert code == 0 and "aten.mm.default" in out and "no sharded strategy" not in out

@@ -286,9 +286,9 @@ def test_clip_grad_norm_one_collective_per_reducing_mesh_dim(foreach, p):
     for got, q in zip(grads, ref):
         torch.testing.assert_close(got, q.grad)
     # Every per-tensor norm is pending (no collective); stack + vector_norm keep them pending
-    # together over both mesh dims; the one resolution is one joint all-reduce of one f32 over
-    # both mesh dims (redistribute resolves a norm pending on several mesh dims at once): fewer
-    # collectives than reduction groups ({0}, {1}, {0,1}), never one per tensor.
+    # together over both mesh dims; the one resolution is ONE all-reduce of one f32 over the
+    # group spanning both mesh dims: not one per reduction group ({0}, {1}, {0,1}), nor per
+    # mesh dim, nor per tensor.
     groups = _reducing_groups(pl for _, _, pl in params)
     mesh_dims = set().union(*groups)
     assert len(groups) == 3 and len(mesh_dims) == 2

@@ -508,6 +508,26 @@ def test_gradient_accumulation_keeps_gradients_pending():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+@pytest.mark.parametrize("name", list(LM))
+def test_language_model_with_norms_outside_the_plan(name, mode):
+    """No sequence parallelism: the norms are left out of the plan and compute on local tensors;
+    on a (dp, tp) mesh their parameters are still synchronised over dp."""
+    _train_lm(name, (2, 2), mode, sequence_parallel=False)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_tied_embeddings_with_two_layouts_under_data_parallel(mode):
+    """Embedding hidden-sharded, output projection vocabulary-sharded: one parameter read through
+    a view, and the rest of the model outside the plan, on a (dp, tp) mesh."""
+    args = ModelArgs(n_layers=1)
+    tokens, targets = _lm_data(args)
+    plan = {"wte": ColwiseParallel(output_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    ref = reference_training(GPT2(args), tokens, targets)
+    results = so.run(sharded_training, 4, lambda: GPT2(args), plan, (2, 2), mode, tokens, targets)
+    check_training(results, ref)
+
+
 def test_data_parallel_refuses_bad_meshes():
     def main():
         mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -161,17 +161,19 @@ def test_pruned_search_equals_exhaustive_ranking(seed):
 
 
 def test_the_search_is_used_on_large_spaces_and_keeps_the_choice():
-    """The five ops of the planning benchmark on (4096,) and (8,8,8,8): the runtime's default
+    """The ops of the planning benchmark on (4096,) and (8,8,8,8): the runtime's default
     (pruned) choice is the exhaustive choice."""
     for shape, layout in (((4096,), (Shard(1),)), ((8, 8, 8, 8), (Shard(0), Shard(1), Shard(1), Shard(1)))):
         mesh = _mesh(shape)
         x = _spec(mesh, (1024, 32768), layout)
+        w = _spec(mesh, (32768,), (R,) * len(shape))
         calls = [
             (aten.sum.dim_IntList, (x, [1]), {}),
             (aten.add.Tensor, (x, x), {}),
             (aten._softmax.default, (x, 1, False), {}),
             (aten.var.correction, (x, [1]), {"correction": 1}),
             (aten.cumsum.default, (x, 1), {}),
+            (aten.native_layer_norm.default, (x, [32768], w, w, 1e-5), {}),
         ]
         for func, args, kwargs in calls:
             rows, specs, shapes, filt = _rows(func, args, kwargs)

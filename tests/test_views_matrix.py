@@ -12,9 +12,10 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardops as so
-from matrix_harness import check, make
+from matrix_harness import check, make, strict_mode
 from shardops import Partial, Replicate, Shard, StridedShard
 from shardops.ops._view_layout import view_layout
 from shardops.placements import dim_positions
@@ -136,19 +137,17 @@ def test_gradient_buffers_keep_self_layout(layout):
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         x = so.distribute_tensor(full, mesh, list(layout))
-        so.set_strict(True)
-        try:
-            with so.CommDebugMode() as comm:
-                buf = x.new_empty_strided((6, 10), (1, 6))
-                buf.copy_(x)
-                zeros = x.new_zeros((6, 10))
-                other = x.new_zeros((3,))
-                empty = torch.empty_like(x)
-        finally:
-            so.set_strict(False)
+        with so.CommDebugMode() as comm:
+            buf = x.new_empty_strided((6, 10), (1, 6))
+            buf.copy_(x)
+            zeros = x.new_zeros((6, 10))
+            other = x.new_zeros((3,))
+            empty = torch.empty_like(x)
         return comm.get_total_bytes(), buf.placements, zeros.placements, other.placements, empty.placements, buf.full_tensor(), zeros.full_tensor(), buf.stride()
 
-    for nbytes, buf_l, zeros_l, other_l, empty_l, buf, zeros, stride in so.run(body, world_size=4):
+    with strict_mode():
+        results = so.run(body, world_size=4)
+    for nbytes, buf_l, zeros_l, other_l, empty_l, buf, zeros, stride in results:
         assert nbytes == 0
         assert buf_l == layout and empty_l == layout
         assert zeros_l == (R,) if layout[0].is_partial() else zeros_l == layout
@@ -161,3 +160,20 @@ def test_gradient_buffers_keep_self_layout(layout):
 def test_vector_matmul_in_place_squeeze_keeps_metadata():
     r = check(torch.matmul, [make((6,), 0), make((6, 7), 1)], (4,), [(R,), (S(1),)])
     assert r.nbytes == 0 and r.out_layout == (S(0),)
+
+
+def _attention_block(x, w):
+    """Heads out of a sharded hidden dim, scores, softmax, values, heads merged back, output projection."""
+    b, s, h = x.shape
+    q = x.view(b, s, 4, h // 4).transpose(1, 2)
+    att = torch.softmax(torch.einsum("bhsd,bhtd->bhst", q, q) / 2, dim=-1) @ q
+    return F.linear(att.transpose(1, 2).reshape(b, s, h), w)
+
+
+@pytest.mark.parametrize("mesh_shape,layouts", [((4,), [(S(2),), (S(1),)]), ((2, 2), [(S(0), S(2)), (R, S(1))])])
+def test_heads_split_attention_and_merge_back_moves_nothing(mesh_shape, layouts):
+    r = check(_attention_block, [make((2, 5, 16), 0), make((6, 16), 1)], mesh_shape, layouts)
+    assert r.nbytes == 0, r.counts
+    assert r.out_layout[-1] == Partial("sum")
+    assert r.grad_layouts[0] == tuple(layouts[0])
+    assert r.grad_layouts[1][-1] == S(1)  # a data-parallel (Replicate) weight dim may hold a pending sum

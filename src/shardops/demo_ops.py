@@ -1,16 +1,16 @@
-"""The main job: a slice of a transformer training step on a (2,2) mesh, checked against torch.
+"""`shardops demo --ops`: sharded math ops of a transformer step on a (2,2) mesh, checked against torch.
 
-    shardops demo                      # threads world, 4 ranks in this process
-    torchrun --nproc-per-node 4 -m shardops.demo   # the same under torch.distributed (gloo)
+    shardops demo --ops                # threads world, 4 ranks in this process
+    torchrun --nproc-per-node 4 -m shardops.demo_ops   # the same under torch.distributed (gloo)
 
 For each op: the input/output layouts, the collectives shardops issued, the bytes this
-rank sent, and the bytes the gather-everything approach (torch DTensor's choice for
-these ops) would move on the same layout. Every output and gradient is compared with
-single-device torch; the exit code is 1 on any mismatch.
+rank sent and the rounds. Every output and gradient is compared with single-device
+torch; the exit code is 1 on any mismatch. The comparison with torch's DTensor (its
+default path and its best one, e.g. loss_parallel), measured on the same layouts, is
+`shardops bench` (docs/benchmarks.md).
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import shardops as so
 from shardops import Replicate, Shard
 
-# Sizes: big enough that gathering shows, small enough for 2 cores in seconds.
+# Sizes: big enough that the sharded algorithms matter, small enough for 2 cores in seconds.
 B, S, H, HEADS, V, K = 4, 32, 256, 8, 4096, 5
 IGNORE = -100
 
@@ -35,7 +35,6 @@ class Row:
     counts: dict
     nbytes: int
     rounds: int
-    gather_bytes: int
     ok: bool
     detail: str = ""
 
@@ -55,11 +54,6 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol=2e-5, atol_scale=2e-6) -> bool
         return True
     atol = atol_scale * max(b.abs().max().item(), 1e-30)
     return bool(torch.allclose(a, b, rtol=rtol, atol=atol))
-
-
-def _local_bytes(dt) -> int:
-    t = dt.to_local()
-    return t.numel() * t.element_size()
 
 
 def _fmt(placements) -> str:
@@ -107,9 +101,8 @@ def step_rms_norm(mesh, d) -> Row:
     yr = F.rms_norm(xr, (H,), wr, eps=1e-6)
     yr.backward(d["gy"])
     ok = _close(y.full_tensor(), yr) and _close(x.grad.full_tensor(), xr.grad) and _close(w.grad.full_tensor(), wr.grad)
-    # gather-everything: all-gather the hidden dim forward and backward (x, then grad)
     return Row("rms_norm fwd+bwd", f"x{_fmt(pl)} w[R,R] -> y{_fmt(y.placements)}", comm.get_comm_counts(), comm.get_total_bytes(),
-               comm.get_rounds(), 2 * _local_bytes(x), ok)
+               comm.get_rounds(), ok)
 
 
 def step_softmax(mesh, d) -> Row:
@@ -128,7 +121,7 @@ def step_softmax(mesh, d) -> Row:
     pr.backward(d["gp"])
     ok = _close(p.full_tensor(), pr) and _close(s.grad.full_tensor(), sr.grad)
     return Row("attention softmax fwd+bwd", f"scores{_fmt(pl)} -> {_fmt(p.placements)}", comm.get_comm_counts(), comm.get_total_bytes(),
-               comm.get_rounds(), 2 * _local_bytes(s), ok)
+               comm.get_rounds(), ok)
 
 
 def step_cross_entropy(mesh, d) -> Row:
@@ -147,7 +140,7 @@ def step_cross_entropy(mesh, d) -> Row:
     ref.backward()
     ok = _close(loss, ref) and _close(logits.grad.full_tensor(), lr.grad)
     return Row("vocab-parallel cross_entropy fwd+bwd", f"logits{_fmt(pl)} target[S(0),R] -> grad{_fmt(logits.grad.placements)}",
-               comm.get_comm_counts(), comm.get_total_bytes(), comm.get_rounds(), _local_bytes(logits), ok)
+               comm.get_comm_counts(), comm.get_total_bytes(), comm.get_rounds(), ok)
 
 
 def step_statistics(mesh, d) -> Row:
@@ -160,7 +153,7 @@ def step_statistics(mesh, d) -> Row:
     (mean, var), comm = _measure(stats)
     ok = _close(mean, d["x"].mean(-1)) and _close(var, d["x"].var(-1))
     return Row("activation mean/var over hidden", f"x{_fmt(pl)} -> [R,R]", comm.get_comm_counts(), comm.get_total_bytes(),
-               comm.get_rounds(), _local_bytes(x), ok)
+               comm.get_rounds(), ok)
 
 
 def step_topk(mesh, d) -> Row:
@@ -175,7 +168,7 @@ def step_topk(mesh, d) -> Row:
     rv, ri = torch.topk(d["logits"], K, dim=-1)
     ok = _close(values, rv) and torch.equal(indices, ri)
     return Row(f"top-{K} sampling over vocabulary", f"logits{_fmt(pl)} -> [R,R]", comm.get_comm_counts(), comm.get_total_bytes(),
-               comm.get_rounds(), _local_bytes(logits), ok)
+               comm.get_rounds(), ok)
 
 
 def step_clip(mesh, d) -> Row:
@@ -200,9 +193,8 @@ def step_clip(mesh, d) -> Row:
     ref_total = torch.nn.utils.clip_grad_norm_(refs, max_norm=1.0)
     total_full = total.full_tensor() if isinstance(total, so.DTensor) else total
     ok = _close(total_full, ref_total, rtol=1e-5) and all(_close(p.grad.full_tensor(), r.grad, rtol=1e-5) for p, r in zip(params, refs))
-    gather = sum(_local_bytes(p.grad) for p in params)
     return Row("clip_grad_norm_ (4 params, mixed layouts)", "grads [S,S]/[R,S]/[S,S]/[R,S] -> clipped in place", comm.get_comm_counts(),
-               comm.get_total_bytes(), comm.get_rounds(), gather, ok)
+               comm.get_total_bytes(), comm.get_rounds(), ok)
 
 
 STEPS = [step_rms_norm, step_softmax, step_cross_entropy, step_statistics, step_topk, step_clip]
@@ -216,7 +208,7 @@ def rank_main() -> list[Row]:
         try:
             rows.append(step(mesh, d))
         except Exception as e:  # noqa: BLE001 - reported as a failed row, exit code 1
-            rows.append(Row(step.__name__.removeprefix("step_"), "", {}, 0, 0, 0, False, f"{type(e).__name__}: {e}"))
+            rows.append(Row(step.__name__.removeprefix("step_"), "", {}, 0, 0, False, f"{type(e).__name__}: {e}"))
     return rows
 
 
@@ -225,17 +217,16 @@ def print_table(rows: list[Row], world: str, seconds: float) -> None:
     from rich.table import Table
 
     table = Table(title=f"shardops demo — transformer step slice on a (2,2) mesh ({world}), rank 0")
-    for col in ("op", "layouts", "collectives", "bytes/rank", "rounds", "gather-everything bytes", "saving", "check"):
-        table.add_column(col, justify="right" if col in ("bytes/rank", "rounds", "gather-everything bytes", "saving") else "left")
+    for col in ("op", "layouts", "collectives", "bytes/rank", "rounds", "check"):
+        table.add_column(col, justify="right" if col in ("bytes/rank", "rounds") else "left")
     for r in rows:
         colls = ", ".join(f"{k}×{v}" for k, v in sorted(r.counts.items())) or "none"
-        saving = f"{r.gather_bytes / r.nbytes:.0f}×" if r.nbytes else ("∞" if r.gather_bytes else "-")
         check = "[green]exact[/]" if r.ok else f"[red]MISMATCH[/] {r.detail}"
-        table.add_row(r.op, r.layouts, colls, f"{r.nbytes:,}", str(r.rounds), f"{r.gather_bytes:,}", saving, check)
+        table.add_row(r.op, r.layouts, colls, f"{r.nbytes:,}", str(r.rounds), check)
     console = Console(width=max(160, Console().width))
     console.print(table)
-    total, gathered = sum(r.nbytes for r in rows), sum(r.gather_bytes for r in rows)
-    console.print(f"total bytes sent by rank 0: {total:,} (gather-everything: {gathered:,}); {seconds:.1f} s")
+    console.print(f"total bytes sent by rank 0: {sum(r.nbytes for r in rows):,}; {seconds:.1f} s. "
+                  "DTensor on the same layouts (default and best path): `shardops bench`, docs/benchmarks.md")
 
 
 def main(argv: list[str] | None = None) -> int:

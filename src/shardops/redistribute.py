@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -91,56 +92,109 @@ def _joint_reductions(state: tuple[Placement, ...]) -> list[tuple[int, ...]]:
 def _plan_cached(src, dst, shape, mesh_shape, itemsize, links, _epoch) -> Plan:
     """Dijkstra over placement states; ties broken by step count then by the states' reprs.
 
+    The graph depends on the source and on the placements each mesh dim may take (its
+    source and target placements, R, and a shard of every tensor dim either shards), not
+    on the target itself. So one search per graph is kept and resumed: plans from one
+    source to several targets (explain's candidates, an op's inputs) settle the states
+    once, and each answer is what a fresh search for that target would return (the pop
+    order does not depend on where a search stops).
+    """
+    shard_dims = sorted({p.dim for p in src + dst if p.is_shard()})
+    choices = tuple(tuple(sorted({src[i], dst[i], Replicate()} | {Shard(d) for d in shard_dims}, key=repr)) for i in range(len(mesh_shape)))
+    key = (src, choices, math.prod(shape), itemsize, mesh_shape, links, _epoch)
+    with _SEARCH_LOCK:  # the ranks of the threads world plan at the same time, and a search is resumed in place
+        search = _SEARCHES.get(key)
+        if search is None:
+            if len(_SEARCHES) >= _MAX_SEARCHES:
+                _SEARCHES.pop(next(iter(_SEARCHES)))  # the oldest: searches are cheap to redo
+            search = _SEARCHES[key] = _PlanSearch(src, choices, math.prod(shape), itemsize, mesh_shape, links)
+        return search.plan_to(dst)
+
+
+_SEARCHES: dict[tuple, "_PlanSearch"] = {}
+_MAX_SEARCHES = 256
+_SEARCH_LOCK = threading.Lock()
+
+
+def clear_plan_cache() -> None:
+    """Forget every plan and search (benchmarks measure cold planning)."""
+    _plan_cached.cache_clear()
+    _SEARCHES.clear()
+
+
+class _PlanSearch:
+    """A Dijkstra from one source over one graph, run only as far as the targets asked so far.
+
     Placements are numbered and every (from, to) pair's step kind is tabled once, so the
     inner loop is integer work: a 4-D mesh has a few hundred states and thousands of
     transitions. The per-state work (local size, which tensor dims later mesh dims shard,
     the repr for ties) is done once per state.
     """
-    ndim_mesh = len(mesh_shape)
-    shard_dims = sorted({p.dim for p in src + dst if p.is_shard()})
-    placements = sorted({*src, *dst, Replicate()} | {Shard(d) for d in shard_dims}, key=repr)
-    index = {p: k for k, p in enumerate(placements)}
-    choices = [sorted({index[src[i]], index[dst[i]], index[Replicate()]} | {index[Shard(d)] for d in shard_dims}) for i in range(ndim_mesh)]
-    table = {(a, b): _kind_and_guard(placements[a], placements[b]) for a in range(len(placements)) for b in range(len(placements))}
-    shard_of = [p.dim if p.is_shard() else None for p in placements]
-    partial = [p.is_partial() for p in placements]
-    texts = [repr(p) for p in placements]
-    replicate = index[Replicate()]
-    numel = math.prod(shape)
 
-    def name(state: tuple[int, ...]) -> str:  # the repr of the placement tuple: ties break as they always have
-        return "(" + ", ".join(texts[k] for k in state) + ("," if len(state) == 1 else "") + ")"
+    def __init__(self, src, choices, numel, itemsize, mesh_shape, links):
+        self.src, self.mesh_shape, self.links, self.numel, self.itemsize = src, mesh_shape, links, numel, itemsize
+        placements = sorted({p for c in choices for p in c}, key=repr)
+        self.placements = placements
+        self.index = {p: k for k, p in enumerate(placements)}
+        self.choices = [sorted(self.index[p] for p in c) for c in choices]
+        self.table = {(a, b): _kind_and_guard(placements[a], placements[b]) for a in range(len(placements)) for b in range(len(placements))}
+        self.shard_of = [p.dim if p.is_shard() else None for p in placements]
+        self.partial = [p.is_partial() for p in placements]
+        self.texts = [repr(p) for p in placements]
+        self.replicate = self.index[Replicate()]
+        self.start = tuple(self.index[p] for p in src)
+        self.best: dict[tuple, tuple[float, int]] = {self.start: (0.0, 0)}
+        self.came_from: dict[tuple, tuple[tuple, tuple]] = {}
+        self.settled: dict[tuple, float] = {}
+        self.names: dict[tuple, str] = {}
+        self.step_times: dict[tuple, float] = {}  # (kind, mesh dim, shard count): the same for many states
+        self.heap = [(0.0, 0, self._name(self.start), self.start)]
 
-    start, goal = tuple(index[p] for p in src), tuple(index[p] for p in dst)
-    best: dict[tuple, tuple[float, int]] = {start: (0.0, 0)}
-    came_from: dict[tuple, tuple[tuple, tuple]] = {}
-    heap = [(0.0, 0, name(start), start)]
-    while heap:
-        t, nsteps, _, state = heapq.heappop(heap)
-        if state == goal:
-            return Plan(src, dst, _path(came_from, start, goal, placements), t)
-        if best[state] < (t, nsteps):
-            continue
+    def _name(self, state: tuple[int, ...]) -> str:  # the repr of the placement tuple: ties break as they always have
+        text = self.names.get(state)
+        if text is None:
+            text = self.names[state] = "(" + ", ".join(self.texts[k] for k in state) + ("," if len(state) == 1 else "") + ")"
+        return text
+
+    def plan_to(self, dst) -> Plan:
+        goal = tuple(self.index[p] for p in dst)
+        while goal not in self.settled:
+            if not self.heap:
+                raise ShardingError(f"redistribute: no way from {list(self.src)} to {list(dst)} (NormPartial can only be a source)")
+            t, nsteps, _, state = heapq.heappop(self.heap)
+            if state in self.settled or self.best[state] < (t, nsteps):
+                continue
+            self.settled[state] = t
+            self._expand(state, t, nsteps)
+        return Plan(self.src, tuple(dst), _path(self.came_from, self.start, goal, self.placements), self.settled[goal])
+
+    def _expand(self, state, t, nsteps) -> None:
+        mesh_shape, links = self.mesh_shape, self.links
         last = {}  # innermost mesh dim sharding each tensor dim: a step on mesh dim i touching d needs last[d] <= i
         parts = 1
         for i, k in enumerate(state):
-            d = shard_of[k]
+            d = self.shard_of[k]
             if d is not None:
                 last[d] = i
                 parts *= mesh_shape[i]
-        local = numel / parts * itemsize
+        local = self.numel / parts * self.itemsize
         moves = []
-        for i in range(ndim_mesh):
+        times = self.step_times
+        for i, options in enumerate(self.choices):
             a = state[i]
-            for b in choices[i]:
-                kind, guard = table[(a, b)]
+            for b in options:
+                kind, guard = self.table[(a, b)]
                 if kind is None or any(last.get(d, -1) > i for d in guard):
                     continue
-                moves.append((kind, (i,), b, _step_time(kind, local, mesh_shape[i], links[i])))
-        if sum(partial[k] for k in state) >= 2:
-            for dims in _joint_reductions(tuple(placements[k] for k in state)):
+                dt = times.get((kind, i, parts))
+                if dt is None:
+                    dt = times[(kind, i, parts)] = _step_time(kind, local, mesh_shape[i], links[i])
+                moves.append((kind, (i,), b, dt))
+        if sum(self.partial[k] for k in state) >= 2:
+            for dims in _joint_reductions(tuple(self.placements[k] for k in state)):
                 sizes = [mesh_shape[i] for i in dims]
-                moves.append(("all_reduce", dims, replicate, cost.joint_collective_time("all_reduce", local, sizes, [links[i] for i in dims])))
+                moves.append(("all_reduce", dims, self.replicate, cost.joint_collective_time("all_reduce", local, sizes, [links[i] for i in dims])))
+        best = self.best
         for kind, dims, b, dt in moves:
             nxt = list(state)
             for i in dims:
@@ -149,9 +203,8 @@ def _plan_cached(src, dst, shape, mesh_shape, itemsize, links, _epoch) -> Plan:
             key = (t + dt, nsteps + 1)
             if key < best.get(nxt, (math.inf, 0)):
                 best[nxt] = key
-                came_from[nxt] = (state, (kind, dims))
-                heapq.heappush(heap, (key[0], key[1], name(nxt), nxt))
-    raise ShardingError(f"redistribute: no way from {list(src)} to {list(dst)} (NormPartial can only be a source)")
+                self.came_from[nxt] = (state, (kind, dims))
+                heapq.heappush(self.heap, (key[0], key[1], self._name(nxt), nxt))
 
 
 def _kind_and_guard(src: Placement, dst: Placement) -> tuple[str | None, tuple[int, ...]]:

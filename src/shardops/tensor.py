@@ -42,7 +42,7 @@ class DTensor(torch.Tensor):
         r._key_cache = None
         r._pending_layout = None
         if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see interop)
-            from .interop import mirror_lazy_bits
+            from .interop.lazy_bits import mirror_lazy_bits
 
             mirror_lazy_bits(r, local)
         return r

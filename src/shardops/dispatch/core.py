@@ -227,7 +227,10 @@ def _inplace_filter(specs):
 def checked_fallback(d: Decision) -> None:
     """A fallback at run time: an error in strict mode or where it would change self's layout, else a warning."""
     specs = d.in_specs
-    if not d.replicate_only and _state["strict"]:
+    # The op has a rule but its meta run failed: torch refuses these arguments (a dtype or shape
+    # error). Running it replicated raises torch's own error: no missing strategy to warn about.
+    refused = d.meta_error is not None and not isinstance(d.meta_error, NotImplementedError)
+    if not d.replicate_only and not refused and _state["strict"]:
         raise ShardingError(
             f"{d.schema.name} has no sharded strategy (strict mode) for inputs {list(specs)}; "
             "call so.set_strict(False) to replicate and run locally, or redistribute to Replicate yourself."
@@ -241,7 +244,8 @@ def checked_fallback(d: Decision) -> None:
             f"{d.schema.name}: in-place op with no sharded strategy on {specs[0]!r}; it would change self's "
             "layout. Redistribute self to Replicate first, or use the out-of-place op."
         )
-    warn_fallback(d)
+    if not refused:
+        warn_fallback(d)
 
 
 def warn_fallback(d: Decision) -> None:

@@ -153,15 +153,38 @@ def _redistribution_term(a: Placement, b: Placement, local: float, n: int, link:
 
 
 def estimate_redistribution(spec: TensorSpec, target: Sequence[Placement], links: tuple[cost.Link, ...]) -> float:
-    """Per-mesh-dim estimate of moving `spec` to `target`: each dim priced on its own.
+    """Per-mesh-dim estimate of moving `spec` to `target`: each dim priced on its own, plus
+    the gathers that nesting forces.
 
-    Exact when no two mesh dims shard the same tensor dim; the executed plan is the
-    exact shortest path (redistribute.plan). Linear in mesh ndim, so pricing every
-    candidate stays cheap on large meshes.
+    Shards nest left to right, so a move on mesh dim i that touches tensor dim d waits
+    until no later mesh dim shards d: a later mesh dim j that keeps its shard of d must be
+    gathered first (and sliced again after, which is free). That gather is priced at the
+    source's local size (`_unblock_term`). Exact when no two mesh dims shard the same
+    tensor dim; the executed plan is the exact shortest path (redistribute.plan). Linear
+    in mesh ndim, so pricing a candidate stays cheap on large meshes.
     """
     mesh_shape = spec.mesh.shape
     local = _source_local_bytes(spec)
-    return sum(_redistribution_term(a, b, local, mesh_shape[i], links[i]) for i, (a, b) in enumerate(zip(spec.placements, target)))
+    total = 0.0
+    guarded: frozenset[int] = frozenset()
+    for i, (a, b) in enumerate(zip(spec.placements, target)):
+        total += _redistribution_term(a, b, local, mesh_shape[i], links[i]) + _unblock_term(guarded, a, b, local, mesh_shape[i], links[i])
+        guarded |= _move_guard(a, b)
+    return total
+
+
+def _move_guard(a: Placement, b: Placement) -> frozenset[int]:
+    """Tensor dims a one-mesh-dim move a -> b touches (no later mesh dim may shard them then)."""
+    if a == b:
+        return frozenset()
+    return frozenset(p.dim for p in (a, b) if p.is_shard())
+
+
+def _unblock_term(guarded: frozenset[int], a: Placement, b: Placement, local: float, n: int, link: cost.Link) -> float:
+    """A mesh dim that keeps its shard of a tensor dim an earlier mesh dim's move touches: gathered first."""
+    if a == b and a.is_shard() and a.dim in guarded:
+        return cost.collective_time("all_gather", local * n, n, link)
+    return 0.0
 
 
 def _gathered(kind: str, nbytes: float, group_size: int) -> float:
@@ -261,7 +284,7 @@ def rank_key(c: Candidate, mesh_shape: Sequence[int]) -> tuple:
 
 _search_key = rank_key  # the search's own reference: tests may patch rank_key to force a divergence
 
-DEFAULT_LIMIT = 8  # candidates the runtime keeps when the search space is large (it uses the first)
+DEFAULT_LIMIT = 1  # candidates kept when the search space is large and no limit is asked: the runtime uses the first
 EXHAUSTIVE_MAX = 256  # search spaces this small are simply enumerated
 
 
@@ -370,8 +393,9 @@ class _Search:
     order (componentwise bounds bound the lexicographic key):
 
     - time: the separable terms (each input's per-dim move, the per-dim collectives of
-      rows without an algorithm) of the chosen dims, plus for each later dim its cheapest
-      row's; the joint collectives of the chosen algorithm rows priced over the dims so
+      rows without an algorithm) of the chosen dims and the gathers their nesting forces
+      (a dim's depend only on earlier dims, so they are exact once it is chosen), plus for
+      each later dim its cheapest row's; the joint collectives of the chosen algorithm rows priced over the dims so
       far (a joint collective only grows with its group), plus each later dim's latency
       floor (alpha (n-1) per collective it would join); the pending resolution and the
       gather-then-compute work of the chosen dims with the later dims sharding as much
@@ -395,10 +419,11 @@ class _Search:
         self.radix = len(self.options)
         ndim = len(self.mesh_shape)
         self.tuples = [r.inputs + tuple(r.outputs[min(k, len(r.outputs) - 1)] for k in range(self.n_out)) for r in self.options]
-        src_local = [_source_local_bytes(spec) for spec in in_specs]
+        src_local = self.src_local = [_source_local_bytes(spec) for spec in in_specs]
         self.in_bytes = [math.prod(spec.shape) * spec.itemsize for spec in in_specs]
         self.out_bytes = [math.prod(shape) * itemsize for shape, itemsize in out_shapes]
         self.compute_rate = min(link.compute for link in links)
+        self._comm_memo: dict[tuple, float] = {}
         # per mesh dim, per row option
         self.valid, self.sep, self.floor, self.changes, self.pend_coef = [], [], [], [], []
         for i in range(ndim):
@@ -445,7 +470,7 @@ class _Search:
 
     def _child(self, state, r: int):
         """The prefix `state` extended by row r on the next mesh dim; None if no completion is valid."""
-        indices, sep, changes, algo, partials, shards, gathers, pend = state
+        indices, sep, changes, algo, partials, shards, gathers, pend, guarded = state
         i = len(indices)
         if not self.valid[i][r]:
             return None
@@ -466,14 +491,21 @@ class _Search:
         new_shards = tuple(m * n if p.is_shard() else m for m, p in zip(shards, placed))
         new_gathers = tuple(g or (spec.placements[i].is_shard() and p.is_replicate()) for g, spec, p in zip(gathers, self.in_specs, placed))
         new_pend = tuple(a + b for a, b in zip(pend, self.pend_coef[i][r]))
-        return (indices + (r,), sep + self.sep[i][r], changes + self.changes[i][r], algo, tuple(new_partials), new_shards, new_gathers, new_pend)
+        # nesting: earlier mesh dims' moves are known now, so this dim's forced gathers are exact
+        unblock, new_guarded = 0.0, []
+        for k, (spec, g, b) in enumerate(zip(self.in_specs, guarded, row.inputs)):
+            a = spec.placements[i]
+            unblock += _unblock_term(g, a, b, self.src_local[k], n, self.links[i])
+            new_guarded.append(g | _move_guard(a, b))
+        return (indices + (r,), sep + self.sep[i][r] + unblock, changes + self.changes[i][r], algo, tuple(new_partials), new_shards, new_gathers,
+                new_pend, tuple(new_guarded))
 
     def _bound(self, state) -> tuple:
-        indices, sep, changes, algo, partials, shards, gathers, pend = state
+        indices, sep, changes, algo, partials, shards, gathers, pend, _ = state
         j = len(indices)
         rest = self.rest_shard[j]
         time = sep + self.rest_time[j]
-        time += comm_time([self.options[r] if self.options[r].algorithm is not None else _NO_COMM for r in indices], self.mesh_shape, self.links)
+        time += self._joint_comm(indices)
         for k in range(self.n_out):
             t = self.n_in + k
             time += pend[k] * self.out_bytes[k] / (shards[t] * rest[t])
@@ -483,11 +515,25 @@ class _Search:
         order = _order(indices + (0,) * (len(self.mesh_shape) - j), self.radix)
         return (round(time * (1 - 1e-9), 12), changes + self.rest_changes[j], pending, -sharding, order)
 
+    def _joint_comm(self, indices) -> float:
+        """The joint collectives of the prefix's algorithm rows (memoised: most prefixes share them)."""
+        key = tuple((i, r) for i, r in enumerate(indices) if self.options[r].algorithm is not None and self.options[r].comm)
+        if not key:
+            return 0.0
+        value = self._comm_memo.get(key)
+        if value is None:
+            combo = [_NO_COMM] * len(indices)
+            for i, r in key:
+                combo[i] = self.options[r]
+            value = self._comm_memo[key] = comm_time(combo, self.mesh_shape, self.links)
+        return value
+
     # ---------------------------------------------------------------- answers
 
     def best(self, limit: int, filter_fn=None) -> list[Candidate]:
         ndim = len(self.mesh_shape)
-        root = ((), 0.0, 0, None, (None,) * (self.n_in + self.n_out), (1,) * (self.n_in + self.n_out), (False,) * self.n_in, (0.0,) * self.n_out)
+        n_tuples = self.n_in + self.n_out
+        root = ((), 0.0, 0, None, (None,) * n_tuples, (1,) * n_tuples, (False,) * self.n_in, (0.0,) * self.n_out, (frozenset(),) * self.n_in)
         tick = itertools.count()
         heap = [(self._bound(root), 1, next(tick), root)]
         out: list[Candidate] = []

@@ -32,11 +32,12 @@ backward each chunk's kernel takes the merged out and logsumexp, so the chunks' 
 their dk/dv are the exact gradients of their keys. Keys >= b are never touched.
 
 `F.scaled_dot_product_attention` on DTensors enters `_Attention` (an autograd.Function) from
-__torch_function__: the planner chooses the layout from the forward op's rows, keeping q's
-shards where they are (the caller's parallelism; only K, V and the mask move), and the
-backward reuses the K/V gathered in forward, so a context-parallel step moves K and V once
-(one all_gather) and their gradients once (one reduce_scatter); gradients come back
-contiguous and in the inputs' layouts.
+__torch_function__. The planner chooses from the forward op's rows, keeping q's shards where
+they are (the caller's parallelism; only K, V and the mask move); the Function runs that row's
+algorithm and keeps the K/V it gathered, so a context-parallel step moves K and V once (one
+all_gather) and their gradients once (one reduce_scatter). The aten backward op called on its
+own (a decomposition, verify) gathers K and V again. Gradients come back in the inputs' layouts
+and memory order (q/k/v are often transposed views of [B, L, H, D] activations).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from .. import cost
 from ..dispatch import core
 from ..dispatch.registry import call_default, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, static_key
-from ..dispatch.strategy import Candidate, Row, candidates, row
+from ..dispatch.strategy import CHOICE_HOOKS, Candidate, Row, candidates, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, without_partials
 from ..redistribute import redistribute_local
@@ -225,9 +226,15 @@ def _call_options(is_causal: bool, attn_mask, scale) -> dict[str, Any]:
 
 def _forward_sharded(ctx, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     q_spec, k_spec = ctx.in_specs[0], ctx.in_specs[1]
-    k, v, _ = gather_keys(k, v, k_spec)
-    k, v = _pick_heads(k, v, _kv_head_index(q_spec, k_spec))
-    return rows_forward(q, k, v, q_start=_q_start(q_spec), **_call_options(is_causal, attn_mask, scale))
+    k, v, line = gather_keys(k, v, k_spec)
+    heads = _kv_head_index(q_spec, k_spec)
+    k, v = _pick_heads(k, v, heads)
+    options = {"q_start": _q_start(q_spec), **_call_options(is_causal, attn_mask, scale)}
+    out, lse = rows_forward(q, k, v, **options)
+    keep = getattr(ctx, "keep", None)
+    if keep is not None:  # `_Attention` keeps what its backward reuses (the gathered K/V above all)
+        keep.update(k=k, v=v, line=line, heads=heads, options=options)
+    return out, lse
 
 
 def _backward_sharded(ctx, grad, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
@@ -334,10 +341,34 @@ def _layout_of(x, placements) -> tuple[torch.Tensor, TensorSpec]:
     return x._redistribute_local(placements), spec
 
 
+def _dense_order(shape: Sequence[int], stride: Sequence[int]) -> list[int] | None:
+    """The dims from outermost to innermost where `stride` is a dense layout of `shape` (None: it is not)."""
+    order = sorted(range(len(shape)), key=lambda d: stride[d], reverse=True)
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return order
+
+
 def _wrap(local: torch.Tensor, like: TensorSpec, placements: Sequence[Placement], dtype: torch.dtype | None = None):
+    """`local` as a DTensor laid out in memory like `like` (dense in the same dim order, else contiguous).
+
+    autograd copies a leaf's gradient whose strides differ from the leaf's (new_empty_strided +
+    copy_); q/k/v are often transposed views of [B, L, H, D] activations, so their gradients
+    keep the inputs' dim order, as torch's CPU flash backward gives them.
+    """
     dtype = like.dtype if dtype is None else dtype
-    meta = TensorMeta(like.shape, contiguous_stride(like.shape), dtype)
-    return DTensor._make(local.contiguous().to(dtype), TensorSpec(like.mesh, tuple(placements), meta))
+    order = _dense_order(like.shape, like.meta.stride)
+    if order is None:
+        stride, local = contiguous_stride(like.shape), local.contiguous()
+    else:
+        stride = like.meta.stride
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        local = local.permute(order).contiguous().permute(inverse)
+    meta = TensorMeta(like.shape, tuple(stride), dtype)
+    return DTensor._make(local.to(dtype), TensorSpec(like.mesh, tuple(placements), meta))
 
 
 def _grad_home(local: torch.Tensor, computed: Sequence[Placement], x_spec: TensorSpec):
@@ -354,18 +385,19 @@ class _Attention(torch.autograd.Function):
     """Attention whose backward reuses the K/V gathered in forward (one all_gather, one reduce_scatter per step)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal: bool, scale, layouts):
+    def forward(ctx, q, k, v, mask, is_causal: bool, scale, plan: tuple):
+        layouts, algorithm = plan
         q_l, q_spec = _layout_of(q, layouts[0])
         k_l, k_spec = _layout_of(k, layouts[1])
         v_l, v_spec = _layout_of(v, layouts[2])
         m_l = mask._redistribute_local(layouts[3]) if mask is not None else None
-        k_full, v_full, line = gather_keys(k_l, v_l, k_spec)
-        heads = _kv_head_index(q_spec, k_spec)
-        k_full, v_full = _pick_heads(k_full, v_full, heads)
-        options = {"q_start": _q_start(q_spec), **_call_options(is_causal, m_l, scale)}
-        out, lse = rows_forward(q_l, k_full, v_full, **options)
-        ctx.save_for_backward(q_l, k_full, v_full, out, lse)
-        ctx.options, ctx.line, ctx.heads = options, line, heads
+        # the forward op's own algorithm (verify records and forces it there), keeping its gathered K/V
+        run = core.AlgoContext(None, (q_spec, k_spec, v_spec), (), FLASH)
+        run.keep = {}
+        out, lse = (algorithm or _forward_sharded)(run, q_l, k_l, v_l, 0.0, is_causal, attn_mask=m_l, scale=scale)
+        kept = run.keep
+        ctx.save_for_backward(q_l, kept["k"], kept["v"], out, lse)
+        ctx.options, ctx.line, ctx.heads = kept["options"], kept["line"], kept["heads"]
         ctx.layouts, ctx.inputs = layouts, (q._spec, k._spec, v._spec)
         ctx.kv_heads = k.shape[HEADS]
         out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
@@ -453,23 +485,29 @@ def _keeping_queries(decision: core.Decision) -> Candidate:
     return kept[0] if kept else decision.candidate
 
 
-# (q, k, v, mask layouts and shapes, causal, scale, link model) -> the chosen input layouts
-_LAYOUTS: dict[tuple, tuple] = {}
+# (q, k, v, mask layouts and shapes, causal, scale, link model) -> (input layouts, algorithm)
+_PLANS: dict[tuple, tuple] = {}
 
 
-def _plan_layouts(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool, scale, b: dict[str, Any]) -> tuple | None:
-    """The input layouts for the forward op's rows (None: no rows apply; torch's path then)."""
+def _plan(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool, scale, b: dict[str, Any]) -> tuple | None:
+    """(input layouts, the forward op's algorithm) chosen from its rows; None: no rows apply (torch's path then).
+
+    Cached like dispatch's decisions, except while verify's choice hooks steer the planner.
+    """
     key = (q._key, k._key, v._key, None if mask is None else mask._key, causal, static_key(scale), cost._CACHE_EPOCH[0])
-    layouts = _LAYOUTS.get(key)
-    if layouts is None:
+    plan = None if CHOICE_HOOKS else _PLANS.get(key)
+    if plan is None:
         _check_like_torch(b)
         leaves, tree = core.flatten_args((q._spec, k._spec, v._spec, 0.0, causal), {"attn_mask": None if mask is None else mask._spec, "scale": scale})
         tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, TensorSpec)]
         decision = core.decide(FLASH, leaves, tree, tensor_pos)
         if decision.fallback:
             return None
-        layouts = _LAYOUTS[key] = tuple(_keeping_queries(decision).inputs) + ((None,) if mask is None else ())
-    return layouts
+        best = _keeping_queries(decision)
+        plan = (tuple(best.inputs) + ((None,) if mask is None else ()), best.algorithm)
+        if not CHOICE_HOOKS:
+            _PLANS[key] = plan
+    return plan
 
 
 def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
@@ -483,8 +521,8 @@ def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     elif mask is not None:  # a plain mask is every rank's own copy: Replicate
         mask = distribute_tensor(mask.detach(), q._spec.mesh, [R] * q._spec.mesh.ndim, src_data_rank=None)
     causal, scale = bool(b["is_causal"]), b["scale"]
-    layouts = _plan_layouts(q, k, v, mask, causal, scale, b)
-    return None if layouts is None else (q, k, v, mask, causal, scale, layouts)
+    plan = _plan(q, k, v, mask, causal, scale, b)
+    return None if plan is None else (q, k, v, mask, causal, scale, plan)
 
 
 register(_forward_rule, FLASH)

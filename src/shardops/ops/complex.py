@@ -8,7 +8,7 @@ sharded before `reshape(..., k, 2)`, views.py keeps the k dim sharded only where
 every shard splits on whole pairs; otherwise it gathers: never a wrong value.
 
 `_conj` and `_neg_view` set a lazy bit on their local output; DTensor._make gives the
-wrapper the same bit (see interop.mirror_lazy_bits), so torch's Conjugate/Negative
+wrapper the same bit (see interop.lazy_bits), so torch's Conjugate/Negative
 fallbacks materialise it before any op that does not understand it, exactly as on a
 plain tensor.
 

@@ -6,9 +6,8 @@ a view moves values, it never combines them.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 import functools
+from typing import Callable
 
 import torch
 
@@ -298,6 +297,7 @@ register(_scalar_rule, aten._local_scalar_dense.default)
 
 def _inplace_view(functional):
     def run(self, *args, **kwargs):
+        _refuse_dropping_a_shard(functional, self, args)
         out = functional(self, *args, **kwargs)
         self._local_tensor = out._local_tensor
         self._set_spec(out._spec)
@@ -307,6 +307,20 @@ def _inplace_view(functional):
         return self
 
     return run
+
+
+def _refuse_dropping_a_shard(functional, self, args) -> None:
+    """squeeze_ of a sharded size-1 dim would move data into self: in-place ops never do."""
+    if functional not in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        return
+    shape = self._spec.shape
+    dims = range(len(shape)) if not args else [args[0]] if isinstance(args[0], int) else args[0]
+    dropped = {d % max(len(shape), 1) for d in dims if shape[d] == 1}
+    if any(p.is_shard() and p.dim in dropped for p in self._spec.placements):
+        raise ShardingError(
+            f"squeeze_: in-place op on {self._spec!r} would drop a sharded dim and change self's layout; "
+            "redistribute self first, or use the out-of-place squeeze."
+        )
 
 
 for _inplace, _functional in [

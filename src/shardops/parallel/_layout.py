@@ -29,7 +29,9 @@ def as_mesh(mesh: Any, what: str) -> DeviceMesh:
         return mesh
     if mesh is None:
         raise ShardingError(f"{what}: give a device_mesh (so.init_device_mesh(...)); shardops has no current-mesh context")
-    if type(mesh).__name__ == "DeviceMesh" and hasattr(mesh, "mesh"):
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    if isinstance(mesh, TorchDeviceMesh):
         return DeviceMesh.from_torch(mesh)
     raise ShardingError(f"{what}: {mesh!r} is not a DeviceMesh")
 

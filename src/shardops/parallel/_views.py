@@ -1,41 +1,56 @@
 """Compute views: during a module's forward, a parameter is read in another layout than it is stored in.
 
-Two users: a parameter sharded over the data-parallel dims (FSDP-style) is gathered
-for compute, and a tied parameter (one object, two modules whose styles want two
-layouts) is stored once and redistributed for the module that wants the other
-layout. The view is made with `redistribute` (autograd-tracked), so the gradient
-flows back into the one stored parameter, in its storage layout; `nn.Module`'s
-parameters, `state_dict` and the optimizer keep seeing the stored parameter.
+Three users: a parameter sharded over the data-parallel dims (FSDP-style) is
+gathered for compute; a tied parameter (one object, two modules whose styles want
+two layouts) is stored once and redistributed for the module that wants the other
+layout; and a module outside the plan, which computes on plain local tensors,
+reads its DTensor parameter as a plain tensor (`LocalView`: the whole parameter,
+its gradient declared Partial(sum) over the data-parallel dims, where each rank
+saw its own batch shard, and Replicate elsewhere, as torch assumes for modules a
+tensor-parallel plan leaves alone). The view is made with `redistribute` /
+`to_local` (autograd-tracked), so the gradient flows back into the one stored
+parameter, in its storage layout; `nn.Module`'s parameters, `state_dict` and the
+optimizer keep seeing the stored parameter.
 
 The view lives in the module's instance `__dict__` for the duration of the forward
 (attribute lookup finds it before `nn.Module.__getattr__` reaches `_parameters`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Sequence, Union
 
 import torch.nn as nn
 
-from ..placements import Placement
+from ..placements import Placement, Replicate
 from ..tensor import DTensor
 
 VIEWS_ATTR = "_shardops_compute_layouts"
-FULL = "full"  # the view is a plain full tensor (a tied module outside the plan)
 
 
-def compute_layouts(module: nn.Module) -> dict[str, tuple[Placement, ...] | str]:
+@dataclass(frozen=True)
+class LocalView:
+    """The module reads the whole parameter as a plain tensor whose gradient has `grad_placements`."""
+
+    grad_placements: tuple[Placement, ...]
+
+
+View = Union[tuple[Placement, ...], LocalView]
+
+
+def compute_layouts(module: nn.Module) -> dict[str, View]:
     """The module's compute views so far (read only; set_compute_layout adds one)."""
     return dict(module.__dict__.get(VIEWS_ATTR, {}))
 
 
-def set_compute_layout(module: nn.Module, name: str, layout: Sequence[Placement] | str) -> None:
-    """During `module`'s forward, `module.<name>` is its parameter moved to `layout` (or FULL)."""
+def set_compute_layout(module: nn.Module, name: str, layout: Sequence[Placement] | LocalView) -> None:
+    """During `module`'s forward, `module.<name>` is its parameter moved to `layout` (or a LocalView of it)."""
     layouts = module.__dict__.get(VIEWS_ATTR)
     if layouts is None:
         layouts = module.__dict__[VIEWS_ATTR] = {}
         module.register_forward_pre_hook(_install_views)
         module.register_forward_hook(_drop_views, always_call=True)
-    layouts[name] = layout if isinstance(layout, str) else tuple(layout)
+    layouts[name] = layout if isinstance(layout, LocalView) else tuple(layout)
 
 
 def _install_views(module: nn.Module, inputs) -> None:
@@ -43,8 +58,9 @@ def _install_views(module: nn.Module, inputs) -> None:
         p = module._parameters.get(name)
         if not isinstance(p, DTensor):
             continue
-        if layout == FULL:
-            view = p.full_tensor()
+        if isinstance(layout, LocalView):
+            whole = (Replicate(),) * p.device_mesh.ndim
+            view = (p if p.placements == whole else p.redistribute(placements=whole)).to_local(grad_placements=layout.grad_placements)
         elif p.placements == layout:
             continue
         else:

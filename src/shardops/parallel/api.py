@@ -20,7 +20,8 @@ from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..tensor import DTensor
 from ._layout import as_mesh
-from ._views import FULL, set_compute_layout
+from ..placements import Replicate
+from ._views import LocalView, set_compute_layout
 from .style import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -99,6 +100,6 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
                     )
                 if p.placements != primary.placements:
                     set_compute_layout(sub, name, p.placements)
-            else:
-                set_compute_layout(sub, name, FULL)
+            else:  # a module outside the plan: the whole parameter, as a plain tensor
+                set_compute_layout(sub, name, LocalView((Replicate(),) * primary.device_mesh.ndim))
             sub._parameters[name] = primary

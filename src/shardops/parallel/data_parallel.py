@@ -17,6 +17,11 @@ outputs (mean over the batch) is the global loss, exact on uneven batches.
 
 Collectives per training step for the parameters (the activations move as the plan says):
 
+Parameters of modules the plan leaves alone (they compute on plain local tensors)
+are stored like the others and read in forward as plain tensors whose gradient is
+Partial(sum) over dp (each rank's covers its own batch shard): the collectives below
+apply to them too.
+
 - mode="replicate": parameters replicated over dp. Forward and backward issue none
   for them: a weight's gradient comes back pending (Partial(sum) over dp), and its
   first read (the optimizer step, or clip_grad_norm_) resolves it with one
@@ -38,10 +43,10 @@ import torch.utils._pytree as pytree
 
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
-from ..placements import Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard
 from ..tensor import DTensor, distribute_tensor, from_local
 from ._layout import DATA_PARALLEL_ATTR, DataParallelLayout, as_mesh
-from ._views import FULL, VIEWS_ATTR, set_compute_layout
+from ._views import VIEWS_ATTR, LocalView, set_compute_layout
 
 __all__ = ["data_parallel"]
 
@@ -58,6 +63,7 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "repli
     sub_meshes = {p.device_mesh for p in module.parameters() if isinstance(p, DTensor)}
     layout = DataParallelLayout(mesh, _dp_dims(mesh, sub_meshes), batch_dim, mode)
     lifted: dict[int, nn.Parameter] = {}
+    outside_plan: set[int] = set()  # lifted parameters that were plain: their modules compute on local tensors
     for sub in module.modules():
         sub.__dict__[DATA_PARALLEL_ATTR] = layout
         for name, p in list(sub._parameters.items()):
@@ -65,8 +71,10 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "repli
                 continue
             if id(p) not in lifted:
                 lifted[id(p)] = nn.Parameter(_lift(p, layout), requires_grad=p.requires_grad)
+                if sub_meshes and not isinstance(p, DTensor):
+                    outside_plan.add(id(lifted[id(p)]))
             sub._parameters[name] = lifted[id(p)]
-        _lift_compute_views(sub, layout)
+        _lift_compute_views(sub, layout, outside_plan)
     if not sub_meshes:
         module.register_forward_pre_hook(_batch_inputs(layout), with_kwargs=True)
     module.register_forward_hook(_batch_outputs(layout))
@@ -122,16 +130,20 @@ def _compute_layout(stored: tuple[Placement, ...], layout: DataParallelLayout) -
     return tuple(Replicate() if d in layout.dp_dims else p for d, p in enumerate(stored))
 
 
-def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout) -> None:
-    """Tie views given on the tp mesh move to the whole mesh; FSDP adds a gather view per sharded parameter."""
+def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout, outside_plan: set[int]) -> None:
+    """Views given on the tp mesh move to the whole mesh; a module outside the plan reads its
+    parameters as local views; FSDP adds a gather view per dp-sharded parameter."""
     views = sub.__dict__.get(VIEWS_ATTR, {})
+    local = LocalView(tuple(Partial() if d in layout.dp_dims else Replicate() for d in range(layout.mesh.ndim)))
     for name, p in sub._parameters.items():
         if not isinstance(p, DTensor):
             continue
         old = views.get(name)
-        if old is not None and old != FULL:
+        if isinstance(old, LocalView) or (old is None and id(p) in outside_plan):
+            set_compute_layout(sub, name, local)  # each dp rank's gradient covers its own batch shard
+        elif old is not None:
             set_compute_layout(sub, name, layout.lift_param(_sub_mesh_of(layout, p), old))
-        elif old is None and layout.mode == "shard":
+        elif layout.mode == "shard":
             compute = _compute_layout(p.placements, layout)
             if compute != p.placements:
                 set_compute_layout(sub, name, compute)

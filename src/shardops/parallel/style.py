@@ -75,6 +75,7 @@ class _LinearEmbeddingStyle(ParallelStyle):
         super().__init__()
         self.input_layouts = (as_placement(input_layouts) or self._default_input,)
         self.output_layouts = (as_placement(output_layouts) or self._default_output,)
+        self.desired_input_layouts: tuple[Placement, ...] = (Replicate(),)  # Rowwise on nn.Linear: Shard(-1), set in _apply
         self.use_local_output = use_local_output
 
     @staticmethod

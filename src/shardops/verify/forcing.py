@@ -96,26 +96,26 @@ def forcing(label: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[set[str]]:
-    """On this thread (one rank), the labels of the sharded algorithms that run inside the block."""
-    previous = getattr(_thread, "ran", None)
-    _thread.ran = ran = set()
+def _collecting(name: str) -> Iterator[set[str]]:
+    """A fresh set at _thread.<name> for the block (the outer one restored after it)."""
+    previous = getattr(_thread, name, None)
+    found: set[str] = set()
+    setattr(_thread, name, found)
     try:
-        yield ran
+        yield found
     finally:
-        _thread.ran = previous
+        setattr(_thread, name, previous)
 
 
-@contextlib.contextmanager
-def offering() -> Iterator[set[str]]:
+def recording() -> contextlib.AbstractContextManager[set[str]]:
+    """On this thread (one rank), the labels of the sharded algorithms that run inside the block."""
+    return _collecting("ran")
+
+
+def offering() -> contextlib.AbstractContextManager[set[str]]:
     """On this thread, the labels of every sharded algorithm the planner is offered inside the block
     (chosen or not; decisions served from the cache are not seen: clear it first)."""
-    previous = getattr(_thread, "offered", None)
-    _thread.offered = offered = set()
-    try:
-        yield offered
-    finally:
-        _thread.offered = previous
+    return _collecting("offered")
 
 
 def labels_of(candidates: Sequence[Candidate]) -> set[str]:

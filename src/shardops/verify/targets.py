@@ -35,7 +35,7 @@ def _writes_self(op) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
-def _aten_target(op, kind: str) -> Target:
+def aten_target(op, kind: str) -> Target:
     return Target(str(op), str(op).rsplit(".", 1)[0], op, samples.reference_for(op) or op, samples.generator_for(op), kind)
 
 
@@ -64,7 +64,7 @@ def discover() -> tuple[list[Target], dict[str, int]]:
             elif _writes_self(op):
                 skipped["in-place variants"] += 1
             elif str(op) not in found:
-                found[str(op)] = _aten_target(op, kind)
+                found[str(op)] = aten_target(op, kind)
     for fn in list(registry.TORCH_FUNCTIONS):
         if _is_random(fn):
             skipped[RANDOM_SKIP] += 1
@@ -73,7 +73,7 @@ def discover() -> tuple[list[Target], dict[str, int]]:
             skipped["in-place variants"] += 1
             continue
         if isinstance(fn, torch._ops.OpOverload):  # an aten op intercepted before dispatch: verify calls it as such
-            found.setdefault(str(fn), _aten_target(fn, "torch_function"))
+            found.setdefault(str(fn), aten_target(fn, "torch_function"))
             continue
         name = callable_name(fn)
         while name in found:

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from .errors import ShardingError
-from .mesh import DeviceMesh
-from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
-from .spec import TensorMeta, TensorSpec
-from .tensor import DTensor
-from .world import in_threads_world
+from ..errors import ShardingError
+from ..mesh import DeviceMesh
+from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
+from ..spec import TensorMeta, TensorSpec
+from ..tensor import DTensor
+from ..world import in_threads_world
 
 
 def _torch_placement(p: Placement) -> Any:
@@ -75,16 +75,3 @@ def from_torch(tdt: Any) -> DTensor:
     placements = tuple(_our_placement(p) for p in tdt.placements)
     meta = TensorMeta(tuple(tdt.shape), tuple(tdt.stride()), tdt.dtype)
     return DTensor._make(tdt._local_tensor, TensorSpec(mesh, placements, meta), requires_grad=tdt.requires_grad)
-
-
-def mirror_lazy_bits(wrapper: torch.Tensor, local: torch.Tensor) -> None:
-    """Give a DTensor the lazy conjugate / negative bits its local tensor carries.
-
-    `_conj` and `_neg_view` only set a bit on their (local) output. torch's Conjugate and
-    Negative dispatch keys, which materialise the bit for ops that do not understand it,
-    run before a subclass's __torch_dispatch__ and look at the wrapper: a wrapper without
-    the bit would hand the raw, unconjugated values to every later op (f*f instead of
-    conj(f)*f). torch has no public setter for these bits, hence this module.
-    """
-    torch._C._set_conj(wrapper, local.is_conj())
-    torch._C._set_neg(wrapper, local.is_neg())
