@@ -77,16 +77,11 @@ def coverage_slots(prepared: Sequence[Prepared]) -> list[Placement]:
 
 
 def pending_kinds_ok(layouts: Sequence[Sequence[Placement]], tensors: Sequence[torch.Tensor]) -> bool:
-    """At most one pending kind per operand: mixed kinds have no order-free meaning. NormP on several
-    mesh dims only in float64: its nested square roots round differently in each resolution order;
-    and none in half precision, whose resolved norm is not exact on the sample grid."""
+    """At most one pending kind per operand: mixed kinds have no order-free meaning. No NormP in half
+    precision, whose resolved norm is not exact on the sample grid. (NormP on several mesh dims is
+    resolved one canonical way, whatever the plan: redistribute._joint_norm_resolution.)"""
     for pl, t in zip(layouts, tensors):
         if len({p for p in pl if p.is_partial()}) > 1:
-            return False
-        if sum(isinstance(p, NormPartial) for p in pl) > 1:
-            # NOTE: known issue: two resolutions of one tensor pending on several mesh dims may take
-            # different plans and round differently (ops whose backward compares values, e.g.
-            # median, then see a mismatch); a canonical resolution order is the fix.
             return False
         if t.dtype in (torch.bfloat16, torch.float16) and any(isinstance(p, NormPartial) for p in pl):
             return False  # a half-precision sqrt(sum of squares) is not exact on the sample grid
