@@ -41,8 +41,13 @@ def test_registered_op_passes(op):
     report, text = quiet_verify([op])
     assert report.ok, text
     row = next(iter(report.rows.values()))
+<<<<<<< HEAD
     # >=: verify adds cases that run each sharded algorithm of the op (select/slice along the sharded dim)
     assert row.cases >= TEST_BUDGET * len(MESHES) and row.passed == row.cases
+=======
+    forced = len(row.algorithms_registered) * len(MESHES)  # one case per sharded algorithm and mesh
+    assert row.cases == TEST_BUDGET * len(MESHES) + forced and row.passed == row.cases
+>>>>>>> verify
 
 
 def test_gradients_are_checked_for_float_ops():
@@ -240,3 +245,22 @@ def test_forcing_runs_the_named_algorithm_and_records_it():
             ran, counts, y = so.run(per_rank, 4)[0]
         assert ran == {label} and counts.get(kind, 0) >= 1
         torch.testing.assert_close(y, torch.softmax(x, 1))
+
+
+REQUIRED_ALGORITHMS = [  # op -> how many sharded algorithms its samples must offer (verify forces each)
+    ("aten._softmax.default", 2), ("aten._log_softmax.default", 2), ("aten.logsumexp.default", 1),
+    ("aten.cumsum.default", 1), ("aten.cumprod.default", 1), ("aten.logcumsumexp.default", 1), ("aten.cummax.default", 1),
+    ("aten.cummin.default", 1), ("aten.var.correction", 1), ("aten.std.correction", 1), ("aten.topk.default", 1),
+    ("aten.histc.default", 1), ("aten.native_layer_norm.default", 1), ("aten._fused_rms_norm.default", 2),
+    ("aten.nll_loss_forward.default", 1), ("aten.nll_loss_backward.default", 1),
+]
+
+
+@pytest.mark.parametrize("name, count", REQUIRED_ALGORITHMS, ids=[n for n, _ in REQUIRED_ALGORITHMS])
+def test_samples_reach_the_sharded_algorithms(name, count):
+    """The samples must offer each family's sharded algorithms, or verify would have nothing to force."""
+    from shardops.verify import driver, references, targets
+
+    target = next(t for t in targets.discover()[0] if t.name == name)
+    prepared, _ = references.prepare(target, 0)
+    assert len(set().union(*driver.algorithm_labels(target, prepared))) >= count

@@ -551,6 +551,13 @@ def _symmetric(profile: Profile):
     return gen
 
 
+def _histc(op, dtype, g, k):
+    """histc with bounds (local histograms) and without (min == max: the data's range, one round first)."""
+    ctx = Ctx(((8, 6), (5, 3), (2, 4, 5))[k % 3], dtype, g, k)
+    lo, hi = ((0.0, 0.0), (-1.0, 2.0), (0.0, 0.0))[k % 3]
+    return Sample((ctx.main(), (5, 3, 4)[k % 3], lo, hi))
+
+
 def _aten_tensor_list(op, dtype, g, k):
     """aten.cat(tensors, dim) / aten.stack(tensors, dim)."""
     return _tensor_list_call(op if packet_name(op) != "stack" else _named("stack"), dtype, g, k)
@@ -659,7 +666,8 @@ SAMPLES: list[tuple[str, Callable[..., Sample | None]]] = [
     # gather/scatter (backwards of max.dim/topk)
     (r"gather|scatter|scatter_add|scatter_reduce|index_select|take_along_dim", _gather_like),
     # histograms
-    (r"histc|bincount", HISTOGRAM),
+    (r"histc", _histc),
+    (r"bincount", HISTOGRAM),
     # linalg (replicate fallback in the design)
     (r"_linalg_eigh|linalg_eigh|linalg_eigvalsh|eigh", _symmetric(LINALG)),
     (r"diagonal_backward", _diagonal_backward),
