@@ -10,12 +10,30 @@ def _readme() -> str:
         return f.read()
 
 
+def _blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", _readme(), flags=re.S)
+
+
 def test_readme_example_runs(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", _readme(), flags=re.S)
-    assert len(blocks) == 1, "the README has one python example"
+    blocks = _blocks()
+    assert len(blocks) == 2, "the README has two python examples: the softmax and the training step"
     exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme_example"})  # noqa: S102 - our own example
     out = capsys.readouterr().out
     assert out.count("bytes sent by this rank") == 4  # one line per rank
+
+
+def test_readme_training_example_runs_strict(capsys):
+    import math
+
+    import shardops as so
+
+    try:
+        exec(compile(_blocks()[1], "README.md", "exec"), {"__name__": "readme_training"})  # noqa: S102
+    finally:
+        so.set_strict(False)
+    losses = eval(capsys.readouterr().out.strip().splitlines()[-1])  # noqa: S307 - the list it printed
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert len(set(losses)) == 1  # the global loss, the same on every rank
 
 
 def test_readme_is_short_and_its_links_exist():
