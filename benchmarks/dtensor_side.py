@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.cases import MESH_SHAPES, Case, materialize, parse_placements, select_cases
+from shardops.training.torch_side import collective_kind as _kind_of
 
 WORLD_SIZE = 4
 
@@ -55,33 +56,9 @@ _SEND_ARG_NAMES = ("input", "inputs", "input_tensor", "input_tensors", "input_li
 # In-place c10d ops that send their `tensors` argument itself.
 _SENDS_TENSORS_ARG = ("allreduce", "broadcast", "reduce_", "send", "isend")
 
-# Ordered: the first pattern found in the op name gives the kind.
-_KIND_PATTERNS = (
-    ("reduce_scatter", "reduce_scatter"),
-    ("all_reduce", "all_reduce"),
-    ("allreduce", "all_reduce"),
-    ("all_gather", "all_gather"),
-    ("allgather", "all_gather"),
-    ("all_to_all", "all_to_all"),
-    ("alltoall", "all_to_all"),
-    ("broadcast", "broadcast"),
-    ("scatter", "scatter"),
-    ("gather", "gather"),
-    ("reduce_", "reduce"),
-    ("batch_p2p", "p2p"),
-    ("send", "p2p"),
-    ("recv", "p2p"),
-)
-
-
 def collective_kind(op_name: str) -> str | None:
     """'all_gather' for `_c10d_functional.all_gather_into_tensor`, etc.; None for a non-collective."""
-    if op_name in _NOT_COLLECTIVES:
-        return None
-    for pattern, kind in _KIND_PATTERNS:
-        if pattern in op_name:
-            return kind
-    return None
+    return None if op_name in _NOT_COLLECTIVES else _kind_of(op_name)
 
 
 def _tensor_bytes(value: Any) -> int:

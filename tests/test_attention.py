@@ -21,12 +21,8 @@ PL = {"S0": Shard(0), "S1": Shard(1), "S2": Shard(2), "R": R}
 
 
 @pytest.fixture(autouse=True)
-def strict():
-    so.set_strict(True)
-    try:
-        yield
-    finally:
-        so.set_strict(False)
+def _strict_everywhere(strict):
+    """Every test here runs strict (the fixture is in conftest.py)."""
 
 
 def _inputs(q_shape, kv_heads=None, kv_len=None, dtype=torch.float32, mask=None, seed=0):

@@ -33,14 +33,6 @@ SHAPE = (10, 6)  # on 4 ranks: dim 0 -> 3,3,3,1 rows; dim 1 -> 2,2,2,0 (an empty
 SEED = 1234
 
 
-@pytest.fixture
-def strict():
-    so.set_strict(True)
-    try:
-        yield
-    finally:
-        so.set_strict(False)
-
 
 # ------------------------------------------------------------------ the generator itself
 

@@ -19,14 +19,6 @@ from shardops.training.shardops_side import train_rank
 TOL = 1e-4
 
 
-@pytest.fixture
-def strict():
-    so.set_strict(True)
-    try:
-        yield
-    finally:
-        so.set_strict(False)
-
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (torch.linalg.vector_norm((a - b).double()) / torch.linalg.vector_norm(b.double()).clamp_min(1e-30)).item()

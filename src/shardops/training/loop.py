@@ -101,6 +101,18 @@ def run_steps(
     return records
 
 
+Part = Callable[[dict], Any]
+
+
+def step_parts(opt: torch.optim.Optimizer, forward: Part, loss: Part, backward: Part, loss_read: Part, grad_sync: Part | None = None) -> dict[str, Part]:
+    """The parts of a step, by name; zero_grad and the optimizer step are `opt`'s."""
+    parts = {"zero_grad": lambda s: opt.zero_grad(), "forward": forward, "loss": loss, "backward": backward,
+             "optimizer": lambda s: opt.step(), "loss_read": loss_read}
+    if grad_sync is not None:
+        parts["grad_sync"] = grad_sync
+    return parts
+
+
 def reference_parts(
     model: torch.nn.Module, cfg: ModelArgs, batch_size: int, lr: float, first_grads: dict[str, torch.Tensor] | None = None
 ) -> dict[str, Callable[[dict], Any]]:
@@ -125,14 +137,7 @@ def reference_parts(
     def loss_read(s: dict) -> None:
         s["loss_value"] = s["loss"].item()
 
-    return {
-        "zero_grad": lambda s: opt.zero_grad(),
-        "forward": forward,
-        "loss": loss,
-        "backward": backward,
-        "optimizer": lambda s: opt.step(),
-        "loss_read": loss_read,
-    }
+    return step_parts(opt, forward, loss, backward, loss_read)
 
 
-__all__ = ["PARTS", "PartRecord", "StepRecord", "NoComm", "batch", "run_steps", "reference_parts"]
+__all__ = ["PARTS", "PartRecord", "StepRecord", "NoComm", "batch", "run_steps", "reference_parts", "step_parts"]

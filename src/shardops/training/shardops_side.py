@@ -18,7 +18,7 @@ from ..comm.base import CommDebugMode
 from ..mesh import init_device_mesh
 from ..tensor import DTensor
 from .config import RunSpec, build, plan
-from .loop import StepRecord, batch, run_steps
+from .loop import StepRecord, batch, run_steps, step_parts
 
 
 class ShardopsMeter:
@@ -82,14 +82,7 @@ def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None 
         value = s["loss"].full_tensor() if isinstance(s["loss"], DTensor) else s["loss"]
         s["loss_value"] = value.item()
 
-    parts = {
-        "zero_grad": lambda s: opt.zero_grad(),
-        "forward": forward,
-        "loss": loss,
-        "backward": backward,
-        "optimizer": lambda s: opt.step(),
-        "loss_read": loss_read,
-    }
+    parts = step_parts(opt, forward, loss, backward, loss_read)
     records = run_steps(parts, spec.steps, ShardopsMeter, on_step if mesh.get_rank() == 0 else None)
     params = {n: _full(p) for n, p in model.named_parameters()}
     return {"records": records, "params": params, "grads": grads}

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .loop import batch, run_steps
+from .loop import batch, run_steps, step_parts
 from .config import RunSpec, build, plan
 
-_KINDS = (
+# Ordered: the first pattern found in a c10d op's name gives the kind (benchmarks read it too).
+COLLECTIVE_KINDS = (
     ("reduce_scatter", "reduce_scatter"),
     ("all_reduce", "all_reduce"),
     ("allreduce", "all_reduce"),
@@ -29,12 +30,19 @@ _KINDS = (
     ("all_to_all", "all_to_all"),
     ("alltoall", "all_to_all"),
     ("broadcast", "broadcast"),
+    ("scatter", "scatter"),
+    ("gather", "gather"),
+    ("reduce_", "reduce"),
+    ("batch_p2p", "p2p"),
+    ("send", "p2p"),
+    ("recv", "p2p"),
 )
 _SENT_ARGS = ("input", "inputs", "input_tensor", "input_tensors", "input_list", "tensors", "tensor")
 
 
-def _kind(name: str) -> str | None:
-    return next((kind for pattern, kind in _KINDS if pattern in name), None)
+def collective_kind(name: str) -> str | None:
+    """'all_gather' for `_c10d_functional.all_gather_into_tensor`, etc.; None for a non-collective."""
+    return next((kind for pattern, kind in COLLECTIVE_KINDS if pattern in name), None)
 
 
 class _ByteCounter(TorchDispatchMode):
@@ -49,7 +57,7 @@ class _ByteCounter(TorchDispatchMode):
         if any(t is not torch.Tensor and issubclass(t, torch.Tensor) and t.__name__ == "DTensor" for t in types):
             return NotImplemented  # let DTensor desugar first: its collectives then come through here
         if func.namespace in ("_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd"):
-            kind = _kind(func._schema.name.split("::")[-1])
+            kind = collective_kind(func._schema.name.split("::")[-1])
             if kind is not None:
                 named = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
                 sent = next((named[n] for n in _SENT_ARGS if n in named), None)
@@ -78,7 +86,7 @@ class TorchMeter:
         # CommDebugMode keys are torch op overloads; name them as shardops does
         out: collections.Counter = collections.Counter()
         for op, n in self._comm.get_comm_counts().items():
-            kind = _kind(str(op))
+            kind = collective_kind(str(op))
             if kind is not None:
                 out[kind] += n
         return dict(out)
@@ -147,15 +155,7 @@ def train_rank(spec: RunSpec) -> dict[str, Any]:
             value /= spec.dp
         s["loss_value"] = value.item()
 
-    parts = {
-        "zero_grad": lambda s: opt.zero_grad(),
-        "forward": forward,
-        "loss": loss,
-        "backward": backward,
-        "grad_sync": grad_sync,
-        "optimizer": lambda s: opt.step(),
-        "loss_read": loss_read,
-    }
+    parts = step_parts(opt, forward, loss, backward, loss_read, grad_sync)
     records = run_steps(parts, spec.steps, TorchMeter)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
     return {"records": records, "params": params if dist.get_rank() == 0 else None}
