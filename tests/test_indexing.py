@@ -7,6 +7,8 @@ whatever the cost model picks (re-indexing all_to_all, pick -> Partial(sum), or 
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -196,3 +198,53 @@ def test_select_and_slice_of_the_sharded_dim():
     assert got["layout"] == (S1,)
     got = check(lambda t: t.narrow(1, 2, 8), [x], (4,), [[S1]])
     assert got["layout"] == (S1,) and got["fwd"] <= 10 * 2 * 8 * 2  # at most two shards' worth change owner
+
+
+# ------------------------------------------------------------------ re-index with a sharded index (a hang, fixed)
+
+
+def _forced_move_index_select(x_full, index, mesh_shape, x_layout, index_layout, norm_dim=None):
+    """index_select(x, 0, index) with the re-index algorithm forced; x is NormP(2) on `norm_dim` if given
+    (rank-local pieces 0.6 x and 0.8 x: the full tensor is |x|). Returns every rank's (layout, counts, value)."""
+    from shardops.ops.indexing import LABEL_MOVE
+    from shardops.placements import NormPartial
+    from shardops.verify import forcing
+
+    def body():
+        mesh = so.init_device_mesh("cpu", mesh_shape)
+        plain = [R if p == "N" else p for p in x_layout]
+        x = so.distribute_tensor(x_full, mesh, plain)
+        if norm_dim is not None:
+            scale = 0.6 if mesh.get_coordinate()[norm_dim] == 0 else 0.8
+            x = so.DTensor.from_local(x.to_local() * scale, mesh, [NormPartial(2) if p == "N" else p for p in x_layout])
+        i = so.distribute_tensor(index, mesh, index_layout)
+        with so.CommDebugMode() as comm:
+            y = torch.index_select(x, 0, i)
+        return y.placements, comm.get_comm_counts(), y.full_tensor()
+
+    with forcing.forcing(LABEL_MOVE):
+        return so.run(body, math.prod(mesh_shape), timeout=20)
+
+
+def test_reindex_with_the_index_sharded_on_an_earlier_mesh_dim_keeps_every_rank_in_step():
+    """verify's `--op torch.index_select --mesh 2x2x2 --case 3`: x f64[8, 6] (R, S(0), NormP(2)), index [2]
+    (R, S(0), R). The planner pairs the re-index row (mesh dim 1) with the index-sharded row (mesh dim 0), so
+    each rank holds one index entry; the ranks that needed no move used to skip the all_to_all the others
+    waited in (CollectiveError after the timeout). Now each rank re-indexes its own index piece: exact."""
+    x = torch.randn(8, 6, generator=GEN, dtype=torch.float64)
+    index = torch.tensor([3, 6])
+    results = _forced_move_index_select(x, index, (2, 2, 2), [R, S0, "N"], [R, S0, R], norm_dim=2)
+    for _, _, value in results:
+        torch.testing.assert_close(value, x.abs().index_select(0, index))
+    assert any("all_to_all" in counts for _, counts, _ in results), "the forced re-index algorithm did not run"
+
+
+@pytest.mark.parametrize("index_layout", [[S0, R], [R, S0]], ids=["index-first", "index-second"])
+@pytest.mark.parametrize("x_layout", [[S0, R], [R, S0], [S0, S0]], ids=["S0,R", "R,S0", "S0,S0"])
+def test_reindex_with_a_sharded_index_is_exact_in_any_mesh_dim_order(x_layout, index_layout):
+    """The re-index algorithm next to an index sharded on either mesh dim (an index cut after a re-index cut
+    gathers the small index first), uneven rows and index: every rank agrees and the values are torch's."""
+    x = torch.randn(10, 3, generator=GEN, dtype=torch.float64)
+    index = torch.tensor([9, 0, 4, 4, 7])
+    for _, _, value in _forced_move_index_select(x, index, (2, 2), x_layout, index_layout):
+        torch.testing.assert_close(value, x.index_select(0, index))

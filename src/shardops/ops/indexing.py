@@ -33,6 +33,7 @@ from ..dispatch.registry import register, register_torch_function
 from ..dispatch.schema import OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions
+from ..redistribute import redistribute_local
 from ..spec import TensorSpec
 from . import views as _views  # noqa: F401 - its select/slice/narrow rules exist before rows are added to them
 
@@ -371,11 +372,28 @@ def _owned(spec: TensorSpec, dim: int, index: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _index_select_move(ctx, x: torch.Tensor, dim, index: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Along the sharded dim, output sharded the same way: the selected rows move to their new owners."""
-    spec, out_spec = ctx.in_specs[0], ctx.out_specs[0]
+    """Along the sharded dim, output sharded the same way: the selected rows move to their new owners.
+
+    reindex_along needs a map that every member of its group holds. The planner may pair this
+    row with the index-sharded row ([R, S(0)] -> S(dim)) on other mesh dims, so `index` can be
+    this rank's piece of the index only, which differs between the ranks of those mesh dims.
+    When every index cut comes before the re-index cuts, this rank's output is a piece of its
+    index piece: re-index that piece over the other mesh dims (the index dims leave the group,
+    whose members then share one map). Otherwise the index is gathered first (it is small), so
+    every rank still takes the same plan and issues the same collectives.
+    """
+    spec, index_spec, out_spec = ctx.in_specs[0], ctx.in_specs[1], ctx.out_specs[0]
     dim = dim % max(x.ndim, 1)
+    index_dims = [i for i, p in enumerate(index_spec.placements) if p.is_shard()]
+    out_pl = list(out_spec.placements)
+    move_dims = [i for i, p in enumerate(out_pl) if p.is_shard(dim) and i not in index_dims]
+    if index_dims and move_dims and max(index_dims) > min(move_dims):
+        index = redistribute_local(index, index_spec, [R] * len(index_spec.placements))
+    else:
+        for i in index_dims:
+            out_pl[i] = R
     source = index.long().cpu() % max(spec.shape[dim], 1)
-    return reindex_along(x, spec.mesh, dim, _axis(spec, dim), _axis(out_spec, dim, index.numel()), source)
+    return reindex_along(x, spec.mesh, dim, _axis(spec, dim), (index.numel(), dim, tuple(out_pl)), source)
 
 
 def _index_select_pick(ctx, x: torch.Tensor, dim, index: torch.Tensor, *args, **kwargs) -> torch.Tensor:

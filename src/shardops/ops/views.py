@@ -301,9 +301,9 @@ def _inplace_view(functional):
         out = functional(self, *args, **kwargs)
         self._local_tensor = out._local_tensor
         self._set_spec(out._spec)
-        # NOTE: the wrapper's own sizes and strides change as torch's in-place view would change them.
-        with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
-            aten.as_strided_(self, out.shape, out.stride(), self.storage_offset())
+        from ..interop.wrapper import restride_wrapper  # interop imports tensor: import here, not at the top
+
+        restride_wrapper(self, out.shape, out.stride())  # as torch's in-place view changes them
         return self
 
     return run
