@@ -38,12 +38,22 @@ from test_dtensor import (  # noqa: F401,E402
 EXAMPLES = 8
 
 
+# test_properties' per-session record of which sharded algorithms ran; the examples here must not
+# count in it (test_every_sharded_algorithm_ran judges test_properties' own examples).
+_RECORDS = ("ALGORITHMS_OFFERED", "ALGORITHMS_RAN", "EXAMPLES_BY_OP", "LAST_OFFERED")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def debug_checks():
     before = core._state["debug"]
+    saved = {name: type(getattr(props, name))(getattr(props, name)) for name in _RECORDS}
     so.set_debug(True)
     yield
     so.set_debug(before)
+    for name, value in saved.items():
+        record = getattr(props, name)
+        record.clear()
+        record.update(value)
 
 
 def test_debug_checks_are_on():
