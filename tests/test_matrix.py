@@ -219,7 +219,8 @@ GRID = [
 SAMPLED = random.Random(12).sample(GRID, 24)
 
 
-def _grid_case(mesh, na, nb, la, lb, dtype=torch.float32):
+def check_grid_case(mesh, na, nb, la, lb, dtype=torch.float32):
+    """matmul on the layouts: values and gradients against torch (asserted by matrix_harness.check)."""
     sa, sb = _matmul_shapes(na, nb)
     check(torch.matmul, [make(sa, 0, dtype), make(sb, 1, dtype)], mesh, [la, lb])
 
@@ -231,14 +232,14 @@ def _grid_id(case) -> str:
 
 @pytest.mark.parametrize("case", SAMPLED, ids=_grid_id)
 def test_matmul_grid_sampled(case):
-    _grid_case(*case)
+    check_grid_case(*case)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", GRID, ids=_grid_id)
 def test_matmul_grid_exhaustive(case):
-    _grid_case(*case)
-    _grid_case(*case, dtype=torch.bfloat16)
+    check_grid_case(*case)
+    check_grid_case(*case, dtype=torch.bfloat16)
 
 
 # ------------------------------------------------------------------ explain answers for products

@@ -420,7 +420,8 @@ def _op_families(name: str, plan: dict | None, local_attention: bool) -> tuple[s
     return ("linear", "embedding", "attention") + (("rotary",) if name == "llama" else ())
 
 
-def _train_lm(name, mesh_shape, mode, **plan_kwargs):
+def check_lm_training(name, mesh_shape, mode, **plan_kwargs):
+    """Train `name` sharded and on one device; assert (check_training) losses, first gradients, final parameters."""
     Model, make_plan = LM[name]
     args = ModelArgs()
     tokens, targets = _lm_data(args)
@@ -436,14 +437,14 @@ def _train_lm(name, mesh_shape, mode, **plan_kwargs):
 def test_language_model_trains_like_single_device(name, mesh_shape, mode):
     """Sequence-parallel norms, column/row-parallel attention and MLP (local tensors in between),
     vocabulary-parallel embedding and loss; GPT-2's tied embeddings stay one parameter."""
-    _train_lm(name, mesh_shape, mode)
+    check_lm_training(name, mesh_shape, mode)
 
 
 @pytest.mark.parametrize("mesh_shape,mode", [MESHES[0], MESHES[2]], ids=[MESH_IDS[0], MESH_IDS[2]])
 @pytest.mark.parametrize("name", list(LM))
 def test_language_model_with_attention_on_dtensors(name, mesh_shape, mode):
     """q/k/v stay DTensors (use_local_output=False): rotary and SDPA run on DTensors."""
-    _train_lm(name, mesh_shape, mode, local_attention=False)
+    check_lm_training(name, mesh_shape, mode, local_attention=False)
 
 
 class Scale(nn.Module):
@@ -539,7 +540,7 @@ def test_gradient_accumulation_keeps_gradients_pending():
 def test_language_model_with_norms_outside_the_plan(name, mode):
     """No sequence parallelism: the norms are left out of the plan and compute on local tensors;
     on a (dp, tp) mesh their parameters are still synchronised over dp."""
-    _train_lm(name, (2, 2), mode, sequence_parallel=False)
+    check_lm_training(name, (2, 2), mode, sequence_parallel=False)
 
 
 @pytest.mark.parametrize("mode", ["replicate", "shard"])
