@@ -20,20 +20,17 @@ run of each (system, step) is compared with single-device torch.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import pickle
-import socket
 import statistics
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from shardops.training import launch
 
 TARGET_RATIO = 0.5  # shardops / DTensor wall time (issue 7)
 IGNORE = -100
@@ -421,80 +418,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 # --- spawning the ranks -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, port: int, timeout: float, threads: int, conn: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)  # ranks share the machine's cores
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        message: tuple[str, Any] = ("ok", fn(*args))
-    except BaseException:  # noqa: BLE001 - sent to the parent
-        message = ("error", f"[rank {rank}, pid {os.getpid()}] " + traceback.format_exc())
-    conn.send_bytes(pickle.dumps(message))
-    conn.close()
-    if dist.is_initialized():
-        if message[0] == "ok":
-            try:
-                dist.barrier()  # nobody tears down while a peer may still read
-            except Exception:  # noqa: BLE001
-                pass
-        dist.destroy_process_group()
-
-
 def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
-    """`fn(*args)` once per process of a `world_size`-rank gloo world on 127.0.0.1; each rank's result.
-
-    A rank that raises, dies or outlives `timeout` raises RuntimeError here; no child outlives this call.
-    """
-    import torch.multiprocessing as torch_mp
-
-    ctx = torch_mp.get_context("spawn")
-    port = _free_port()
+    """`fn(*args)` once per process of a `world_size`-rank gloo world on 127.0.0.1 (the package's launcher)."""
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    procs, readers = [], []
-    try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(fn, args, rank, world_size, port, timeout, threads, writer), daemon=True)
-            proc.start()
-            writer.close()
-            procs.append(proc)
-            readers.append(reader)
-        results: list[Any] = [None] * world_size
-        waiting = dict(enumerate(readers))
-        deadline = time.monotonic() + timeout
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"gloo rank(s) {sorted(waiting)} did not finish within {timeout:g} s")
-            for reader in wait(list(waiting.values()), timeout=left):
-                rank = readers.index(reader)
-                try:
-                    status, payload = pickle.loads(reader.recv_bytes())
-                except EOFError:
-                    raise RuntimeError(f"gloo rank {rank} exited without a result") from None
-                if status == "error":
-                    raise RuntimeError(f"gloo rank {rank} raised:\n{payload}")
-                results[rank] = payload
-                del waiting[rank]
-        return results
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for reader in readers:
-            reader.close()
+    return launch.run_gloo(fn, world_size, *args, timeout=timeout, threads=threads)
 
 
 def measure_end_to_end(size: Size | str = "quick", world_size: int = 2, timeout: float = 600.0) -> dict[str, Any]:

@@ -33,6 +33,7 @@ def run_gloo(
     timeout: float = 120,
     pg_timeout: float | None = None,
     setup: Callable[[float], None] | None = None,
+    threads: int = 1,
 ) -> list[Any]:
     """`fn(*args)` on `world_size` gloo ranks; each rank's return value, by rank.
 
@@ -49,7 +50,7 @@ def run_gloo(
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=_child, args=(fn, args, rank, world_size, port, timeout, pg_timeout, setup, writer), name=f"gloo-rank{rank}", daemon=True
+                target=_child, args=(fn, args, rank, world_size, port, timeout, pg_timeout, setup, threads, writer), name=f"gloo-rank{rank}", daemon=True
             )
             proc.start()
             writer.close()  # the child holds the only write end: EOF on the reader means it is gone
@@ -91,11 +92,11 @@ def _collect(procs: list, readers: list, deadline: float, timeout: float) -> lis
     return results
 
 
-def _child(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, port: int, timeout: float, pg_timeout: float, setup: Any, conn: Any) -> None:
+def _child(fn: Callable[..., Any], args: tuple, rank: int, world_size: int, port: int, timeout: float, pg_timeout: float, setup: Any, threads: int, conn: Any) -> None:
     import torch.distributed as dist
 
-    # Four ranks share a few cores: one intra-op thread each avoids oversubscription.
-    torch.set_num_threads(1)
+    # Ranks share a few cores: few intra-op threads each avoid oversubscription.
+    torch.set_num_threads(threads)
     message: tuple[str, Any]
     try:
         # Spawned ranks start seconds apart on a busy machine: the meeting gets the run's whole timeout.
