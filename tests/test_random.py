@@ -20,10 +20,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardops as so
+from test_memory import LargestLocalTensor  # the one recorder of local temporaries
 from shardops import Partial, Replicate, Shard, StridedShard
 from shardops import rng
 from shardops.placements import dim_positions
@@ -461,27 +460,6 @@ def test_f_dropout_on_shard0_is_strict_local_and_keeps_the_layout(strict):
         assert torch.equal(local, grad)  # the gradient goes through the same mask and scale
 
 
-class LargestLocalTensor(TorchDispatchMode):
-    """The largest plain tensor an aten op makes on this rank (DTensor ops re-entered with the mode on)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = (0, "")
-        self.ops_seen = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(isinstance(a, so.DTensor) for a in pytree.tree_leaves((args, kwargs))):
-            with self:
-                return so.DTensor.__torch_dispatch__(func, types, args, kwargs)
-        out = func(*args, **kwargs)
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self.ops_seen += 1
-                self.largest = max(self.largest, (t.numel() * t.element_size(), str(func)))
-        return out
-
-
 @pytest.mark.parametrize("placements", [(Shard(0),), (Shard(1),)])
 def test_sharded_dropout_temporaries_within_2x_the_shard(placements):
     rows, cols = 1024, 512  # f32 shard of 512 KiB on 4 ranks
@@ -496,7 +474,7 @@ def test_sharded_dropout_temporaries_within_2x_the_shard(placements):
             x.normal_()
         return recorder.largest, shard, recorder.ops_seen
 
-    for (largest, op), shard, seen in so.run(body, 4):
+    for (largest, op, _shape), shard, seen in so.run(body, 4):
         assert seen > 10, "the recorder saw no local kernels"
         assert largest <= 2 * shard, f"{op} made {largest} bytes, the shard is {shard}"
 
