@@ -11,3 +11,17 @@ class ShardingError(ValueError, RuntimeError):
 
 class CollectiveError(ShardingError):
     """A collective could not complete: ranks disagreed, a rank failed, or one never arrived."""
+
+
+# Where torch's DTensor raises another built-in class at the same point, shardops raises a
+# ShardingError that is also that class (code written for torch catches it), with torch's
+# phrase first in the message and shardops' explanation after it.
+
+
+class NoShardingStrategyError(ShardingError, NotImplementedError):
+    """An op with no sharded strategy that cannot fall back (torch: NotImplementedError,
+    "Operator ... does not have a sharding strategy registered.")."""
+
+
+class LayoutMismatchError(ShardingError, AssertionError):
+    """Layouts given to a parallel style that do not pair up (torch: AssertionError)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from functools import cached_property
 from typing import Any, Sequence
 
@@ -48,6 +49,14 @@ class DeviceMesh:
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self._ranks.tolist()}{names})"
+
+    # -- `with mesh:` (torch's DeviceMesh is a context manager): the current mesh of this rank
+    def __enter__(self) -> "DeviceMesh":
+        _mesh_stack().append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _mesh_stack().pop()
 
     # -- torch-compatible queries
     @property
@@ -142,6 +151,21 @@ class DeviceMesh:
     @classmethod
     def from_torch(cls, torch_mesh: Any) -> "DeviceMesh":
         return cls(torch_mesh.device_type, torch_mesh.mesh, torch_mesh.mesh_dim_names, _torch_mesh=torch_mesh)
+
+
+_current = threading.local()  # a rank is a thread in the threads world: each rank has its own stack
+
+
+def _mesh_stack() -> list[DeviceMesh]:
+    if not hasattr(_current, "stack"):
+        _current.stack = []
+    return _current.stack
+
+
+def current_mesh() -> DeviceMesh | None:
+    """The innermost mesh entered with `with mesh:` on this rank, or None."""
+    stack = _mesh_stack()
+    return stack[-1] if stack else None
 
 
 def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:

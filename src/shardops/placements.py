@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -93,6 +93,9 @@ class Partial(Placement):
     """
 
     reduce_op: str = "sum"
+    # torch's public class attributes, for code written against torch's Partial
+    LINEAR_REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg")  # distribute over addition (mm of a partial)
+    ALL_REDUCE_OPS: ClassVar[tuple[str, ...]] = ("sum", "avg", "min", "max", "product")
 
     def __post_init__(self) -> None:
         if self.reduce_op not in REDUCE_OPS:

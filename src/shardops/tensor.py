@@ -254,7 +254,7 @@ def _operand_specs(flat: Sequence[Any], tensor_pos: Sequence[int], func) -> list
                 mesh = m
             elif m != mesh:
                 raise ShardingError(
-                    f"{func}: operands live on different meshes ({mesh} and {m}); "
+                    f"Sharding propagation failed for {func}: operands live on different meshes ({mesh} and {m}); "
                     "redistribute them onto one mesh first (e.g. build both with the same DeviceMesh)."
                 )
     specs = []

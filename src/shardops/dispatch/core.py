@@ -22,7 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .. import cost
-from ..errors import ShardingError
+from ..errors import NoShardingStrategyError, ShardingError
 from ..placements import Replicate
 from ..redistribute import Plan, execute, materialize_lazy_bits, plan, plan_bytes
 from ..spec import TensorMeta, TensorSpec
@@ -287,9 +287,9 @@ def checked_fallback(d: Decision) -> None:
         if meta_error is not None and not isinstance(meta_error, NotImplementedError):
             # The op has a rule but torch refused the call itself (a dtype or shape error): say that, not "layout".
             raise ShardingError(f"{d.schema.name} on {list(specs)}: torch refuses this call: {meta_error}") from meta_error
-        raise ShardingError(
-            f"{d.schema.name}: in-place op with no sharded strategy on {specs[0]!r}; it would change self's "
-            "layout. Redistribute self to Replicate first, or use the out-of-place op."
+        raise NoShardingStrategyError(  # a NotImplementedError too, as torch's at this point
+            f"Operator {d.schema.name} does not have a sharding strategy registered for {specs[0]!r}: an in-place op "
+            "with no sharded strategy would change self's layout. Redistribute self to Replicate first, or use the out-of-place op."
         )
     if not refused:
         warn_fallback(d)

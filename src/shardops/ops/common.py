@@ -76,7 +76,7 @@ def all_gather_packed(
     group = mesh.group(tuple(mesh_dims))
     layouts = [[tuple(s)] * len(tensors) for s in shapes] if shapes is not None else [[tuple(t.shape) for t in tensors]] * group.size
     sizes = [[math.prod(s) * t.element_size() for s, t in zip(member, tensors)] for member in layouts]
-    mine = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    mine = torch.cat([_bytes_of(t) for t in tensors])
     pieces = mesh.comm.all_gather(mine, group, [(sum(n),) for n in sizes])
     out = []
     for piece, member, nbytes in zip(pieces, layouts, sizes):
@@ -87,6 +87,14 @@ def all_gather_packed(
             offset += n
         out.append(parts)
     return out
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's data as a flat uint8 tensor. An empty tensor may keep a 0 stride through
+    reshape (an expanded gradient), which torch refuses to reinterpret: it has no bytes anyway."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def all_gather_stacked(tensors, spec: TensorSpec, mesh_dims: Sequence[int]):

@@ -22,3 +22,6 @@ __all__ = [
     "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "RowwiseParallel", "SequenceParallel", "data_parallel", "distribute_module", "loss_parallel", "parallelize_module",
 ]
+from .transformers import from_transformers  # noqa: E402 - after the styles it builds on
+
+__all__ += ["from_transformers"]

@@ -29,7 +29,12 @@ def as_mesh(mesh: Any, what: str) -> DeviceMesh:
     if isinstance(mesh, DeviceMesh):
         return mesh
     if mesh is None:
-        raise ShardingError(f"{what}: give a device_mesh (so.init_device_mesh(...)); shardops has no current-mesh context")
+        from ..mesh import current_mesh
+
+        mesh = current_mesh()
+        if mesh is None:
+            raise ShardingError(f"{what}: give a device_mesh (so.init_device_mesh(...)) or call it inside `with mesh:`")
+        return mesh
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
     if isinstance(mesh, TorchDeviceMesh):

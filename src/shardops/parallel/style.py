@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..errors import ShardingError
+from ..errors import LayoutMismatchError, ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
 from ..tensor import DTensor
@@ -183,12 +183,15 @@ class SequenceParallel(ParallelStyle):
         return f"SequenceParallel(sequence_dim={self.sequence_sharding[0].dim}, use_local_output={self.use_local_output})"
 
 
-def _check_pairs(layouts, desired, what: str) -> None:
+def _check_pairs(layouts, desired, what: str, names: str) -> None:
+    """Layouts and desired layouts pair up one to one (torch asserts it: an AssertionError there and here)."""
     if layouts is not None:
         if desired is None:
-            raise ShardingError(f"{what}: desired layouts must be given with the layouts")
+            raise LayoutMismatchError(f"desired module inputs should not be None! {what}: desired layouts must be given with the layouts")
         if len(layouts) != len(desired):
-            raise ShardingError(f"{what}: layouts {layouts} and desired layouts {desired} should have same length")
+            raise LayoutMismatchError(
+                f"{names} should have same length! {what}: layouts {layouts} and desired layouts {desired} differ in length"
+            )
 
 
 class PrepareModuleInput(ParallelStyle):
@@ -210,12 +213,12 @@ class PrepareModuleInput(ParallelStyle):
         self.input_layouts = as_layouts(input_layouts)
         self.desired_input_layouts = as_layouts(desired_input_layouts)
         self.use_local_output = use_local_output
-        _check_pairs(self.input_layouts, self.desired_input_layouts, "PrepareModuleInput")
+        _check_pairs(self.input_layouts, self.desired_input_layouts, "PrepareModuleInput", "input_layouts and desired_input_layouts")
         self.with_kwargs = input_kwarg_layouts is not None
         self.input_kwarg_layouts = {k: as_placement(v) for k, v in (input_kwarg_layouts or {}).items()}
         self.desired_input_kwarg_layouts = {k: as_placement(v) for k, v in (desired_input_kwarg_layouts or {}).items()}
         if self.with_kwargs and len(self.input_kwarg_layouts) != len(self.desired_input_kwarg_layouts):
-            raise ShardingError("PrepareModuleInput: input_kwarg_layouts and desired_input_kwarg_layouts should have same length")
+            raise LayoutMismatchError("input_kwarg_layouts and desired_input_kwarg_layouts should have same length! (PrepareModuleInput)")
 
     def _prepare_input_arg(self, mod, x, mesh, layout, desired):
         if layout is None:
@@ -233,7 +236,8 @@ class PrepareModuleInput(ParallelStyle):
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if len(inputs) != len(self.input_layouts):
             raise ShardingError(
-                f"PrepareModuleInput: the module got {len(inputs)} positional inputs but input_layouts has {len(self.input_layouts)}"
+                f"module inputs and input_layouts should have same length! PrepareModuleInput: the module got "
+                f"{len(inputs)} positional inputs but input_layouts has {len(self.input_layouts)}"
             )
         return tuple(
             self._prepare_input_arg(mod, x, mesh, lay, want)
@@ -276,7 +280,7 @@ class PrepareModuleOutput(ParallelStyle):
         self.output_layouts = as_layouts(output_layouts)
         self.desired_output_layouts = as_layouts(desired_output_layouts)
         self.use_local_output = use_local_output
-        _check_pairs(self.output_layouts, self.desired_output_layouts, "PrepareModuleOutput")
+        _check_pairs(self.output_layouts, self.desired_output_layouts, "PrepareModuleOutput", "output_layouts and desired_output_layouts")
 
     def _prepare_out_fn(self, mod, outputs, mesh):
         outs = outputs if isinstance(outputs, tuple) else (outputs,)

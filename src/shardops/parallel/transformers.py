@@ -1,0 +1,335 @@
+"""from_transformers: a transformers model's own tensor-parallel plan, applied with shardops styles.
+
+    model = AutoModelForCausalLM.from_config(config)
+    from_transformers(model, mesh)                 # mesh: the tensor-parallel mesh, 1-d
+    loss = model(ids, labels=ids).loss             # runs sharded, exact
+
+transformers (5.x) ships a plan on each model (`model._tp_plan`: the base model's
+plan with its prefix, the head's entries, `embedding_rowwise` for the input
+embedding). Its keys are dotted paths with `*` for the layer number; a key names
+a module (the kind says how the module's forward is parallelized) or a parameter
+(the kind only says how that parameter is laid out). Each kind maps to a shardops
+style (docs/parallel.md has the table):
+
+  colwise                       ColwiseParallel (output Shard(-1))
+  colwise_rep, colwise_gather_output
+                                ColwiseParallel(output_layouts=Replicate())
+  rowwise                       RowwiseParallel (input Shard(-1), output Replicate)
+  rowwise_split_input, rowwise_rep
+                                RowwiseParallel(input_layouts=Replicate())
+  embedding_rowwise             RowwiseParallel(input_layouts=Replicate()) on the embedding (vocabulary-parallel)
+  embedding_colwise             ColwiseParallel(output_layouts=Replicate()) on the embedding
+  sequence_parallel             SequenceParallel
+  replicated_with_grad_allreduce
+                                replicated parameters whose gradient is summed over the mesh (per-head norms)
+  packed_colwise                fused [gate; up] weight: StridedShard(out dim, 2), each half column-sharded
+  packed_rowwise                fused weight packed along its last dim: StridedShard(-1, 2)
+  moe_tp_experts                experts computing on their local shards; input gradient and output summed
+  moe_identity_expert           input divided by the mesh size (cancels the experts' sum)
+  all_reduce                    a module's partial output summed over the mesh
+  mla_kv_a_proj                 the rope part of the projection's output: gradient summed over the mesh
+  local_params                  the module computes on its parameters' local shards
+  replicate                     nothing (the parameter stays a plain, replicated tensor)
+
+`use_local_output=True` is how transformers applies its plan: tensors between
+boundaries are plain local tensors. `use_local_output=False` keeps every boundary
+a DTensor, so attention, rotary embeddings, masks and the loss run on DTensors.
+"""
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import ShardingError
+from ..mesh import DeviceMesh
+from ..placements import Partial, Placement, Replicate, Shard, StridedShard
+from ..tensor import DTensor, from_local
+from ._layout import as_mesh, boundary, move, to_dtensor
+from ._views import LocalView, set_compute_layout
+from .api import parallelize_module
+from .distribute import distribute_module
+from .style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, _distribute_params
+
+__all__ = ["from_transformers", "style_for"]
+
+PACKED_SPLIT = 2  # transformers packs [gate; up]: two halves
+
+
+def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = True) -> nn.Module:
+    """Apply `model._tp_plan` (transformers' own tensor-parallel plan) on the 1-d `mesh`, in place; return the model.
+
+    For data parallelism on top, pass `mesh["tp"]` here and call `data_parallel(model, mesh)` after.
+    """
+    mesh = as_mesh(mesh, "from_transformers")
+    if mesh.ndim != 1:
+        raise ShardingError(
+            f"from_transformers: transformers' plans are for a 1-d tensor-parallel mesh, got {mesh}; pass mesh[\"tp\"] "
+            "and add data parallelism with shardops.parallel.data_parallel(model, mesh)"
+        )
+    tp_plan = getattr(model, "_tp_plan", None) or getattr(model, "tp_plan", None)
+    if not tp_plan:
+        raise ShardingError(
+            f"from_transformers: {type(model).__name__} has no tensor-parallel plan (model._tp_plan is empty); "
+            "write a plan of shardops.parallel styles and call parallelize_module"
+        )
+    parallelize_module(model, mesh, _shardops_plan(model, dict(tp_plan), use_local_output))
+    return model
+
+
+def _shardops_plan(model: nn.Module, tp_plan: dict[str, str], use_local_output: bool) -> dict[str, ParallelStyle]:
+    """{concrete module path: style}: module entries by kind, parameter entries grouped on their owner."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    module_kind: dict[str, str] = {}
+    param_kinds: dict[str, dict[str, str]] = {}
+    for key, kind in tp_plan.items():
+        pattern = _key_regex(key)
+        hit_params = [n for n in params if pattern.fullmatch(n)]
+        hit_modules = [n for n in modules if n and pattern.fullmatch(n)]
+        if not hit_params and not hit_modules:
+            continue  # a plan entry for a layer this config does not build (parallelize_module would warn)
+        for name in hit_params:
+            owner, _, pname = name.rpartition(".")
+            param_kinds.setdefault(owner, {})[pname] = kind
+        for name in hit_modules:
+            module_kind[name] = kind
+    plan: dict[str, ParallelStyle] = {}
+    for path in sorted(set(module_kind) | set(param_kinds), key=lambda p: list(modules).index(p)):
+        plan[path] = style_for(module_kind.get(path), param_kinds.get(path, {}), modules[path], use_local_output)
+    return plan
+
+
+def _key_regex(key: str) -> re.Pattern:
+    """A plan key as a regex over dotted names: `*` stands for one path token (the layer number)."""
+    return re.compile(r"\.".join("[^.]+" if tok == "*" else re.escape(tok).replace(r"\*", "[^.]*") for tok in key.split(".")))
+
+
+def style_for(kind: str | None, param_kinds: dict[str, str], module: nn.Module, use_local_output: bool) -> ParallelStyle:
+    """The shardops style for one module: its own kind (None: only parameter entries) and its parameters' kinds."""
+    u = use_local_output
+    layouts = {name: _param_placement(k, module, name) for name, k in param_kinds.items()}
+    if kind is None:
+        return ParamLayouts(layouts)
+    builders: dict[str, Callable[[], ParallelStyle]] = {
+        "colwise": lambda: ColwiseParallel(use_local_output=u),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate(), use_local_output=u),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate(), use_local_output=u),
+        "rowwise": lambda: RowwiseParallel(use_local_output=u),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=u),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=u),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=u),
+        "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate(), use_local_output=u),
+        "sequence_parallel": lambda: SequenceParallel(use_local_output=u),
+        "replicated_with_grad_allreduce": lambda: ReplicatedWithGradSum(use_local_output=u),
+        "packed_colwise": lambda: PackedColwiseParallel(use_local_output=u),
+        "moe_tp_experts": lambda: LocalShardCompute(layouts, sum_output=True, use_local_output=u),
+        "local_params": lambda: LocalShardCompute(layouts, sum_output=False, use_local_output=u),
+        "moe_identity_expert": lambda: ScaleInput(),
+        "all_reduce": lambda: SumOutput(use_local_output=u),
+        "mla_kv_a_proj": lambda: RopeGradSum(),
+        "replicate": lambda: ParamLayouts({}),
+    }
+    if kind not in builders:
+        raise ShardingError(
+            f"from_transformers: {type(module).__name__} has plan kind {kind!r}, which shardops does not know; "
+            f"known kinds: {sorted(builders)}"
+        )
+    style = builders[kind]()
+    if layouts and not isinstance(style, LocalShardCompute):
+        return _Both(ParamLayouts(layouts), style)
+    return style
+
+
+def _param_placement(kind: str, module: nn.Module, name: str) -> Placement | None:
+    """What a parameter-level plan entry means for that one parameter (transformers' shard_param)."""
+    ndim = getattr(module, name).ndim
+    if kind == "colwise":
+        return Shard(max(ndim - 2, 0))
+    if kind == "rowwise":
+        return Replicate() if name == "bias" or ndim == 1 else Shard(ndim - 1)
+    if kind == "packed_colwise":  # [gate; up] along the output dim: each half column-sharded
+        return StridedShard(max(ndim - 2, 0), PACKED_SPLIT)
+    if kind == "packed_rowwise":
+        return Replicate() if ndim == 1 else StridedShard(ndim - 1, PACKED_SPLIT)
+    if kind in ("embedding_rowwise", "embedding_colwise"):
+        return Shard(0 if kind == "embedding_rowwise" else 1)
+    if kind in ("replicate", "replicated_with_grad_allreduce", "local_params"):
+        return None  # stays as it is
+    raise ShardingError(f"from_transformers: parameter {type(module).__name__}.{name} has plan kind {kind!r}, which shardops does not know for a parameter")
+
+
+# --- styles for the kinds torch's parallel API has no name for ----------------------------
+
+
+class ParamLayouts(ParallelStyle):
+    """Lay out the module's own parameters as given (None: leave that one alone); the forward is untouched."""
+
+    def __init__(self, layouts: dict[str, Placement | None]):
+        self.layouts = {k: v for k, v in layouts.items() if v is not None}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.layouts:
+            _distribute_params(module, device_mesh, self.layouts, self.src_data_rank)
+        return module
+
+    def __repr__(self) -> str:
+        return f"ParamLayouts({self.layouts})"
+
+
+class _Both(ParallelStyle):
+    def __init__(self, first: ParallelStyle, second: ParallelStyle):
+        self.first, self.second = first, second
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in (self.first, self.second):
+            style.src_data_rank = self.src_data_rank
+            style._apply(module, device_mesh)
+        return module
+
+
+class ReplicatedWithGradSum(ParallelStyle):
+    """Replicated parameters of a module that sees only this rank's heads (Qwen3's q_norm/k_norm).
+
+    Local outputs: the module computes on plain tensors and reads its parameter as a plain
+    tensor whose gradient is Partial(sum) over the mesh (each rank's covers its heads), summed
+    on the gradient's first read. DTensor boundaries: a Replicate DTensor parameter, whose
+    gradient autograd gets right by itself.
+    """
+
+    def __init__(self, *, use_local_output: bool = True):
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute_params(module, device_mesh, {"*": Replicate()}, self.src_data_rank)
+        if self.use_local_output:
+            for name, p in module.named_parameters(recurse=False):
+                set_compute_layout(module, name, LocalView((Partial(),) * p.device_mesh.ndim))
+        return module
+
+
+def _local_with_summed_grad(module: nn.Module, x: Any, mesh: DeviceMesh) -> Any:
+    """A replicated input as a plain tensor whose gradient is summed over the mesh (each rank's is partial)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not (x.is_floating_point() or x.is_complex()):
+        return x.to_local() if isinstance(x, DTensor) else x
+    dt = move(module, to_dtensor(module, x, mesh, (Replicate(),)), mesh, (Replicate(),))
+    _, grad = boundary(module, mesh, (Partial(),))
+    return dt.to_local(grad_placements=grad)
+
+
+class LocalShardCompute(ParallelStyle):
+    """The module's forward runs on its parameters' local shards (transformers' moe_tp_experts, local_params).
+
+    moe_tp_experts: every rank runs its shard of every expert (packed gate/up halves and the
+    down projection's input dim are sharded alike), so its output is Partial(sum): the tensor
+    inputs come in replicated with their gradient summed, the output leaves summed
+    (Replicate; a DTensor with use_local_output=False).
+    """
+
+    def __init__(self, layouts: dict[str, Placement | None], *, sum_output: bool, use_local_output: bool = True):
+        self.layouts = {k: v for k, v in layouts.items() if v is not None}
+        self.sum_output = sum_output
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.layouts:
+            _distribute_params(module, device_mesh, self.layouts, self.src_data_rank)
+        module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
+        module.register_forward_hook(partial(self._leave, device_mesh), always_call=True)
+        return module
+
+    def _enter(self, mesh, module, args, kwargs):
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(p, DTensor):
+                module.__dict__[name] = p.to_local()  # autograd-tracked: the gradient lands in the DTensor
+        if self.sum_output:
+            args = tuple(_local_with_summed_grad(module, a, mesh) for a in args)
+            kwargs = {k: _local_with_summed_grad(module, v, mesh) for k, v in kwargs.items()}
+        else:
+            args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+            kwargs = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _leave(self, mesh, module, args, output):
+        for name in dict(module.named_parameters(recurse=False)):
+            module.__dict__.pop(name, None)
+        if not self.sum_output or not isinstance(output, torch.Tensor):
+            return output
+        return _sum_over_mesh(module, output, mesh, self.use_local_output)
+
+
+def _sum_over_mesh(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh, use_local_output: bool) -> torch.Tensor:
+    m, pl = boundary(module, mesh, (Partial(),))
+    dt = out if isinstance(out, DTensor) else from_local(out, m, pl)
+    dt = move(module, dt, mesh, (Replicate(),))
+    return dt.to_local() if use_local_output else dt
+
+
+class SumOutput(ParallelStyle):
+    """transformers' all_reduce: the module's output is partial on every rank; sum it over the mesh."""
+
+    def __init__(self, *, use_local_output: bool = True):
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def leave(mod, args, out):
+            return None if out is None else _sum_over_mesh(mod, out, device_mesh, self.use_local_output)
+
+        module.register_forward_hook(leave)
+        return module
+
+
+class ScaleInput(ParallelStyle):
+    """transformers' moe_identity_expert: an identity expert's input divided by the mesh size, so that the
+    experts' sum over the mesh counts it once."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(lambda mod, args: (args[0] / device_mesh.size(), *args[1:]))
+        return module
+
+
+class RopeGradSum(ParallelStyle):
+    """transformers' mla_kv_a_proj: the output's last `config.qk_rope_head_dim` features bypass the
+    column-parallel projection that follows, so their gradient is partial: summed over the mesh."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def leave(mod, args, out):
+            rope = getattr(getattr(mod, "config", None), "qk_rope_head_dim", None)
+            if rope is None:
+                raise ShardingError(f"from_transformers: mla_kv_a_proj on {type(mod).__name__} needs module.config.qk_rope_head_dim")
+            local = out.to_local() if isinstance(out, DTensor) else out
+            kv, rot = local.split([local.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([kv, _local_with_summed_grad(mod, rot, device_mesh)], dim=-1)
+
+        module.register_forward_hook(leave)
+        return module
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """A linear layer whose weight packs [gate; up] along its output features: each half column-sharded
+    (StridedShard(0, 2)), so the local output holds this rank's gate slice then its up slice. The output
+    stays in the layout the matmul gives (StridedShard on the last dim), a local tensor when use_local_output."""
+
+    def __init__(self, *, use_local_output: bool = True):
+        super().__init__(use_local_output=use_local_output)
+
+    def _layouts_for(self, module):
+        return {"*": StridedShard(0, PACKED_SPLIT)}, (Replicate(),)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ShardingError(f"from_transformers: a packed_colwise module entry needs nn.Linear, not {type(module).__name__}")
+        params, desired = self._layouts_for(module)
+        src, local = self.src_data_rank, self.use_local_output
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, m, mesh: _distribute_params(m, mesh, params, src) if m is module else None,
+            partial(self._prepare_input_fn, self.input_layouts, desired),
+            lambda mod, out, mesh: out.to_local() if local and isinstance(out, DTensor) else out,
+        )
