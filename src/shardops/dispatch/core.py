@@ -278,7 +278,8 @@ def checked_fallback(d: Decision) -> None:
     # error). Running it replicated raises torch's own error: no missing strategy to warn about.
     refused = d.meta_error is not None and not isinstance(d.meta_error, NotImplementedError)
     if not d.replicate_only and not refused and _state["strict"]:
-        raise ShardingError(
+        raise NoShardingStrategyError(  # a NotImplementedError too, as torch's for an op with no strategy
+            f"Operator {d.schema.name} does not have a sharding strategy registered. shardops: "
             f"{d.schema.name} has no sharded strategy (strict mode) for inputs {list(specs)}; "
             "call so.set_strict(False) to replicate and run locally, or redistribute to Replicate yourself."
         )

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..errors import ShardingError
 from ..placements import Placement, Replicate, Shard
 from ..tensor import DTensor, from_local
 
@@ -36,12 +37,25 @@ def target_placements(input_placements: tuple[Placement, ...], class_dim: int) -
     return tuple(out)
 
 
+def _check_placements(placements: tuple[Placement, ...], class_dim: int) -> None:
+    """torch's loss_parallel() refusal of a pending (Partial) mesh dim, as the same ValueError (torch's
+    phrase first). Deliberately allowed here, where torch refuses: the class dim sharded over several
+    mesh dims, or over none (shardops' cross-entropy is exact on any layout; docs/parallel.md)."""
+    for i, p in enumerate(placements):
+        if not (p.is_shard() or p.is_replicate()):
+            raise ShardingError(
+                f"loss_parallel() expects non-TP mesh dims to be Shard or Replicate, got {p} at dim {i}. shardops: "
+                "the logits are a pending reduction there, not logits; redistribute them (to Replicate or Shard) first."
+            )
+
+
 class _TargetAsLocalShard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in _LOSSES and len(args) >= 1 and isinstance(args[0], DTensor):
             args = list(args)
             logits = args[0]
+            _check_placements(logits.placements, 1 if logits.ndim >= 2 else 0)
             if len(args) >= 2:
                 args[1] = self._wrap(logits, args[1])
             elif "target" in kwargs:

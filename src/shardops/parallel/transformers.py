@@ -48,7 +48,7 @@ from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..tensor import DTensor, from_local
-from ._layout import as_mesh, boundary, move, to_dtensor
+from ._layout import as_mesh, boundary, distribute_param, move, to_dtensor
 from ._views import LocalView, set_compute_layout
 from .api import parallelize_module
 from .distribute import distribute_module
@@ -77,7 +77,25 @@ def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = T
             "write a plan of shardops.parallel styles and call parallelize_module"
         )
     parallelize_module(model, mesh, _shardops_plan(model, dict(tp_plan), use_local_output))
+    if not use_local_output:
+        _replicate_the_rest(model, mesh)
     return model
+
+
+def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh) -> None:
+    """With DTensor boundaries every module computes on DTensors, so the parameters the plan leaves
+    alone (norms, the router) become Replicate DTensors too: their gradients are DTensors like the
+    activations' (a plain parameter read next to DTensors would get a DTensor gradient)."""
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            if id(p) not in done:
+                with torch.no_grad():
+                    dt = distribute_param(p, mesh, [Replicate()], 0)
+                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            module._parameters[name] = done[id(p)]
 
 
 def _shardops_plan(model: nn.Module, tp_plan: dict[str, str], use_local_output: bool) -> dict[str, ParallelStyle]:
