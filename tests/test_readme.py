@@ -16,7 +16,7 @@ def _blocks() -> list[str]:
 
 def test_readme_example_runs(capsys):
     blocks = _blocks()
-    assert len(blocks) == 2, "the README has two python examples: the softmax and the training step"
+    assert len(blocks) == 3, "the README has three python examples: the softmax, the training step, a transformers model"
     exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme_example"})  # noqa: S102 - our own example
     out = capsys.readouterr().out
     assert out.count("bytes sent by this rank") == 4  # one line per rank
@@ -34,6 +34,10 @@ def test_readme_training_example_runs_strict(capsys):
     losses = eval(capsys.readouterr().out.strip().splitlines()[-1])  # noqa: S307 - the list it printed
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert len(set(losses)) == 1  # the global loss, the same on every rank
+
+
+def test_readme_transformers_example_runs():
+    exec(compile(_blocks()[2], "README.md", "exec"), {"__name__": "readme_transformers"})  # noqa: S102
 
 
 def test_readme_is_short_and_its_links_exist():

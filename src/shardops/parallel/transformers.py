@@ -77,15 +77,16 @@ def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = T
             "write a plan of shardops.parallel styles and call parallelize_module"
         )
     parallelize_module(model, mesh, _shardops_plan(model, dict(tp_plan), use_local_output))
-    if not use_local_output:
-        _replicate_the_rest(model, mesh)
+    _replicate_the_rest(model, mesh, as_dtensors=not use_local_output)
     return model
 
 
-def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh) -> None:
-    """With DTensor boundaries every module computes on DTensors, so the parameters the plan leaves
-    alone (norms, the router) become Replicate DTensors too: their gradients are DTensors like the
-    activations' (a plain parameter read next to DTensors would get a DTensor gradient)."""
+def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, *, as_dtensors: bool) -> None:
+    """The parameters the plan leaves alone (norms, the router) get rank 0's values on every rank, as
+    the plan's own parameters do (a randomly initialised router would otherwise differ per rank).
+    With DTensor boundaries every module computes on DTensors, so they become Replicate DTensors
+    too: their gradients are DTensors like the activations' (a plain parameter read next to
+    DTensors would get a DTensor gradient)."""
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -94,7 +95,9 @@ def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh) -> None:
             if id(p) not in done:
                 with torch.no_grad():
                     dt = distribute_param(p, mesh, [Replicate()], 0)
-                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                    if not as_dtensors:
+                        p.copy_(dt.to_local())
+                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad) if as_dtensors else p
             module._parameters[name] = done[id(p)]
 
 
