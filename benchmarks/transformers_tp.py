@@ -7,7 +7,7 @@ DTensor (transformers' own `apply_tensor_parallelism`), bytes per training step 
 transformers on torch's DTensor (counted by torch's CommDebugMode and the c10d calls that run) and by
 shardops in strict mode with local outputs, as transformers applies the plan (counted by
 so.CommDebugMode). Forward, loss, backward and the AdamW step are all inside the count.
-`tests/test_transformers.py::test_bytes_per_step_beside_torch` asserts shardops <= torch on Llama.
+Figures in docs/parallel.md (no test asserts them: each run starts 4 processes).
 """
 from __future__ import annotations
 
