@@ -49,7 +49,7 @@ from ..tensor import DTensor, from_local
 from ._layout import as_placement, distribute_param
 from .style import ParallelStyle
 
-__all__ = ["ExpertParallel", "expert_parallel_dims", "routing_bytes"]
+__all__ = ["ExpertParallel", "expert_parallel_dims", "expert_parameters", "routing_bytes"]
 
 EXPERT_PARALLEL_ATTR = "_shardops_expert_parallel"
 
@@ -344,3 +344,25 @@ class _SumGradOver(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.mesh.comm.all_reduce(grad.contiguous(), "sum", ctx.mesh.group(ctx.dim)), None, None
+
+
+def expert_parameters(module: nn.Module, mesh: DeviceMesh) -> set[int]:
+    """ids of the expert-parallel parameters under `module`, for `data_parallel` over `mesh`.
+
+    They stay as this style laid them out: each rank's experts see every token routed to them
+    from every data-parallel rank, so their gradients are complete with no data-parallel
+    reduction. They must live on the mesh given to data_parallel (the ep dims are data dims)."""
+    found: set[int] = set()
+    for sub in module.modules():
+        if expert_parallel_dims(sub) is None:
+            continue
+        for name, p in sub._parameters.items():
+            if p is None:
+                continue
+            if p.device_mesh != mesh:
+                raise ShardingError(
+                    f"data_parallel: the expert-parallel {type(sub).__name__}.{name} lives on {p.device_mesh}, not on {mesh}; "
+                    "parallelize the experts on the whole mesh given to data_parallel (its ep dim splits the batch too)"
+                )
+            found.add(id(p))
+    return found
