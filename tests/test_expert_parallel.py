@@ -305,3 +305,14 @@ def test_moe_layer_gloo_uneven_all_to_all():
         for name, g in g_ref.items():
             assert torch.allclose(grads[name], g, atol=TOL), name
         assert (fwd, bwd) == _expected_a2a_bytes(X, 2, ep_rank)
+
+
+@pytest.mark.slow  # 4 gloo processes, both layouts: about 1.5 minutes on 2 cores
+def test_benchmark_moe_quick_expert_parallel_moves_fewer_bytes():
+    from benchmarks.moe import measure_moe, table
+
+    rows = {r["layout"]: r for r in measure_moe(quick=True)}
+    assert all(r["exact"] for r in rows.values())
+    assert rows["expert-parallel"]["counts"] == {"all_to_all": 5}
+    assert rows["expert-parallel"]["bytes"] < rows["tensor-parallel"]["bytes"]
+    assert "| expert-parallel |" in table(list(rows.values()))
