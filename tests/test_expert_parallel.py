@@ -316,3 +316,43 @@ def test_benchmark_moe_quick_expert_parallel_moves_fewer_bytes():
     assert rows["expert-parallel"]["counts"] == {"all_to_all": 5}
     assert rows["expert-parallel"]["bytes"] < rows["tensor-parallel"]["bytes"]
     assert "| expert-parallel |" in table(list(rows.values()))
+
+
+# ------------------------------------------------------------------ explain
+
+
+def _balanced_routing_bytes():
+    """The runtime's all_to_all bytes on rank 0 for a routing that spreads every rank's slots evenly."""
+    args = MoEArgs(dim=16, num_experts=8, top_k=2, moe_hidden_dim=4)
+    mesh = so.init_device_mesh("cpu", (4,))
+    experts = GroupedExperts(args)
+    _init(experts, 0)
+    parallelize_module(experts, mesh, ExpertParallel())
+    tokens = 32  # 8 per rank, 16 token-slots: each expert twice
+    ids = torch.stack([torch.arange(tokens) * 2 % 8, (torch.arange(tokens) * 2 + 1) % 8], 1)
+    x = so.distribute_tensor(torch.randn(tokens, args.dim), mesh, [Shard(0)])
+    with so.CommDebugMode() as comm:
+        experts(x, so.distribute_tensor(ids, mesh, [Shard(0)]), so.distribute_tensor(torch.ones(tokens, 2), mesh, [Shard(0)]))
+    return _a2a(comm.log)
+
+
+def test_explain_moe_layer_shows_the_routing_collectives_and_their_bytes():
+    e = so.explain("moe(x, num_experts=8, top_k=2)", mesh=4, x="f32[32,16]:S(0)")
+    routing = next(s for s in e.steps if s.op == "expert_parallel.routing")
+    comm = routing.chosen.comm
+    assert [k for _, k, _ in comm] == ["all_to_all"] * 3
+    # balanced routing: rank 0's 16 token-slots, 12 of them to the 6 experts other ranks hold, 64 B rows
+    assert [int(b) for _, _, b in comm] == [6 * 8, 12 * 64, 12 * 64]
+    assert [int(b) for _, _, b in comm] == so.run(_balanced_routing_bytes, 4)[0]  # what the runtime moves
+    assert "all_to_all" in str(e) and "expert-parallel" in str(e)
+    two_d = so.explain("moe(x, num_experts=8, top_k=2)", mesh=(2, 2), x="f32[4,8,16]:S(0),R")
+    routing = next(s for s in two_d.steps if s.op == "expert_parallel.routing")
+    assert [(d, k) for d, k, _ in routing.chosen.comm] == [((0,), "all_to_all")] * 3 + [((1,), "all_reduce")]
+
+
+def test_explain_moe_from_the_command_line(capsys):
+    from shardops.cli import main
+
+    assert main(["explain", "moe(x, num_experts=4, top_k=1)", "--mesh", "4", "--x", "f32[64,8]:S(0)"]) == 0
+    out = capsys.readouterr().out
+    assert "routing(tokens, top_k=1, num_experts=4)" in out and "all_to_all" in out
