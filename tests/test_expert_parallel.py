@@ -169,11 +169,11 @@ def _model():
     return model
 
 
-def _lm_step(shape):
+def _lm_step(shape, mode):
     mesh = so.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[: len(shape)])
     model = _model()
     parallelize_module(model, mesh, llama_moe_plan())
-    data_parallel(model, mesh)
+    data_parallel(model, mesh, mode)
     tokens, target = _lm_batch()
     rank = mesh.get_rank()
     logits = model(tokens.chunk(4)[rank])
@@ -183,14 +183,16 @@ def _lm_step(shape):
     return loss.full_tensor().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=["dp=ep4", "dp=ep2xtp2"])
-def test_llama_moe_data_parallel_and_expert_parallel(shape, strict):
-    """EP over the data-parallel dim (each rank routes its own batch shard), exact vs one device."""
+@pytest.mark.parametrize("shape, mode", [((4,), "replicate"), ((2, 2), "replicate"), ((4,), "shard")], ids=["dp=ep4", "dp=ep2xtp2", "fsdp=ep4"])
+def test_llama_moe_data_parallel_and_expert_parallel(shape, mode, strict):
+    """EP over the data-parallel dim (each rank routes its own batch shard), exact vs one device.
+    On (2, 2) the second dim is tensor parallelism inside each expert and splits the batch for the
+    other layers; in "shard" mode the other parameters are FSDP-sharded, the experts stay EP-sharded."""
     model = _model()
     tokens, target = _lm_batch()
     loss_ref = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
     loss_ref.backward()
-    for loss, grads in so.run(_lm_step, 4, shape):
+    for loss, grads in so.run(_lm_step, 4, shape, mode):
         assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
         for name, p in model.named_parameters():
             assert torch.allclose(grads[name], p.grad, atol=TOL), name
