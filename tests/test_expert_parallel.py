@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import shardops as so
 from shardops import Partial, Replicate, Shard
 from shardops.models import _init
-from shardops.models_moe import GroupedExperts, LlamaMoE, MoE, MoEArgs, llama_moe_plan
-from shardops.parallel import ExpertParallel, data_parallel, parallelize_module
+from shardops.models_moe import GroupedExperts, LlamaMoE, MoE, MoEArgs, llama_moe_plan, llama_moe_tp_plan
+from shardops.parallel import ExpertParallel, data_parallel, loss_parallel, parallelize_module
 from shardops.placements import chunk_size_and_offset
 from mp import run_gloo
 
@@ -196,6 +196,34 @@ def test_llama_moe_data_parallel_and_expert_parallel(shape, mode, strict):
         assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
         for name, p in model.named_parameters():
             assert torch.allclose(grads[name], p.grad, atol=TOL), name
+
+
+def _lm_tp_step():
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    parallelize_module(model, mesh["tp"], llama_moe_tp_plan())
+    parallelize_module(model, mesh, llama_moe_plan())
+    data_parallel(model, mesh)
+    tokens, target = _lm_batch()
+    dp = mesh.get_coordinate()[0]
+    with so.CommDebugMode() as comm:
+        with loss_parallel():
+            loss = F.cross_entropy(model(tokens.chunk(2)[dp]).flatten(0, 1), target.chunk(2)[dp].flatten(0, 1))
+            loss.backward()
+    return loss.full_tensor().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}, comm.get_comm_counts()
+
+
+def test_llama_moe_tensor_sequence_expert_and_data_parallel(strict):
+    """Mesh (dp, tp): attention tensor/sequence-parallel, experts EP over dp with TP inside, batch over dp."""
+    model = _model()
+    tokens, target = _lm_batch()
+    loss_ref = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
+    loss_ref.backward()
+    for loss, grads, counts in so.run(_lm_tp_step, 4):
+        assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
+        for name, p in model.named_parameters():
+            assert torch.allclose(grads[name], p.grad, atol=TOL), name
+        assert counts["all_to_all"] == ARGS.n_layers * (3 + 2)  # per MoE layer: counts, dispatch, combine; 2 back
 
 
 # ------------------------------------------------------------------ transformers' MoE blocks

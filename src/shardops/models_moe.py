@@ -12,7 +12,13 @@ mixture of `num_experts` SwiGLU experts, `top_k` of them per token:
 
 Nothing here knows about shardops; `llama_moe_plan` lays the experts out with
 `ExpertParallel` (mesh (ep,) or (ep, tp)); `data_parallel` over the same mesh then
-splits the batch over ep, so each rank routes its own tokens.
+splits the batch over ep, so each rank routes its own tokens. With tensor
+parallelism for the other layers too (mesh ("dp", "tp"), experts EP over dp, TP
+inside over tp):
+
+    parallelize_module(model, mesh["tp"], llama_moe_tp_plan())
+    parallelize_module(model, mesh, llama_moe_plan())
+    data_parallel(model, mesh)
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import torch.nn.functional as F
 
 from .models import Attention, ModelArgs, _init, precompute_freqs_cis
 
-__all__ = ["GroupedExperts", "LlamaMoE", "MoE", "MoEArgs", "TopKRouter", "llama_moe_plan"]
+__all__ = ["GroupedExperts", "LlamaMoE", "MoE", "MoEArgs", "TopKRouter", "llama_moe_plan", "llama_moe_tp_plan"]
 
 
 @dataclass
@@ -124,3 +130,20 @@ def llama_moe_plan(**expert_parallel) -> dict:
     from .parallel import ExpertParallel
 
     return {"layers.*.moe.experts": ExpertParallel(**expert_parallel)}
+
+
+def llama_moe_tp_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True) -> dict:
+    """Tensor-parallel plan for everything of `LlamaMoE` but the experts (`llama_plan`'s attention,
+    embeddings, output and norms). Each MoE block gets its tokens as local tensors replicated over tp
+    (the router runs locally, as a torch user's would) and gives back its sequence shard."""
+    from .models import llama_plan
+    from .parallel import PrepareModuleInputOutput
+    from .placements import Replicate, Shard
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {k: v for k, v in llama_plan(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel).items() if ".feed_forward" not in k}
+    plan["layers.*.moe"] = PrepareModuleInputOutput(
+        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True,
+    )
+    return plan
