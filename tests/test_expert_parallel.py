@@ -263,8 +263,10 @@ def _hf_step(kind, shape, x):
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
-@pytest.mark.parametrize("shape", MESHES, ids=["ep4", "ep2xtp2"])
+@pytest.mark.parametrize("shape", MESHES + [(1, 4)], ids=["ep4", "ep2xtp2", "tp4"])
 def test_transformers_moe_block(kind, shape, strict):
+    """(1, 4): no expert parallelism, every expert tensor-parallel (transformers' "moe_tp_experts" with
+    "packed_colwise" gate_up_proj): no all_to_all at all."""
     block = _hf_block(kind)
     xr = X.clone().requires_grad_()
     loss_ref = (block(xr) ** 2).sum()
@@ -274,7 +276,8 @@ def test_transformers_moe_block(kind, shape, strict):
         assert torch.allclose(xg, xr.grad, atol=TOL)
         for name, p in block.named_parameters():
             assert torch.allclose(grads[name], p.grad, atol=TOL), name
-        assert counts["all_to_all"] == 3 + 2  # forward: counts, dispatch, combine; backward: the two mirrored
+        # forward: counts, dispatch, combine; backward: the two mirrored
+        assert counts.get("all_to_all", 0) == (3 + 2 if shape[0] > 1 else 0)
 
 
 # ------------------------------------------------------------------ errors

@@ -49,7 +49,7 @@ from ..tensor import DTensor, from_local
 from ._layout import as_placement, distribute_param
 from .style import ParallelStyle
 
-__all__ = ["ExpertParallel", "expert_parallel_dims", "expert_parameters", "routing_bytes"]
+__all__ = ["ExpertParallel", "expert_parallel_dims", "expert_parameters"]
 
 EXPERT_PARALLEL_ATTR = "_shardops_expert_parallel"
 
@@ -184,7 +184,7 @@ class _ExpertLayer:
             raise ShardingError(f"{name}: expected hidden_states [tokens, hidden], got shape {tuple(hidden.shape)}")
         want = list(hidden.placements)
         ep_p = want[self.ep]
-        want[self.ep] = ep_p if ep_p.is_shard(0) and not isinstance(ep_p, Partial) else Shard(0)
+        want[self.ep] = ep_p if ep_p.is_shard(0) else Shard(0)  # any token sharding: each rank routes its own rows
         if self.tp is not None:
             want[self.tp] = Replicate()
         want_t = tuple(want)
@@ -290,11 +290,6 @@ def _check_routing(name: str, x: torch.Tensor, idx: torch.Tensor, w: torch.Tenso
         raise ShardingError(f"{name}: top_k_index holds expert ids outside [0, {num_experts}) ({int(idx.min())}..{int(idx.max())})")
 
 
-def routing_bytes(send_splits: Sequence[int], me: int, hidden: int, element_size: int) -> int:
-    """Bytes one rank puts into one token all_to_all: the rows it sends to other ranks."""
-    return sum(n for j, n in enumerate(send_splits) if j != me) * hidden * element_size
-
-
 # ------------------------------------------------------------------ autograd
 
 
@@ -326,7 +321,8 @@ class _SumOver(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mesh, dim):
-        return mesh.comm.all_reduce(x, "sum", mesh.group(dim)).clone()
+        summed = mesh.comm.all_reduce(x, "sum", mesh.group(dim))
+        return summed if summed is not x else x.clone()  # a group of one returns its input: never alias it
 
     @staticmethod
     def backward(ctx, grad):
