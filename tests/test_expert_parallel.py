@@ -389,3 +389,38 @@ def test_explain_moe_from_the_command_line(capsys):
     assert main(["explain", "moe(x, num_experts=4, top_k=1)", "--mesh", "4", "--x", "f32[64,8]:S(0)"]) == 0
     out = capsys.readouterr().out
     assert "routing(tokens, top_k=1, num_experts=4)" in out and "all_to_all" in out
+
+
+def _lm_train(steps):
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = _model()
+    parallelize_module(model, mesh, llama_moe_plan())
+    data_parallel(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, target = _lm_batch()
+    tgt = so.distribute_tensor(target, mesh, [Shard(0)])
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(tokens.chunk(4)[mesh.get_rank()]).flatten(0, 1), tgt.flatten(0, 1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.full_tensor().detach())
+    return losses, {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+def test_llama_moe_adamw_steps_match_one_device(strict):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, target = _lm_batch()
+    losses_ref = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
+        loss.backward()
+        opt.step()
+        losses_ref.append(loss.detach())
+    for losses, params in so.run(_lm_train, 4, 2):
+        assert all(torch.allclose(a, b, atol=TOL) for a, b in zip(losses, losses_ref))
+        for name, p in model.named_parameters():
+            assert torch.allclose(params[name], p.detach(), atol=TOL), name
