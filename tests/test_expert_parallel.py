@@ -424,3 +424,14 @@ def test_llama_moe_adamw_steps_match_one_device(strict):
         assert all(torch.allclose(a, b, atol=TOL) for a, b in zip(losses, losses_ref))
         for name, p in model.named_parameters():
             assert torch.allclose(params[name], p.detach(), atol=TOL), name
+
+
+def test_data_parallel_over_another_mesh_than_the_experts_raises():
+    def body():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = _model()
+        parallelize_module(model, mesh["dp"], llama_moe_plan())
+        data_parallel(model, mesh)
+
+    with pytest.raises(so.ShardingError, match="expert-parallel"):
+        so.run(body, 4)
