@@ -30,7 +30,9 @@ def _namespace(tensors: dict[str, torch.Tensor]):
                     return getattr(owner, key)
             raise NameError(key)
 
-    return Lookup(tensors, torch=torch, F=F, math=math)
+    from .moe import moe
+
+    return Lookup(tensors, torch=torch, F=F, math=math, moe=moe)
 
 
 def _is_spec_like(v: Any) -> bool:

@@ -18,6 +18,7 @@ from ..mesh import DeviceMesh
 from ..placements import Replicate
 from ..redistribute import plan
 from ..spec import TensorMeta, TensorSpec
+from .moe import is_routing
 from .result import Option, Step, fmt_time
 from .trace import Recorder
 
@@ -154,6 +155,11 @@ def _fallback_step(index, func, call, input_names, specs, out_tensors, replicate
 def plan_all(rec: Recorder, names: Names, links, top: int) -> list[Step]:
     steps = []
     for func, args, kwargs, out in rec.calls:
+        if is_routing(func):  # a mixture-of-experts routing (explain.moe): priced by its own rule
+            step = func.plan(len(steps) + 1, names.spec_of(args[0]), links)
+            names.add(out, step.out_specs[0], f"%{step.index}")
+            steps.append(step)
+            continue
         tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not any(names.known(t) for t in tensors):

@@ -71,8 +71,16 @@ def meta_tensor(spec: TensorSpec) -> torch.Tensor:
     return torch.empty_strided(spec.shape, spec.meta.stride, dtype=spec.dtype, device="meta")
 
 
+_ACTIVE: list[Recorder] = []  # the recorder of the call being traced (explain.moe adds its routing step to it)
+
+
+def active_recorder() -> Recorder | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 def trace(fn: Callable[[], Any]) -> tuple[Recorder, Intercepts]:
     rec, intercepts = Recorder(), Intercepts()
+    _ACTIVE.append(rec)
     try:
         with torch.no_grad(), intercepts, rec:
             fn()
@@ -80,4 +88,6 @@ def trace(fn: Callable[[], Any]) -> tuple[Recorder, Intercepts]:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. an op without a meta kernel, or .item()
         raise ShardingError(f"explain: torch cannot trace this call on meta tensors: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    finally:
+        _ACTIVE.pop()
     return rec, intercepts

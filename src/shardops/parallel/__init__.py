@@ -7,6 +7,7 @@ ports a torchtitan-style plan by changing its import (torch's placements are acc
 from .api import parallelize_module
 from .distribute import distribute_module
 from .data_parallel import data_parallel
+from .expert import ExpertParallel
 from .loss import loss_parallel
 from .style import (
     ColwiseParallel,
@@ -19,7 +20,7 @@ from .style import (
 )
 
 __all__ = [
-    "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
+    "ColwiseParallel", "ExpertParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "RowwiseParallel", "SequenceParallel", "data_parallel", "distribute_module", "loss_parallel", "parallelize_module",
 ]
 from .transformers import from_transformers  # noqa: E402 - after the styles it builds on

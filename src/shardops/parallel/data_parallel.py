@@ -47,6 +47,7 @@ from ..placements import Partial, Placement, Replicate, Shard
 from ..tensor import DTensor, from_local
 from ._layout import DATA_PARALLEL_ATTR, DataParallelLayout, as_mesh, distribute_param
 from ._views import VIEWS_ATTR, LocalView, set_compute_layout
+from .expert import expert_parameters
 
 __all__ = ["data_parallel"]
 
@@ -60,21 +61,22 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "repli
         raise ShardingError(f"data_parallel: mode must be one of {MODES}, got {mode!r}")
     if any(getattr(m, DATA_PARALLEL_ATTR, None) is not None for m in module.modules()):
         raise ShardingError("data_parallel: this module is already data-parallel")
-    sub_meshes = {p.device_mesh for p in module.parameters() if isinstance(p, DTensor)}
+    experts = expert_parameters(module, mesh)  # already laid out on the whole mesh: their ep dims are data dims
+    sub_meshes = {p.device_mesh for p in module.parameters() if isinstance(p, DTensor) and id(p) not in experts}
     layout = DataParallelLayout(mesh, _dp_dims(mesh, sub_meshes), batch_dim, mode)
     lifted: dict[int, nn.Parameter] = {}
     outside_plan: set[int] = set()  # lifted parameters that were plain: their modules compute on local tensors
     for sub in module.modules():
         sub.__dict__[DATA_PARALLEL_ATTR] = layout
         for name, p in list(sub._parameters.items()):
-            if p is None:
+            if p is None or id(p) in experts:
                 continue
             if id(p) not in lifted:
                 lifted[id(p)] = nn.Parameter(_lift(p, layout), requires_grad=p.requires_grad)
                 if sub_meshes and not isinstance(p, DTensor):
                     outside_plan.add(id(lifted[id(p)]))
             sub._parameters[name] = lifted[id(p)]
-        _lift_compute_views(sub, layout, outside_plan)
+        _lift_compute_views(sub, layout, outside_plan, experts)
     if not sub_meshes:
         module.register_forward_pre_hook(_batch_inputs(layout), with_kwargs=True)
     module.register_forward_hook(_batch_outputs(layout))
@@ -130,13 +132,13 @@ def _compute_layout(stored: tuple[Placement, ...], layout: DataParallelLayout) -
     return tuple(Replicate() if d in layout.dp_dims else p for d, p in enumerate(stored))
 
 
-def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout, outside_plan: set[int]) -> None:
+def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout, outside_plan: set[int], experts: set[int]) -> None:
     """Views given on the tp mesh move to the whole mesh; a module outside the plan reads its
     parameters as local views; FSDP adds a gather view per dp-sharded parameter."""
     views = sub.__dict__.get(VIEWS_ATTR, {})
     local = LocalView(tuple(Partial() if d in layout.dp_dims else Replicate() for d in range(layout.mesh.ndim)))
     for name, p in sub._parameters.items():
-        if not isinstance(p, DTensor):
+        if not isinstance(p, DTensor) or id(p) in experts:
             continue
         old = views.get(name)
         if isinstance(old, LocalView) or (old is None and id(p) in outside_plan):

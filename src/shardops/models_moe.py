@@ -1,0 +1,149 @@
+"""A small mixture-of-experts variant of the LLaMA-style model, in plain torch.nn, and its plan.
+
+`LlamaMoE` is `shardops.models.Llama` with every block's SwiGLU MLP replaced by a
+mixture of `num_experts` SwiGLU experts, `top_k` of them per token:
+
+- `TopKRouter`: a linear gate, softmax over the experts (float32), top-k, the k
+  weights renormalised to sum to one (Mixtral's router);
+- `GroupedExperts`: the experts' weights stacked over the experts (`w1`, `w3`:
+  [E, hidden, dim], `w2`: [E, dim, hidden]) with transformers 5.x's experts interface,
+  `forward(hidden [T, D], top_k_index [T, k], top_k_weights [T, k]) -> [T, D]`, so
+  that `shardops.parallel.ExpertParallel` applies to it as to Mixtral's experts.
+
+Nothing here knows about shardops; `llama_moe_plan` lays the experts out with
+`ExpertParallel` (mesh (ep,) or (ep, tp)); `data_parallel` over the same mesh then
+splits the batch over ep, so each rank routes its own tokens. With tensor
+parallelism for the other layers too (mesh ("dp", "tp"), experts EP over dp, TP
+inside over tp):
+
+    parallelize_module(model, mesh["tp"], llama_moe_tp_plan())
+    parallelize_module(model, mesh, llama_moe_plan())
+    data_parallel(model, mesh)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .models import Attention, ModelArgs, _init, precompute_freqs_cis
+
+__all__ = ["GroupedExperts", "LlamaMoE", "MoE", "MoEArgs", "TopKRouter", "llama_moe_plan", "llama_moe_tp_plan"]
+
+
+@dataclass
+class MoEArgs(ModelArgs):
+    num_experts: int = 4
+    top_k: int = 2
+    moe_hidden_dim: int = 24  # each expert's SwiGLU width
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.top_k = args.top_k
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights [T, k], expert ids [T, k]) for tokens x [T, D]."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        return top / top.sum(dim=-1, keepdim=True), ids
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts, weights stacked over the experts (transformers' experts interface)."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.num_experts = args.num_experts
+        self.w1 = nn.Parameter(torch.empty(args.num_experts, args.moe_hidden_dim, args.dim))
+        self.w2 = nn.Parameter(torch.empty(args.num_experts, args.dim, args.moe_hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(args.num_experts, args.moe_hidden_dim, args.dim))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel() == 0:
+                continue
+            x = hidden_states[token]
+            h = F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e])
+            y = F.linear(h, self.w2[e]) * top_k_weights[token, slot, None]
+            out = out.index_add(0, token, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.router = TopKRouter(args)
+        self.experts = GroupedExperts(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, ids = self.router(tokens)
+        return self.experts(tokens, ids, weights).reshape(shape)
+
+
+class LlamaMoEBlock(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe = MoE(args)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class LlamaMoE(nn.Module):
+    def __init__(self, args: MoEArgs | None = None, seed: int = 0):
+        super().__init__()
+        args = args or MoEArgs()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): LlamaMoEBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len, args.rope_theta), persistent=False)
+        _init(self, seed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[: tokens.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h))
+
+
+def llama_moe_plan(**expert_parallel) -> dict:
+    """Expert-parallel plan for `LlamaMoE`, applied on a mesh (ep,) or (ep, tp):
+    `parallelize_module(model, mesh, llama_moe_plan())`, then `data_parallel(model, mesh)`
+    (the batch split over ep; the other parameters replicated). Keyword arguments go to
+    `ExpertParallel` (e.g. `output_layouts=Partial()`)."""
+    from .parallel import ExpertParallel
+
+    return {"layers.*.moe.experts": ExpertParallel(**expert_parallel)}
+
+
+def llama_moe_tp_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True) -> dict:
+    """Tensor-parallel plan for everything of `LlamaMoE` but the experts (`llama_plan`'s attention,
+    embeddings, output and norms). Each MoE block gets its tokens as local tensors replicated over tp
+    (the router runs locally, as a torch user's would) and gives back its sequence shard."""
+    from .models import llama_plan
+    from .parallel import PrepareModuleInputOutput
+    from .placements import Replicate, Shard
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {k: v for k, v in llama_plan(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel).items() if ".feed_forward" not in k}
+    plan["layers.*.moe"] = PrepareModuleInputOutput(
+        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True,
+    )
+    return plan

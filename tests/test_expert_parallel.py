@@ -1,0 +1,437 @@
+"""Expert parallelism (shardops.parallel.ExpertParallel) against single-device torch.
+
+Routing is made deliberately uneven (the router favours one expert; 5 experts over 4
+ranks, so one rank holds none), and the bytes of every all_to_all are computed here
+from that routing: per MoE layer, forward = one small count exchange + dispatch +
+combine, backward = the two token all_to_alls mirrored, nothing else over ep.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardops as so
+from shardops import Partial, Replicate, Shard
+from shardops.models import _init
+from shardops.models_moe import GroupedExperts, LlamaMoE, MoE, MoEArgs, llama_moe_plan, llama_moe_tp_plan
+from shardops.parallel import ExpertParallel, data_parallel, loss_parallel, parallelize_module
+from shardops.placements import chunk_size_and_offset
+from mp import run_gloo
+
+ARGS = MoEArgs(dim=8, n_heads=2, num_experts=5, top_k=2, moe_hidden_dim=6, vocab_size=16, max_seq_len=8)
+X = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(1)) + 1.5  # a mean along (1, ..., 1): the router's bias below bites
+MESHES = [(4,), (2, 2)]
+TOL = 1e-4
+
+
+def _moe(seed=0):
+    m = MoE(ARGS)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        m.router.weight[0] += 3.0  # expert 0 wins for most tokens, expert 4 for none: uneven routing
+        m.router.weight[4] -= 3.0
+    return m
+
+
+def _reference(x):
+    m = _moe()
+    xr = x.clone().requires_grad_()
+    loss = (m(xr) ** 2).sum()
+    loss.backward()
+    return loss.detach(), xr.grad, {n: p.grad for n, p in m.named_parameters()}
+
+
+def _expected_a2a_bytes(x, ep, me):
+    """This ep rank's all_to_all bytes (counts, dispatch, combine), from the routing of every rank's tokens."""
+    m = _moe()
+    with torch.no_grad():
+        ids = [m.router(xs.reshape(-1, ARGS.dim))[1] for xs in x.chunk(ep)]
+    slices = [chunk_size_and_offset(ARGS.num_experts, ep, j) for j in range(ep)]
+    counts = [torch.bincount(i.reshape(-1), minlength=ARGS.num_experts) for i in ids]
+    sent = [int(counts[me][s : s + n].sum()) for n, s in slices]  # token-slots to each rank
+    got = [int(counts[i][slices[me][1] : slices[me][1] + slices[me][0]].sum()) for i in range(ep)]
+    row = ARGS.dim * 4
+    count_bytes = sum(n for j, (n, _) in enumerate(slices) if j != me) * 8
+    dispatch = sum(n for j, n in enumerate(sent) if j != me) * row
+    combine = sum(n for j, n in enumerate(got) if j != me) * row
+    return [count_bytes, dispatch, combine], [dispatch, combine]
+
+
+def _a2a(log):
+    return [b for kind, b in log if kind == "all_to_all"]
+
+
+def _moe_layer(shape, x):
+    mesh = so.init_device_mesh("cpu", shape)
+    m = _moe()
+    parallelize_module(m.experts, mesh, ExpertParallel())
+    so.distribute_module(m.router, mesh)
+    xd = so.distribute_tensor(x, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)).requires_grad_()
+    with so.CommDebugMode() as fwd:
+        loss = (m(xd) ** 2).sum()
+    with so.CommDebugMode() as bwd:
+        loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+    return loss.full_tensor().detach(), xd.grad.full_tensor(), grads, fwd.log, bwd.log, mesh.get_coordinate()[0]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=["ep4", "ep2xtp2"])
+def test_moe_layer_exact_with_two_token_all_to_alls_each_way(shape, strict):
+    loss_ref, xg_ref, g_ref = _reference(X)
+    for loss, xg, grads, fwd, bwd, ep_rank in so.run(_moe_layer, 4, shape, X):
+        assert torch.allclose(loss, loss_ref, rtol=1e-5, atol=TOL)
+        assert torch.allclose(xg, xg_ref, atol=TOL)
+        for name, g in g_ref.items():
+            assert torch.allclose(grads[name], g, atol=TOL), name
+        want_fwd, want_bwd = _expected_a2a_bytes(X, shape[0], ep_rank)
+        assert _a2a(fwd) == want_fwd  # counts (int64), dispatch, combine
+        assert _a2a(bwd) == want_bwd  # the token all_to_alls mirrored; no count exchange
+        # over ep nothing else moves; over tp (2-D mesh) only the expert outputs' and input gradients' sums
+        assert {k for k, _ in fwd} <= {"all_to_all", "all_reduce", "all_gather"}
+        assert {k for k, _ in bwd} <= {"all_to_all", "all_reduce"}
+
+
+def test_uneven_routing_really_is_uneven():
+    """The routing the tests use sends most tokens to expert 0, and rank 3 of 4 holds no expert."""
+    m = _moe()
+    with torch.no_grad():
+        ids = m.router(X.reshape(-1, ARGS.dim))[1]
+    counts = torch.bincount(ids.reshape(-1), minlength=ARGS.num_experts)
+    assert int(counts[0]) == X.shape[0] * X.shape[1] and int(counts[4]) == 0
+    assert chunk_size_and_offset(ARGS.num_experts, 4, 3)[0] == 0
+
+
+def _local_mode(shape, x):
+    """Plain tensors in and out (as transformers applies a plan): each ep rank its batch shard."""
+    mesh = so.init_device_mesh("cpu", shape)
+    m = _moe()
+    parallelize_module(m.experts, mesh, ExpertParallel())
+    mine = x.chunk(shape[0])[mesh.get_coordinate()[0]].clone().requires_grad_()
+    loss = (m(mine) ** 2).sum()
+    loss.backward()
+    return loss.detach(), mine.grad, {n: p.grad.full_tensor() if isinstance(p.grad, so.DTensor) else p.grad for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=["ep4", "ep2xtp2"])
+def test_moe_layer_local_tensors(shape, strict):
+    loss_ref, xg_ref, g_ref = _reference(X)
+    out = so.run(_local_mode, 4, shape, X)
+    ep = shape[0]
+    total = sum(out[r][0] for r in range(0, 4, 4 // ep))
+    assert torch.allclose(total, loss_ref, atol=TOL)
+    xg = torch.cat([out[r][1] for r in range(0, 4, 4 // ep)])
+    assert torch.allclose(xg, xg_ref, atol=TOL)
+    for name in ("experts.w1", "experts.w2", "experts.w3"):
+        assert torch.allclose(out[0][2][name], g_ref[name], atol=TOL), name
+    # the router is a plain module here: each rank's gradient covers its own tokens
+    router = sum(out[r][2]["router.weight"] for r in range(0, 4, 4 // ep))
+    assert torch.allclose(router, g_ref["router.weight"], atol=TOL)
+
+
+def _partial_output(x):
+    mesh = so.init_device_mesh("cpu", (2, 2))
+    m = _moe()
+    parallelize_module(m.experts, mesh, ExpertParallel(output_layouts=Partial()))
+    so.distribute_module(m.router, mesh)
+    xd = so.distribute_tensor(x.reshape(-1, ARGS.dim), mesh, [Shard(0), Replicate()])
+    w, ids = m.router(xd)
+    out = m.experts(xd, ids, w)
+    return out.placements, out.full_tensor()
+
+
+def test_partial_output_over_tp(strict):
+    m = _moe()
+    with torch.no_grad():
+        t = X.reshape(-1, ARGS.dim)
+        want = m.experts(t, *reversed(m.router(t)))
+    for placements, full in so.run(_partial_output, 4, X):
+        assert placements == (Shard(0), Partial())
+        assert torch.allclose(full, want, atol=TOL)
+
+
+# ------------------------------------------------------------------ the LLaMA-style MoE model
+
+
+def _lm_batch():
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, ARGS.vocab_size, (4, 6), generator=g), torch.randint(0, ARGS.vocab_size, (4, 6), generator=g)
+
+
+def _model():
+    model = LlamaMoE(ARGS, seed=0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.layers.values():
+            for p in layer.moe.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            layer.moe.router.weight[1] += 0.8
+    return model
+
+
+def _lm_step(shape, mode):
+    mesh = so.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[: len(shape)])
+    model = _model()
+    parallelize_module(model, mesh, llama_moe_plan())
+    data_parallel(model, mesh, mode)
+    tokens, target = _lm_batch()
+    rank = mesh.get_rank()
+    logits = model(tokens.chunk(4)[rank])
+    tgt = so.distribute_tensor(target, mesh, [Shard(0)] * mesh.ndim)
+    loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(0, 1))
+    loss.backward()
+    return loss.full_tensor().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("shape, mode", [((4,), "replicate"), ((2, 2), "replicate"), ((4,), "shard")], ids=["dp=ep4", "dp=ep2xtp2", "fsdp=ep4"])
+def test_llama_moe_data_parallel_and_expert_parallel(shape, mode, strict):
+    """EP over the data-parallel dim (each rank routes its own batch shard), exact vs one device.
+    On (2, 2) the second dim is tensor parallelism inside each expert and splits the batch for the
+    other layers; in "shard" mode the other parameters are FSDP-sharded, the experts stay EP-sharded."""
+    model = _model()
+    tokens, target = _lm_batch()
+    loss_ref = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
+    loss_ref.backward()
+    for loss, grads in so.run(_lm_step, 4, shape, mode):
+        assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
+        for name, p in model.named_parameters():
+            assert torch.allclose(grads[name], p.grad, atol=TOL), name
+
+
+def _lm_tp_step():
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    parallelize_module(model, mesh["tp"], llama_moe_tp_plan())
+    parallelize_module(model, mesh, llama_moe_plan())
+    data_parallel(model, mesh)
+    tokens, target = _lm_batch()
+    dp = mesh.get_coordinate()[0]
+    with so.CommDebugMode() as comm:
+        with loss_parallel():
+            loss = F.cross_entropy(model(tokens.chunk(2)[dp]).flatten(0, 1), target.chunk(2)[dp].flatten(0, 1))
+            loss.backward()
+    return loss.full_tensor().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}, comm.get_comm_counts()
+
+
+def test_llama_moe_tensor_sequence_expert_and_data_parallel(strict):
+    """Mesh (dp, tp): attention tensor/sequence-parallel, experts EP over dp with TP inside, batch over dp."""
+    model = _model()
+    tokens, target = _lm_batch()
+    loss_ref = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
+    loss_ref.backward()
+    for loss, grads, counts in so.run(_lm_tp_step, 4):
+        assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
+        for name, p in model.named_parameters():
+            assert torch.allclose(grads[name], p.grad, atol=TOL), name
+        assert counts["all_to_all"] == ARGS.n_layers * (3 + 2)  # per MoE layer: counts, dispatch, combine; 2 back
+
+
+# ------------------------------------------------------------------ transformers' MoE blocks
+
+def _hf_block(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=5, num_experts_per_tok=2))
+    else:
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+        config = transformers.Qwen2MoeConfig(
+            hidden_size=8, moe_intermediate_size=6, shared_expert_intermediate_size=4, num_experts=5, num_experts_per_tok=2, norm_topk_prob=False
+        )
+        block = Qwen2MoeSparseMoeBlock(config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        block.gate.weight[0] += 1.0
+    return block
+
+
+def _hf_step(kind, shape, x):
+    mesh = so.init_device_mesh("cpu", shape)
+    block = _hf_block(kind)
+    parallelize_module(block.experts, mesh, ExpertParallel())  # gate_up_proj packed: StridedShard(1, 2) over tp
+    so.distribute_module(block, mesh)  # the router (and Qwen's shared expert) replicated
+    xd = so.distribute_tensor(x, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1)).requires_grad_()
+    with so.CommDebugMode() as comm:
+        loss = (block(xd) ** 2).sum()
+        loss.backward()
+    return loss.full_tensor().detach(), xd.grad.full_tensor(), {n: p.grad.full_tensor() for n, p in block.named_parameters()}, comm.get_comm_counts()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("shape", MESHES + [(1, 4)], ids=["ep4", "ep2xtp2", "tp4"])
+def test_transformers_moe_block(kind, shape, strict):
+    """(1, 4): no expert parallelism, every expert tensor-parallel (transformers' "moe_tp_experts" with
+    "packed_colwise" gate_up_proj): no all_to_all at all."""
+    block = _hf_block(kind)
+    xr = X.clone().requires_grad_()
+    loss_ref = (block(xr) ** 2).sum()
+    loss_ref.backward()
+    for loss, xg, grads, counts in so.run(_hf_step, 4, kind, shape, X):
+        assert torch.allclose(loss, loss_ref.detach(), rtol=1e-5, atol=TOL)
+        assert torch.allclose(xg, xr.grad, atol=TOL)
+        for name, p in block.named_parameters():
+            assert torch.allclose(grads[name], p.grad, atol=TOL), name
+        # forward: counts, dispatch, combine; backward: the two mirrored
+        assert counts.get("all_to_all", 0) == (3 + 2 if shape[0] > 1 else 0)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _bad(case):
+    mesh = so.init_device_mesh("cpu", (4,))
+    m = _moe()
+    if case == "3d-mesh":
+        parallelize_module(m.experts, so.init_device_mesh("cpu", (1, 2, 2)), ExpertParallel())
+    if case == "no-own-parameters":
+        parallelize_module(m, mesh, ExpertParallel())
+    if case == "not-stacked":
+        parallelize_module(torch.nn.Linear(ARGS.dim, 3), mesh, ExpertParallel())
+    parallelize_module(m.experts, mesh, ExpertParallel())
+    x = torch.randn(3, ARGS.dim)
+    if case == "bad-ids":
+        m.experts(x, torch.full((3, 2), ARGS.num_experts), torch.ones(3, 2))
+    if case == "bad-shape":
+        m.experts(x, torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("case", ["3d-mesh", "no-own-parameters", "not-stacked", "bad-ids", "bad-shape"])
+def test_bad_input_raises_sharding_error(case):
+    with pytest.raises(so.ShardingError):
+        so.run(_bad, 4, case)
+
+
+def test_tp_layout_missing_names_the_parameter():
+    class Odd(GroupedExperts):
+        def __init__(self):
+            super().__init__(ARGS)
+            self.extra = torch.nn.Parameter(torch.zeros(ARGS.num_experts, 2))
+
+    def body():
+        parallelize_module(Odd(), so.init_device_mesh("cpu", (2, 2)), ExpertParallel())
+
+    with pytest.raises(so.ShardingError, match="extra"):
+        so.run(body, 4)
+
+
+# ------------------------------------------------------------------ torch.distributed (gloo)
+
+
+def _gloo_layer(shape):
+    import shardops as so  # noqa: F811 - a fresh process
+
+    loss, xg, grads, fwd, bwd, ep_rank = _moe_layer(shape, X)
+    return loss, xg, grads, _a2a(fwd), _a2a(bwd), ep_rank
+
+
+@pytest.mark.slow  # 4 gloo processes: about a minute on 2 cores
+def test_moe_layer_gloo_uneven_all_to_all():
+    """The same layer in 4 gloo processes: torch.distributed's all_to_all_single with uneven splits."""
+    loss_ref, xg_ref, g_ref = _reference(X)
+    for loss, xg, grads, fwd, bwd, ep_rank in run_gloo(_gloo_layer, 4, (2, 2)):
+        assert torch.allclose(loss, loss_ref, atol=TOL) and torch.allclose(xg, xg_ref, atol=TOL)
+        for name, g in g_ref.items():
+            assert torch.allclose(grads[name], g, atol=TOL), name
+        assert (fwd, bwd) == _expected_a2a_bytes(X, 2, ep_rank)
+
+
+@pytest.mark.slow  # 4 gloo processes, both layouts: about 1.5 minutes on 2 cores
+def test_benchmark_moe_quick_expert_parallel_moves_fewer_bytes():
+    from benchmarks.moe import measure_moe, table
+
+    rows = {r["layout"]: r for r in measure_moe(quick=True)}
+    assert all(r["exact"] for r in rows.values())
+    assert rows["expert-parallel"]["counts"] == {"all_to_all": 5}
+    assert rows["expert-parallel"]["bytes"] < rows["tensor-parallel"]["bytes"]
+    assert "| expert-parallel |" in table(list(rows.values()))
+
+
+# ------------------------------------------------------------------ explain
+
+
+def _balanced_routing_bytes():
+    """The runtime's all_to_all bytes on rank 0 for a routing that spreads every rank's slots evenly."""
+    args = MoEArgs(dim=16, num_experts=8, top_k=2, moe_hidden_dim=4)
+    mesh = so.init_device_mesh("cpu", (4,))
+    experts = GroupedExperts(args)
+    _init(experts, 0)
+    parallelize_module(experts, mesh, ExpertParallel())
+    tokens = 32  # 8 per rank, 16 token-slots: each expert twice
+    ids = torch.stack([torch.arange(tokens) * 2 % 8, (torch.arange(tokens) * 2 + 1) % 8], 1)
+    x = so.distribute_tensor(torch.randn(tokens, args.dim), mesh, [Shard(0)])
+    with so.CommDebugMode() as comm:
+        experts(x, so.distribute_tensor(ids, mesh, [Shard(0)]), so.distribute_tensor(torch.ones(tokens, 2), mesh, [Shard(0)]))
+    return _a2a(comm.log)
+
+
+def test_explain_moe_layer_shows_the_routing_collectives_and_their_bytes():
+    e = so.explain("moe(x, num_experts=8, top_k=2)", mesh=4, x="f32[32,16]:S(0)")
+    routing = next(s for s in e.steps if s.op == "expert_parallel.routing")
+    comm = routing.chosen.comm
+    assert [k for _, k, _ in comm] == ["all_to_all"] * 3
+    # balanced routing: rank 0's 16 token-slots, 12 of them to the 6 experts other ranks hold, 64 B rows
+    assert [int(b) for _, _, b in comm] == [6 * 8, 12 * 64, 12 * 64]
+    assert [int(b) for _, _, b in comm] == so.run(_balanced_routing_bytes, 4)[0]  # what the runtime moves
+    assert "all_to_all" in str(e) and "expert-parallel" in str(e)
+    two_d = so.explain("moe(x, num_experts=8, top_k=2)", mesh=(2, 2), x="f32[4,8,16]:S(0),R")
+    routing = next(s for s in two_d.steps if s.op == "expert_parallel.routing")
+    assert [(d, k) for d, k, _ in routing.chosen.comm] == [((0,), "all_to_all")] * 3 + [((1,), "all_reduce")]
+
+
+def test_explain_moe_from_the_command_line(capsys):
+    from shardops.cli import main
+
+    assert main(["explain", "moe(x, num_experts=4, top_k=1)", "--mesh", "4", "--x", "f32[64,8]:S(0)"]) == 0
+    out = capsys.readouterr().out
+    assert "routing(tokens, top_k=1, num_experts=4)" in out and "all_to_all" in out
+
+
+def _lm_train(steps):
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = _model()
+    parallelize_module(model, mesh, llama_moe_plan())
+    data_parallel(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, target = _lm_batch()
+    tgt = so.distribute_tensor(target, mesh, [Shard(0)])
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(tokens.chunk(4)[mesh.get_rank()]).flatten(0, 1), tgt.flatten(0, 1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.full_tensor().detach())
+    return losses, {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+def test_llama_moe_adamw_steps_match_one_device(strict):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, target = _lm_batch()
+    losses_ref = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
+        loss.backward()
+        opt.step()
+        losses_ref.append(loss.detach())
+    for losses, params in so.run(_lm_train, 4, 2):
+        assert all(torch.allclose(a, b, atol=TOL) for a, b in zip(losses, losses_ref))
+        for name, p in model.named_parameters():
+            assert torch.allclose(params[name], p.detach(), atol=TOL), name
+
+
+def test_data_parallel_over_another_mesh_than_the_experts_raises():
+    def body():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = _model()
+        parallelize_module(model, mesh["dp"], llama_moe_plan())
+        data_parallel(model, mesh)
+
+    with pytest.raises(so.ShardingError, match="expert-parallel"):
+        so.run(body, 4)
