@@ -11,9 +11,22 @@ once so that both worlds report the same figures:
     broadcast       the tensor, on the source rank only
 
 A round is one collective call; one call that carries several tensors is one round.
+
+Wire bytes (`CommDebugMode.get_wire_bytes()`) are what this rank hands the
+transport for the same calls, padding included. c10d's single-tensor all_gather
+and reduce_scatter need equal sizes, so on uneven shards shardops pads there:
+
+    all_gather      the largest member's shard (this rank's shard, zero-padded)
+    reduce_scatter  group size x the largest chunk
+    others          as the logical figure
+
+The threads world moves Python objects and pads nothing; it reports the same
+wire figure the torch.distributed world hands gloo, so both worlds (and a
+comparison with torch DTensor, which pads the same way) read one number.
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -61,12 +74,16 @@ def _active_modes() -> list["CommDebugMode"]:
     return stack
 
 
-def record(kind: str, num_bytes: int) -> None:
+def record(kind: str, num_bytes: int, wire_bytes: int | None = None) -> None:
+    """One collective call: its logical bytes and its wire bytes (default: the same)."""
+    wire = num_bytes if wire_bytes is None else wire_bytes
     for mode in _active_modes():
         mode.counts[kind] += 1
         mode.bytes += num_bytes
+        mode.wire_bytes += wire
         mode.rounds += 1
         mode.log.append((kind, num_bytes))
+        mode.wire_log.append((kind, wire))
 
 
 class CommDebugMode:
@@ -75,15 +92,19 @@ class CommDebugMode:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.bytes = 0
+        self.wire_bytes = 0
         self.rounds = 0
-        self.log: list[tuple[str, int]] = []
+        self.log: list[tuple[str, int]] = []  # (kind, logical bytes) per call
+        self.wire_log: list[tuple[str, int]] = []  # (kind, wire bytes) per call
 
     def __enter__(self) -> "CommDebugMode":
         # as torch's CommDebugMode: every entry counts from zero
         self.counts = Counter()
         self.bytes = 0
+        self.wire_bytes = 0
         self.rounds = 0
         self.log = []
+        self.wire_log = []
         _active_modes().append(self)
         return self
 
@@ -97,7 +118,12 @@ class CommDebugMode:
         return dict(self.counts)
 
     def get_total_bytes(self) -> int:
+        """Logical bytes: padding excluded, the same figure in every world."""
         return self.bytes
+
+    def get_wire_bytes(self) -> int:
+        """Bytes handed to the transport: uneven all_gather/reduce_scatter padded to the largest member."""
+        return self.wire_bytes
 
     def get_rounds(self) -> int:
         return self.rounds
@@ -133,7 +159,7 @@ class Communicator:
             raise ShardingError(f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}")
         if group.size == 1:
             return [t]
-        record("all_gather", nbytes(t))
+        record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
         return self._all_gather(t.contiguous(), group, shapes)
 
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
@@ -143,7 +169,7 @@ class Communicator:
             raise ShardingError(f"reduce_scatter: {len(chunks)} chunks for a group of {group.size}")
         if group.size == 1:
             return chunks[0]
-        record("reduce_scatter", sum(nbytes(c) for c in chunks))
+        record("reduce_scatter", sum(nbytes(c) for c in chunks), self._reduce_scatter_wire_bytes(chunks, op))
         return self._reduce_scatter([c.contiguous() for c in chunks], op, group)
 
     def all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -166,6 +192,13 @@ class Communicator:
     def barrier(self, group: Group) -> None:
         if group.size > 1:
             self._barrier(group)
+
+    # -- wire bytes (see the module docstring); a world that pads otherwise overrides these
+    def _all_gather_wire_bytes(self, t: torch.Tensor, shapes: Sequence[tuple]) -> int:
+        return max(math.prod(s) for s in shapes) * t.element_size()
+
+    def _reduce_scatter_wire_bytes(self, chunks: Sequence[torch.Tensor], op: str) -> int:
+        return len(chunks) * max(c.numel() for c in chunks) * chunks[0].element_size()
 
     # -- world-specific
     def _all_reduce(self, t, op, group):  # pragma: no cover - abstract

@@ -167,6 +167,14 @@ class TorchDistCommunicator(Communicator):
                 f"torch.distributed: {e}. A member is gone, or did not reach this collective within the timeout."
             ) from e
 
+    # ------------------------------------------------------------ wire bytes
+
+    def _reduce_scatter_wire_bytes(self, chunks: Sequence[torch.Tensor], op: str) -> int:
+        # Only the native reduce_scatter pads; the other paths send every chunk unpadded.
+        if _natively_reducible(chunks[0].dtype, op) and self._reduce_scatter_ok:
+            return super()._reduce_scatter_wire_bytes(chunks, op)
+        return sum(c.numel() * c.element_size() for c in chunks)
+
     # ------------------------------------------------------------ collectives
 
     def _all_reduce(self, t: torch.Tensor, op: str, group: Group) -> torch.Tensor:
