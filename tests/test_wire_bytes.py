@@ -34,6 +34,8 @@ def _uneven_program() -> dict:
     sources = {
         "all_gather": (so.distribute_tensor(full, mesh, [Shard(0)]), [Replicate()], full),
         "reduce_scatter": (so.DTensor.from_local(full, mesh, [Partial("sum")]), [Shard(0)], 3 * full),
+        # gloo cannot reduce int16: gathered whole (equal sizes) and reduced locally, nothing padded
+        "reduce_scatter int16": (so.DTensor.from_local(full.short(), mesh, [Partial("sum")]), [Shard(0)], 3 * full.short()),
     }
     for name, (x, target, want) in sources.items():
         counter = _ByteCounter()
@@ -49,6 +51,7 @@ def _expected(rank: int) -> dict:
     return {
         "all_gather": ({"all_gather": 1}, ROWS[rank] * ROW_BYTES, largest),
         "reduce_scatter": ({"reduce_scatter": 1}, sum(ROWS) * ROW_BYTES, 3 * largest),
+        "reduce_scatter int16": ({"reduce_scatter": 1}, sum(ROWS) * ROW_BYTES // 2, sum(ROWS) * ROW_BYTES // 2),
     }
 
 

@@ -17,7 +17,8 @@ transport for the same calls, padding included. c10d's single-tensor all_gather
 and reduce_scatter need equal sizes, so on uneven shards shardops pads there:
 
     all_gather      the largest member's shard (this rank's shard, zero-padded)
-    reduce_scatter  group size x the largest chunk
+    reduce_scatter  group size x the largest chunk (a dtype/op gloo cannot reduce, e.g.
+                    int16: gathered whole at equal sizes, so every chunk unpadded)
     others          as the logical figure
 
 The threads world moves Python objects and pads nothing; it reports the same
@@ -198,6 +199,8 @@ class Communicator:
         return max(math.prod(s) for s in shapes) * t.element_size()
 
     def _reduce_scatter_wire_bytes(self, chunks: Sequence[torch.Tensor], op: str) -> int:
+        if not natively_reducible(chunks[0].dtype, op):  # gathered whole and reduced locally: equal sizes
+            return sum(nbytes(c) for c in chunks)
         return len(chunks) * max(c.numel() for c in chunks) * chunks[0].element_size()
 
     # -- world-specific
@@ -218,6 +221,20 @@ class Communicator:
 
     def _barrier(self, group):  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+# dtypes that gloo and nccl both reduce natively (gloo rejects int16: "Invalid scalar type"); the
+# torch.distributed world gathers the others and reduces locally. Here because the wire figure
+# of a reduce_scatter depends on it in every world.
+_NATIVE_REDUCE_DTYPES = frozenset(
+    {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+
+
+def natively_reducible(dtype: torch.dtype, op: str) -> bool:
+    if dtype == torch.bool or dtype in _NATIVE_REDUCE_DTYPES:
+        return True
+    return dtype.is_complex and op in ("sum", "avg") and dtype in (torch.complex64, torch.complex128)
 
 
 def _check_op(op: str) -> None:
