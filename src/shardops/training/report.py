@@ -1,4 +1,5 @@
-"""What the training demo prints: a progress bar, the per-part table beside torch, the check."""
+"""What the training demo prints: a progress bar, the per-part table beside torch, and each column's check
+against its single-device reference with the measured errors beside the tolerance."""
 from __future__ import annotations
 
 import contextlib
