@@ -48,12 +48,6 @@ def assert_refused_like_torch(ours: tuple[str, Any], torch_fn: Callable[[], Any]
     assert ours[0] in ("ShardingError", kind), f"torch raised {kind}; shardops: {ours}"
 
 
-def requires(*op_names: str):
-    """Skip unless the op families the test uses have landed."""
-    gaps = [g for n in op_names for g in missing(OPS[n].needs)]
-    return pytest.mark.skipif(bool(gaps), reason=f"not registered yet: {', '.join(gaps)}")
-
-
 # ------------------------------------------------------------------ wrong dtypes
 
 INT_REFUSED = {
@@ -458,7 +452,6 @@ def test_nan_and_inf_give_torchs_values(name, layout, request):
             torch.testing.assert_close(got, w, equal_nan=True, **tol, msg=lambda m: f"{name} on rows {rows}: {m}")
 
 
-@requires("loss.cross_entropy")
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_with_masked_vocab_entries(reduction):
     """-inf logits (a masked vocabulary) on some ranks' classes: the loss and gradient of torch."""
@@ -521,7 +514,6 @@ def big_vector() -> torch.Tensor:
     return x
 
 
-@requires("reduce.argmax", "reduce.max_dim")
 def test_argmax_past_float32_integer_range(big_vector):
     want_index = int(torch.argmax(big_vector))
     assert want_index == BIG_AT
@@ -536,7 +528,6 @@ def test_argmax_past_float32_integer_range(big_vector):
         assert flat == along_dim == want_index and dtype == torch.int64
 
 
-@requires("select.topk")
 def test_topk_indices_past_float32_integer_range(big_vector):
     want = torch.topk(big_vector, 1)
 
@@ -549,7 +540,6 @@ def test_topk_indices_past_float32_integer_range(big_vector):
         assert torch.equal(indices, want.indices) and dtype == torch.int64
 
 
-@requires("loss.cross_entropy")
 def test_vocab_parallel_cross_entropy_with_class_ids_past_float32_range(big_vector):
     logits = big_vector.unsqueeze(0)
     target = torch.tensor([BIG_AT])
