@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,cli]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=600
 
 bench: $(STAMP)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,plot]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,cli,plot]'
 	$(BIN)/python -m benchmarks.run --quick
 
 verify: $(STAMP)

@@ -2,9 +2,9 @@
 
     python -m benchmarks.end_to_end [--size quick|full|tiny] [--repeats N]
 
-The steps are those of `shardops.demo` (rms_norm, attention softmax and
-vocabulary-parallel cross-entropy, each forward + backward; mean/var over the
-hidden dim; top-k over the vocabulary; clip_grad_norm_), on a 1-D mesh of
+The steps are those of `shardops demo --ops` (shardops/demo/ops.py: rms_norm,
+attention softmax and vocabulary-parallel cross-entropy, each forward + backward;
+mean/var over the hidden dim; top-k over the vocabulary; clip_grad_norm_), on a 1-D mesh of
 `world_size` gloo processes on 127.0.0.1, at a larger size than the demo's.
 Every step's sharded operand is sharded on the dim the op reduces over (the
 hidden dim, the key dim, the vocabulary), as in the demo's "tp" mesh dim.

@@ -509,7 +509,9 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
         parts.append(
             "### Communication per op\n\n"
             "Rank 0 of 4 (threads worlds: `so.run` for shardops, torch's threaded process group for DTensor). "
-            "Bytes: what the rank puts into collectives; lower bound: the reduced per-row values one round must move "
+            "Bytes: what the rank hands the transport (shardops: `CommDebugMode.get_wire_bytes()`, uneven "
+            "all_gather/reduce_scatter padded to the largest shard as gloo needs, as torch's DTensor pads them; "
+            "the logical figure is `logical_bytes` in the JSON); lower bound: the reduced per-row values one round must move "
             "(`Case.lower_bound_bytes`). Reductions include `.full_tensor()` of the small result; softmax, "
             "cross-entropy and norms are forward + backward to a scalar loss. "
             "layout: the first input's placements. DTensor best path: torch's better equivalent where DTensor's default is not it "

@@ -3,8 +3,9 @@
     python -m benchmarks.training [--quick] [--out DIR]
 
 For each model (LLaMA-, GPT-2-style) x mesh ((4,) tp; (2, 2) dp x tp) x plan
-(sequence-parallel norms or not): bytes per rank per step (busiest rank, exact)
-and step wall time, both systems run as 4 gloo processes (4 threads under one
+(sequence-parallel norms or not): bytes per rank per step handed to the transport
+(busiest rank, exact; shardops' wire figure) and step wall time, both systems
+run as 4 gloo processes (4 threads under one
 interpreter lock would not be a fair race); shardops' threads-world step time
 separately. Every shardops run is in strict mode and checked against
 single-device training. Bytes are asserted nowhere; `tests/test_training.py`

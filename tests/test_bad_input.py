@@ -48,12 +48,6 @@ def assert_refused_like_torch(ours: tuple[str, Any], torch_fn: Callable[[], Any]
     assert ours[0] in ("ShardingError", kind), f"torch raised {kind}; shardops: {ours}"
 
 
-def requires(*op_names: str):
-    """Skip unless the op families the test uses have landed."""
-    gaps = [g for n in op_names for g in missing(OPS[n].needs)]
-    return pytest.mark.skipif(bool(gaps), reason=f"not registered yet: {', '.join(gaps)}")
-
-
 # ------------------------------------------------------------------ wrong dtypes
 
 INT_REFUSED = {
@@ -91,8 +85,7 @@ def test_integer_input_refused_like_torch(name):
 def test_integer_input_promoted_like_torch(name):
     op_name, fn = INT_ACCEPTED[name]
     gaps = missing(OPS[op_name].needs)
-    if gaps:
-        pytest.skip(f"not registered yet: {', '.join(gaps)}")
+    assert not gaps, f"not registered: {', '.join(gaps)}"
     full = torch.arange(-6, 6, dtype=torch.int32).reshape(3, 4)
     want = fn(full)
 
@@ -354,8 +347,7 @@ INTEGER_OUTPUTS = {
 @pytest.mark.parametrize("name", sorted(INTEGER_OUTPUTS))
 def test_integer_outputs_of_a_grad_input_do_not_require_grad(name):
     op_name, fn = INTEGER_OUTPUTS[name]
-    if missing(OPS[op_name].needs):
-        pytest.skip(f"{op_name} not registered yet")
+    assert not missing(OPS[op_name].needs), f"{op_name} not registered"
     full = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
     want = fn(full.clone().requires_grad_())
 
@@ -442,8 +434,7 @@ def test_nan_and_inf_give_torchs_values(name, layout, request):
         request.applymarker(pytest.mark.xfail(strict=True, reason=SPECIAL_KNOWN[name, layout]))
     op_name, fn = SPECIAL_OPS[name]
     gaps = missing(OPS[op_name].needs)
-    if gaps:
-        pytest.skip(f"not registered yet: {', '.join(gaps)}")
+    assert not gaps, f"not registered: {', '.join(gaps)}"
     want = fn(SPECIAL_INPUT)
     wants = list(want) if isinstance(want, tuple) else [want]
 
@@ -461,7 +452,6 @@ def test_nan_and_inf_give_torchs_values(name, layout, request):
             torch.testing.assert_close(got, w, equal_nan=True, **tol, msg=lambda m: f"{name} on rows {rows}: {m}")
 
 
-@requires("loss.cross_entropy")
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_with_masked_vocab_entries(reduction):
     """-inf logits (a masked vocabulary) on some ranks' classes: the loss and gradient of torch."""
@@ -524,7 +514,6 @@ def big_vector() -> torch.Tensor:
     return x
 
 
-@requires("reduce.argmax", "reduce.max_dim")
 def test_argmax_past_float32_integer_range(big_vector):
     want_index = int(torch.argmax(big_vector))
     assert want_index == BIG_AT
@@ -539,7 +528,6 @@ def test_argmax_past_float32_integer_range(big_vector):
         assert flat == along_dim == want_index and dtype == torch.int64
 
 
-@requires("select.topk")
 def test_topk_indices_past_float32_integer_range(big_vector):
     want = torch.topk(big_vector, 1)
 
@@ -552,7 +540,6 @@ def test_topk_indices_past_float32_integer_range(big_vector):
         assert torch.equal(indices, want.indices) and dtype == torch.int64
 
 
-@requires("loss.cross_entropy")
 def test_vocab_parallel_cross_entropy_with_class_ids_past_float32_range(big_vector):
     logits = big_vector.unsqueeze(0)
     target = torch.tensor([BIG_AT])
@@ -653,11 +640,15 @@ IN_PLACE_FAILURES = {  # (dtype of self, the failing in-place call)
 }
 
 
-@pytest.mark.parametrize("name", sorted(IN_PLACE_FAILURES))
-@pytest.mark.parametrize("layout", ["S0", "R", "P"])
+# a replicated or pending self needs no layout change for the op without a strategy: it runs
+IN_PLACE_FAILURE_CASES = [
+    (name, layout) for name in sorted(IN_PLACE_FAILURES) for layout in ("S0", "R", "P")
+    if name != "no strategy, sharded self" or layout == "S0"
+]
+
+
+@pytest.mark.parametrize("name, layout", IN_PLACE_FAILURE_CASES)
 def test_failing_in_place_op_leaves_self_unchanged(name, layout):
-    if name == "no strategy, sharded self" and layout != "S0":
-        pytest.skip("a replicated self needs no layout change: the op runs")
     dtype, fn = IN_PLACE_FAILURES[name]
     full = torch.arange(8).reshape(8, 1).to(dtype)
 

@@ -1,5 +1,6 @@
 """The `shardops` command: verify, explain, and the hooks for demo and bench."""
 import json
+import os
 import sys
 import types
 
@@ -69,3 +70,23 @@ def test_bench_hook_passes_its_arguments(monkeypatch):
 @pytest.mark.parametrize("name, module", [("demo", "shardops.demo"), ("bench", "benchmarks.run")])
 def test_default_hooks(name, module):
     assert cli.SUBCOMMANDS[name][:2] == (module, "main")
+
+
+def test_bench_runs_from_any_directory_of_an_editable_install(tmp_path):
+    """`shardops bench` finds benchmarks/ beside src/ of the clone it was installed from, not in the cwd."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(sys.executable), "shardops")
+    if not os.path.exists(script):
+        script = None
+    cmd = [script, "bench", "--help"] if script else [sys.executable, "-c", "import sys; from shardops.cli import main; sys.exit(main())", "bench", "--help"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "usage: shardops bench" in done.stdout
+
+
+def test_bench_without_the_repository_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "benchmarks", None)  # not importable, as from an installed wheel
+    monkeypatch.delitem(sys.modules, "benchmarks.run", raising=False)
+    assert cli.main(["bench"]) == 2
+    assert "the benchmarks live in the repository" in capsys.readouterr().err

@@ -16,10 +16,29 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 TINY = ["--size", "tiny", "--steps", "3"]
 
 
-def test_training_demo_threads_world_is_exact_and_exits_zero(capsys):
-    assert demo.main(TINY + ["--no-torch"]) == 0
-    out = capsys.readouterr().out
-    assert "exact: every loss within" in out and "step total" in out
+def test_training_demo_threads_world_checks_both_columns_and_exits_zero(capsys):
+    """The default demo: GPT-2 with dropout and attention on DTensors; both columns checked."""
+    assert demo.main(TINY) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "dropout 0.1" in out and "attention on DTensors" in out and "step total" in out
+    assert "PASS shardops vs single-device training (dropout 0.1 with shardops' masks" in out
+    assert "PASS torch DTensor vs single-device training (no dropout" in out
+    assert out.count("tolerance 0.0001") == 4  # the measured errors beside the tolerance, both columns
+    assert "threads world, 4 ranks in one process" in out and "exact" not in out
+
+
+def test_training_demo_fails_on_a_mismatch(capsys, monkeypatch):
+    """The check can fail: a reference with torch's own dropout masks is not what shardops ran."""
+    from shardops.demo import training
+    from shardops.training.config import build
+    from shardops.training.loop import train_reference
+
+    def reference_with_torch_masks(spec):
+        return train_reference(build(spec), spec.cfg, spec.batch_size, spec.steps, spec.lr)
+
+    monkeypatch.setattr(training, "reference", reference_with_torch_masks)
+    assert demo.main(TINY + ["--no-torch"]) == 1
+    assert "MISMATCH shardops" in " ".join(capsys.readouterr().out.split())
 
 
 def test_ops_demo_threads_world_verifies_and_exits_zero(capsys):
@@ -54,7 +73,9 @@ def _torchrun(args: list[str]) -> list[str]:
 
 def test_training_demo_under_torchrun_style_gloo_launch():
     outs = _torchrun(TINY)
-    assert "exact: every loss within" in outs[0]
+    out = " ".join(outs[0].split())
+    assert "PASS shardops vs single-device training (dropout 0.1 with shardops' masks" in out
+    assert "torch.distributed gloo, 4 processes" in out and "threads world" not in out
 
 
 def test_ops_demo_under_torchrun_style_gloo_launch():

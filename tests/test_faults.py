@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -570,7 +571,19 @@ def test_rank_busy_after_a_failure_is_left_behind_threads():
     assert_threads_world_healthy()
 
 
-def test_interrupted_caller_releases_rank_threads():
+@pytest.fixture
+def sigint_raises_keyboard_interrupt():
+    """Python's own SIGINT handler for the test, whatever the shell set: a job started in the
+    background by a script (`make test &`) inherits SIGINT ignored, and `_thread.interrupt_main`
+    then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_interrupted_caller_releases_rank_threads(sigint_raises_keyboard_interrupt):
     """Ctrl-C in the caller of so.run: the rank threads waiting in a collective are released."""
     import _thread
 

@@ -93,3 +93,66 @@ def test_the_graph_sees_function_level_and_relative_imports():
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# ------------------------------------------------------------------ the library apart from its tools
+
+# The tools side: the command line, the demos and the training comparison (trainer, launcher,
+# reports). The library (everything else under shardops) never imports them.
+TOOLS = ("shardops.cli", "shardops.demo", "shardops.training")
+# The only library modules that print through rich, when run from the command line (`shardops
+# verify`'s progress bar and report): importing them does not import rich (the import is inside
+# the printing functions), and the rest of verify runs without it.
+RICH_PRINTERS = ("shardops.verify.driver", "shardops.verify.report")
+
+
+def _is_tool(module: str) -> bool:
+    return any(module == t or module.startswith(t + ".") for t in TOOLS)
+
+
+def _external_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_library_never_imports_its_tools():
+    graph = import_graph()
+    library = [m for m in graph if m.startswith("shardops") and not _is_tool(m)]
+    assert "shardops.models" in library and "shardops.ops.softmax" in library
+    leaks = {m: sorted(t for t in graph[m] if _is_tool(t)) for m in library}
+    assert not {m: t for m, t in leaks.items() if t}
+
+
+def test_the_library_does_not_import_rich():
+    mods = _modules()
+    users = sorted(m for m, path in mods.items() if m.startswith("shardops") and not _is_tool(m) and "rich" in _external_imports(path))
+    assert set(users) <= set(RICH_PRINTERS), users
+
+
+def test_import_shardops_and_a_sharded_step_without_rich():
+    """With rich not installed (blocked here), `import shardops`, a sharded op, and
+    shardops.models with its plan all work, and rich is never imported."""
+    import subprocess
+    import sys
+
+    program = """
+import sys
+sys.modules["rich"] = None  # `import rich` now raises ModuleNotFoundError, as when not installed
+import torch, shardops as so
+from shardops.models import GPT2, ModelArgs, gpt2_plan, llama_plan, Llama
+def body():
+    mesh = so.init_device_mesh("cpu", (2,))
+    x = so.distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [so.Shard(1)])
+    return torch.softmax(x, 1).full_tensor()
+got = so.run(body, 2)[0]
+assert torch.allclose(got, torch.softmax(torch.arange(12.0).reshape(3, 4), 1))
+assert not [m for m in sys.modules if m.startswith("rich.")]
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

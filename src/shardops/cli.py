@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
-import os
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 # name -> (module path, function, one-line help). Parsed here: modules with add_arguments(parser).
@@ -36,21 +37,40 @@ def load(name: str) -> tuple[object, Callable]:
         module = _import(module_path)
     except ModuleNotFoundError as e:
         if e.name and (module_path == e.name or module_path.startswith(e.name + ".")):
+            if e.name.split(".")[0] == "benchmarks":
+                raise MissingSubcommand(
+                    f"shardops {name}: the benchmarks live in the repository (benchmarks/ beside src/), not in the "
+                    "installed package. Install shardops from a clone (`pip install -e .`, `make bench`) or run "
+                    "`python -m benchmarks.run` in the clone."
+                ) from None
             raise MissingSubcommand(f"shardops {name}: {module_path} is not available (not installed or not written yet)") from None
+        if e.name == "rich":
+            raise MissingSubcommand(f"shardops {name} prints with rich: pip install 'shardops[cli]'") from None
         raise
     return module, getattr(module, func)
 
 
 def _import(module_path: str):
-    """Import a subcommand's module; `benchmarks` lives in the repository, not the package: try from the cwd too."""
+    """Import a subcommand's module. `benchmarks` is not part of the package: found as itself, or
+    beside src/ in the clone this package was installed from (an editable install), never from the cwd."""
+    if module_path.split(".")[0] == "benchmarks" and "benchmarks" not in sys.modules:
+        _load_repository_benchmarks()
+    return importlib.import_module(module_path)
+
+
+def _load_repository_benchmarks() -> None:
     try:
-        return importlib.import_module(module_path)
-    except ModuleNotFoundError as e:
-        top = module_path.split(".")[0]
-        if e.name != top or top == "shardops" or os.getcwd() in sys.path:
-            raise
-        sys.path.insert(0, os.getcwd())
-        return importlib.import_module(module_path)
+        if importlib.util.find_spec("benchmarks") is not None:
+            return
+    except ValueError:
+        return
+    package = Path(__file__).resolve().parents[2] / "benchmarks"  # <clone>/src/shardops/cli.py -> <clone>/benchmarks
+    if not (package / "__init__.py").is_file():
+        return
+    spec = importlib.util.spec_from_file_location("benchmarks", package / "__init__.py", submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks"] = module
+    spec.loader.exec_module(module)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         _, func = load(args.command)
+    except MissingSubcommand as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
         if args.command == "explain":
             return int(func(args, extra) or 0)
         if extra:
@@ -83,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(func(args) or 0)
     except ShardingError as e:
         print(f"shardops {args.command}: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name != "rich":
+            raise
+        print(f"shardops {args.command} prints with rich: pip install 'shardops[cli]'", file=sys.stderr)
         return 2
 
 
@@ -93,7 +122,13 @@ def _pass_through(name: str, rest: list[str]) -> int:
         print(e, file=sys.stderr)
         return 2
     takes_argv = bool(inspect.signature(func).parameters)
-    return int((func(rest) if takes_argv else func()) or 0)
+    try:
+        return int((func(rest) if takes_argv else func()) or 0)
+    except ModuleNotFoundError as e:
+        if e.name != "rich":
+            raise
+        print(f"shardops {name} prints with rich: pip install 'shardops[cli]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

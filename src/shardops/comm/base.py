@@ -11,9 +11,23 @@ once so that both worlds report the same figures:
     broadcast       the tensor, on the source rank only
 
 A round is one collective call; one call that carries several tensors is one round.
+
+Wire bytes (`CommDebugMode.get_wire_bytes()`) are what this rank hands the
+transport for the same calls, padding included. c10d's single-tensor all_gather
+and reduce_scatter need equal sizes, so on uneven shards shardops pads there:
+
+    all_gather      the largest member's shard (this rank's shard, zero-padded)
+    reduce_scatter  group size x the largest chunk (a dtype/op gloo cannot reduce, e.g.
+                    int16: gathered whole at equal sizes, so every chunk unpadded)
+    others          as the logical figure
+
+The threads world moves Python objects and pads nothing; it reports the same
+wire figure the torch.distributed world hands gloo, so both worlds (and a
+comparison with torch DTensor, which pads the same way) read one number.
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -61,12 +75,16 @@ def _active_modes() -> list["CommDebugMode"]:
     return stack
 
 
-def record(kind: str, num_bytes: int) -> None:
+def record(kind: str, num_bytes: int, wire_bytes: int | None = None) -> None:
+    """One collective call: its logical bytes and its wire bytes (default: the same)."""
+    wire = num_bytes if wire_bytes is None else wire_bytes
     for mode in _active_modes():
         mode.counts[kind] += 1
         mode.bytes += num_bytes
+        mode.wire_bytes += wire
         mode.rounds += 1
         mode.log.append((kind, num_bytes))
+        mode.wire_log.append((kind, wire))
 
 
 class CommDebugMode:
@@ -75,15 +93,19 @@ class CommDebugMode:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.bytes = 0
+        self.wire_bytes = 0
         self.rounds = 0
-        self.log: list[tuple[str, int]] = []
+        self.log: list[tuple[str, int]] = []  # (kind, logical bytes) per call
+        self.wire_log: list[tuple[str, int]] = []  # (kind, wire bytes) per call
 
     def __enter__(self) -> "CommDebugMode":
         # as torch's CommDebugMode: every entry counts from zero
         self.counts = Counter()
         self.bytes = 0
+        self.wire_bytes = 0
         self.rounds = 0
         self.log = []
+        self.wire_log = []
         _active_modes().append(self)
         return self
 
@@ -97,7 +119,12 @@ class CommDebugMode:
         return dict(self.counts)
 
     def get_total_bytes(self) -> int:
+        """Logical bytes: padding excluded, the same figure in every world."""
         return self.bytes
+
+    def get_wire_bytes(self) -> int:
+        """Bytes handed to the transport: uneven all_gather/reduce_scatter padded to the largest member."""
+        return self.wire_bytes
 
     def get_rounds(self) -> int:
         return self.rounds
@@ -133,7 +160,7 @@ class Communicator:
             raise ShardingError(f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}")
         if group.size == 1:
             return [t]
-        record("all_gather", nbytes(t))
+        record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
         return self._all_gather(t.contiguous(), group, shapes)
 
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
@@ -143,7 +170,7 @@ class Communicator:
             raise ShardingError(f"reduce_scatter: {len(chunks)} chunks for a group of {group.size}")
         if group.size == 1:
             return chunks[0]
-        record("reduce_scatter", sum(nbytes(c) for c in chunks))
+        record("reduce_scatter", sum(nbytes(c) for c in chunks), self._reduce_scatter_wire_bytes(chunks, op))
         return self._reduce_scatter([c.contiguous() for c in chunks], op, group)
 
     def all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -167,6 +194,15 @@ class Communicator:
         if group.size > 1:
             self._barrier(group)
 
+    # -- wire bytes (see the module docstring); a world that pads otherwise overrides these
+    def _all_gather_wire_bytes(self, t: torch.Tensor, shapes: Sequence[tuple]) -> int:
+        return max(math.prod(s) for s in shapes) * t.element_size()
+
+    def _reduce_scatter_wire_bytes(self, chunks: Sequence[torch.Tensor], op: str) -> int:
+        if not natively_reducible(chunks[0].dtype, op):  # gathered whole and reduced locally: equal sizes
+            return sum(nbytes(c) for c in chunks)
+        return len(chunks) * max(c.numel() for c in chunks) * chunks[0].element_size()
+
     # -- world-specific
     def _all_reduce(self, t, op, group):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -185,6 +221,20 @@ class Communicator:
 
     def _barrier(self, group):  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+# dtypes that gloo and nccl both reduce natively (gloo rejects int16: "Invalid scalar type"); the
+# torch.distributed world gathers the others and reduces locally. Here because the wire figure
+# of a reduce_scatter depends on it in every world.
+_NATIVE_REDUCE_DTYPES = frozenset(
+    {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+
+
+def natively_reducible(dtype: torch.dtype, op: str) -> bool:
+    if dtype == torch.bool or dtype in _NATIVE_REDUCE_DTYPES:
+        return True
+    return dtype.is_complex and op in ("sum", "avg") and dtype in (torch.complex64, torch.complex128)
 
 
 def _check_op(op: str) -> None:

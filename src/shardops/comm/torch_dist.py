@@ -30,12 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .base import Communicator, Group, reduce_stack
+from .base import Communicator, Group, natively_reducible as _natively_reducible, reduce_stack
 
-# dtypes that gloo and nccl both reduce natively (gloo rejects int16: "Invalid scalar type").
-_NATIVE_REDUCE_DTYPES = frozenset(
-    {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
-)
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG, and none has a floor-dividing integer AVG
@@ -167,6 +163,14 @@ class TorchDistCommunicator(Communicator):
                 f"torch.distributed: {e}. A member is gone, or did not reach this collective within the timeout."
             ) from e
 
+    # ------------------------------------------------------------ wire bytes
+
+    def _reduce_scatter_wire_bytes(self, chunks: Sequence[torch.Tensor], op: str) -> int:
+        # An old gloo build without reduce_scatter: every chunk travels unpadded in one all_reduce.
+        if self._reduce_scatter_ok:
+            return super()._reduce_scatter_wire_bytes(chunks, op)
+        return sum(c.numel() * c.element_size() for c in chunks)
+
     # ------------------------------------------------------------ collectives
 
     def _all_reduce(self, t: torch.Tensor, op: str, group: Group) -> torch.Tensor:
@@ -271,12 +275,6 @@ def _c10d(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any,
 def _collective_error(kind: str, g: _TorchGroup, e: BaseException) -> CollectiveError:
     # The same error type as the threads world, so callers catch one thing in both.
     return CollectiveError(f"{kind} over ranks {list(g.ranks)} failed in torch.distributed: {e}")
-
-
-def _natively_reducible(dtype: torch.dtype, op: str) -> bool:
-    if dtype == torch.bool or dtype in _NATIVE_REDUCE_DTYPES:
-        return True
-    return dtype.is_complex and op in ("sum", "avg") and dtype in (torch.complex64, torch.complex128)
 
 
 def _wire_op(dtype: torch.dtype, op: str) -> Any:

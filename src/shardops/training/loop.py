@@ -1,19 +1,31 @@
-"""One training step cut into parts, each timed and its collectives counted.
+"""What every side of a training comparison shares: the batches, the step records, `timed(part)`,
+and the single-device reference loop.
 
-    zero_grad -> forward -> loss -> backward -> grad_sync -> optimizer -> loss_read
+A training loop here is a plain loop (see `train_reference`, and the sharded sides in
+shardops_side.py and torch_side.py):
 
-Every side of the comparison (single device, shardops, torch DTensor) supplies
-the same parts as functions; `run_steps` times each part and reads, through a
-`measure()` context manager, the collectives and bytes this rank issued in it.
+    for step in range(steps):
+        steps.start()                                  # a fresh StepRecord
+        with steps.timed("zero_grad"): opt.zero_grad()
+        with steps.timed("forward"):   logits = model(inputs)
+        with steps.timed("loss"):      loss = F.cross_entropy(...)
+        with steps.timed("backward"):  loss.backward()
+        with steps.timed("optimizer"): opt.step()
+        with steps.timed("loss_read"): steps.finish(loss.item())
+
+`timed(part)` times the block and reads, through the side's meter (a context manager), the
+collectives and bytes this rank issued in it. A part a side does not have (grad_sync on
+shardops' side: its gradients resolve on the optimizer's first read) records zero.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from ..models import ModelArgs
 
@@ -23,7 +35,9 @@ PARTS = ("zero_grad", "forward", "loss", "backward", "grad_sync", "optimizer", "
 class Meter(Protocol):
     def counts(self) -> dict[str, int]: ...
 
-    def bytes(self) -> int: ...
+    def bytes(self) -> int:
+        """The bytes compared across systems: what this rank handed the transport."""
+        ...
 
 
 @dataclass
@@ -63,6 +77,34 @@ class NoComm:
         return 0
 
 
+class Steps:
+    """The records of a run: `start()` a step, `timed(part)` its parts, `finish(loss)` it."""
+
+    def __init__(self, meter: Callable[[], ContextManager[Meter]] = NoComm, on_step: Callable[[int, StepRecord], None] | None = None):
+        self.meter = meter
+        self.on_step = on_step
+        self.records: list[StepRecord] = []
+
+    def start(self) -> None:
+        self.records.append(StepRecord(loss=float("nan"), parts={p: PartRecord(0.0, {}, 0) for p in PARTS}))
+
+    @contextlib.contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        with self.meter() as meter:
+            start = time.perf_counter()
+            yield
+            seconds = time.perf_counter() - start
+        self.records[-1].parts[part] = PartRecord(seconds, dict(meter.counts()), int(meter.bytes()))
+
+    def finish(self, loss: float) -> None:
+        self.records[-1].loss = float(loss)
+
+    def done(self) -> None:
+        """Call after the step's last part: reports the step."""
+        if self.on_step is not None:
+            self.on_step(len(self.records) - 1, self.records[-1])
+
+
 def batch(cfg: ModelArgs, batch_size: int, step: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
     """The global (inputs, targets) of a step, the same on every rank: next-token prediction on
     arithmetic sequences mod the vocabulary (random start, stride 1-3), so the loss can fall."""
@@ -73,71 +115,32 @@ def batch(cfg: ModelArgs, batch_size: int, step: int, seed: int = 1234) -> tuple
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def run_steps(
-    parts: dict[str, Callable[[dict], Any]],
-    steps: int,
-    measure: Callable[[], AbstractContextManager[Meter]] = NoComm,
-    on_step: Callable[[int, StepRecord], None] | None = None,
-) -> list[StepRecord]:
-    """Run `steps` steps; each part gets a dict it shares with the step's other parts (the batch, logits, loss...)."""
-    records = []
-    for step in range(steps):
-        state: dict[str, Any] = {"step": step}
-        record = StepRecord(loss=float("nan"))
-        for name in PARTS:
-            fn = parts.get(name)
-            if fn is None:
-                record.parts[name] = PartRecord(0.0, {}, 0)
-                continue
-            with measure() as meter:
-                start = time.perf_counter()
-                fn(state)
-                seconds = time.perf_counter() - start
-            record.parts[name] = PartRecord(seconds, dict(meter.counts()), int(meter.bytes()))
-        record.loss = float(state["loss_value"])
-        records.append(record)
-        if on_step is not None:
-            on_step(step, record)
-    return records
-
-
-Part = Callable[[dict], Any]
-
-
-def step_parts(opt: torch.optim.Optimizer, forward: Part, loss: Part, backward: Part, loss_read: Part, grad_sync: Part | None = None) -> dict[str, Part]:
-    """The parts of a step, by name; zero_grad and the optimizer step are `opt`'s."""
-    parts = {"zero_grad": lambda s: opt.zero_grad(), "forward": forward, "loss": loss, "backward": backward,
-             "optimizer": lambda s: opt.step(), "loss_read": loss_read}
-    if grad_sync is not None:
-        parts["grad_sync"] = grad_sync
-    return parts
-
-
-def reference_parts(
-    model: torch.nn.Module, cfg: ModelArgs, batch_size: int, lr: float, first_grads: dict[str, torch.Tensor] | None = None
-) -> dict[str, Callable[[dict], Any]]:
-    """Single-device training: the ground truth the sharded sides are checked against.
-
-    `first_grads`, a dict, receives the first step's gradients.
-    """
+def train_reference(model: torch.nn.Module, cfg: ModelArgs, batch_size: int, steps: int, lr: float) -> dict[str, Any]:
+    """Single-device training, the ground truth of the sharded sides: its records, final
+    parameters and first step's gradients."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    run = Steps()
+    first_grads: dict[str, torch.Tensor] = {}
+    for step in range(steps):
+        run.start()
+        inputs, targets = batch(cfg, batch_size, step)
+        with run.timed("zero_grad"):
+            opt.zero_grad()
+        with run.timed("forward"):
+            logits = model(inputs)
+        with run.timed("loss"):
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        with run.timed("backward"):
+            loss.backward()
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        with run.timed("optimizer"):
+            opt.step()
+        with run.timed("loss_read"):
+            run.finish(loss.item())
+        run.done()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"records": run.records, "params": params, "grads": first_grads}
 
-    def backward(s: dict) -> None:
-        s["loss"].backward()
-        if first_grads is not None and s["step"] == 0:
-            first_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
-    def forward(s: dict) -> None:
-        s["inputs"], s["targets"] = batch(cfg, batch_size, s["step"])
-        s["logits"] = model(s["inputs"])
-
-    def loss(s: dict) -> None:
-        s["loss"] = torch.nn.functional.cross_entropy(s["logits"].flatten(0, 1), s["targets"].flatten(0, 1))
-
-    def loss_read(s: dict) -> None:
-        s["loss_value"] = s["loss"].item()
-
-    return step_parts(opt, forward, loss, backward, loss_read)
-
-
-__all__ = ["PARTS", "PartRecord", "StepRecord", "NoComm", "batch", "run_steps", "reference_parts", "step_parts"]
+__all__ = ["PARTS", "PartRecord", "StepRecord", "Steps", "NoComm", "batch", "train_reference"]

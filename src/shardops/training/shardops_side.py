@@ -5,6 +5,9 @@ Data parallelism: `data_parallel(model, mesh, mode)` over the dp mesh dim. A
 replicated weight's gradient stays pending (Partial(sum)) after backward and is
 resolved once, on its first read by the optimizer — so the grad_sync part is
 empty here and its bytes show up in the optimizer part.
+
+Bytes are CommDebugMode's wire figure (`get_wire_bytes()`): what this rank hands
+the transport, uneven gathers padded, as torch's side is counted.
 """
 from __future__ import annotations
 
@@ -18,11 +21,11 @@ from ..comm.base import CommDebugMode
 from ..mesh import init_device_mesh
 from ..tensor import DTensor
 from .config import RunSpec, build, plan
-from .loop import StepRecord, batch, run_steps, step_parts
+from .loop import Steps, StepRecord, batch
 
 
 class ShardopsMeter:
-    """so.CommDebugMode as a training-loop meter."""
+    """so.CommDebugMode as a training-loop meter (wire bytes)."""
 
     def __enter__(self) -> "ShardopsMeter":
         self._comm = CommDebugMode()
@@ -36,7 +39,7 @@ class ShardopsMeter:
         return dict(self._comm.get_comm_counts())
 
     def bytes(self) -> int:
-        return int(self._comm.get_total_bytes())
+        return int(self._comm.get_wire_bytes())
 
 
 def parallelize(spec: RunSpec, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
@@ -53,39 +56,36 @@ def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None 
     `first_grads`: also return the first step's gradients as full tensors (their reads then count in
     that step's backward part: for tests, not for measurements).
     """
+    torch.manual_seed(spec.seed)  # DTensor dropout masks: the same counter-based stream on every rank
     names = ("dp", "tp") if len(spec.mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", spec.mesh_shape, mesh_dim_names=names)
     model = parallelize(spec, build(spec), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     dp_rank = mesh.get_coordinate()[0] if spec.dp > 1 else 0
     rows = spec.batch_size // spec.dp
-
-    def forward(s: dict) -> None:
-        inputs, targets = batch(spec.cfg, spec.batch_size, s["step"])
-        s["inputs"] = inputs[dp_rank * rows : (dp_rank + 1) * rows]
-        s["targets"] = targets[dp_rank * rows : (dp_rank + 1) * rows]
-        s["logits"] = model(s["inputs"])
-
-    def loss(s: dict) -> None:
-        with so_parallel.loss_parallel():
-            s["loss"] = F.cross_entropy(s["logits"].flatten(0, 1), s["targets"].flatten(0, 1))
-
+    run = Steps(ShardopsMeter, on_step if mesh.get_rank() == 0 else None)
     grads: dict[str, torch.Tensor] = {}
-
-    def backward(s: dict) -> None:
-        with so_parallel.loss_parallel():
-            s["loss"].backward()
-        if first_grads and s["step"] == 0:
-            grads.update({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
-
-    def loss_read(s: dict) -> None:
-        value = s["loss"].full_tensor() if isinstance(s["loss"], DTensor) else s["loss"]
-        s["loss_value"] = value.item()
-
-    parts = step_parts(opt, forward, loss, backward, loss_read)
-    records = run_steps(parts, spec.steps, ShardopsMeter, on_step if mesh.get_rank() == 0 else None)
+    for step in range(spec.steps):
+        run.start()
+        inputs, targets = (t[dp_rank * rows : (dp_rank + 1) * rows] for t in batch(spec.cfg, spec.batch_size, step))
+        with run.timed("zero_grad"):
+            opt.zero_grad()
+        with run.timed("forward"):
+            logits = model(inputs)
+        with run.timed("loss"), so_parallel.loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        with run.timed("backward"):
+            with so_parallel.loss_parallel():
+                loss.backward()
+            if first_grads and step == 0:
+                grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        with run.timed("optimizer"):
+            opt.step()
+        with run.timed("loss_read"):
+            run.finish((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
+        run.done()
     params = {n: _full(p) for n, p in model.named_parameters()}
-    return {"records": records, "params": params, "grads": grads}
+    return {"records": run.records, "params": params, "grads": grads}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .loop import batch, run_steps, step_parts
+from .loop import Steps, batch
 from .config import RunSpec, build, plan
 
 # Ordered: the first pattern found in a c10d op's name gives the kind (benchmarks read it too).
@@ -114,6 +114,7 @@ def train_rank(spec: RunSpec) -> dict[str, Any]:
     # CommDebugMode's module tracker hooks every module; torch warns when the input needs no grad
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
+    torch.manual_seed(spec.seed)
     names = ("dp", "tp") if len(spec.mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", spec.mesh_shape, mesh_dim_names=names)
     model = build(spec)
@@ -123,49 +124,39 @@ def train_rank(spec: RunSpec) -> dict[str, Any]:
     dp_group = mesh["dp"].get_group() if spec.dp > 1 else None
     dp_rank = mesh["dp"].get_local_rank() if spec.dp > 1 else 0
     rows = spec.batch_size // spec.dp
-
-    def forward(s: dict) -> None:
-        inputs, targets = batch(spec.cfg, spec.batch_size, s["step"])
-        s["inputs"] = inputs[dp_rank * rows : (dp_rank + 1) * rows]
-        s["targets"] = targets[dp_rank * rows : (dp_rank + 1) * rows]
-        with loss_parallel():
-            s["logits"] = model(s["inputs"])
-
-    def loss(s: dict) -> None:
-        with loss_parallel():
-            s["loss"] = F.cross_entropy(s["logits"].flatten(0, 1), s["targets"].flatten(0, 1))
-
-    def backward(s: dict) -> None:
-        with loss_parallel():
-            s["loss"].backward()
-
-    def grad_sync(s: dict) -> None:
-        if dp_group is None:
-            return
-        for p in model.parameters():
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, group=dp_group)
-            g.div_(spec.dp)
-
-    def loss_read(s: dict) -> None:
-        value = s["loss"].full_tensor() if isinstance(s["loss"], DTensor) else s["loss"]
-        value = value.detach().clone()
-        if dp_group is not None:
-            dist.all_reduce(value, group=dp_group)
-            value /= spec.dp
-        s["loss_value"] = value.item()
-
-    parts = step_parts(opt, forward, loss, backward, loss_read, grad_sync)
-    records = run_steps(parts, spec.steps, TorchMeter)
+    run = Steps(TorchMeter)
+    for step in range(spec.steps):
+        run.start()
+        inputs, targets = (t[dp_rank * rows : (dp_rank + 1) * rows] for t in batch(spec.cfg, spec.batch_size, step))
+        with run.timed("zero_grad"):
+            opt.zero_grad()
+        with run.timed("forward"), loss_parallel():
+            logits = model(inputs)
+        with run.timed("loss"), loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        with run.timed("backward"), loss_parallel():
+            loss.backward()
+        with run.timed("grad_sync"):
+            # DDP's traffic without its bucketing: every gradient averaged over dp
+            for p in model.parameters() if dp_group is not None else ():
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(g, group=dp_group)
+                g.div_(spec.dp)
+        with run.timed("optimizer"):
+            opt.step()
+        with run.timed("loss_read"):
+            value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
+            if dp_group is not None:
+                dist.all_reduce(value, group=dp_group)
+                value /= spec.dp
+            run.finish(value.item())
+        run.done()
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
-    return {"records": records, "params": params if dist.get_rank() == 0 else None}
+    return {"records": run.records, "params": params if dist.get_rank() == 0 else None}
 
 
 def train(spec: RunSpec, timeout: float = 600) -> list[dict[str, Any]]:
     """torch DTensor training on prod(mesh_shape) gloo processes; each rank's records (rank 0 also its final parameters)."""
     from .launch import run_gloo
 
-    world = 1
-    for n in spec.mesh_shape:
-        world *= n
-    return run_gloo(train_rank, world, spec, timeout=timeout)
+    return run_gloo(train_rank, spec.world_size, spec, timeout=timeout)

@@ -1,7 +1,7 @@
 """`shardops demo --ops`: sharded math ops of a transformer step on a (2,2) mesh, checked against torch.
 
     shardops demo --ops                # threads world, 4 ranks in this process
-    torchrun --nproc-per-node 4 -m shardops.demo_ops   # the same under torch.distributed (gloo)
+    torchrun --nproc-per-node 4 -m shardops.demo --ops   # the same under torch.distributed (gloo)
 
 For each op: the input/output layouts, the collectives shardops issued, the bytes this
 rank sent and the rounds. Every output and gradient is compared with single-device

@@ -1,0 +1,5 @@
+import sys
+
+from .training import main
+
+sys.exit(main())
