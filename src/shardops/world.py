@@ -2,7 +2,9 @@
 
 Inside `run`, each rank thread carries its communicator in a thread-local. Outside
 it, an initialised torch.distributed default process group is the world. A thread
-of `run` always sees the threads world, even when a process group exists.
+of `run` always sees the threads world, even when a process group exists. Each rank
+thread also has its own default random state, as each process has under torchrun
+(interop/rank_random.py hands it to random ops, rng.py to torch.manual_seed & co.).
 """
 from __future__ import annotations
 
@@ -28,6 +30,15 @@ def current_comm() -> Communicator:
 
 def in_threads_world() -> bool:
     return getattr(_local, "comm", None) is not None
+
+
+def rank_generator() -> torch.Generator | None:
+    """This rank thread's default CPU generator inside `run`; None elsewhere (torch's own default is the process's)."""
+    return getattr(_local, "generator", None)
+
+
+def set_rank_generator(generator: torch.Generator | None) -> None:
+    _local.generator = generator
 
 
 def _torch_dist_comm() -> Communicator:
@@ -60,11 +71,12 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
     grad_enabled = torch.is_grad_enabled()
+    from .interop.rank_random import rank_random_state  # here: interop imports the tensor modules, which import this one
 
     def body(rank: int) -> None:
         _local.comm = world.communicator(rank)
         try:
-            with torch.set_grad_enabled(grad_enabled):
+            with torch.set_grad_enabled(grad_enabled), rank_random_state():
                 results[rank] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors[rank] = e
