@@ -72,6 +72,8 @@ class RngState:
     seed: int
     counter: int = 0
     epoch: int = 0
+    observed: int | None = None  # the torch generator's seed this state last followed
+    synced: bool = False  # took the first rank's (seed, counter) at its first draw
 
 
 _process = RngState(torch.default_generator.initial_seed() & MASK64)
@@ -95,9 +97,28 @@ def current_state() -> RngState:
             st = _thread.state = RngState(generator.initial_seed() & MASK64)
             _thread.generator = generator
     seed = generator.initial_seed() & MASK64
-    if seed != st.seed:
-        st.seed, st.counter, st.epoch = seed, 0, st.epoch + 1
+    if seed != st.observed:
+        st.seed, st.counter, st.epoch, st.observed = seed, 0, st.epoch + (st.observed is not None), seed
     return st
+
+
+def sync_with_first_rank(mesh) -> None:  # noqa: ANN001 - a DeviceMesh (mesh.py imports this package's modules)
+    """Before this rank's first draw on a DTensor: take the mesh's first rank's (seed, counter).
+
+    A new process starts from a random seed, so unseeded ranks would draw shards that do not fit
+    together; torch DTensor takes rank 0's RNG state at its first random op, and so does this
+    (rank threads start from random seeds too, as processes). Ranks seeded alike lose nothing.
+    Uncounted, as the debug checks: it is set-up, not the op's communication.
+    """
+    st = current_state()
+    if st.synced:
+        return
+    group = mesh.group(tuple(range(mesh.ndim)))
+    if group.size > 1:
+        mine = torch.tensor([_signed(st.seed), st.counter], dtype=torch.int64)
+        first = mesh.comm._all_gather(mine, group, [(2,)] * group.size)[0]
+        st.seed, st.counter = int(first[0]) & MASK64, int(first[1])
+    st.synced = True
 
 
 def reseed(seed: int) -> None:
@@ -105,7 +126,7 @@ def reseed(seed: int) -> None:
     if seed < 0:  # torch's mapping of negative seeds (torch.initial_seed() reports this value)
         seed += 0xFFFF_FFFF_FFFF_FFFF
     st = current_state()
-    st.seed, st.counter, st.epoch = seed & MASK64, 0, st.epoch + 1
+    st.seed, st.counter, st.epoch, st.observed = seed & MASK64, 0, st.epoch + 1, seed & MASK64
 
 
 def next_key(generator: torch.Generator | None = None) -> int:

@@ -4,7 +4,7 @@ Under torchrun every process has its own default CPU generator. In `shardops.run
 the ranks are threads of one process and would share torch's, drawing in whatever
 order the threads arrive (a checkpointed dropout recomputing another mask, tensor-
 parallel peers dropping different elements). So each rank thread gets a fresh
-`torch.Generator` (seeded as a new process's default one) and a dispatch mode on
+`torch.Generator` (seeded at random, as a new process's default one is) and a dispatch mode on
 its own (thread-local) mode stack that passes that generator to every random
 aten op on plain CPU tensors whose generator is None:
 
@@ -66,6 +66,7 @@ class RankGenerator(TorchDispatchMode):
 def rank_random_state() -> Iterator[torch.Generator]:
     """The calling thread's own default random state while inside: a fresh generator, as a new process has."""
     generator = torch.Generator()
+    generator.seed()  # a new process's default generator starts from a non-deterministic seed
     mode = RankGenerator(generator)
     # Straight onto the C++ (thread-local) stack: a mode's __enter__ also flips process-wide Python
     # flags, which threads entering and leaving in any order would leave set after the run.
