@@ -53,10 +53,13 @@ class RankGenerator(TorchDispatchMode):
         return True  # torch.compile inside a rank thread still compiles (the mode stays off while it traces)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
-        kwargs = kwargs or {}
+        # Every op of the rank thread passes here: the common case (not random) is one dict lookup.
         route = _routes.get(func, _routes)
+        if route is None:
+            return func(*args, **(kwargs or {}))
         if route is _routes:
             route = _routes[func] = _route_for(func)
+        kwargs = kwargs or {}
         if route is None or not _plain_cpu(args, kwargs):
             return func(*args, **kwargs)
         return route(self.generator, func, args, kwargs)
@@ -91,7 +94,9 @@ def _plain_cpu(args: tuple, kwargs: dict) -> bool:
     if seen_tensor:
         return True
     device = kwargs.get("device")
-    return torch.device(device if device is not None else torch.get_default_device()).type == "cpu"
+    if device is None:
+        device = torch.get_default_device()
+    return (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cpu"
 
 
 def _route_for(func: Any) -> Route | None:
