@@ -10,17 +10,18 @@ so every rank computes only the elements its shard holds (no full-size draw,
 no collective) and any mesh/placements give the same global tensor. Ranks issue
 the same ops in the same order, so their counters agree.
 
-State: (seed, counter). `torch.manual_seed(s)` (wrapped at import; torch's own
-still runs) sets seed = s and restarts the counter, so re-seeding with the same
-value restarts the sequence, as in torch. `torch.get_rng_state()` /
-`set_rng_state()` (wrapped too) save and restore the counter with torch's state,
-so activation checkpointing recomputes the same dropout masks. The epoch counts re-seeds: it is how a
-rank thread tells that it has been seeded. Inside `shardops.run` every rank
-thread keeps its own state (the threads share torch's generator, which therefore
-cannot be the source); a rank thread starts from a copy of the process state.
-Under torchrun the state is per process. A draw given an explicit
-`torch.Generator` takes its key from that generator instead (one 64-bit draw),
-so it follows the generator's own seeding.
+State: (seed, counter), one per rank: per process under torchrun, per rank thread
+inside `shardops.run` (each rank thread also has its own default torch generator,
+interop/rank_random.py). `torch.manual_seed(s)` (wrapped at import) seeds the rank's
+torch generator and sets seed = s, restarting the counter, so re-seeding with the
+same value restarts the sequence, as in torch; a re-seed the wrapper does not see
+(Generator.manual_seed, torch.seed) is followed at the next draw. `torch.get_rng_state()` /
+`set_rng_state()` (wrapped too) save and restore the counter with torch's state, so
+activation checkpointing recomputes the same dropout masks. A new process (and a rank
+thread, like one) starts from a random seed, so a rank's first DTensor draw takes the
+mesh's first rank's (seed, counter), as torch DTensor takes rank 0's RNG state at its
+first random op. A draw given an explicit `torch.Generator` takes its key from that
+generator instead (one 64-bit draw), so it follows the generator's own seeding.
 
 Elements are produced in chunks of CHUNK, so a draw's temporaries stay small
 whatever the shard size.
