@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..tensor import DTensor
 from ..world import set_rank_generator
 
 Route = Callable[[torch.Generator, Any, tuple, dict], Any]
@@ -38,6 +39,7 @@ Route = Callable[[torch.Generator, Any, tuple, dict], Any]
 GENERATORLESS_RANDOM = frozenset({"native_dropout"})
 
 _routes: dict[Any, Route | None] = {}
+_DTENSOR_ONLY = (DTensor,)
 _swap_lock = threading.Lock()
 
 
@@ -53,10 +55,12 @@ class RankGenerator(TorchDispatchMode):
         return True  # torch.compile inside a rank thread still compiles (the mode stays off while it traces)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
-        # Every op of the rank thread passes here: the common case (not random) is one dict lookup.
+        # Every op of the rank thread passes here. A DTensor op goes straight into DTensor's dispatch
+        # (no second trip through the dispatcher; its draws are counter-based); a plain op that is not
+        # random costs one dict lookup.
+        if types == _DTENSOR_ONLY:
+            return DTensor.__torch_dispatch__(func, types, args, kwargs)
         route = _routes.get(func, _routes)
-        if route is None:
-            return func(*args, **(kwargs or {}))
         if route is _routes:
             route = _routes[func] = _route_for(func)
         kwargs = kwargs or {}
