@@ -9,7 +9,8 @@ thread also has its own default random state, as each process has under torchrun
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from contextlib import ExitStack
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -19,6 +20,9 @@ from .errors import CollectiveError, ShardingError
 
 _local = threading.local()
 _torch_comm: Communicator | None = None
+# Context managers every rank thread of `run` runs inside, registered by modules this one cannot
+# import (they import it): interop/rank_random.py gives each rank thread its own random state.
+RANK_THREAD_CONTEXTS: list[Callable[[], ContextManager[Any]]] = []
 
 
 def current_comm() -> Communicator:
@@ -71,12 +75,13 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
     grad_enabled = torch.is_grad_enabled()
-    from .interop.rank_random import rank_random_state  # here: interop imports the tensor modules, which import this one
 
     def body(rank: int) -> None:
         _local.comm = world.communicator(rank)
         try:
-            with torch.set_grad_enabled(grad_enabled), rank_random_state():
+            with torch.set_grad_enabled(grad_enabled), ExitStack() as contexts:
+                for context in RANK_THREAD_CONTEXTS:
+                    contexts.enter_context(context())
                 results[rank] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors[rank] = e

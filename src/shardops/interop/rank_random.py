@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..tensor import DTensor
-from ..world import set_rank_generator
+from ..world import RANK_THREAD_CONTEXTS, set_rank_generator
 
 Route = Callable[[torch.Generator, Any, tuple, dict], Any]
 
@@ -153,3 +153,6 @@ def _with_default_generator_swapped(gen: torch.Generator, func: Any, args: tuple
         finally:
             gen.set_state(default.get_state())
             default.set_state(saved)
+
+
+RANK_THREAD_CONTEXTS.append(rank_random_state)
