@@ -51,6 +51,8 @@ def measure_random(rows_per_rank: int = 2048, cols: int = 2048, repeats: int = 7
             "torch bernoulli_(0.9), plain shard": lambda: plain.bernoulli_(0.9),
             "torch F.dropout(p=0.1), plain shard": lambda: F.dropout(plain, 0.1),
         }
+        torch.manual_seed(0)
+        x.bernoulli_(0.9)  # together: a rank's first DTensor draw takes rank 0's state (a collective)
         out = {}
         for name, fn in cases.items():
             for turn in range(WORLD):  # one rank at a time: every rank issues the same draws

@@ -265,9 +265,11 @@ def _local_draw() -> torch.Tensor:
 
 
 def test_debug_mode_names_ranks_seeded_differently():
+    """The first draw takes rank 0's state (as torch DTensor does); a later per-rank re-seed is the user's mistake."""
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0)])
+        x.uniform_()
         torch.manual_seed(SEED + mesh.get_rank())
         x.uniform_()
 

@@ -8,6 +8,7 @@ from .placements import NormPartial, Partial, Placement, Replicate, Shard, Strid
 from .tensor import DTensor, distribute_tensor, from_local
 from .world import run
 from .interop import from_torch, to_torch
+from .interop import rank_random as _rank_random  # noqa: F401 - gives so.run's rank threads their own random state
 from .explain import explain
 from . import ops as _ops  # noqa: F401  (registers strategies)
 from . import parallel

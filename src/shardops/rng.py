@@ -10,17 +10,18 @@ so every rank computes only the elements its shard holds (no full-size draw,
 no collective) and any mesh/placements give the same global tensor. Ranks issue
 the same ops in the same order, so their counters agree.
 
-State: (seed, counter). `torch.manual_seed(s)` (wrapped at import; torch's own
-still runs) sets seed = s and restarts the counter, so re-seeding with the same
-value restarts the sequence, as in torch. `torch.get_rng_state()` /
-`set_rng_state()` (wrapped too) save and restore the counter with torch's state,
-so activation checkpointing recomputes the same dropout masks. The epoch counts re-seeds: it is how a
-rank thread tells that it has been seeded. Inside `shardops.run` every rank
-thread keeps its own state (the threads share torch's generator, which therefore
-cannot be the source); a rank thread starts from a copy of the process state.
-Under torchrun the state is per process. A draw given an explicit
-`torch.Generator` takes its key from that generator instead (one 64-bit draw),
-so it follows the generator's own seeding.
+State: (seed, counter), one per rank: per process under torchrun, per rank thread
+inside `shardops.run` (each rank thread also has its own default torch generator,
+interop/rank_random.py). `torch.manual_seed(s)` (wrapped at import) seeds the rank's
+torch generator and sets seed = s, restarting the counter, so re-seeding with the
+same value restarts the sequence, as in torch; a re-seed the wrapper does not see
+(Generator.manual_seed, torch.seed) is followed at the next draw. `torch.get_rng_state()` /
+`set_rng_state()` (wrapped too) save and restore the counter with torch's state, so
+activation checkpointing recomputes the same dropout masks. A new process (and a rank
+thread, like one) starts from a random seed, so a rank's first DTensor draw takes the
+mesh's first rank's (seed, counter), as torch DTensor takes rank 0's RNG state at its
+first random op. A draw given an explicit `torch.Generator` takes its key from that
+generator instead (one 64-bit draw), so it follows the generator's own seeding.
 
 Elements are produced in chunks of CHUNK, so a draw's temporaries stay small
 whatever the shard size.
@@ -36,7 +37,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .placements import Placement, dim_positions
-from .world import in_threads_world
+from .world import rank_generator
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -72,25 +73,53 @@ class RngState:
     seed: int
     counter: int = 0
     epoch: int = 0
+    observed: int | None = None  # the torch generator's seed this state last followed
+    synced: bool = False  # took the first rank's (seed, counter) at its first draw
 
 
-_process = RngState(torch.initial_seed() & MASK64)
+_process = RngState(torch.default_generator.initial_seed() & MASK64)
 _thread = threading.local()
 
 
 def current_state() -> RngState:
-    """This rank's state: per rank thread inside shardops.run, else per process."""
-    if in_threads_world():
+    """This rank's state: per rank thread inside shardops.run, else per process.
+
+    Either follows its torch generator (the rank thread's, or torch's default one) when that was
+    re-seeded by a path the wrapper does not see (Generator.manual_seed, torch.seed): a new seed
+    restarts the counter.
+    """
+    generator = rank_generator()
+    if generator is None:
+        st = _process
+        generator = torch.default_generator
+    else:
         st = getattr(_thread, "state", None)
-        if st is None:
-            st = _thread.state = RngState(_process.seed, _process.counter, _process.epoch)
-        return st
-    # Outside a threads world the process state follows torch's generator when it was
-    # re-seeded by a path the wrapper does not see (default_generator.manual_seed, torch.seed).
-    seed = torch.initial_seed() & MASK64
-    if seed != _process.seed:
-        _process.seed, _process.counter, _process.epoch = seed, 0, _process.epoch + 1
-    return _process
+        if st is None or getattr(_thread, "generator", None) is not generator:  # a new run: a fresh rank
+            st = _thread.state = RngState(generator.initial_seed() & MASK64)
+            _thread.generator = generator
+    seed = generator.initial_seed() & MASK64
+    if seed != st.observed:
+        st.seed, st.counter, st.epoch, st.observed = seed, 0, st.epoch + (st.observed is not None), seed
+    return st
+
+
+def sync_with_first_rank(mesh) -> None:  # noqa: ANN001 - a DeviceMesh (mesh.py imports this package's modules)
+    """Before this rank's first draw on a DTensor: take the mesh's first rank's (seed, counter).
+
+    A new process starts from a random seed, so unseeded ranks would draw shards that do not fit
+    together; torch DTensor takes rank 0's RNG state at its first random op, and so does this
+    (rank threads start from random seeds too, as processes). Ranks seeded alike lose nothing.
+    Uncounted, as the debug checks: it is set-up, not the op's communication.
+    """
+    st = current_state()
+    if st.synced:
+        return
+    group = mesh.group(tuple(range(mesh.ndim)))
+    if group.size > 1:
+        mine = torch.tensor([_signed(st.seed), st.counter], dtype=torch.int64)
+        first = mesh.comm._all_gather(mine, group, [(2,)] * group.size)[0]
+        st.seed, st.counter = int(first[0]) & MASK64, int(first[1])
+    st.synced = True
 
 
 def reseed(seed: int) -> None:
@@ -98,7 +127,7 @@ def reseed(seed: int) -> None:
     if seed < 0:  # torch's mapping of negative seeds (torch.initial_seed() reports this value)
         seed += 0xFFFF_FFFF_FFFF_FFFF
     st = current_state()
-    st.seed, st.counter, st.epoch = seed & MASK64, 0, st.epoch + 1
+    st.seed, st.counter, st.epoch, st.observed = seed & MASK64, 0, st.epoch + 1, seed & MASK64
 
 
 def next_key(generator: torch.Generator | None = None) -> int:
@@ -111,16 +140,44 @@ def next_key(generator: torch.Generator | None = None) -> int:
     return key
 
 
+# torch's functions on "the" default random state. Inside a rank thread of shardops.run they act
+# on that rank's generator (each rank is a process under torchrun); elsewhere they are torch's own.
+# Either way this rank's counter-based state (seed, counter) follows them.
+
+
+def _wrap(original: Callable, replacement: Callable) -> Callable:
+    replacement.__doc__ = original.__doc__
+    replacement.__name__ = original.__name__
+    replacement.__wrapped__ = original  # type: ignore[attr-defined]
+    replacement._shardops_wrapped = True  # type: ignore[attr-defined]
+    return replacement
+
+
 def _wrap_manual_seed(original: Callable) -> Callable:
     def manual_seed(seed):  # noqa: ANN001 - torch's signature
-        out = original(seed)  # torch validates the seed (and seeds every device) first
+        generator = rank_generator()
+        # torch validates the seed (and, in a process, seeds every device) first
+        out = original(seed) if generator is None else generator.manual_seed(int(seed))
         reseed(int(seed))
         return out
 
-    manual_seed.__doc__ = original.__doc__
-    manual_seed.__wrapped__ = original  # type: ignore[attr-defined]
-    manual_seed._shardops_wrapped = True  # type: ignore[attr-defined]
-    return manual_seed
+    return _wrap(original, manual_seed)
+
+
+def _wrap_seed(original: Callable) -> Callable:
+    def seed() -> int:
+        generator = rank_generator()
+        return original() if generator is None else generator.seed()  # current_state() follows the new seed
+
+    return _wrap(original, seed)
+
+
+def _wrap_initial_seed(original: Callable) -> Callable:
+    def initial_seed() -> int:
+        generator = rank_generator()
+        return original() if generator is None else generator.initial_seed()
+
+    return _wrap(original, initial_seed)
 
 
 # torch.get_rng_state() / set_rng_state(): activation checkpointing and fork_rng save torch's
@@ -132,38 +189,48 @@ _saved: dict[int, tuple[RngState, RngState]] = {}
 
 def _wrap_get_rng_state(original: Callable) -> Callable:
     def get_rng_state() -> torch.Tensor:
-        state = original()
+        generator = rank_generator()
+        state = original() if generator is None else generator.get_state()
         st = current_state()
         _saved[id(state)] = (st, RngState(st.seed, st.counter, st.epoch))
         weakref.finalize(state, _saved.pop, id(state), None)
         return state
 
-    get_rng_state.__doc__ = original.__doc__
-    get_rng_state.__wrapped__ = original  # type: ignore[attr-defined]
-    return get_rng_state
+    return _wrap(original, get_rng_state)
 
 
 def _wrap_set_rng_state(original: Callable) -> Callable:
     def set_rng_state(new_state: torch.Tensor) -> None:
-        original(new_state)
+        generator = rank_generator()
+        if generator is None:
+            original(new_state)
+        else:
+            generator.set_state(new_state)
         saved = _saved.get(id(new_state))
         if saved is not None and saved[0] is current_state():  # the same rank's state (a thread restores its own)
             st, snap = saved
             st.seed, st.counter, st.epoch = snap.seed, snap.counter, snap.epoch
 
-    set_rng_state.__doc__ = original.__doc__
-    set_rng_state.__wrapped__ = original  # type: ignore[attr-defined]
-    return set_rng_state
+    return _wrap(original, set_rng_state)
+
+
+_WRAPPERS = {
+    "manual_seed": _wrap_manual_seed,
+    "seed": _wrap_seed,
+    "initial_seed": _wrap_initial_seed,
+    "get_rng_state": _wrap_get_rng_state,
+    "set_rng_state": _wrap_set_rng_state,
+}
 
 
 def install_seed_hook() -> None:
-    """Wrap torch.manual_seed, get_rng_state, set_rng_state (and their torch.random twins); idempotent."""
-    if getattr(torch.manual_seed, "_shardops_wrapped", False):
-        return
-    seed, get, put = _wrap_manual_seed(torch.manual_seed), _wrap_get_rng_state(torch.get_rng_state), _wrap_set_rng_state(torch.set_rng_state)
-    torch.manual_seed = torch.random.manual_seed = seed
-    torch.get_rng_state = torch.random.get_rng_state = get
-    torch.set_rng_state = torch.random.set_rng_state = put
+    """Wrap torch's default-state functions (torch.X and torch.random.X alike); idempotent."""
+    for name, wrap in _WRAPPERS.items():
+        original = getattr(torch.random, name)
+        if not getattr(original, "_shardops_wrapped", False):
+            wrapped = wrap(original)
+            setattr(torch, name, wrapped)
+            setattr(torch.random, name, wrapped)
 
 
 # ------------------------------------------------------------------ global element indices

@@ -2,12 +2,15 @@
 
 Inside `run`, each rank thread carries its communicator in a thread-local. Outside
 it, an initialised torch.distributed default process group is the world. A thread
-of `run` always sees the threads world, even when a process group exists.
+of `run` always sees the threads world, even when a process group exists. Each rank
+thread also has its own default random state, as each process has under torchrun
+(interop/rank_random.py hands it to random ops, rng.py to torch.manual_seed & co.).
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from contextlib import ExitStack
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -17,6 +20,9 @@ from .errors import CollectiveError, ShardingError
 
 _local = threading.local()
 _torch_comm: Communicator | None = None
+# Context managers every rank thread of `run` runs inside, registered by modules this one cannot
+# import (they import it): interop/rank_random.py gives each rank thread its own random state.
+RANK_THREAD_CONTEXTS: list[Callable[[], ContextManager[Any]]] = []
 
 
 def current_comm() -> Communicator:
@@ -28,6 +34,15 @@ def current_comm() -> Communicator:
 
 def in_threads_world() -> bool:
     return getattr(_local, "comm", None) is not None
+
+
+def rank_generator() -> torch.Generator | None:
+    """This rank thread's default CPU generator inside `run`; None elsewhere (torch's own default is the process's)."""
+    return getattr(_local, "generator", None)
+
+
+def set_rank_generator(generator: torch.Generator | None) -> None:
+    _local.generator = generator
 
 
 def _torch_dist_comm() -> Communicator:
@@ -64,7 +79,9 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     def body(rank: int) -> None:
         _local.comm = world.communicator(rank)
         try:
-            with torch.set_grad_enabled(grad_enabled):
+            with torch.set_grad_enabled(grad_enabled), ExitStack() as contexts:
+                for context in RANK_THREAD_CONTEXTS:
+                    contexts.enter_context(context())
                 results[rank] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors[rank] = e

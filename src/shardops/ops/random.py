@@ -60,7 +60,10 @@ def _draw(ctx, out: torch.Tensor, transform, out_index: int = 0) -> torch.Tensor
     """Fill `out` (this rank's piece of output `out_index`) with the next draw."""
     spec = ctx.out_specs[out_index]
     mesh = spec.mesh
-    key = rng.next_key(ctx.schema.arg("generator"))
+    generator = ctx.schema.arg("generator")
+    if generator is None:
+        rng.sync_with_first_rank(mesh)
+    key = rng.next_key(generator)
     if core._state["debug"]:
         _check_same_key(ctx, key)
     return rng.fill(out, spec.shape, mesh.shape, mesh.get_coordinate(), spec.placements, key, transform)
@@ -365,6 +368,8 @@ def trunc_normal_(tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, 
         return u.mul_(2).sub_(1).erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
 
     spec = tensor._spec
+    if generator is None:
+        rng.sync_with_first_rank(spec.mesh)
     with torch.no_grad():
         rng.fill(tensor._local_tensor, spec.shape, spec.mesh.shape, spec.mesh.get_coordinate(), spec.placements, rng.next_key(generator), transform)
     return tensor
