@@ -17,6 +17,7 @@ from .mesh import DeviceMesh
 from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
+from .wrapper_meta import mirror_lazy_bits
 
 
 # runs func with subclass __torch_function__ disabled (in C: cheaper than the context manager)
@@ -44,9 +45,7 @@ class DTensor(torch.Tensor):
         r._local_tensor = local
         r._spec = spec
         r._pending_layout = None
-        if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see interop)
-            from .interop.lazy_bits import mirror_lazy_bits
-
+        if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see wrapper_meta)
             mirror_lazy_bits(r, local)
         return r
 

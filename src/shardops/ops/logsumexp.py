@@ -28,6 +28,7 @@ from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..dispatch.strategy import Row, row
 from ..placements import Replicate, Shard
+from ..wrapping import shard_in, local_of, spec_of
 from .common import all_gather_stacked, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 from ._shard_stats import (
     grad_local,
@@ -100,10 +101,10 @@ class _LogsumexpFunction(torch.autograd.Function):
     def forward(ctx, x, dims: tuple[int, ...], keepdim: bool):
         x_in = resolve_partials(x)
         out = aten.logsumexp.default(x_in, list(dims), keepdim)
-        ctx.dims, ctx.keepdim, ctx.x_spec, ctx.out_spec = dims, keepdim, x._spec, out._spec
-        ctx.layout, ctx.out_layout = reduction_layouts(x_in._spec, dims, keepdim)
-        ctx.x_local = x_in._redistribute_local(ctx.layout)
-        ctx.out_local = out._local_tensor
+        ctx.dims, ctx.keepdim, ctx.x_spec, ctx.out_spec = dims, keepdim, spec_of(x), spec_of(out)
+        ctx.layout, ctx.out_layout = reduction_layouts(spec_of(x_in), dims, keepdim)
+        ctx.x_local = shard_in(x_in, ctx.layout)
+        ctx.out_local = local_of(out)
         return out
 
     @staticmethod

@@ -28,6 +28,7 @@ from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
 from ..dispatch.strategy import Row, row
 from ..placements import Replicate, Shard
+from ..wrapping import shard_in, local_of, spec_of
 from .common import all_gather_stacked, global_positions, member_coordinates, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
     grad_local,
@@ -172,10 +173,10 @@ class _MomentsFunction(torch.autograd.Function):
         op = aten.var_mean.correction if kind == "var" else aten.std_mean.correction
         stat, mean = op(x_in, None if every_dim else list(dims), correction=correction, keepdim=keepdim)
         ctx.kind, ctx.dims, ctx.keepdim, ctx.correction, ctx.every_dim = kind, dims, keepdim, correction, every_dim
-        ctx.x_spec, ctx.out_spec = x._spec, stat._spec
-        ctx.layout, ctx.out_layout = reduction_layouts(x_in._spec, dims, keepdim)
-        ctx.x_local = x_in._redistribute_local(ctx.layout)
-        ctx.stat_local, ctx.mean_local = stat._local_tensor, mean._local_tensor
+        ctx.x_spec, ctx.out_spec = spec_of(x), spec_of(stat)
+        ctx.layout, ctx.out_layout = reduction_layouts(spec_of(x_in), dims, keepdim)
+        ctx.x_local = shard_in(x_in, ctx.layout)
+        ctx.stat_local, ctx.mean_local = local_of(stat), local_of(mean)
         ctx.count = math.prod(x.shape[d] for d in dims)
         return stat, mean
 

@@ -33,6 +33,7 @@ from ..dispatch.strategy import Row, row
 from ..placements import NormPartial, Replicate, Shard, without_partials
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
+from ..wrapping import shard_in, local_of, spec_of, wrap
 from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
     grad_local,
@@ -187,10 +188,10 @@ class _NormState:
 def _norm_forward(x_in, p: float, dims: tuple[int, ...], keepdim: bool, dtype) -> tuple[Any, _NormState]:
     """The norm of `x_in` (pending partials already resolved) through dispatch, and its backward state."""
     out = aten.linalg_vector_norm.default(x_in, p, list(dims), keepdim, dtype=dtype)
-    layout, out_layout = reduction_layouts(x_in._spec, dims, keepdim)
+    layout, out_layout = reduction_layouts(spec_of(x_in), dims, keepdim)
     state = _NormState(
-        p, dims, keepdim, x_in._redistribute_local(layout), x_in._spec, layout, out_layout,
-        out._local_tensor.clone(), out._spec,
+        p, dims, keepdim, shard_in(x_in, layout), spec_of(x_in), layout, out_layout,
+        local_of(out).clone(), spec_of(out),
     )
     return out, state
 
@@ -215,7 +216,7 @@ class _VectorNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p: float, dims: tuple[int, ...], keepdim: bool, dtype):
         out, ctx.state = _norm_forward(resolve_partials(x), p, dims, keepdim, dtype)
-        ctx.x_spec = x._spec
+        ctx.x_spec = spec_of(x)
         return out
 
     @staticmethod
@@ -235,7 +236,7 @@ class _DistFunction(torch.autograd.Function):
     def forward(ctx, a, b, p: float):
         diff = aten.sub.Tensor(resolve_partials(a), resolve_partials(b))
         out, ctx.state = _norm_forward(diff, p, tuple(range(diff.ndim)), False, None)
-        ctx.a_spec, ctx.b_spec = a._spec, b._spec
+        ctx.a_spec, ctx.b_spec = spec_of(a), spec_of(b)
         return out
 
     @staticmethod
@@ -283,8 +284,8 @@ def _as_dtensor(t, other):
         return t
     if t.requires_grad or not isinstance(other, DTensor):
         return None
-    mesh = other._spec.mesh
-    return DTensor._make(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)))
+    mesh = spec_of(other).mesh
+    return wrap(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)))
 
 
 def _parse_dist(b: dict, *_) -> tuple | None:

@@ -27,10 +27,10 @@ from ..mesh import DeviceMesh
 from ..notation import mesh_name, parse_mesh_shape
 from ..placements import Replicate
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
+from ..wrapping import wrap
 from . import forcing
 from .cases import build, replace_tensors
 from .layouts import DEFAULT_BUDGET, Case, all_cases, describe_layouts, sampled_cases
-from ..tensor import DTensor
 from ..world import run
 from . import runner
 from .references import Prepared, call, prepare, seed_key
@@ -99,7 +99,7 @@ def _probe_one(target: Target, prep: Prepared, mesh: DeviceMesh, found: set[str]
     specs = _specs_on(mesh, prep)
 
     def probe() -> None:
-        leaves = replace_tensors(prep.leaves, [DTensor._make(t.clone(), s) for t, s in zip(prep.tensors, specs)])
+        leaves = replace_tensors(prep.leaves, [wrap(t.clone(), s) for t, s in zip(prep.tensors, specs)])
         with forcing.offering() as offered:
             call(target.fn, prep.tree, leaves)
         found.update(offered)
