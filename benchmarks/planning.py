@@ -41,9 +41,10 @@ import torch
 
 from shardops import Replicate, Shard
 from shardops.dispatch import core
-from shardops.dispatch.strategy import with_plans
 from shardops.mesh import DeviceMesh
-from shardops.redistribute import clear_plan_cache, plan
+from shardops.planner import caches
+from shardops.planner.choice import with_plans
+from shardops.redistribute import plan
 from shardops.spec import TensorMeta, TensorSpec, contiguous_stride
 
 aten = torch.ops.aten
@@ -135,8 +136,7 @@ def format_explain_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def clear_caches() -> None:
-    clear_plan_cache()
-    core.clear_cache()
+    caches.invalidate()
 
 
 def _median_time(fn: Callable[[], Any], min_reps: int, max_reps: int, budget_s: float) -> tuple[float, Any]:

@@ -7,7 +7,6 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import cost
 from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
@@ -15,6 +14,7 @@ from .dispatch.schema import static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
+from .planner import caches
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 from .wrapper_meta import mirror_lazy_bits
@@ -164,7 +164,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         flat, tree = core.flatten_args(args, kwargs or _NO_KWARGS)
         key, tensor_pos = [func, "leaves", core.tree_key(tree)], []
         _operand_key(func, flat, key, tensor_pos)
-    key.append(cost._CACHE_EPOCH[0])  # the link model: a new one decides anew
+    key.append(caches.EPOCH[0])  # a new link model or strict mode decides anew
     key = tuple(key)
     decision = core._CACHE.get(key)
     if decision is None:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..planner.rows import Row
 from .schema import CallSignature, OpSchema
-from .strategy import Row
 
 Rule = Callable[[OpSchema], list[Row]]
 

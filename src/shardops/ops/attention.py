@@ -48,13 +48,14 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import cost
 from ..dispatch import core
 from ..dispatch.registry import call_default, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, static_key
-from ..dispatch.strategy import CHOICE_HOOKS, Candidate, Row, candidates, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, without_partials
+from ..planner import caches
+from ..planner.choice import CHOICE_HOOKS, candidates
+from ..planner.rows import Candidate, Row, row
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ..tensor import DTensor, distribute_tensor
@@ -504,6 +505,7 @@ def _keeping_queries(decision: core.Decision) -> Candidate:
 
 # (q, k, v, mask layouts and shapes, causal, scale, link model) -> (input layouts, algorithm)
 _PLANS: dict[tuple, tuple] = {}
+caches.register("attention plans", _PLANS.clear)
 
 
 def _plan(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool, scale, b: dict[str, Any]) -> tuple | None:
@@ -511,7 +513,7 @@ def _plan(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool
 
     Cached like dispatch's decisions, except while verify's choice hooks steer the planner.
     """
-    key = (spec_of(q).key, spec_of(k).key, spec_of(v).key, None if mask is None else spec_of(mask).key, causal, static_key(scale), cost._CACHE_EPOCH[0])
+    key = (spec_of(q).key, spec_of(k).key, spec_of(v).key, None if mask is None else spec_of(mask).key, causal, static_key(scale), caches.EPOCH[0])
     plan = None if CHOICE_HOOKS else _PLANS.get(key)
     if plan is None:
         _check_like_torch(b)

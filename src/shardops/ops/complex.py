@@ -22,7 +22,7 @@ import torch
 
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, StridedShard
 from .pointwise import pointwise_rule
 

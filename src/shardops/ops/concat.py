@@ -23,7 +23,7 @@ import torch
 
 from ..dispatch.registry import call_default, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate, Shard
 from ..tensor import DTensor
 from ..wrapping import local_of, spec_of, wrap

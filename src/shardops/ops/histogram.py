@@ -20,7 +20,7 @@ import torch
 
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial
 from .common import all_gather_stacked
 from .reductions import shard_options

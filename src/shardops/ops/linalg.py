@@ -27,7 +27,7 @@ import torch
 
 from ..dispatch.registry import register, register_replicate
 from ..dispatch.schema import OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Placement, Shard, StridedShard
 from ..spec import TensorSpec
 from .common import global_index_tensor, shard_placements

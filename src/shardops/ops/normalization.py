@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..spec import TensorSpec

@@ -29,7 +29,7 @@ import torch
 
 from ..dispatch.registry import DECOMPOSITIONS, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Replicate, Shard, without_partials
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor

@@ -11,7 +11,7 @@ import torch
 
 from ..dispatch.registry import DECOMPOSITIONS, register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate
 
 aten = torch.ops.aten

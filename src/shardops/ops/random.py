@@ -43,7 +43,7 @@ from .. import rng
 from ..dispatch import core
 from ..dispatch.registry import call_default, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard, StridedShard, without_partials
 from ..wrapping import local_of, relabel, spec_of

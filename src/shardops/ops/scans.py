@@ -34,7 +34,7 @@ import torch
 
 from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, without_partials
 from ..wrapping import shard_in, local_of, spec_of
 from ._shard_stats import (

@@ -29,7 +29,7 @@ import torch
 
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial, Replicate
 from ..spec import TensorSpec
 from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, opmath_dtype, shard_placements

@@ -40,7 +40,7 @@ import torch
 
 from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Placement, Replicate, dim_positions, without_partials
 from ..redistribute import redistribute_local

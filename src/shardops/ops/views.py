@@ -13,7 +13,7 @@ import torch
 
 from ..dispatch.registry import DECOMPOSITIONS, register
 from ..dispatch.schema import OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
 from ..wrapping import become, spec_of

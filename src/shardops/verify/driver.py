@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from ..dispatch import core, registry
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
+from ..planner import caches
 from ..notation import mesh_name, parse_mesh_shape
 from ..placements import Replicate
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
@@ -104,7 +105,7 @@ def _probe_one(target: Target, prep: Prepared, mesh: DeviceMesh, found: set[str]
             call(target.fn, prep.tree, leaves)
         found.update(offered)
 
-    core.clear_cache()  # a cached decision is not offered again
+    caches.invalidate()  # a cached decision is not offered again
     try:
         run(probe, PROBE_RANKS, timeout=runner.CASE_TIMEOUT)
     except Exception:  # noqa: BLE001 - the sample fails on DTensors: its cases report that
