@@ -138,6 +138,10 @@ def _moments_sharded(ctx, x, *args, **kwargs):
     return stat
 
 
+# One algorithm for all four ops (var and std differentiate through var_mean/std_mean's rows): one name.
+LABEL_MOMENTS = "sharded var/std (Chan merge)"
+
+
 def _moments_rule(schema: OpSchema) -> list[Row]:
     """Rows: S(k) -> S(k shifted) for kept dims (local); S(k) -> R for reduced dims
     (sharded Chan merge: one all_gather of 16 bytes per output element)."""
@@ -146,8 +150,7 @@ def _moments_rule(schema: OpSchema) -> list[Row]:
     rows = [row(shift_after_reduce(Shard(k), dims, keepdim), Shard(k)) for k in range(spec.ndim) if k not in dims]
     if spec.dtype.is_floating_point:
         comm = [("all_gather", reduction_stats_bytes(spec, dims, STATS_BYTES_PER_ROW))]
-        label = f"sharded {_base(schema.op)} (Chan merge)"
-        rows += [row(R, Shard(k), algorithm=_moments_sharded, comm=comm, label=label) for k in dims]
+        rows += [row(R, Shard(k), algorithm=_moments_sharded, comm=comm, label=LABEL_MOMENTS) for k in dims]
     return rows
 
 

@@ -339,11 +339,41 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, rstd, weight = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
-        if not any(mask):
-            return None, None, None, None
-        d_in, d_w = dispatch(aten._fused_rms_norm_backward.default, (grad, x, ctx.normalized_shape, rstd, weight, mask), {})
+        return (*_rms_norm_grads(ctx, grad), None, None)
+
+
+def _rms_norm_grads(ctx, grad) -> tuple:
+    """(d_input, d_weight) of the fused op, planned by the dispatcher (None where not needed)."""
+    x, rstd, weight = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+    if not any(mask):
+        return None, None
+    d_in, d_w = dispatch(aten._fused_rms_norm_backward.default, (grad, x, ctx.normalized_shape, rstd, weight, mask), {})
+    return d_in, d_w
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """aten._fused_rms_norm called directly on DTensors: (out, rstd), both differentiable.
+
+    On CPU torch decomposes the op before __torch_dispatch__, so without this entry a direct
+    call would never reach its rule. rstd's own gradient is elementwise (d rstd / dx =
+    -rstd^3 x / N), as torch's decomposition differentiates it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps):
+        out, rstd = dispatch(aten._fused_rms_norm.default, (x, normalized_shape, weight, eps), {})
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.normalized_shape = normalized_shape
+        return out, rstd
+
+    @staticmethod
+    def backward(ctx, grad, grad_rstd):
+        d_in, d_w = _rms_norm_grads(ctx, grad)
+        if grad_rstd is not None and ctx.needs_input_grad[0]:
+            x, rstd, _ = ctx.saved_tensors
+            term = (grad_rstd * rstd.pow(3) * x / -math.prod(ctx.normalized_shape)).to(x.dtype)
+            d_in = term if d_in is None else d_in + term
         return d_in, d_w, None, None
 
 
@@ -357,6 +387,10 @@ def _parse_rms_norm(b: dict, *_) -> tuple:
     return b["input"], b["weight"], shape, b["eps"]
 
 
+def _parse_fused_rms_norm(b: dict, *_) -> tuple:
+    return b["input"], b["weight"], [int(s) for s in b["normalized_shape"]], b["eps"]
+
+
 # one object per variant: rows of different mesh dims combine only if they share the algorithm
 LN_BACKWARD = {g: functools.partial(_layer_norm_backward_sharded, gather=g) for g in (True, False)}
 RMS_FORWARD = {g: functools.partial(_rms_norm_sharded, gather=g) for g in (True, False)}
@@ -367,3 +401,4 @@ register(_layer_norm_backward_rule, aten.native_layer_norm_backward.default)
 register(_rms_norm_rule, aten._fused_rms_norm.default)
 register(_rms_norm_backward_rule, aten._fused_rms_norm_backward.default)
 register_torch_entry(CallSignature(_rms_norm_call), _parse_rms_norm, _RMSNorm.apply, F.rms_norm, torch.rms_norm)
+register_torch_entry(None, _parse_fused_rms_norm, _FusedRMSNorm.apply, aten._fused_rms_norm.default)

@@ -218,18 +218,7 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
             _run_unit(t, prepared, mesh, shape, cases, rows[t.group], failures, settings)
             rows[t.group].seconds += time.perf_counter() - t0
             bar.advance(task, len(cases))
-    _attribute_elsewhere(rows)
     return VerifyReport(rows, failures, {}, settings)
-
-
-def _attribute_elsewhere(rows: dict[str, OpRow]) -> None:
-    """For each op's registered algorithms its own cases did not run: which other ops' cases ran them."""
-    for r in rows.values():
-        for label in sorted(r.algorithms_registered):
-            if not r.algorithms_run[label]:
-                others = [o.group for o in rows.values() if o is not r and o.algorithms_run[label]]
-                if others:
-                    r.algorithms_run_elsewhere[label] = others
 
 
 def _run_unit(t: Target, prepared, mesh_name_: str, shape, cases: list[Case], row: OpRow, failures: list[Failure], settings) -> None:
@@ -258,7 +247,7 @@ def _record(b, o, t: Target, mesh: str, row: OpRow, failures: list[Failure], set
     row.cases += 1
     row.grad_cases += o.grad_error is not None
     row.worst = max(row.worst, o.error, o.grad_error or 0.0)
-    row.algorithms_run.update(o.algorithms)
+    row.algorithms_run.update(o.algorithms & row.algorithms_registered)  # the op's own; the ops it reaches have their rows
     if o.problem is None:
         row.passed += 1
         return
