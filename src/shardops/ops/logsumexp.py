@@ -28,7 +28,7 @@ from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..placements import Replicate, Shard
-from ..wrapping import shard_in, local_of, spec_of
+from ..wrapping import local_of, shard_in, spec_of
 from .common import all_gather_stacked, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 from ._shard_stats import (
     grad_local,

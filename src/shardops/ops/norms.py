@@ -33,7 +33,7 @@ from ..planner.rows import Row, row
 from ..placements import NormPartial, Replicate, Shard, without_partials
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
-from ..wrapping import shard_in, local_of, spec_of, wrap
+from ..wrapping import local_of, shard_in, spec_of, wrap
 from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
     grad_local,

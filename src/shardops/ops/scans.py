@@ -36,7 +36,7 @@ from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, without_partials
-from ..wrapping import shard_in, local_of, spec_of
+from ..wrapping import local_of, shard_in, spec_of
 from ._shard_stats import (
     ShardLine,
     first_along,

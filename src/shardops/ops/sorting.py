@@ -46,7 +46,7 @@ from ..placements import Placement, Replicate, dim_positions, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ..tensor import DTensor, dispatch
-from ..wrapping import shard_in, local_of, spec_of, wrap
+from ..wrapping import local_of, shard_in, spec_of, wrap
 from .common import (
     all_gather_packed,
     global_index_tensor,
