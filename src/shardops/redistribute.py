@@ -266,8 +266,8 @@ def materialize_lazy_bits(t: torch.Tensor) -> torch.Tensor:
 def _joint_norm_resolution(spec: TensorSpec, p: Plan) -> tuple[tuple[int, ...], Plan] | None:
     """(mesh dims, plan for the rest) where a norm pending on several mesh dims is resolved at once.
 
-    index helper (issue 14): such a norm is resolved one canonical way whatever the plan (all_reduce
-    dim by dim, or reduce_scatter first): p-th powers, one sum over the joint group, one root. Nested
+    Such a norm is resolved one canonical way whatever the plan (all_reduce dim by dim, or
+    reduce_scatter first): p-th powers, one sum over the joint group, one root. Nested
     roots would round differently on each path, and two reads of one pending norm would disagree.
     """
     norm_dims = tuple(i for i, s in enumerate(p.src) if isinstance(s, NormPartial))

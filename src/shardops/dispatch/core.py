@@ -192,7 +192,7 @@ def meta_outputs(func, leaves, tree) -> tuple[list[TensorMeta], Any] | Exception
     metas = [torch.empty_strided(a.shape, a.meta.stride, dtype=a.dtype, device="meta") if isinstance(a, TensorSpec) else a for a in leaves]
     args, kwargs = unflatten_args(metas, tree)
     if "device" in kwargs and func is aten._to_copy.default:
-        # index helper (issue 14): x.to(dtype) inside torch.softmax(x, d, dtype=...) passes device=cpu,
+        # x.to(dtype) inside torch.softmax(x, d, dtype=...) passes device=cpu,
         # which a meta tensor cannot be copied to; the output's metadata does not depend on it.
         kwargs = {k: v for k, v in kwargs.items() if k != "device"}
     try:
@@ -326,7 +326,7 @@ def move_inputs(d: Decision, leaves: list, tensor_pos: Sequence[int]) -> None:
 
 def compute(d: Decision, leaves: list, tree) -> Any:
     """The local kernel, or the op's sharded algorithm, on the moved local operands."""
-    if d.algorithm is not None:  # index helper (issue 14): algorithms read values, never lazy conj/neg bits
+    if d.algorithm is not None:  # sharded algorithms read values, never lazy conj/neg bits
         leaves = [materialize_lazy_bits(t) if isinstance(t, torch.Tensor) else t for t in leaves]
     args, kwargs = unflatten_args(leaves, tree)
     if d.algorithm is not None:
