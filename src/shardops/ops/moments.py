@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.registry import register_torch_entry, strategy
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..placements import Replicate, Shard
@@ -140,8 +140,14 @@ def _moments_sharded(ctx, x, *args, **kwargs):
 
 # One algorithm for all four ops (var and std differentiate through var_mean/std_mean's rows): one name.
 LABEL_MOMENTS = "sharded var/std (Chan merge)"
+MOMENT_OPS = {
+    (kind, with_mean): [getattr(getattr(aten, f"{kind}_mean" if with_mean else kind), ov) for ov in ("default", "dim", "correction")]
+    for kind in ("var", "std")
+    for with_mean in (False, True)
+}
 
 
+@strategy(*[op for ops in MOMENT_OPS.values() for op in ops], algorithms=[LABEL_MOMENTS])
 def _moments_rule(schema: OpSchema) -> list[Row]:
     """Rows: S(k) -> S(k shifted) for kept dims (local); S(k) -> R for reduced dims
     (sharded Chan merge: one all_gather of 16 bytes per output element)."""
@@ -239,12 +245,6 @@ def _stat_only(*parsed):
 
 # ------------------------------------------------------------------ registration
 
-MOMENT_OPS = {
-    (kind, with_mean): [getattr(getattr(aten, f"{kind}_mean" if with_mean else kind), ov) for ov in ("default", "dim", "correction")]
-    for kind in ("var", "std")
-    for with_mean in (False, True)
-}
-register(_moments_rule, *[op for ops in MOMENT_OPS.values() for op in ops])
 for (_kind, _with_mean), _ops in MOMENT_OPS.items():
     _apply = _MomentsFunction.apply if _with_mean else _stat_only
     _name = f"{_kind}_mean" if _with_mean else _kind

@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..errors import ShardingError
@@ -172,6 +172,7 @@ def _layer_norm_stat_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     return aten.native_layer_norm(probe, [1], None, None, 0.0)[1].dtype
 
 
+@strategy(aten.native_layer_norm.default, algorithms=[LABEL_LN])
 def _layer_norm_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     axis = _axis(schema, spec)
@@ -217,6 +218,7 @@ def _grad_outputs(mask: Sequence[bool], present: Sequence[bool]) -> list[int]:
     return [i for i, (m, has) in enumerate(zip(mask, present)) if m and has]
 
 
+@strategy(aten.native_layer_norm_backward.default, algorithms=[LABEL_LN_BWD.format(how) for how in HOW.values()])
 def _layer_norm_backward_rule(schema: OpSchema) -> list[Row]:
     grad, spec = schema.tensor_specs[0], schema.tensor_specs[1]
     axis = _axis(schema, spec)
@@ -263,6 +265,7 @@ def _rms_norm_sharded(ctx, x, normalized_shape, weight, eps, *, gather):
     return y.to(x.dtype), rstd
 
 
+@strategy(aten._fused_rms_norm.default, algorithms=[LABEL_RMS.format(how) for how in HOW.values()])
 def _rms_norm_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     axis = _axis(schema, spec)
@@ -299,6 +302,7 @@ def _rms_norm_backward_sharded(ctx, grad, x, normalized_shape, rstd, weight, out
     return d_in, d_w
 
 
+@strategy(aten._fused_rms_norm_backward.default, algorithms=[*(LABEL_RMS_BWD.format(how) for how in HOW.values()), LABEL_RMS_LOCAL])
 def _rms_norm_backward_rule(schema: OpSchema) -> list[Row]:
     grad, spec = schema.tensor_specs[0], schema.tensor_specs[1]
     axis = _axis(schema, spec)
@@ -380,6 +384,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 def _rms_norm_call(input, normalized_shape, weight=None, eps=None): ...  # noqa: E704  (torch's form)
 
 
+@torch_level(F.rms_norm, torch.rms_norm, signature=CallSignature(_rms_norm_call), apply=_RMSNorm.apply)
 def _parse_rms_norm(b: dict, *_) -> tuple:
     """F.rms_norm / torch.rms_norm for DTensor operands (see the module docstring)."""
     shape = b["normalized_shape"]
@@ -387,6 +392,7 @@ def _parse_rms_norm(b: dict, *_) -> tuple:
     return b["input"], b["weight"], shape, b["eps"]
 
 
+@torch_level(aten._fused_rms_norm.default, apply=_FusedRMSNorm.apply)
 def _parse_fused_rms_norm(b: dict, *_) -> tuple:
     return b["input"], b["weight"], [int(s) for s in b["normalized_shape"]], b["eps"]
 
@@ -395,10 +401,3 @@ def _parse_fused_rms_norm(b: dict, *_) -> tuple:
 LN_BACKWARD = {g: functools.partial(_layer_norm_backward_sharded, gather=g) for g in (True, False)}
 RMS_FORWARD = {g: functools.partial(_rms_norm_sharded, gather=g) for g in (True, False)}
 RMS_BACKWARD = {g: functools.partial(_rms_norm_backward_sharded, gather=g) for g in (True, False)}
-
-register(_layer_norm_rule, aten.native_layer_norm.default)
-register(_layer_norm_backward_rule, aten.native_layer_norm_backward.default)
-register(_rms_norm_rule, aten._fused_rms_norm.default)
-register(_rms_norm_backward_rule, aten._fused_rms_norm_backward.default)
-register_torch_entry(CallSignature(_rms_norm_call), _parse_rms_norm, _RMSNorm.apply, F.rms_norm, torch.rms_norm)
-register_torch_entry(None, _parse_fused_rms_norm, _FusedRMSNorm.apply, aten._fused_rms_norm.default)

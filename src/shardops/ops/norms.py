@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..dispatch.registry import DECOMPOSITIONS, register, register_torch_entry
+from ..dispatch.registry import decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..placements import NormPartial, Replicate, Shard, without_partials
@@ -48,6 +48,12 @@ from ._shard_stats import (
 
 aten = torch.ops.aten
 R = Replicate()
+NORM_OPS = (
+    aten.linalg_vector_norm.default,
+    aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
+)
+LABEL_NORM = "local norm (pending)"
+LABEL_DIST = "local dist (pending)"
 
 
 def _norm_params(op, bound: dict, ndim: int) -> tuple[float, tuple[int, ...], bool]:
@@ -74,13 +80,14 @@ def _empty_safe_norm(ctx, x, *args, **kwargs):
     return ctx.func(x, *args, **kwargs)
 
 
+@strategy(*NORM_OPS, algorithms=[LABEL_NORM])
 def _vector_norm_rule(schema: OpSchema) -> list[Row]:
     """Rows: S(k) -> S(k shifted) for kept dims; S(k) -> NormP(p) for reduced dims (local norm,
     pending); NormP(p) -> NormP(p) (a p-norm of p-norms, p != 0). No collective inside."""
     spec = schema.self_spec
     p, dims, keepdim = _norm_args(schema)
     rows = [row(shift_after_reduce(Shard(k), dims, keepdim), Shard(k)) for k in range(spec.ndim) if k not in dims]
-    rows += [row(NormPartial(p), Shard(k), algorithm=_empty_safe_norm, label="local norm (pending)") for k in dims]
+    rows += [row(NormPartial(p), Shard(k), algorithm=_empty_safe_norm, label=LABEL_NORM) for k in dims]
     if p != 0 and NormPartial(p) in spec.placements:
         rows.append(row(NormPartial(p), NormPartial(p)))
     return rows
@@ -94,6 +101,7 @@ def _empty_safe_dist(ctx, a, b, *args, **kwargs):
     return ctx.func(a, b, *args, **kwargs)
 
 
+@strategy(aten.dist.default, algorithms=[LABEL_DIST])
 def _dist_rule(schema: OpSchema) -> list[Row]:
     """dist(a, b, p) = ||a - b||_p over everything: both sides sharded alike on a broadcast dim
     (Replicate where one broadcasts) -> NormP(p)."""
@@ -108,10 +116,11 @@ def _dist_rule(schema: OpSchema) -> list[Row]:
             k = d - (len(shape) - s.ndim)
             ins.append(R if k < 0 or s.shape[k] != size else Shard(k))
         if size > 1:
-            rows.append(row(NormPartial(p), ins, algorithm=_empty_safe_dist, label="local dist (pending)"))
+            rows.append(row(NormPartial(p), ins, algorithm=_empty_safe_dist, label=LABEL_DIST))
     return rows
 
 
+@decomposition(aten._foreach_norm.Scalar)
 def _foreach_norm(tensors, ord=2, dtype=None):
     """_foreach_norm on DTensors: one pending norm per tensor (no collective); a later stack
     and norm of the results keep them pending together."""
@@ -262,6 +271,9 @@ def _dist_call(self, other, p=2): ...  # noqa: E704
 _ALIASES = {"input": "self", "x": "self"}
 
 
+@torch_level(*NORM_OPS, apply=_VectorNormFunction.apply)  # torch.ops.aten.* called directly get the same backward
+@torch_level(torch.norm, torch.Tensor.norm, signature=CallSignature(_norm_call, aliases=_ALIASES), apply=_VectorNormFunction.apply)
+@torch_level(torch.linalg.vector_norm, signature=CallSignature(_vector_norm_call, aliases=_ALIASES), apply=_VectorNormFunction.apply)
 def _parse_norm(b: dict, *_) -> tuple | None:
     """(x, p, dims, keepdim, dtype) of a differentiable vector_norm/norm call; None: not ours."""
     x = b["self"]
@@ -288,6 +300,9 @@ def _as_dtensor(t, other):
     return wrap(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)))
 
 
+@torch_level(
+    torch.dist, torch.Tensor.dist, aten.dist.default, signature=CallSignature(_dist_call, aliases=_ALIASES), apply=_DistFunction.apply
+)
 def _parse_dist(b: dict, *_) -> tuple | None:
     """(a, b, p) of a differentiable dist of equal shapes; None: not ours (broadcasting dist: torch's formula)."""
     x, y, p = b["self"], b["other"], b["p"]
@@ -300,25 +315,11 @@ def _parse_dist(b: dict, *_) -> tuple | None:
     return x, y, 2.0 if p is None else float(p)
 
 
-# ------------------------------------------------------------------ registration
-
-NORM_OPS = (
-    aten.linalg_vector_norm.default,
-    aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
-)
-register(_vector_norm_rule, *NORM_OPS)
-register(_dist_rule, aten.dist.default)
-DECOMPOSITIONS[aten._foreach_norm.Scalar] = _foreach_norm
-register_torch_entry(CallSignature(_vector_norm_call, aliases=_ALIASES), _parse_norm, _VectorNormFunction.apply, torch.linalg.vector_norm)
-register_torch_entry(CallSignature(_norm_call, aliases=_ALIASES), _parse_norm, _VectorNormFunction.apply, torch.norm, torch.Tensor.norm)
-# torch.ops.aten.* called directly (verify-style callers) get the same backward
-register_torch_entry(None, _parse_norm, _VectorNormFunction.apply, *NORM_OPS)
-register_torch_entry(CallSignature(_dist_call, aliases=_ALIASES), _parse_dist, _DistFunction.apply, torch.dist, torch.Tensor.dist, aten.dist.default)
-
 
 # linalg__powsum (torch 2.13): sum(|x|^ord) over dims, a linear reduction of a pointwise op, so on
 # DTensors it is that pair of ops (a sharded dim gives a pending sum, no collective). _foreach_powsum
 # is the same per tensor. torch defines no derivative for either.
+@decomposition(aten.linalg__powsum.default)
 def _powsum(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     if dtype is not None:
         x = aten._to_copy.default(x, dtype=dtype)
@@ -326,9 +327,7 @@ def _powsum(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return aten.sum.dim_IntList(powered, dim if dim is not None else [], keepdim)
 
 
+@decomposition(aten._foreach_powsum.Scalar)
 def _foreach_powsum(tensors, ord=2, dtype=None):
     return [_powsum(t, ord, dtype=dtype) for t in tensors]
 
-
-DECOMPOSITIONS[aten.linalg__powsum.default] = _powsum
-DECOMPOSITIONS[aten._foreach_powsum.Scalar] = _foreach_powsum

@@ -194,7 +194,7 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
         labels = algorithm_labels(t, prepared)
         row = rows.setdefault(t.group, OpRow(t.group))
         row.overloads.append(t.name)
-        row.algorithms_registered.update(*labels)
+        row.algorithms_registered.update(*labels, registry.ALGORITHMS.get(t.fn, ()))  # what its rows offer, and what its rule declares
         row.check_coverage = settings["case"] is None
         if not prepared:
             row.no_samples.append(f"{t.name}: {reason}")
