@@ -426,7 +426,7 @@ CASES.extend(ATTENTION_CASES)
 CASES_BY_NAME.update({c.name: c for c in ATTENTION_CASES})
 
 
-# --- matrix products and embeddings (issue 12) ------------------------------
+# --- matrix products and embeddings ----------------------------------------
 #
 # Megatron-style tensor parallelism: column-parallel then row-parallel linears, heads-
 # sharded attention scores, a vocabulary-parallel embedding. Measured forward and

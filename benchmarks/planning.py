@@ -19,7 +19,7 @@ Separately, `redistribute.plan` alone from that layout to all-Replicate and
 to the transposed layout (dims 0 and 1 swapped) shows the planner's own curve.
 
 A second table plans cold through the public `so.explain` (a new shape on
-every call, so nothing is cached): the ops of issue 18 on x = f32[1024, 32768]
+every call, so nothing is cached): the EXPLAIN_OPS (sum, add, softmax, var, cumsum, layer_norm) on x = f32[1024, 32768]
 sharded S(1) on (4096,) and S(0),S(1),S(1),S(1) on (8, 8, 8, 8), the 4-D time
 over the 1-D time, and the choice. Times are this process's CPU time, the
 minimum over a few calls (the least disturbed by other work on the machine);
@@ -41,9 +41,10 @@ import torch
 
 from shardops import Replicate, Shard
 from shardops.dispatch import core
-from shardops.dispatch.strategy import with_plans
 from shardops.mesh import DeviceMesh
-from shardops.redistribute import clear_plan_cache, plan
+from shardops.planner import caches
+from shardops.planner.choice import with_plans
+from shardops.redistribute import plan
 from shardops.spec import TensorMeta, TensorSpec, contiguous_stride
 
 aten = torch.ops.aten
@@ -135,8 +136,7 @@ def format_explain_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def clear_caches() -> None:
-    clear_plan_cache()
-    core.clear_cache()
+    caches.invalidate()
 
 
 def _median_time(fn: Callable[[], Any], min_reps: int, max_reps: int, budget_s: float) -> tuple[float, Any]:

@@ -7,7 +7,7 @@ tensors, NaN/inf in reductions and norms (same values as torch), global indices 
 float32 can count (int64 everywhere), and a rank using a mesh it is not part of.
 
 Tests marked xfail(strict=True) pin a check the runtime lacks today; each names the fix
-(an exact diff is in the issue 8 report). When the fix lands the test passes, strict
+in its docstring. When the fix lands the test passes, strict
 xfail turns that into a failure, and the marker is to be removed.
 """
 from __future__ import annotations
@@ -280,7 +280,7 @@ def test_uneven_locals_without_shape_raise_not_garbage():
     """Each rank infers another global shape: the first collective sees the disagreement (threads world).
 
     Under torch.distributed (gloo) the same mistake reads padding as data or aborts a process:
-    from_local(run_check=True) should compare the inferred shapes (proposed diff in the issue 8 report).
+    from_local(run_check=True) should compare the inferred shapes (one small all_gather, as check_same_everywhere does).
     """
 
     def body():

@@ -14,7 +14,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from benchmarks.cases import CASES, MESH_SHAPES, Case, select_cases  # noqa: E402
+from benchmarks.cases import CASES, MESH_SHAPES, select_cases  # noqa: E402
 from benchmarks.dtensor_side import (  # noqa: E402
     CollectiveCounter,
     _measure_on_rank,
@@ -25,6 +25,7 @@ from benchmarks.dtensor_side import (  # noqa: E402
     measure_dtensor,
     run_threaded,
 )
+from bench_harness import RAISED, raising_case  # noqa: E402
 
 ROW_F32 = 4096 // 4 * 8 * 4  # bytes of one rank's f32[8, 1024] shard of an f32[8, 4096] tensor
 
@@ -77,18 +78,7 @@ def test_softmax_fwd_bwd_rows_are_consistent(rows):
 
 
 def test_a_raising_op_is_recorded_not_propagated():
-    def boom(x):
-        raise NotImplementedError("no strategy for this op")
-
-    case = Case(
-        name="boom",
-        build=lambda g: (torch.randn(4, 8, generator=g),),
-        fn=boom,
-        placements={(4,): (("S(1)",),)},
-        kind="reduction",
-        reduce_dims=(1,),
-        floor_row_bytes=4,
-    )
+    case = raising_case()
 
     def per_rank(rank: int):
         from torch.distributed.tensor import init_device_mesh
@@ -97,7 +87,7 @@ def test_a_raising_op_is_recorded_not_propagated():
 
     for r in run_threaded(per_rank):
         assert r["correct"] is None and r["rounds"] == 0
-        assert r["error"] == "NotImplementedError: no strategy for this op"
+        assert r["error"] == RAISED
 
 
 def test_case_table_is_complete_and_runs_single_device():

@@ -23,9 +23,10 @@ if _ROOT not in sys.path:
 
 import shardops as so  # noqa: E402
 from benchmarks import end_to_end, overhead, planning, run  # noqa: E402
-from benchmarks.cases import MESH_SHAPES, Case, select_cases  # noqa: E402
+from benchmarks.cases import MESH_SHAPES, select_cases  # noqa: E402
 from benchmarks.dtensor_side import measure_dtensor  # noqa: E402
 from benchmarks.shardops_side import fallback_ops, measure_case, measure_shardops  # noqa: E402
+from bench_harness import RAISED, raising_case  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -80,21 +81,9 @@ def test_comm_table_has_a_row_per_case_and_mesh(comm_rows):
 
 
 def test_a_raising_op_is_an_error_row_not_a_crash():
-    def boom(x):
-        raise NotImplementedError("no strategy for this op")
-
-    case = Case(
-        name="boom",
-        build=lambda g: (torch.randn(4, 8, generator=g),),
-        fn=boom,
-        placements={(4,): (("S(1)",),)},
-        kind="reduction",
-        reduce_dims=(1,),
-        floor_row_bytes=4,
-    )
-    row = measure_case(case, (4,), reference=([], []))
+    row = measure_case(raising_case(), (4,), reference=([], []))
     assert row["status"] == "raises" and row["correct"] is None and row["rounds"] == 0
-    assert row["error"] == "NotImplementedError: no strategy for this op"
+    assert row["error"] == RAISED
 
 
 def test_fallback_ops_are_named_once_each():

@@ -1,4 +1,4 @@
-"""torch compatibility and reliability items of issue 14, each against single-device torch.
+"""torch compatibility and reliability items, each against single-device torch.
 
 distribute_tensor's src_data_rank (group rank on each mesh dim), _foreach ops and optimizers over
 parameters of several meshes, prims.* ops, softmax with dtype=, sort/topk on 0-dim tensors,

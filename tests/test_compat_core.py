@@ -1,4 +1,4 @@
-"""torch DTensor compatibility of the core types (issue 14): code written for
+"""torch DTensor compatibility of the core types: code written for
 torch.distributed.tensor reads NormPartial as a Partial with a reduce_op, catches
 ShardingError as a RuntimeError, and reads CommDebugMode counts per `with` block."""
 from __future__ import annotations

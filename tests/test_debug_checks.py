@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import shardops as so
-from shardops.dispatch import core, strategy
+from shardops.world import current_comm
+from shardops.planner.choice import choosing
 
 
 @pytest.fixture
@@ -35,21 +36,9 @@ def test_equal_plain_operands_pass_and_are_not_counted(debug):
     assert so.run(body, 2) == [([1.0, 2.0, 3.0, 4.0], 0)] * 2
 
 
-def test_ranks_choosing_different_plans_is_caught(debug, monkeypatch):
-    original = strategy.rank_key
-
-    def skewed(c, mesh_shape):  # rank 1 prefers the opposite order: a forced divergence
-        from shardops.world import current_comm
-
-        key = original(c, mesh_shape)
-        return tuple(-k if isinstance(k, (int, float)) else k for k in key) if current_comm().rank == 1 else key
-
-    class NoCache(dict):  # ranks share one decision cache in the threads world: make each rank decide
-        def __setitem__(self, key, value):
-            pass
-
-    monkeypatch.setattr(strategy, "rank_key", skewed)
-    monkeypatch.setattr(core, "_CACHE", NoCache())
+def test_ranks_choosing_different_plans_is_caught(debug):
+    def skewed(ranked):  # rank 1 prefers the opposite order: a forced divergence
+        return list(reversed(ranked)) if current_comm().rank == 1 else ranked
 
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
@@ -57,5 +46,6 @@ def test_ranks_choosing_different_plans_is_caught(debug, monkeypatch):
         y = so.distribute_tensor(torch.ones(4, 2), mesh, [so.Shard(1)])
         return x * y
 
-    with pytest.raises(so.ShardingError, match="ranks chose different strategies"):
+    # uncached: ranks share one decision cache in the threads world, and each must decide
+    with choosing(skewed, cache=False), pytest.raises(so.ShardingError, match="ranks chose different strategies"):
         so.run(body, 2)

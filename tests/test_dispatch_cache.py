@@ -8,6 +8,7 @@ import shardops as so
 from shardops import Replicate, Shard
 from shardops.dispatch import core
 from shardops.dispatch.registry import TORCH_FUNCTIONS
+from shardops.planner import caches
 from shardops.spec import TensorMeta, TensorSpec
 
 
@@ -30,7 +31,7 @@ def test_list_arguments_of_the_same_leaves_do_not_share_a_decision():
 
 def test_the_decision_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(core, "MAX_DECISIONS", 3)
-    core.clear_cache()
+    caches.invalidate()
 
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
@@ -44,7 +45,7 @@ def test_the_decision_cache_is_bounded(monkeypatch):
         assert size <= 3
         for n, got in zip(range(2, 8), outs):
             torch.testing.assert_close(got, torch.arange(float(n * 3)).reshape(n, 3) * 2)
-    core.clear_cache()
+    caches.invalidate()
 
 
 def test_a_cached_not_ours_parse_does_not_capture_a_call_that_needs_a_gradient():

@@ -46,7 +46,8 @@ import shardops as so
 from shardops import Replicate, Shard
 from shardops.dispatch import core
 from shardops.dispatch.registry import RULES, register
-from shardops.dispatch.strategy import row
+from shardops.planner import caches
+from shardops.planner.rows import row
 from shardops.mesh import DeviceMesh
 
 try:
@@ -108,7 +109,7 @@ def fault_op():
     op = install_fault_op()
     yield op
     RULES.pop(op, None)  # other test files iterate the registry: leave no test op in it
-    core.clear_cache()
+    caches.invalidate()
 
 
 # ------------------------------------------------------------------ programs (each rank runs one; both worlds)

@@ -3,8 +3,12 @@
 The graph is built from the AST of every module: every `import` and `from ... import`
 statement anywhere in the file (inside functions too, since a function-level import
 only hides a cycle), relative imports resolved. `from pkg import name` points at the
-submodule `pkg.name` where one exists, else at `pkg`. A module's own package is not
-an edge (Python imports it first, but the package does not depend on the module).
+submodule `pkg.name` where one exists, else at `pkg`. Importing `pkg.sub` runs `pkg`'s
+`__init__` first, so it is an edge to `pkg` too, unless `pkg` is one of the importer's
+own packages (Python imports those first, and a package does not depend on its modules).
+
+A second check: DTensor's private fields are read only by tensor.py and its seam
+(wrapping.py); every other module goes through the seam.
 """
 from __future__ import annotations
 
@@ -53,7 +57,19 @@ def import_graph() -> dict[str, set[str]]:
                     t = t.rpartition(".")[0]
                 if t and t != name:
                     graph[name].add(t)
+                graph[name].update(_packages_run_first(t, name, mods))
     return graph
+
+
+def _packages_run_first(target: str, importer: str, mods: dict[str, Path]) -> set[str]:
+    """The packages above `target` whose __init__ runs on its import, less the importer's own packages."""
+    own = {importer, *_ancestors(importer)}
+    return {p for p in _ancestors(target) if p in mods and p not in own}
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -88,6 +104,9 @@ def test_the_graph_sees_function_level_and_relative_imports():
     assert "shardops.world" in graph["shardops.mesh"]  # function level
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    # a function-level import of a submodule runs its package first
+    assert "shardops.parallel" in graph["shardops.models"]
+    assert "shardops.dispatch" not in graph["shardops.dispatch.core"]  # its own package
 
 
 def test_no_import_cycle():
@@ -156,3 +175,30 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+PRIVATE_FIELDS = {"_local_tensor", "_make", "_spec", "_set_spec", "_redistribute_local", "_pending_layout", "_resolve_pending"}
+SEAM = {"shardops.tensor", "shardops.wrapping"}
+
+
+def private_field_uses() -> list[str]:
+    """Every `x.<private DTensor field>` in the library outside tensor.py and its seam, as `module:line .field`."""
+    uses = []
+    for name, path in _modules().items():
+        if not name.startswith("shardops") or name in SEAM:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in PRIVATE_FIELDS:
+                uses.append(f"{name}:{node.lineno} .{node.attr}")
+    return uses
+
+
+def test_the_private_field_scan_sees_reads_writes_and_calls(tmp_path):
+    src = "x._local_tensor\ny._spec = 1\nDTensor._make(a, b)\nz.spec_of\n"
+    found = [n.attr for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Attribute) and n.attr in PRIVATE_FIELDS]
+    assert sorted(found) == ["_local_tensor", "_make", "_spec"]
+
+
+def test_only_tensor_and_its_seam_touch_dtensor_private_fields():
+    uses = private_field_uses()
+    assert not uses, "use shardops.wrapping (wrap, local_of, spec_of, local_in, relabel, become) instead: " + ", ".join(uses)

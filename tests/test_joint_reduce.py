@@ -7,7 +7,8 @@ import torch
 
 import shardops as so
 from shardops import cost
-from shardops.dispatch.strategy import comm_time, row
+from shardops.planner.pricing import comm_time
+from shardops.planner.rows import row
 from shardops.mesh import DeviceMesh
 from shardops.redistribute import plan
 from shardops.spec import TensorMeta, TensorSpec, contiguous_stride

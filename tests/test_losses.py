@@ -16,33 +16,11 @@ import torch.nn.functional as F
 
 import shardops as so
 from shardops import Replicate, Shard
-from shardops.dispatch import core
+from planner_harness import inputs_stay_put
 
 REDUCTIONS = ("none", "mean", "sum")
 PLACEMENTS = {"S0": Shard(0), "S1": Shard(1), "S2": Shard(2), "R": Replicate()}
 IGNORE = {"noignore": None, "ignore-100": -100, "ignore3": 3}  # 3 is also a real class
-@contextlib.contextmanager
-def inputs_stay_put():
-    """Plan as if moving an input never paid: among the candidates that move no input over
-    the network (free local slices allowed), those that change the fewest input layouts, then
-    the cheapest. The sharded algorithms then run wherever they apply to the layout given,
-    however small the test tensors (on tiny tensors the cost model may rightly prefer
-    gathering them, or slicing an input further to shrink a pending output)."""
-    original = core.candidates
-
-    def stay_put(*args, **kwargs):
-        cands = original(*args, **kwargs)
-        return sorted((c for c in cands if c.redistribute_time == 0), key=lambda c: c.changes) or cands
-
-    core.candidates = stay_put
-    core.clear_cache()
-    try:
-        yield
-    finally:
-        core.candidates = original
-        core.clear_cache()
-
-
 def _target_placement(p, class_dim=1):
     """The target's placement 'alike' the input's: batch dims follow, the class dim is replicated."""
     if not p.is_shard() or p.dim == class_dim:

@@ -1,4 +1,4 @@
-"""The pruned candidate search (strategy.candidates) equals the exhaustive ranking.
+"""The pruned candidate search (planner.choice.candidates) equals the exhaustive ranking.
 
 Random ops (real rules from the registry), shapes, layouts (partials and NormPartial
 included), link models and meshes of 1-4 dims: the best k candidates of the search
@@ -18,7 +18,9 @@ import shardops as so
 from shardops import cost
 from shardops.dispatch import core
 from shardops.dispatch.registry import RULES
-from shardops.dispatch.strategy import all_candidates, candidates, rank_key
+from shardops.planner.choice import candidates
+from shardops.planner.rows import rank_key
+from shardops.planner.search import all_candidates
 from shardops.mesh import DeviceMesh
 from shardops.placements import NormPartial, Partial, Replicate, Shard
 from shardops.spec import TensorMeta, TensorSpec, contiguous_stride

@@ -60,7 +60,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0")  
 # The design's gradient layout rule (a sharded input's gradient comes back sharded the same way;
 # a redistribute's, in the source layout) is checked only with SHARDOPS_CHECK_GRAD_LAYOUT=1: the
 # planner breaks it today for StridedShard inputs and for tiny tensors where moving data is
-# cheaper (see test_strided_shard_gradient_keeps_its_layout below and the issue 8 report).
+# cheaper (see test_strided_shard_gradient_keeps_its_layout below).
 CHECK_GRAD_LAYOUT = os.environ.get("SHARDOPS_CHECK_GRAD_LAYOUT", "") not in ("", "0")
 
 # ------------------------------------------------------------------ profiles
@@ -1206,7 +1206,7 @@ def test_regression(case):
     check(case)
 
 
-def test_strided_shard_gradient_keeps_its_layout():  # pointwise/view rules offer StridedShard rows (issue 12)
+def test_strided_shard_gradient_keeps_its_layout():  # pointwise/view rules offer StridedShard rows
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), mesh, [StridedShard(0, 2)])

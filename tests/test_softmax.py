@@ -13,7 +13,7 @@ import torch
 
 import shardops as so
 from shardops import Partial, Replicate, Shard
-from shardops.dispatch import core
+from planner_harness import inputs_stay_put
 
 aten = torch.ops.aten
 OPS = {
@@ -59,36 +59,12 @@ def _reference(op, dim, shape, dtype, kind):
 
 @contextlib.contextmanager
 def links(model):
-    """Plan under another link model (the decision cache is cleared both ways)."""
+    """Plan under another link model (set_links invalidates every planning cache both ways)."""
     so.set_links(model)
-    core.clear_cache()
     try:
         yield
     finally:
         so.set_links("threads")
-        core.clear_cache()
-
-
-@contextlib.contextmanager
-def inputs_stay_put():
-    """Plan as if moving an input never paid: among the candidates that move no input over
-    the network (free local slices allowed), those that change the fewest input layouts, then
-    the cheapest. The sharded algorithms then run wherever they apply to the layout given,
-    however small the test tensors (on tiny tensors the cost model may rightly prefer
-    gathering them, or slicing an input further to shrink a pending output)."""
-    original = core.candidates
-
-    def stay_put(*args, **kwargs):
-        cands = original(*args, **kwargs)
-        return sorted((c for c in cands if c.redistribute_time == 0), key=lambda c: c.changes) or cands
-
-    core.candidates = stay_put
-    core.clear_cache()
-    try:
-        yield
-    finally:
-        core.candidates = original
-        core.clear_cache()
 
 
 def _check(op, dim, mesh_shape, layout, shape=SHAPE, dtype=torch.float64, kind="randn", keeps_layout=False):

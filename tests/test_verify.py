@@ -11,7 +11,7 @@ from shardops import Partial, Replicate, Shard, ShardingError
 from shardops import verify as V
 from shardops.verify import samples as verify_samples
 from shardops.dispatch import registry
-from shardops.dispatch.strategy import row
+from shardops.planner.rows import row
 from shardops.placements import NormPartial
 
 aten = torch.ops.aten

@@ -1,7 +1,8 @@
-"""The link model: latency and bandwidth per mesh dim, and ring-collective costs.
+"""The link model: latency, bandwidth and compute rate per mesh dim.
 
-Costs come from fixed presets, never from run-time measurement, so every rank
-computes the same numbers and picks the same plan.
+The numbers come from fixed presets (or the user's), never from run-time measurement,
+so every rank computes the same costs and picks the same plan. What they price is in
+planner/pricing.py.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import ShardingError
+from .planner import caches
 
 
 @dataclass(frozen=True)
@@ -63,44 +65,4 @@ def set_links(links: str | Link | Sequence[str | Link]) -> None:
     global _default_links
     resolve_links(links, len(links) if isinstance(links, (list, tuple)) else 1)  # validate now
     _default_links = links if isinstance(links, (str, Link)) else tuple(links)
-    _CACHE_EPOCH[0] += 1
-
-
-_CACHE_EPOCH = [0]  # bumped when the link model changes, so cached plans are not reused
-
-
-def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Ring-model time of one collective over n ranks; `nbytes` is the full (gathered/reduced) size."""
-    if n <= 1:
-        return 0.0
-    steps = n - 1
-    wire = (n - 1) / n * nbytes / link.bandwidth
-    if kind == "all_reduce":
-        return 2 * (steps * link.latency + wire)
-    if kind == "broadcast":
-        return steps * link.latency + wire
-    return steps * link.latency + wire  # all_gather, reduce_scatter, all_to_all
-
-
-def joint_collective_time(kind: str, nbytes: float, sizes: Sequence[int], links: Sequence[Link]) -> float:
-    """One collective over the group spanning several mesh dims (sizes n_i, links l_i).
-
-    Model: the collective runs hierarchically, mesh dim by mesh dim, so it takes the
-    per-dim steps, sum(alpha_i (n_i - 1)), but it is ONE round: every byte crosses the
-    group once, (N-1)/N * B with N = prod(n_i), and that traffic is priced on the
-    slowest link of the group. For one mesh dim this is exactly `collective_time`.
-    Against the per-dim sequence (what a redistribution of one mesh dim at a time
-    pays) it has the same latency and, on equal links, fewer bytes on the wire:
-    1 - prod(1/n_i) <= sum(1 - 1/n_i). `nbytes` is the full (gathered/reduced) size.
-    """
-    used = [(n, link) for n, link in zip(sizes, links) if n > 1]
-    if not used:
-        return 0.0
-    if len(used) == 1:
-        return collective_time(kind, nbytes, used[0][0], used[0][1])
-    group = 1
-    for n, _ in used:
-        group *= n
-    steps = sum((n - 1) * link.latency for n, link in used)
-    wire = (group - 1) / group * nbytes / min(link.bandwidth for _, link in used)
-    return 2 * (steps + wire) if kind == "all_reduce" else steps + wire
+    caches.invalidate()  # every plan so far was priced under the old model

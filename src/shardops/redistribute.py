@@ -8,7 +8,7 @@ A state is a placement tuple. A step changes the placement of one mesh dim:
 
 and one step changes several: the same pending partial on mesh dims D -> R on all of
 them is ONE all_reduce over the group spanning D (one round, the input sent once;
-priced by cost.joint_collective_time), not one all_reduce per mesh dim.
+priced by pricing.joint_collective_time), not one all_reduce per mesh dim.
 
 A step that touches tensor dim d on mesh dim i is allowed only while no mesh dim
 after i shards d: shards nest left to right, so the innermost level must be
@@ -32,6 +32,8 @@ from . import cost
 from .comm.base import CommDebugMode
 from .errors import ShardingError
 from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
+from .planner import caches
+from .planner.pricing import joint_collective_time, step_time
 from .spec import TensorSpec
 
 
@@ -117,9 +119,12 @@ _SEARCH_LOCK = threading.Lock()
 
 
 def clear_plan_cache() -> None:
-    """Forget every plan and search (benchmarks measure cold planning)."""
+    """Forget every plan and search (planner.caches.invalidate calls this)."""
     _plan_cached.cache_clear()
     _SEARCHES.clear()
+
+
+caches.register("redistribution plans", clear_plan_cache)
 
 
 class _PlanSearch:
@@ -188,12 +193,12 @@ class _PlanSearch:
                     continue
                 dt = times.get((kind, i, parts))
                 if dt is None:
-                    dt = times[(kind, i, parts)] = _step_time(kind, local, mesh_shape[i], links[i])
+                    dt = times[(kind, i, parts)] = step_time(kind, local, mesh_shape[i], links[i])
                 moves.append((kind, (i,), b, dt))
         if sum(self.partial[k] for k in state) >= 2:
             for dims in _joint_reductions(tuple(self.placements[k] for k in state)):
                 sizes = [mesh_shape[i] for i in dims]
-                moves.append(("all_reduce", dims, self.replicate, cost.joint_collective_time("all_reduce", local, sizes, [links[i] for i in dims])))
+                moves.append(("all_reduce", dims, self.replicate, joint_collective_time("all_reduce", local, sizes, [links[i] for i in dims])))
         best = self.best
         for kind, dims, b, dt in moves:
             nxt = list(state)
@@ -231,14 +236,6 @@ def _kind_and_guard(src: Placement, dst: Placement) -> tuple[str | None, tuple[i
     return None, ()
 
 
-def _step_time(kind: str, local: float, n: int, link: cost.Link) -> float:
-    if kind == "all_gather":
-        return cost.collective_time(kind, local * n, n, link)
-    if kind in ("all_reduce", "reduce_scatter", "all_to_all"):
-        return cost.collective_time(kind, local, n, link)
-    return 0.0
-
-
 def _path(came_from, start, goal, placements) -> tuple[Step, ...]:
     steps = []
     state = goal
@@ -251,7 +248,7 @@ def _path(came_from, start, goal, placements) -> tuple[Step, ...]:
 
 def plan(spec: TensorSpec, dst: Sequence[Placement], links=None) -> Plan:
     links = cost.resolve_links(links, spec.mesh.ndim)
-    return _plan_cached(tuple(spec.placements), tuple(dst), tuple(spec.shape), tuple(spec.mesh.shape), spec.itemsize, links, cost._CACHE_EPOCH[0])
+    return _plan_cached(tuple(spec.placements), tuple(dst), tuple(spec.shape), tuple(spec.mesh.shape), spec.itemsize, links, caches.EPOCH[0])
 
 
 def materialize_lazy_bits(t: torch.Tensor) -> torch.Tensor:
@@ -269,8 +266,8 @@ def materialize_lazy_bits(t: torch.Tensor) -> torch.Tensor:
 def _joint_norm_resolution(spec: TensorSpec, p: Plan) -> tuple[tuple[int, ...], Plan] | None:
     """(mesh dims, plan for the rest) where a norm pending on several mesh dims is resolved at once.
 
-    index helper (issue 14): such a norm is resolved one canonical way whatever the plan (all_reduce
-    dim by dim, or reduce_scatter first): p-th powers, one sum over the joint group, one root. Nested
+    Such a norm is resolved one canonical way whatever the plan (all_reduce dim by dim, or
+    reduce_scatter first): p-th powers, one sum over the joint group, one root. Nested
     roots would round differently on each path, and two reads of one pending norm would disagree.
     """
     norm_dims = tuple(i for i, s in enumerate(p.src) if isinstance(s, NormPartial))

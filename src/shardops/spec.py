@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .placements import Placement, local_shape_and_offset
+from .planner import caches
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -75,6 +76,7 @@ class TensorSpec:
 _SPEC_IDS: dict[tuple, int] = {}
 _NEXT_ID = itertools.count()
 MAX_SPEC_IDS = 1 << 16  # bounds the table; when full it starts again (ids are never reused, so no key collides)
+caches.register("spec ids", _SPEC_IDS.clear)  # a spec seen again gets a fresh id: later keys simply miss
 
 
 def _spec_id(k: tuple) -> int:

@@ -7,7 +7,6 @@ from typing import Any, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from . import cost
 from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
@@ -15,8 +14,10 @@ from .dispatch.schema import static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
+from .planner import caches
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
+from .wrapper_meta import mirror_lazy_bits
 
 
 # runs func with subclass __torch_function__ disabled (in C: cheaper than the context manager)
@@ -44,9 +45,7 @@ class DTensor(torch.Tensor):
         r._local_tensor = local
         r._spec = spec
         r._pending_layout = None
-        if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see interop)
-            from .interop.lazy_bits import mirror_lazy_bits
-
+        if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see wrapper_meta)
             mirror_lazy_bits(r, local)
         return r
 
@@ -165,7 +164,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         flat, tree = core.flatten_args(args, kwargs or _NO_KWARGS)
         key, tensor_pos = [func, "leaves", core.tree_key(tree)], []
         _operand_key(func, flat, key, tensor_pos)
-    key.append(cost._CACHE_EPOCH[0])  # the link model: a new one decides anew
+    key.append(caches.EPOCH[0])  # a new link model or strict mode decides anew
     key = tuple(key)
     decision = core._CACHE.get(key)
     if decision is None:

@@ -21,14 +21,15 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .. import cost
 from ..errors import NoShardingStrategyError, ShardingError
 from ..placements import Replicate
+from ..planner import caches
+from ..planner.choice import caching_decisions, candidates, with_plans
+from ..planner.rows import Candidate
 from ..redistribute import Plan, execute, materialize_lazy_bits, plan, plan_bytes
 from ..spec import TensorMeta, TensorSpec
 from .registry import REPLICATE_ONLY, RULES
 from .schema import OpSchema
-from .strategy import Candidate, candidates, with_plans
 
 aten = torch.ops.aten
 _state = {"strict": False}
@@ -48,14 +49,13 @@ class FallbackWarning(UserWarning):
     """An op ran replicated because it has no sharded strategy."""
 
 
+caches.register("decisions", _CACHE.clear)
+
+
 def set_strict(strict: bool = True) -> None:
     """Strict mode: an op with no strategy raises instead of replicating."""
     _state["strict"] = bool(strict)
-    _CACHE.clear()
-
-
-def clear_cache() -> None:
-    _CACHE.clear()
+    caches.invalidate()  # a decision made in the other mode may fall back where this one must raise
 
 
 @dataclass
@@ -192,7 +192,7 @@ def meta_outputs(func, leaves, tree) -> tuple[list[TensorMeta], Any] | Exception
     metas = [torch.empty_strided(a.shape, a.meta.stride, dtype=a.dtype, device="meta") if isinstance(a, TensorSpec) else a for a in leaves]
     args, kwargs = unflatten_args(metas, tree)
     if "device" in kwargs and func is aten._to_copy.default:
-        # index helper (issue 14): x.to(dtype) inside torch.softmax(x, d, dtype=...) passes device=cpu,
+        # x.to(dtype) inside torch.softmax(x, d, dtype=...) passes device=cpu,
         # which a meta tensor cannot be copied to; the output's metadata does not depend on it.
         kwargs = {k: v for k, v in kwargs.items() if k != "device"}
     try:
@@ -251,6 +251,8 @@ def decide_for_dispatch(key: tuple, func, leaves: Sequence[Any], tree, tensor_po
         checked_fallback(decision)
         return decision
     decision.candidates = []  # explain's list; a cached decision keeps only its choice
+    if not caching_decisions():
+        return decision
     if len(_CACHE) >= MAX_DECISIONS:  # bounded: the oldest decision goes (a later call decides it again)
         _CACHE.pop(next(iter(_CACHE)), None)
     _CACHE[key] = decision
@@ -325,7 +327,7 @@ def move_inputs(d: Decision, leaves: list, tensor_pos: Sequence[int]) -> None:
 
 def compute(d: Decision, leaves: list, tree) -> Any:
     """The local kernel, or the op's sharded algorithm, on the moved local operands."""
-    if d.algorithm is not None:  # index helper (issue 14): algorithms read values, never lazy conj/neg bits
+    if d.algorithm is not None:  # sharded algorithms read values, never lazy conj/neg bits
         leaves = [materialize_lazy_bits(t) if isinstance(t, torch.Tensor) else t for t in leaves]
     args, kwargs = unflatten_args(leaves, tree)
     if d.algorithm is not None:
@@ -351,7 +353,7 @@ def output_specs(d: Decision, out_leaves: Sequence[Any]) -> tuple[TensorSpec, ..
 def plan_op(func, args: tuple, kwargs: dict | None = None, links=None, limit: int | None = None) -> Decision:
     """`decide` for a call whose tensor operands are TensorSpecs (nested lists too).
 
-    The Decision carries `candidates` (the best `limit`, cheapest first; see strategy.candidates),
+    The Decision carries `candidates` (the best `limit`, cheapest first; see planner.choice.candidates),
     `out_metas`, `fallback` and `replicate_only`.
     """
     flat, tree = flatten_args(tuple(args), kwargs or {})

@@ -1,15 +1,22 @@
-"""The op registry: aten overload -> rule (rows for one mesh dim).
+"""The op registry: aten overload -> rule (rows for one mesh dim), and the other ways in.
 
-Op-family modules end with one table registering every op they cover:
+An op is registered where its rule is written, by a decorator that names its ops and
+the sharded algorithms its rows may run (by name: the rows' labels):
 
-    register(rule, aten.sum.default, aten.sum.dim_IntList, ...)
+    @strategy(aten.histc.default, algorithms=[LABEL_HISTC_RANGE])
+    def _histc_rule(schema: OpSchema) -> list[Row]: ...
 
-`register_torch_function` maps a torch-level callable (e.g. torch.cumsum) to an
-implementation entered from DTensor.__torch_function__, for ops that carry their
-own sharded backward as an autograd.Function. `register_torch_entry` builds that
-implementation the one common way (`torch_entry`): bind the call (schema.CallSignature),
-parse the bound arguments, apply the op's autograd.Function, or else run torch's
-ordinary path into __torch_dispatch__.
+    @torch_level(F.rms_norm, torch.rms_norm, signature=CallSignature(_rms_norm_call), apply=_RMSNorm.apply)
+    def _parse_rms_norm(b: dict, *_) -> tuple: ...     # a torch-level entry: the parse decorated
+
+    @decomposition(aten._foreach_norm.Scalar)
+    def _foreach_norm(tensors, ord=2, dtype=None): ...   # rewritten into other ops on DTensors
+
+A torch-level entry (`torch_entry`) binds the call (schema.CallSignature), parses the bound
+arguments, applies the op's autograd.Function (whose backward is itself sharded), or else
+runs torch's ordinary path into __torch_dispatch__. `register_replicate(*ops)` marks ops
+that replicate on purpose. The plain functions under the decorators (`register`,
+`register_torch_entry`) remain for modules not converted yet.
 """
 from __future__ import annotations
 
@@ -17,10 +24,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..planner.rows import Row
 from .schema import CallSignature, OpSchema
-from .strategy import Row
 
 Rule = Callable[[OpSchema], list[Row]]
+# parse(bound, args, kwargs) -> the arguments of `apply`, or None: not ours (torch's ordinary path)
+Parse = Callable[[dict, tuple, dict], "tuple | None"]
 
 RULES: dict[Any, Rule] = {}
 TORCH_FUNCTIONS: dict[Any, Callable[..., Any]] = {}
@@ -28,6 +37,8 @@ TORCH_FUNCTIONS: dict[Any, Callable[..., Any]] = {}
 DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 # Ops known to have no sharded strategy on purpose (replicate fallback, said so in explain).
 REPLICATE_ONLY: set[Any] = set()
+# The names of the sharded algorithms each op's rule declares (verify runs and credits them by name).
+ALGORITHMS: dict[Any, tuple[str, ...]] = {}
 
 
 def _overloads(ops: Iterable[Any]) -> list[torch._ops.OpOverload]:
@@ -44,6 +55,46 @@ def register(rule: Rule, *ops: Any) -> Rule:
     for op in _overloads(ops):
         RULES[op] = rule
     return rule
+
+
+def strategy(*ops: Any, algorithms: Iterable[str] = ()) -> Callable[[Rule], Rule]:
+    """Decorator: the rule below is the strategy of `ops` (overloads; a packet: all its overloads).
+
+    `algorithms`: the names (row labels) of the sharded algorithms its rows may run.
+    """
+    names = tuple(algorithms)
+
+    def register_rule(rule: Rule) -> Rule:
+        register(rule, *ops)
+        for op in _overloads(ops):
+            ALGORITHMS[op] = names
+        return rule
+
+    return register_rule
+
+
+def torch_level(*torch_callables: Any, apply: Callable[..., Any], signature: CallSignature | None = None) -> Callable[[Parse], Parse]:
+    """Decorator over a parse: calls of `torch_callables` on DTensors that it takes run `apply`.
+
+    signature None: each callable is an aten overload, bound by its own schema.
+    """
+
+    def register_parse(parse: Parse) -> Parse:
+        register_torch_entry(signature, parse, apply, *torch_callables)
+        return parse
+
+    return register_parse
+
+
+def decomposition(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: on DTensors, `ops` are rewritten into other ops by the function below (never cached)."""
+
+    def register_decomposition(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in _overloads(ops):
+            DECOMPOSITIONS[op] = fn
+        return fn
+
+    return register_decomposition
 
 
 def register_replicate(*ops: Any) -> None:
@@ -66,8 +117,6 @@ def call_default(func, args: tuple, kwargs: dict) -> Any:
 _NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 
-# parse(bound, args, kwargs) -> the arguments of `apply`, or None: not ours (torch's ordinary path)
-Parse = Callable[[dict, tuple, dict], "tuple | None"]
 
 
 def torch_entry(func: Any, signature: CallSignature, parse: Parse, apply: Callable[..., Any]) -> Callable[..., Any]:

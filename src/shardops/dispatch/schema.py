@@ -13,9 +13,11 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ShardingError
+from ..planner import caches
 from ..spec import TensorSpec
 
 _BINDINGS: dict[Any, tuple[list[str], dict[str, Any], set[str]]] = {}
+caches.register("signature bindings", _BINDINGS.clear)
 
 
 def _binding(op: torch._ops.OpOverload) -> tuple[list[str], dict[str, Any], set[str]]:

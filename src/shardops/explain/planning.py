@@ -13,7 +13,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..dispatch.core import plan_op
-from ..dispatch.strategy import Candidate, with_plans
+from ..planner.choice import with_plans
+from ..planner.rows import Candidate
 from ..mesh import DeviceMesh
 from ..placements import Replicate
 from ..redistribute import plan

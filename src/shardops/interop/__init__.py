@@ -15,6 +15,7 @@ from ..placements import NormPartial, Partial, Placement, Replicate, Shard, Stri
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
 from ..world import in_threads_world
+from ..wrapping import local_of, spec_of, wrap
 
 
 def _torch_placement(p: Placement) -> Any:
@@ -62,10 +63,10 @@ def to_torch(dt: DTensor) -> Any:
         )
     from torch.distributed.tensor import DTensor as TorchDTensor
 
-    spec = dt._spec
+    spec = spec_of(dt)
     placements = [_torch_placement(p) for p in spec.placements]
     return TorchDTensor.from_local(
-        dt._local_tensor, spec.mesh.torch_mesh, placements, run_check=False, shape=torch.Size(spec.shape), stride=spec.meta.stride
+        local_of(dt), spec.mesh.torch_mesh, placements, run_check=False, shape=torch.Size(spec.shape), stride=spec.meta.stride
     )
 
 
@@ -74,4 +75,6 @@ def from_torch(tdt: Any) -> DTensor:
     mesh = DeviceMesh.from_torch(tdt.device_mesh)
     placements = tuple(_our_placement(p) for p in tdt.placements)
     meta = TensorMeta(tuple(tdt.shape), tuple(tdt.stride()), tdt.dtype)
-    return DTensor._make(tdt._local_tensor, TensorSpec(mesh, placements, meta), requires_grad=tdt.requires_grad)
+    with torch.no_grad():  # torch's to_local hands back the shard itself when no graph is recorded
+        local = tdt.to_local()
+    return wrap(local, TensorSpec(mesh, placements, meta), requires_grad=tdt.requires_grad)

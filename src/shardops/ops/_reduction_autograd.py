@@ -35,6 +35,7 @@ from ..placements import Placement, Replicate, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ..tensor import DTensor
+from ..wrapping import shard_in, spec_of, wrap
 from ._shard_stats import resolve_partials
 from .common import all_gather_stacked, all_reduce, global_positions, mesh_dims_sharding, shift_after_reduce
 
@@ -52,7 +53,7 @@ def reduced_layout(layout: Sequence[Placement], dims: Sequence[int], keepdim: bo
 def local_in(t: torch.Tensor, placements: Sequence[Placement], mesh) -> torch.Tensor:
     """This rank's piece of `t` in `placements` (a plain tensor is taken as Replicate)."""
     if isinstance(t, DTensor):
-        return t._redistribute_local(placements)
+        return shard_in(t, placements)
     spec = TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype))
     return redistribute_local(t, spec, placements)
 
@@ -66,7 +67,7 @@ def restore_dims(t: torch.Tensor, dims: Sequence[int], keepdim: bool) -> torch.T
 
 def wrap_grad(local: torch.Tensor, x_spec: TensorSpec):
     meta = TensorMeta(x_spec.shape, contiguous_stride(x_spec.shape), x_spec.dtype)
-    return DTensor._make(local.to(x_spec.dtype).contiguous(), TensorSpec(x_spec.mesh, without_partials(x_spec.placements), meta))
+    return wrap(local.to(x_spec.dtype).contiguous(), TensorSpec(x_spec.mesh, without_partials(x_spec.placements), meta))
 
 
 @dataclass
@@ -100,7 +101,7 @@ class ShardedReduction(torch.autograd.Function):
         with torch._C.DisableTorchFunctionSubclass():
             out = call.func(x, *call.args, **(call.kwargs or {}))
         outs = tuple(out) if isinstance(out, tuple) else (out,)
-        ctx.call, ctx.x_spec = call, x._spec
+        ctx.call, ctx.x_spec = call, spec_of(x)
         ctx.set_materialize_grads(False)
         if call.kind == "select":
             ctx.mark_non_differentiable(outs[1])
@@ -140,13 +141,13 @@ def _mean_backward(call, x_spec, x, outs, grads):
 
 def _nansum_backward(call, x_spec, x, outs, grads):
     g, layout = _grad_out(call, x_spec, grads[0])
-    xl = x._redistribute_local(layout)
+    xl = shard_in(x, layout)
     return wrap_grad(g.to(x_spec.dtype).expand(xl.shape) * xl.isnan().logical_not(), x_spec)
 
 
 def _nanmean_backward(call, x_spec, x, outs, grads):
     g, layout = _grad_out(call, x_spec, grads[0])
-    xl = x._redistribute_local(layout)
+    xl = shard_in(x, layout)
     kept = xl.isnan().logical_not()
     count = _global_sum(kept.sum(list(call.dims), keepdim=True), x_spec, layout, call.dims)
     return wrap_grad((g / count).expand(xl.shape) * kept, x_spec)
@@ -169,7 +170,7 @@ def _extreme_backward(call, x_spec, x, outs, grads):
 def _scale_by_count(call, x_spec, x, out, g):
     g, layout = _grad_out(call, x_spec, g)
     result, _ = _grad_out(call, x_spec, out)
-    xl = x._redistribute_local(layout)
+    xl = shard_in(x, layout)
     mask = xl == result
     if call.nan_aware:
         mask = mask | (xl.isnan() & result.isnan())
@@ -201,7 +202,7 @@ def _prod_backward(call, x_spec, x, outs, grads):
     each shard's zero count travels with its total, in the same round.
     """
     g, layout = _grad_out(call, x_spec, grads[0])
-    xl = x._redistribute_local(layout).to(outs[0].dtype)
+    xl = shard_in(x, layout).to(outs[0].dtype)
     shape = xl.shape
     d = 0 if call.flat else call.dims[0]
     if call.flat:
@@ -301,7 +302,7 @@ def _parse_reduction(func, describe, b: dict, args: tuple, kwargs: dict) -> tupl
     if not isinstance(x, DTensor) or b.get("out") is not None:
         return None
     try:
-        call = describe(func.__name__, b, x._spec)
+        call = describe(func.__name__, b, spec_of(x))
     except TorchDecides:
         return None
     if call is None or not wants_grad(x):

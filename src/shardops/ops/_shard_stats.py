@@ -23,6 +23,7 @@ from ..placements import Placement, Replicate, dim_positions, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
+from ..wrapping import shard_in, spec_of, wrap
 from .common import all_gather_stacked, member_coordinates, mesh_dims_sharding, shift_after_reduce
 
 R = Replicate()
@@ -135,10 +136,10 @@ def needs_grad(*tensors: Any) -> bool:
 
 def resolve_partials(x):
     """`x` with pending reductions resolved (no autograd): ops without partial rows need the values."""
-    target = without_partials(x._spec.placements)
-    if target == x._spec.placements:
+    target = without_partials(spec_of(x).placements)
+    if target == spec_of(x).placements:
         return x
-    return DTensor._make(x._redistribute_local(target), x._spec.with_placements(target))
+    return wrap(shard_in(x, target), spec_of(x).with_placements(target))
 
 
 def reduction_layouts(in_spec: TensorSpec, dims: Sequence[int], keepdim: bool) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
@@ -165,7 +166,7 @@ def grad_local(grad: torch.Tensor, like: TensorSpec, placements: Sequence[Placem
     """This rank's piece of `grad` in `placements` (default: `like`'s layout with pending reductions as Replicate)."""
     target = without_partials(like.placements) if placements is None else tuple(placements)
     if isinstance(grad, DTensor):
-        return grad._redistribute_local(target)
+        return shard_in(grad, target)
     spec = TensorSpec(like.mesh, (R,) * like.mesh.ndim, TensorMeta(tuple(grad.shape), tuple(grad.stride()), grad.dtype))
     return redistribute_local(grad, spec, target)
 
@@ -181,5 +182,5 @@ def input_grad(local: torch.Tensor, placements: Sequence[Placement], x_spec: Ten
     target = without_partials(x_spec.placements)
     if target != spec.placements:
         local = redistribute_local(local, spec, target)
-    return DTensor._make(local, spec.with_placements(target))
+    return wrap(local, spec.with_placements(target))
 

@@ -48,16 +48,18 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import cost
 from ..dispatch import core
 from ..dispatch.registry import call_default, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, static_key
-from ..dispatch.strategy import CHOICE_HOOKS, Candidate, Row, candidates, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, without_partials
+from ..planner import caches
+from ..planner.choice import CHOICE_HOOKS, candidates
+from ..planner.rows import Candidate, Row, row
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ..tensor import DTensor, distribute_tensor
+from ..wrapping import shard_in, spec_of, wrap
 from ._shard_stats import ShardLine, grad_local, resolve_partials, shard_line
 from .common import global_positions, mesh_dims_sharding
 from .softmax import opmath_dtype
@@ -353,8 +355,8 @@ def _backward_rule(schema: OpSchema) -> list[Row]:
 
 def _layout_of(x, placements) -> tuple[torch.Tensor, TensorSpec]:
     """This rank's piece of DTensor `x` in `placements`, and the spec it then has."""
-    spec = x._spec.with_placements(placements)
-    return x._redistribute_local(placements), spec
+    spec = spec_of(x).with_placements(placements)
+    return shard_in(x, placements), spec
 
 
 def _dense_order(shape: Sequence[int], stride: Sequence[int]) -> list[int] | None:
@@ -384,7 +386,7 @@ def _wrap(local: torch.Tensor, like: TensorSpec, placements: Sequence[Placement]
         inverse = sorted(range(len(order)), key=order.__getitem__)
         local = local.permute(order).contiguous().permute(inverse)
     meta = TensorMeta(like.shape, tuple(stride), dtype)
-    return DTensor._make(local.to(dtype), TensorSpec(like.mesh, tuple(placements), meta))
+    return wrap(local.to(dtype), TensorSpec(like.mesh, tuple(placements), meta))
 
 
 def _grad_home(local: torch.Tensor, computed: Sequence[Placement], x_spec: TensorSpec):
@@ -406,7 +408,7 @@ class _Attention(torch.autograd.Function):
         q_l, q_spec = _layout_of(q, layouts[0])
         k_l, k_spec = _layout_of(k, layouts[1])
         v_l, v_spec = _layout_of(v, layouts[2])
-        m_l = mask._redistribute_local(layouts[3]) if mask is not None else None
+        m_l = shard_in(mask, layouts[3]) if mask is not None else None
         # the forward op's own algorithm (verify records and forces it there), keeping its gathered K/V
         run = core.AlgoContext(None, (q_spec, k_spec, v_spec), (), FLASH)
         run.keep = {}
@@ -414,7 +416,7 @@ class _Attention(torch.autograd.Function):
         kept = run.keep
         ctx.save_for_backward(q_l, kept["k"], kept["v"], out, lse)
         ctx.options, ctx.line, ctx.heads = kept["options"], kept["line"], kept["heads"]
-        ctx.layouts, ctx.inputs = layouts, (q._spec, k._spec, v._spec)
+        ctx.layouts, ctx.inputs = layouts, (spec_of(q), spec_of(k), spec_of(v))
         ctx.kv_heads = k.shape[HEADS]
         out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
         ctx.out_spec = TensorSpec(q_spec.mesh, layouts[0], TensorMeta(out_shape, contiguous_stride(out_shape), q.dtype))
@@ -477,8 +479,8 @@ def _served(b: dict[str, Any]) -> bool:
 
 def _resolved(x: DTensor) -> DTensor:
     """`x` with pending reductions resolved, through autograd (the gradient flows back to the pending input)."""
-    target = without_partials(x._spec.placements)
-    return x if target == x._spec.placements else x.redistribute(placements=target)
+    target = without_partials(spec_of(x).placements)
+    return x if target == spec_of(x).placements else x.redistribute(placements=target)
 
 
 def _keeping_queries(decision: core.Decision) -> Candidate:
@@ -503,6 +505,7 @@ def _keeping_queries(decision: core.Decision) -> Candidate:
 
 # (q, k, v, mask layouts and shapes, causal, scale, link model) -> (input layouts, algorithm)
 _PLANS: dict[tuple, tuple] = {}
+caches.register("attention plans", _PLANS.clear)
 
 
 def _plan(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool, scale, b: dict[str, Any]) -> tuple | None:
@@ -510,11 +513,11 @@ def _plan(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool
 
     Cached like dispatch's decisions, except while verify's choice hooks steer the planner.
     """
-    key = (q._key, k._key, v._key, None if mask is None else mask._key, causal, static_key(scale), cost._CACHE_EPOCH[0])
+    key = (spec_of(q).key, spec_of(k).key, spec_of(v).key, None if mask is None else spec_of(mask).key, causal, static_key(scale), caches.EPOCH[0])
     plan = None if CHOICE_HOOKS else _PLANS.get(key)
     if plan is None:
         _check_like_torch(b)
-        leaves, tree = core.flatten_args((q._spec, k._spec, v._spec, 0.0, causal), {"attn_mask": None if mask is None else mask._spec, "scale": scale})
+        leaves, tree = core.flatten_args((spec_of(q), spec_of(k), spec_of(v), 0.0, causal), {"attn_mask": None if mask is None else spec_of(mask), "scale": scale})
         tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, TensorSpec)]
         decision = core.decide(FLASH, leaves, tree, tensor_pos)
         if decision.fallback:
@@ -535,8 +538,8 @@ def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     if isinstance(mask, DTensor):  # a mask gets no gradient (torch's CPU flash kernel gives it none either)
         mask = resolve_partials(mask)
     elif mask is not None:  # a plain mask is every rank's own copy: Replicate
-        mask = distribute_tensor(mask.detach(), q._spec.mesh, [R] * q._spec.mesh.ndim, src_data_rank=None)
-    meshes = {t._spec.mesh for t in (q, k, v, mask) if t is not None}
+        mask = distribute_tensor(mask.detach(), spec_of(q).mesh, [R] * spec_of(q).mesh.ndim, src_data_rank=None)
+    meshes = {spec_of(t).mesh for t in (q, k, v, mask) if t is not None}
     if len(meshes) > 1:
         raise ShardingError(
             f"scaled_dot_product_attention: q, k, v (and attn_mask) live on different meshes ({sorted(map(str, meshes))}); "

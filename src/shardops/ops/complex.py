@@ -7,8 +7,8 @@ view_as_complex's input (size 2) needs both halves on one rank: it is never spli
 sharded before `reshape(..., k, 2)`, views.py keeps the k dim sharded only where
 every shard splits on whole pairs; otherwise it gathers: never a wrong value.
 
-`_conj` and `_neg_view` set a lazy bit on their local output; DTensor._make gives the
-wrapper the same bit (see interop.lazy_bits), so torch's Conjugate/Negative
+`_conj` and `_neg_view` set a lazy bit on their local output; wrapping it gives the
+DTensor the same bit (see wrapper_meta.py), so torch's Conjugate/Negative
 fallbacks materialise it before any op that does not understand it, exactly as on a
 plain tensor.
 
@@ -22,7 +22,7 @@ import torch
 
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, StridedShard
 from .pointwise import pointwise_rule
 

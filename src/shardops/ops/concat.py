@@ -23,9 +23,10 @@ import torch
 
 from ..dispatch.registry import call_default, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate, Shard
 from ..tensor import DTensor
+from ..wrapping import local_of, spec_of, wrap
 from ._shard_stats import needs_grad
 
 aten = torch.ops.aten
@@ -59,12 +60,12 @@ def align_pending_norms(tensors):
     """Replicate operands become NormP(p) on mesh dims where the others are NormP(p) (local, exact)."""
     if not tensors or not all(isinstance(t, DTensor) for t in tensors) or needs_grad(*tensors):
         return tensors
-    mesh = tensors[0]._spec.mesh
-    if any(t._spec.mesh != mesh for t in tensors):
+    mesh = spec_of(tensors[0]).mesh
+    if any(spec_of(t).mesh != mesh for t in tensors):
         return tensors
     coord = mesh.get_coordinate()
-    locals_ = [t._local_tensor for t in tensors]
-    placements = [list(t._spec.placements) for t in tensors]
+    locals_ = [local_of(t) for t in tensors]
+    placements = [list(spec_of(t).placements) for t in tensors]
     for i in range(mesh.ndim):
         kinds = {pl[i] for pl in placements if isinstance(pl[i], NormPartial)}
         if len(kinds) != 1 or not all(pl[i] in kinds or pl[i].is_replicate() for pl in placements):
@@ -76,7 +77,7 @@ def align_pending_norms(tensors):
                 locals_[k] = p.split(locals_[k], coord[i])
                 pl[i] = p
     return [
-        t if tuple(pl) == t._spec.placements else DTensor._make(loc, t._spec.with_placements(pl))
+        t if tuple(pl) == spec_of(t).placements else wrap(loc, spec_of(t).with_placements(pl))
         for t, loc, pl in zip(tensors, locals_, placements)
     ]
 
@@ -92,7 +93,7 @@ class _CatWithLegacyEmpty(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dim: int, *tensors):
         ctx.dim = dim
-        ctx.specs = [t._spec for t in tensors]
+        ctx.specs = [spec_of(t) for t in tensors]
         ctx.legacy = [t.ndim == 1 and t.shape[0] == 0 for t in tensors]
         return aten.cat.default(list(tensors), dim)
 
@@ -103,8 +104,8 @@ class _CatWithLegacyEmpty(torch.autograd.Function):
         grads, offset = [], 0
         for spec, legacy in zip(ctx.specs, ctx.legacy):
             if legacy:
-                local = grad._local_tensor.new_zeros(spec.local_shape())
-                grads.append(DTensor._make(local, spec.with_placements(tuple(R if p.is_partial() else p for p in spec.placements))))
+                local = local_of(grad).new_zeros(spec.local_shape())
+                grads.append(wrap(local, spec.with_placements(tuple(R if p.is_partial() else p for p in spec.placements))))
                 continue
             size = spec.shape[ctx.dim]
             grads.append(aten.slice.Tensor(grad, ctx.dim, offset, offset + size))
@@ -127,7 +128,7 @@ def _apply_concat(func, args: tuple, kwargs: dict):
         and isinstance(dim, int)
         and all(isinstance(t, DTensor) for t in tensors)
         and any(t.ndim == 1 and t.shape[0] == 0 and t.requires_grad for t in tensors)
-        and len({t._spec.mesh for t in tensors}) == 1
+        and len({spec_of(t).mesh for t in tensors}) == 1
     ):
         return _CatWithLegacyEmpty.apply(normalize_dim(dim, max(t.ndim for t in tensors), "cat"), *tensors)
     return call_default(func, args, kwargs)

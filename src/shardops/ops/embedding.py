@@ -26,7 +26,7 @@ import torch
 
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard
 from .common import global_positions

@@ -18,22 +18,24 @@ import math
 
 import torch
 
-from ..dispatch.registry import register
+from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial
 from .common import all_gather_stacked
 from .reductions import shard_options
 
 aten = torch.ops.aten
+LABEL_HISTC_RANGE = "gather shard ranges, local histc -> pending"
 
 
+@strategy(aten.histc.default, algorithms=[LABEL_HISTC_RANGE])
 def _histc_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     bounded = float(schema.arg("min", 0)) != float(schema.arg("max", 0))
     algorithm = None if bounded else histc_global_range
     comm = () if bounded else (("all_gather", 2 * spec.itemsize),)
-    label = "local histc -> pending" if bounded else "gather shard ranges, local histc -> pending"
+    label = "local histc -> pending" if bounded else LABEL_HISTC_RANGE
     return [
         row(Partial("sum"), p, algorithm=algorithm, comm=comm, label=label)
         for d in range(spec.ndim)
@@ -58,6 +60,3 @@ def _local_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
         return torch.tensor(math.inf, dtype=x.dtype, device=x.device), torch.tensor(-math.inf, dtype=x.dtype, device=x.device)
     return torch.aminmax(x)
-
-
-register(_histc_rule, aten.histc.default)

@@ -31,7 +31,7 @@ import torch
 
 from ..dispatch.registry import register, register_torch_function
 from ..dispatch.schema import OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions
 from ..redistribute import redistribute_local
 from ..spec import TensorSpec

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch.registry import register, register_replicate
+from ..dispatch.registry import register_replicate, strategy
 from ..dispatch.schema import OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Placement, Shard, StridedShard
 from ..spec import TensorSpec
 from .common import global_index_tensor, shard_placements
@@ -65,6 +65,7 @@ def _triangle_sharded(ctx, x, *args, **kwargs):
     return x.masked_fill_(drop, 0) if ctx.schema.is_inplace() else x.masked_fill(drop, 0)
 
 
+@strategy(aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default, algorithms=[LABEL_TRIANGLE])
 def _triangle_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     if spec.ndim < 2:
@@ -91,6 +92,7 @@ def _kept_dims(ndim: int, d1: int, d2: int) -> list[int]:
     return [d for d in range(ndim) if d not in (d1, d2)]
 
 
+@strategy(aten.diagonal.default, aten.diagonal_copy.default)
 def _diagonal_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     if spec.ndim < 2:
@@ -105,6 +107,7 @@ def _diagonal_backward_local(ctx, grad, input_sizes, offset, dim1, dim2):
     return ctx.func(grad, list(ctx.out_specs[0].local_shape()), offset, dim1, dim2)
 
 
+@strategy(aten.diagonal_backward.default)
 def _diagonal_backward_rule(schema: OpSchema) -> list[Row]:
     grad = schema.tensor_specs[0]
     ndim = len(schema.arg("input_sizes"))
@@ -117,9 +120,6 @@ def _diagonal_backward_rule(schema: OpSchema) -> list[Row]:
     return rows
 
 
-register(_triangle_rule, aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default)
-register(_diagonal_rule, aten.diagonal.default, aten.diagonal_copy.default)
-register(_diagonal_backward_rule, aten.diagonal_backward.default)
 register_replicate(
     aten._linalg_svd.default,
     aten.linalg_qr.default,

@@ -24,10 +24,11 @@ import math
 
 import torch
 
-from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Replicate, Shard
+from ..wrapping import local_of, shard_in, spec_of
 from .common import all_gather_stacked, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 from ._shard_stats import (
     grad_local,
@@ -42,6 +43,7 @@ from ._shard_stats import (
 
 aten = torch.ops.aten
 R = Replicate()
+LABEL_LSE = "sharded logsumexp"
 
 
 def _shard_pair(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +79,7 @@ def _logsumexp_sharded(ctx, x, *args, **kwargs):
     return out.to(out_dtype)
 
 
+@strategy(aten.logsumexp.default, algorithms=[LABEL_LSE])
 def _logsumexp_rule(schema: OpSchema) -> list[Row]:
     """Rows: S(k) -> S(k shifted) for kept dims (local); S(k) -> R for reduced dims
     (one all_gather of a (shift, sum) pair per output element)."""
@@ -88,7 +91,7 @@ def _logsumexp_rule(schema: OpSchema) -> list[Row]:
         dtype = opmath_dtype(spec.dtype if spec.dtype.is_floating_point else torch.get_default_dtype())
         per_row = 2 * torch.empty((), dtype=dtype).element_size()
         comm = [("all_gather", reduction_stats_bytes(spec, dims, per_row))]
-        rows += [row(R, Shard(k), algorithm=_logsumexp_sharded, comm=comm, label="sharded logsumexp") for k in dims]
+        rows += [row(R, Shard(k), algorithm=_logsumexp_sharded, comm=comm, label=LABEL_LSE) for k in dims]
     return rows
 
 
@@ -100,10 +103,10 @@ class _LogsumexpFunction(torch.autograd.Function):
     def forward(ctx, x, dims: tuple[int, ...], keepdim: bool):
         x_in = resolve_partials(x)
         out = aten.logsumexp.default(x_in, list(dims), keepdim)
-        ctx.dims, ctx.keepdim, ctx.x_spec, ctx.out_spec = dims, keepdim, x._spec, out._spec
-        ctx.layout, ctx.out_layout = reduction_layouts(x_in._spec, dims, keepdim)
-        ctx.x_local = x_in._redistribute_local(ctx.layout)
-        ctx.out_local = out._local_tensor
+        ctx.dims, ctx.keepdim, ctx.x_spec, ctx.out_spec = dims, keepdim, spec_of(x), spec_of(out)
+        ctx.layout, ctx.out_layout = reduction_layouts(spec_of(x_in), dims, keepdim)
+        ctx.x_local = shard_in(x_in, ctx.layout)
+        ctx.out_local = local_of(out)
         return out
 
     @staticmethod
@@ -121,6 +124,10 @@ class _LogsumexpFunction(torch.autograd.Function):
 def _logsumexp_call(self, dim=None, keepdim=False, *, out=None): ...  # noqa: E704  (torch's forms, aten's names)
 
 
+@torch_level(
+    torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp, aten.logsumexp.default,
+    signature=CallSignature(_logsumexp_call, aliases={"input": "self"}), apply=_LogsumexpFunction.apply,
+)
 def _parse_logsumexp(b: dict, *_):
     """(input, dims, keepdim) of a differentiable logsumexp call; None: not ours."""
     x, dim = b["self"], b["dim"]
@@ -134,11 +141,3 @@ def _parse_logsumexp(b: dict, *_):
         return None
     return x, dims, bool(b["keepdim"])
 
-
-# ------------------------------------------------------------------ registration
-
-register(_logsumexp_rule, aten.logsumexp.default)
-register_torch_entry(
-    CallSignature(_logsumexp_call, aliases={"input": "self"}), _parse_logsumexp, _LogsumexpFunction.apply,
-    torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp, aten.logsumexp.default,
-)

@@ -31,7 +31,7 @@ import torch
 
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 
 aten = torch.ops.aten

@@ -24,10 +24,11 @@ from functools import partial
 
 import torch
 
-from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.registry import register_torch_entry, strategy
 from ..dispatch.schema import CallSignature, OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Replicate, Shard
+from ..wrapping import local_of, shard_in, spec_of
 from .common import all_gather_stacked, global_positions, member_coordinates, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
     grad_local,
@@ -137,6 +138,16 @@ def _moments_sharded(ctx, x, *args, **kwargs):
     return stat
 
 
+# One algorithm for all four ops (var and std differentiate through var_mean/std_mean's rows): one name.
+LABEL_MOMENTS = "sharded var/std (Chan merge)"
+MOMENT_OPS = {
+    (kind, with_mean): [getattr(getattr(aten, f"{kind}_mean" if with_mean else kind), ov) for ov in ("default", "dim", "correction")]
+    for kind in ("var", "std")
+    for with_mean in (False, True)
+}
+
+
+@strategy(*[op for ops in MOMENT_OPS.values() for op in ops], algorithms=[LABEL_MOMENTS])
 def _moments_rule(schema: OpSchema) -> list[Row]:
     """Rows: S(k) -> S(k shifted) for kept dims (local); S(k) -> R for reduced dims
     (sharded Chan merge: one all_gather of 16 bytes per output element)."""
@@ -145,8 +156,7 @@ def _moments_rule(schema: OpSchema) -> list[Row]:
     rows = [row(shift_after_reduce(Shard(k), dims, keepdim), Shard(k)) for k in range(spec.ndim) if k not in dims]
     if spec.dtype.is_floating_point:
         comm = [("all_gather", reduction_stats_bytes(spec, dims, STATS_BYTES_PER_ROW))]
-        label = f"sharded {_base(schema.op)} (Chan merge)"
-        rows += [row(R, Shard(k), algorithm=_moments_sharded, comm=comm, label=label) for k in dims]
+        rows += [row(R, Shard(k), algorithm=_moments_sharded, comm=comm, label=LABEL_MOMENTS) for k in dims]
     return rows
 
 
@@ -172,10 +182,10 @@ class _MomentsFunction(torch.autograd.Function):
         op = aten.var_mean.correction if kind == "var" else aten.std_mean.correction
         stat, mean = op(x_in, None if every_dim else list(dims), correction=correction, keepdim=keepdim)
         ctx.kind, ctx.dims, ctx.keepdim, ctx.correction, ctx.every_dim = kind, dims, keepdim, correction, every_dim
-        ctx.x_spec, ctx.out_spec = x._spec, stat._spec
-        ctx.layout, ctx.out_layout = reduction_layouts(x_in._spec, dims, keepdim)
-        ctx.x_local = x_in._redistribute_local(ctx.layout)
-        ctx.stat_local, ctx.mean_local = stat._local_tensor, mean._local_tensor
+        ctx.x_spec, ctx.out_spec = spec_of(x), spec_of(stat)
+        ctx.layout, ctx.out_layout = reduction_layouts(spec_of(x_in), dims, keepdim)
+        ctx.x_local = shard_in(x_in, ctx.layout)
+        ctx.stat_local, ctx.mean_local = local_of(stat), local_of(mean)
         ctx.count = math.prod(x.shape[d] for d in dims)
         return stat, mean
 
@@ -235,12 +245,6 @@ def _stat_only(*parsed):
 
 # ------------------------------------------------------------------ registration
 
-MOMENT_OPS = {
-    (kind, with_mean): [getattr(getattr(aten, f"{kind}_mean" if with_mean else kind), ov) for ov in ("default", "dim", "correction")]
-    for kind in ("var", "std")
-    for with_mean in (False, True)
-}
-register(_moments_rule, *[op for ops in MOMENT_OPS.values() for op in ops])
 for (_kind, _with_mean), _ops in MOMENT_OPS.items():
     _apply = _MomentsFunction.apply if _with_mean else _stat_only
     _name = f"{_kind}_mean" if _with_mean else _kind

@@ -42,9 +42,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..spec import TensorSpec
@@ -172,6 +172,7 @@ def _layer_norm_stat_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     return aten.native_layer_norm(probe, [1], None, None, 0.0)[1].dtype
 
 
+@strategy(aten.native_layer_norm.default, algorithms=[LABEL_LN])
 def _layer_norm_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     axis = _axis(schema, spec)
@@ -217,6 +218,7 @@ def _grad_outputs(mask: Sequence[bool], present: Sequence[bool]) -> list[int]:
     return [i for i, (m, has) in enumerate(zip(mask, present)) if m and has]
 
 
+@strategy(aten.native_layer_norm_backward.default, algorithms=[LABEL_LN_BWD.format(how) for how in HOW.values()])
 def _layer_norm_backward_rule(schema: OpSchema) -> list[Row]:
     grad, spec = schema.tensor_specs[0], schema.tensor_specs[1]
     axis = _axis(schema, spec)
@@ -263,6 +265,7 @@ def _rms_norm_sharded(ctx, x, normalized_shape, weight, eps, *, gather):
     return y.to(x.dtype), rstd
 
 
+@strategy(aten._fused_rms_norm.default, algorithms=[LABEL_RMS.format(how) for how in HOW.values()])
 def _rms_norm_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     axis = _axis(schema, spec)
@@ -299,6 +302,7 @@ def _rms_norm_backward_sharded(ctx, grad, x, normalized_shape, rstd, weight, out
     return d_in, d_w
 
 
+@strategy(aten._fused_rms_norm_backward.default, algorithms=[*(LABEL_RMS_BWD.format(how) for how in HOW.values()), LABEL_RMS_LOCAL])
 def _rms_norm_backward_rule(schema: OpSchema) -> list[Row]:
     grad, spec = schema.tensor_specs[0], schema.tensor_specs[1]
     axis = _axis(schema, spec)
@@ -339,17 +343,48 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, rstd, weight = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
-        if not any(mask):
-            return None, None, None, None
-        d_in, d_w = dispatch(aten._fused_rms_norm_backward.default, (grad, x, ctx.normalized_shape, rstd, weight, mask), {})
+        return (*_rms_norm_grads(ctx, grad), None, None)
+
+
+def _rms_norm_grads(ctx, grad) -> tuple:
+    """(d_input, d_weight) of the fused op, planned by the dispatcher (None where not needed)."""
+    x, rstd, weight = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+    if not any(mask):
+        return None, None
+    d_in, d_w = dispatch(aten._fused_rms_norm_backward.default, (grad, x, ctx.normalized_shape, rstd, weight, mask), {})
+    return d_in, d_w
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """aten._fused_rms_norm called directly on DTensors: (out, rstd), both differentiable.
+
+    On CPU torch decomposes the op before __torch_dispatch__, so without this entry a direct
+    call would never reach its rule. rstd's own gradient is elementwise (d rstd / dx =
+    -rstd^3 x / N), as torch's decomposition differentiates it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps):
+        out, rstd = dispatch(aten._fused_rms_norm.default, (x, normalized_shape, weight, eps), {})
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.normalized_shape = normalized_shape
+        return out, rstd
+
+    @staticmethod
+    def backward(ctx, grad, grad_rstd):
+        d_in, d_w = _rms_norm_grads(ctx, grad)
+        if grad_rstd is not None and ctx.needs_input_grad[0]:
+            x, rstd, _ = ctx.saved_tensors
+            term = (grad_rstd * rstd.pow(3) * x / -math.prod(ctx.normalized_shape)).to(x.dtype)
+            d_in = term if d_in is None else d_in + term
         return d_in, d_w, None, None
 
 
 def _rms_norm_call(input, normalized_shape, weight=None, eps=None): ...  # noqa: E704  (torch's form)
 
 
+@torch_level(F.rms_norm, torch.rms_norm, signature=CallSignature(_rms_norm_call), apply=_RMSNorm.apply)
 def _parse_rms_norm(b: dict, *_) -> tuple:
     """F.rms_norm / torch.rms_norm for DTensor operands (see the module docstring)."""
     shape = b["normalized_shape"]
@@ -357,13 +392,12 @@ def _parse_rms_norm(b: dict, *_) -> tuple:
     return b["input"], b["weight"], shape, b["eps"]
 
 
+@torch_level(aten._fused_rms_norm.default, apply=_FusedRMSNorm.apply)
+def _parse_fused_rms_norm(b: dict, *_) -> tuple:
+    return b["input"], b["weight"], [int(s) for s in b["normalized_shape"]], b["eps"]
+
+
 # one object per variant: rows of different mesh dims combine only if they share the algorithm
 LN_BACKWARD = {g: functools.partial(_layer_norm_backward_sharded, gather=g) for g in (True, False)}
 RMS_FORWARD = {g: functools.partial(_rms_norm_sharded, gather=g) for g in (True, False)}
 RMS_BACKWARD = {g: functools.partial(_rms_norm_backward_sharded, gather=g) for g in (True, False)}
-
-register(_layer_norm_rule, aten.native_layer_norm.default)
-register(_layer_norm_backward_rule, aten.native_layer_norm_backward.default)
-register(_rms_norm_rule, aten._fused_rms_norm.default)
-register(_rms_norm_backward_rule, aten._fused_rms_norm_backward.default)
-register_torch_entry(CallSignature(_rms_norm_call), _parse_rms_norm, _RMSNorm.apply, F.rms_norm, torch.rms_norm)

@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
-from ..dispatch.registry import DECOMPOSITIONS, register, register_torch_entry
+from ..dispatch.registry import decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Replicate, Shard, without_partials
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
+from ..wrapping import local_of, shard_in, spec_of, wrap
 from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
     grad_local,
@@ -47,6 +48,12 @@ from ._shard_stats import (
 
 aten = torch.ops.aten
 R = Replicate()
+NORM_OPS = (
+    aten.linalg_vector_norm.default,
+    aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
+)
+LABEL_NORM = "local norm (pending)"
+LABEL_DIST = "local dist (pending)"
 
 
 def _norm_params(op, bound: dict, ndim: int) -> tuple[float, tuple[int, ...], bool]:
@@ -73,13 +80,14 @@ def _empty_safe_norm(ctx, x, *args, **kwargs):
     return ctx.func(x, *args, **kwargs)
 
 
+@strategy(*NORM_OPS, algorithms=[LABEL_NORM])
 def _vector_norm_rule(schema: OpSchema) -> list[Row]:
     """Rows: S(k) -> S(k shifted) for kept dims; S(k) -> NormP(p) for reduced dims (local norm,
     pending); NormP(p) -> NormP(p) (a p-norm of p-norms, p != 0). No collective inside."""
     spec = schema.self_spec
     p, dims, keepdim = _norm_args(schema)
     rows = [row(shift_after_reduce(Shard(k), dims, keepdim), Shard(k)) for k in range(spec.ndim) if k not in dims]
-    rows += [row(NormPartial(p), Shard(k), algorithm=_empty_safe_norm, label="local norm (pending)") for k in dims]
+    rows += [row(NormPartial(p), Shard(k), algorithm=_empty_safe_norm, label=LABEL_NORM) for k in dims]
     if p != 0 and NormPartial(p) in spec.placements:
         rows.append(row(NormPartial(p), NormPartial(p)))
     return rows
@@ -93,6 +101,7 @@ def _empty_safe_dist(ctx, a, b, *args, **kwargs):
     return ctx.func(a, b, *args, **kwargs)
 
 
+@strategy(aten.dist.default, algorithms=[LABEL_DIST])
 def _dist_rule(schema: OpSchema) -> list[Row]:
     """dist(a, b, p) = ||a - b||_p over everything: both sides sharded alike on a broadcast dim
     (Replicate where one broadcasts) -> NormP(p)."""
@@ -107,10 +116,11 @@ def _dist_rule(schema: OpSchema) -> list[Row]:
             k = d - (len(shape) - s.ndim)
             ins.append(R if k < 0 or s.shape[k] != size else Shard(k))
         if size > 1:
-            rows.append(row(NormPartial(p), ins, algorithm=_empty_safe_dist, label="local dist (pending)"))
+            rows.append(row(NormPartial(p), ins, algorithm=_empty_safe_dist, label=LABEL_DIST))
     return rows
 
 
+@decomposition(aten._foreach_norm.Scalar)
 def _foreach_norm(tensors, ord=2, dtype=None):
     """_foreach_norm on DTensors: one pending norm per tensor (no collective); a later stack
     and norm of the results keep them pending together."""
@@ -187,10 +197,10 @@ class _NormState:
 def _norm_forward(x_in, p: float, dims: tuple[int, ...], keepdim: bool, dtype) -> tuple[Any, _NormState]:
     """The norm of `x_in` (pending partials already resolved) through dispatch, and its backward state."""
     out = aten.linalg_vector_norm.default(x_in, p, list(dims), keepdim, dtype=dtype)
-    layout, out_layout = reduction_layouts(x_in._spec, dims, keepdim)
+    layout, out_layout = reduction_layouts(spec_of(x_in), dims, keepdim)
     state = _NormState(
-        p, dims, keepdim, x_in._redistribute_local(layout), x_in._spec, layout, out_layout,
-        out._local_tensor.clone(), out._spec,
+        p, dims, keepdim, shard_in(x_in, layout), spec_of(x_in), layout, out_layout,
+        local_of(out).clone(), spec_of(out),
     )
     return out, state
 
@@ -215,7 +225,7 @@ class _VectorNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p: float, dims: tuple[int, ...], keepdim: bool, dtype):
         out, ctx.state = _norm_forward(resolve_partials(x), p, dims, keepdim, dtype)
-        ctx.x_spec = x._spec
+        ctx.x_spec = spec_of(x)
         return out
 
     @staticmethod
@@ -235,7 +245,7 @@ class _DistFunction(torch.autograd.Function):
     def forward(ctx, a, b, p: float):
         diff = aten.sub.Tensor(resolve_partials(a), resolve_partials(b))
         out, ctx.state = _norm_forward(diff, p, tuple(range(diff.ndim)), False, None)
-        ctx.a_spec, ctx.b_spec = a._spec, b._spec
+        ctx.a_spec, ctx.b_spec = spec_of(a), spec_of(b)
         return out
 
     @staticmethod
@@ -261,6 +271,9 @@ def _dist_call(self, other, p=2): ...  # noqa: E704
 _ALIASES = {"input": "self", "x": "self"}
 
 
+@torch_level(*NORM_OPS, apply=_VectorNormFunction.apply)  # torch.ops.aten.* called directly get the same backward
+@torch_level(torch.norm, torch.Tensor.norm, signature=CallSignature(_norm_call, aliases=_ALIASES), apply=_VectorNormFunction.apply)
+@torch_level(torch.linalg.vector_norm, signature=CallSignature(_vector_norm_call, aliases=_ALIASES), apply=_VectorNormFunction.apply)
 def _parse_norm(b: dict, *_) -> tuple | None:
     """(x, p, dims, keepdim, dtype) of a differentiable vector_norm/norm call; None: not ours."""
     x = b["self"]
@@ -283,10 +296,13 @@ def _as_dtensor(t, other):
         return t
     if t.requires_grad or not isinstance(other, DTensor):
         return None
-    mesh = other._spec.mesh
-    return DTensor._make(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)))
+    mesh = spec_of(other).mesh
+    return wrap(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)))
 
 
+@torch_level(
+    torch.dist, torch.Tensor.dist, aten.dist.default, signature=CallSignature(_dist_call, aliases=_ALIASES), apply=_DistFunction.apply
+)
 def _parse_dist(b: dict, *_) -> tuple | None:
     """(a, b, p) of a differentiable dist of equal shapes; None: not ours (broadcasting dist: torch's formula)."""
     x, y, p = b["self"], b["other"], b["p"]
@@ -299,25 +315,11 @@ def _parse_dist(b: dict, *_) -> tuple | None:
     return x, y, 2.0 if p is None else float(p)
 
 
-# ------------------------------------------------------------------ registration
-
-NORM_OPS = (
-    aten.linalg_vector_norm.default,
-    aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
-)
-register(_vector_norm_rule, *NORM_OPS)
-register(_dist_rule, aten.dist.default)
-DECOMPOSITIONS[aten._foreach_norm.Scalar] = _foreach_norm
-register_torch_entry(CallSignature(_vector_norm_call, aliases=_ALIASES), _parse_norm, _VectorNormFunction.apply, torch.linalg.vector_norm)
-register_torch_entry(CallSignature(_norm_call, aliases=_ALIASES), _parse_norm, _VectorNormFunction.apply, torch.norm, torch.Tensor.norm)
-# torch.ops.aten.* called directly (verify-style callers) get the same backward
-register_torch_entry(None, _parse_norm, _VectorNormFunction.apply, *NORM_OPS)
-register_torch_entry(CallSignature(_dist_call, aliases=_ALIASES), _parse_dist, _DistFunction.apply, torch.dist, torch.Tensor.dist, aten.dist.default)
-
 
 # linalg__powsum (torch 2.13): sum(|x|^ord) over dims, a linear reduction of a pointwise op, so on
 # DTensors it is that pair of ops (a sharded dim gives a pending sum, no collective). _foreach_powsum
 # is the same per tensor. torch defines no derivative for either.
+@decomposition(aten.linalg__powsum.default)
 def _powsum(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     if dtype is not None:
         x = aten._to_copy.default(x, dtype=dtype)
@@ -325,9 +327,7 @@ def _powsum(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return aten.sum.dim_IntList(powered, dim if dim is not None else [], keepdim)
 
 
+@decomposition(aten._foreach_powsum.Scalar)
 def _foreach_powsum(tensors, ord=2, dtype=None):
     return [_powsum(t, ord, dtype=dtype) for t in tensors]
 
-
-DECOMPOSITIONS[aten.linalg__powsum.default] = _powsum
-DECOMPOSITIONS[aten._foreach_powsum.Scalar] = _foreach_powsum

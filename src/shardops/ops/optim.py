@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..dispatch.registry import DECOMPOSITIONS
+from ..dispatch.registry import decomposition
 from ..errors import ShardingError
 
 aten = torch.ops.aten
@@ -75,13 +75,8 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-DECOMPOSITIONS[aten._foreach_maximum_.Scalar] = _foreach_extremum_(aten.clamp_min_, aten.maximum)
-DECOMPOSITIONS[aten._foreach_maximum_.ScalarList] = _foreach_extremum_(aten.clamp_min_, aten.maximum)
-DECOMPOSITIONS[aten._foreach_maximum_.List] = _foreach_extremum_(aten.clamp_min_, aten.maximum)
-DECOMPOSITIONS[aten._foreach_minimum_.Scalar] = _foreach_extremum_(aten.clamp_max_, aten.minimum)
-DECOMPOSITIONS[aten._foreach_minimum_.ScalarList] = _foreach_extremum_(aten.clamp_max_, aten.minimum)
-DECOMPOSITIONS[aten._foreach_minimum_.List] = _foreach_extremum_(aten.clamp_max_, aten.minimum)
+decomposition(aten._foreach_maximum_)(_foreach_extremum_(aten.clamp_min_, aten.maximum))  # every overload (a packet)
+decomposition(aten._foreach_minimum_)(_foreach_extremum_(aten.clamp_max_, aten.minimum))
 for _packet in (aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_):
     for _name in _packet.overloads():
-        _op = getattr(_packet, _name)
-        DECOMPOSITIONS[_op] = _fused_on_shards(_op)
+        decomposition(getattr(_packet, _name))(_fused_on_shards(getattr(_packet, _name)))

@@ -20,7 +20,7 @@ import torch
 
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row
+from ..planner.rows import Row
 from ..errors import ShardingError
 from ._reduction_autograd import Call, TorchDecides, check_dims, register_entries
 from .reductions import kept_dim_rows

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch.registry import DECOMPOSITIONS, register
+from ..dispatch.registry import decomposition, register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate
 
 aten = torch.ops.aten
@@ -187,7 +187,7 @@ def _register_foreach() -> None:
             if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
                 continue
             first = op._schema.arguments[0].alias_info
-            DECOMPOSITIONS[op] = _foreach(_single_for(single_name, ov, single), inplace=first is not None and first.is_write)
+            decomposition(op)(_foreach(_single_for(single_name, ov, single), inplace=first is not None and first.is_write))
 
 
 # The per-tensor op a _foreach overload stands for, where its name alone doesn't say.

@@ -43,9 +43,10 @@ from .. import rng
 from ..dispatch import core
 from ..dispatch.registry import call_default, register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard, StridedShard, without_partials
+from ..wrapping import local_of, relabel, spec_of
 from .pointwise import _shard_rows
 
 aten = torch.ops.aten
@@ -337,7 +338,7 @@ def _relabel_pending(t) -> None:
     from ..tensor import DTensor
 
     if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-        t._set_spec(t._spec.with_placements(without_partials(t.placements)))
+        relabel(t, spec_of(t).with_placements(without_partials(t.placements)))
 
 
 def _fill_call(tensor, *args, **kwargs): ...  # noqa: E704  (every fill: the tensor first)
@@ -367,11 +368,11 @@ def trunc_normal_(tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, 
         u = rng.uniform_closed_open(bits, torch.float64).mul_(hi - lo).add_(lo)
         return u.mul_(2).sub_(1).erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(a, b)
 
-    spec = tensor._spec
+    spec = spec_of(tensor)
     if generator is None:
         rng.sync_with_first_rank(spec.mesh)
     with torch.no_grad():
-        rng.fill(tensor._local_tensor, spec.shape, spec.mesh.shape, spec.mesh.get_coordinate(), spec.placements, rng.next_key(generator), transform)
+        rng.fill(local_of(tensor), spec.shape, spec.mesh.shape, spec.mesh.get_coordinate(), spec.placements, rng.next_key(generator), transform)
     return tensor
 
 
@@ -384,7 +385,7 @@ def sparse_(tensor, sparsity, std=0.01, generator=None):
 
     if isinstance(tensor, DTensor):
         raise ShardingError(
-            f"nn.init.sparse_ on a DTensor {tensor._spec!r}: it picks its zeros with torch.randperm, which draws from "
+            f"nn.init.sparse_ on a DTensor {spec_of(tensor)!r}: it picks its zeros with torch.randperm, which draws from "
             "torch's generator and has no layout-invariant version; initialise a plain tensor on every rank (same seed) "
             "and distribute_tensor it."
         )

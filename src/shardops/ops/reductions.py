@@ -30,7 +30,7 @@ import torch
 
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import TensorSpec, contiguous_stride
 from ._reduction_autograd import (

@@ -34,8 +34,9 @@ import torch
 
 from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, without_partials
+from ..wrapping import local_of, shard_in, spec_of
 from ._shard_stats import (
     ShardLine,
     first_along,
@@ -283,17 +284,17 @@ class _ScanFunction(torch.autograd.Function):
         x_in = x if name == "cumsum" else resolve_partials(x)
         out = op(x_in, dim, dtype=dtype) if dtype is not None else op(x_in, dim)
         values = out[0] if isinstance(out, tuple) else out
-        ctx.name, ctx.x_spec = name, x._spec
-        ctx.layout = without_partials(values._spec.placements)
-        ctx.spec = values._spec.with_placements(ctx.layout)
+        ctx.name, ctx.x_spec = name, spec_of(x)
+        ctx.layout = without_partials(spec_of(values).placements)
+        ctx.spec = spec_of(values).with_placements(ctx.layout)
         ctx.dim = dim % max(x.ndim, 1)
         if name in ("cumprod", "logcumsumexp"):
             # NOTE: x moves to the output's layout only in backward: the forward already paid for it
             # once inside dispatch (only where the planner resharded; normally the layouts agree).
             ctx.x_in = x_in
-            ctx.y_local = values._local_tensor
+            ctx.y_local = local_of(values)
         if isinstance(out, tuple):
-            ctx.indices = out[1]._local_tensor
+            ctx.indices = local_of(out[1])
             ctx.mark_non_differentiable(out[1])
         return out
 
@@ -306,10 +307,10 @@ class _ScanFunction(torch.autograd.Function):
         if ctx.name == "cumsum":
             gx = _cumsum_backward(g, line)
         elif ctx.name == "cumprod":
-            x = ctx.x_in._redistribute_local(ctx.layout)
+            x = shard_in(ctx.x_in, ctx.layout)
             gx = _cumprod_backward(g, x.to(g.dtype), ctx.y_local.to(g.dtype), line)
         elif ctx.name == "logcumsumexp":
-            gx = _logcumsumexp_backward(g, ctx.x_in._redistribute_local(ctx.layout), ctx.y_local, line)
+            gx = _logcumsumexp_backward(g, shard_in(ctx.x_in, ctx.layout), ctx.y_local, line)
         else:
             gx = _extreme_backward(g, ctx.indices, line)
         return input_grad(gx, ctx.layout, ctx.x_spec), None, None, None

@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from ..dispatch.registry import register
+from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..placements import Partial, Replicate
 from ..spec import TensorSpec
 from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, opmath_dtype, shard_placements
@@ -173,8 +173,10 @@ def _softmax_backward_rule(log: bool):
     return rule
 
 
-register(_softmax_rule("softmax"), aten._softmax.default)
-register(_softmax_rule("log_softmax"), aten._log_softmax.default)
-register(_softmax_rule("safe_softmax"), aten._safe_softmax.default)
-register(_softmax_backward_rule(log=False), aten._softmax_backward_data.default)
-register(_softmax_backward_rule(log=True), aten._log_softmax_backward_data.default)
+# one rule per kind (the algorithm objects differ by kind: rows combine only with their own kind's)
+FORWARD_ALGORITHMS = [LABEL_GATHER, LABEL_TWO_REDUCES]
+strategy(aten._softmax.default, algorithms=FORWARD_ALGORITHMS)(_softmax_rule("softmax"))
+strategy(aten._log_softmax.default, algorithms=FORWARD_ALGORITHMS)(_softmax_rule("log_softmax"))
+strategy(aten._safe_softmax.default, algorithms=FORWARD_ALGORITHMS)(_softmax_rule("safe_softmax"))
+strategy(aten._softmax_backward_data.default, algorithms=[LABEL_BACKWARD])(_softmax_backward_rule(log=False))
+strategy(aten._log_softmax_backward_data.default, algorithms=[LABEL_BACKWARD])(_softmax_backward_rule(log=True))

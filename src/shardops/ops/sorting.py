@@ -40,12 +40,13 @@ import torch
 
 from ..dispatch.registry import register, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Placement, Replicate, dim_positions, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ..tensor import DTensor, dispatch
+from ..wrapping import local_of, shard_in, spec_of, wrap
 from .common import (
     all_gather_packed,
     global_index_tensor,
@@ -201,11 +202,11 @@ def _as_dtensor(t, mesh) -> DTensor:
     """A plain gradient is the whole tensor: Replicate."""
     if isinstance(t, DTensor):
         return t
-    return DTensor._make(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype)))
+    return wrap(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype)))
 
 
 def _local_in(t: DTensor, placements: Sequence[Placement]) -> torch.Tensor:
-    return t._local_tensor if t._spec.placements == tuple(placements) else t._redistribute_local(placements)
+    return local_of(t) if spec_of(t).placements == tuple(placements) else shard_in(t, placements)
 
 
 def _relaid(local: torch.Tensor, spec: TensorSpec, src: Sequence[Placement], dst: Sequence[Placement]) -> torch.Tensor:
@@ -220,10 +221,10 @@ def _rows_of(values_grad, index: DTensor, dim: int, x_layout: Sequence[Placement
     gradient is replicated and the input is sharded on another dim, rows are sliced
     (free). Everything else keeps the gradient's layout; a pending gradient is settled.
     """
-    values_grad = _as_dtensor(values_grad, index._spec.mesh)
-    layout = without_partials(values_grad._spec.placements)
+    values_grad = _as_dtensor(values_grad, spec_of(index).mesh)
+    layout = without_partials(spec_of(values_grad).placements)
     g, i = _local_in(values_grad, layout), _local_in(index, layout)
-    spec = values_grad._spec.with_placements(layout)
+    spec = spec_of(values_grad).with_placements(layout)
     gathered = mesh_dims_sharding(spec, dim)
     g, i = _gather_dim([g, i], spec, dim, gathered)
     whole = [R if m in gathered else p for m, p in enumerate(layout)]
@@ -254,7 +255,7 @@ def _scatter_to_owner(values_grad, index: DTensor, x_spec: TensorSpec, dim: int)
     grad = g.new_zeros(shape).scatter_(dim, local, g).narrow(dim, 0, size).contiguous()
     if out_layout != x_layout:
         grad = redistribute_local(grad, out_spec, x_layout)
-    return DTensor._make(grad, out_spec.with_placements(x_layout))
+    return wrap(grad, out_spec.with_placements(x_layout))
 
 
 class _SelectAlongDim(torch.autograd.Function):
@@ -265,7 +266,7 @@ class _SelectAlongDim(torch.autograd.Function):
         values, indices = dispatch(op, (x,) + tuple(args), dict(kwargs))
         ctx.mark_non_differentiable(indices)
         ctx.save_for_backward(indices)
-        ctx.x_spec, ctx.dim = x._spec, dim
+        ctx.x_spec, ctx.dim = spec_of(x), dim
         return values, indices
 
     @staticmethod
@@ -291,7 +292,7 @@ def _parse_topk(b: dict, *_) -> tuple | None:
     d = normalize_dim(b["dim"], x.ndim, "topk")
     size = x.shape[d] if x.ndim else 1
     if not 0 <= k <= size:
-        raise ShardingError(f"topk: k={k} is out of range for dim {d} of size {size} of {x._spec!r}; use 0 <= k <= {size}.")
+        raise ShardingError(f"topk: k={k} is out of range for dim {d} of size {size} of {spec_of(x)!r}; use 0 <= k <= {size}.")
     return x, aten.topk.default, (k, d, b["largest"], b["sorted"]), {}, d, torch.return_types.topk
 
 

@@ -13,9 +13,10 @@ import torch
 
 from ..dispatch.registry import DECOMPOSITIONS, register
 from ..dispatch.schema import OpSchema, normalize_dim
-from ..dispatch.strategy import Row, row
+from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
+from ..wrapping import become, spec_of
 from ._view_layout import resolve_size, view_groups, view_layout
 
 aten = torch.ops.aten
@@ -299,11 +300,7 @@ def _inplace_view(functional):
     def run(self, *args, **kwargs):
         _refuse_dropping_a_shard(functional, self, args)
         out = functional(self, *args, **kwargs)
-        self._local_tensor = out._local_tensor
-        self._set_spec(out._spec)
-        from ..interop.wrapper import restride_wrapper  # interop imports tensor: import here, not at the top
-
-        restride_wrapper(self, out.shape, out.stride())  # as torch's in-place view changes them
+        become(self, out)  # its shard, spec, sizes and strides, as torch's in-place view changes them
         return self
 
     return run
@@ -313,12 +310,12 @@ def _refuse_dropping_a_shard(functional, self, args) -> None:
     """squeeze_ of a sharded size-1 dim would move data into self: in-place ops never do."""
     if functional not in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
         return
-    shape = self._spec.shape
+    shape = spec_of(self).shape
     dims = range(len(shape)) if not args else [args[0]] if isinstance(args[0], int) else args[0]
     dropped = {d % max(len(shape), 1) for d in dims if shape[d] == 1}
-    if any(p.is_shard() and p.dim in dropped for p in self._spec.placements):
+    if any(p.is_shard() and p.dim in dropped for p in spec_of(self).placements):
         raise ShardingError(
-            f"squeeze_: in-place op on {self._spec!r} would drop a sharded dim and change self's layout; "
+            f"squeeze_: in-place op on {spec_of(self)!r} would drop a sharded dim and change self's layout; "
             "redistribute self first, or use the out-of-place squeeze."
         )
 

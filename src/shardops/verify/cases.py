@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..dispatch import registry
 from ..mesh import DeviceMesh
 from ..placements import dim_positions
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
@@ -86,9 +87,10 @@ def build(target: Target, prep: Prepared, case: Case, mesh: DeviceMesh, seed: in
 def _checks_gradients(target: Target, prep: Prepared, case: Case, ref_inputs: Sequence[torch.Tensor], ref_grads) -> bool:
     if ref_grads is None:
         return False
-    if case.force is not None and target.kind == "torch_function":
-        # An entry intercepted at the torch-function level takes its own differentiable path (e.g.
-        # var through var_mean), which would bypass the forced algorithm; the unforced cases check it.
+    if case.force is not None and (target.kind == "torch_function" or target.fn in registry.TORCH_FUNCTIONS):
+        # An entry intercepted at the torch-function level (torch.var, or aten.dist called directly)
+        # takes its own differentiable path (var through var_mean, dist through sub and a norm), which
+        # would bypass the forced algorithm; the unforced cases check the gradient.
         return False
     if prep.sample.tie_outputs and _has_ties(ref_inputs[0], prep.sample.tie_dim):
         return False  # equal values: torch and a sharded top-k may pick different ones, both right

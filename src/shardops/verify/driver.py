@@ -24,13 +24,14 @@ import torch.utils._pytree as pytree
 from ..dispatch import core, registry
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
+from ..planner import caches
 from ..notation import mesh_name, parse_mesh_shape
 from ..placements import Replicate
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
+from ..wrapping import wrap
 from . import forcing
 from .cases import build, replace_tensors
 from .layouts import DEFAULT_BUDGET, Case, all_cases, describe_layouts, sampled_cases
-from ..tensor import DTensor
 from ..world import run
 from . import runner
 from .references import Prepared, call, prepare, seed_key
@@ -99,12 +100,12 @@ def _probe_one(target: Target, prep: Prepared, mesh: DeviceMesh, found: set[str]
     specs = _specs_on(mesh, prep)
 
     def probe() -> None:
-        leaves = replace_tensors(prep.leaves, [DTensor._make(t.clone(), s) for t, s in zip(prep.tensors, specs)])
+        leaves = replace_tensors(prep.leaves, [wrap(t.clone(), s) for t, s in zip(prep.tensors, specs)])
         with forcing.offering() as offered:
             call(target.fn, prep.tree, leaves)
         found.update(offered)
 
-    core.clear_cache()  # a cached decision is not offered again
+    caches.invalidate()  # a cached decision is not offered again
     try:
         run(probe, PROBE_RANKS, timeout=runner.CASE_TIMEOUT)
     except Exception:  # noqa: BLE001 - the sample fails on DTensors: its cases report that
@@ -193,7 +194,7 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
         labels = algorithm_labels(t, prepared)
         row = rows.setdefault(t.group, OpRow(t.group))
         row.overloads.append(t.name)
-        row.algorithms_registered.update(*labels)
+        row.algorithms_registered.update(*labels, registry.ALGORITHMS.get(t.fn, ()))  # what its rows offer, and what its rule declares
         row.check_coverage = settings["case"] is None
         if not prepared:
             row.no_samples.append(f"{t.name}: {reason}")
@@ -217,18 +218,7 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
             _run_unit(t, prepared, mesh, shape, cases, rows[t.group], failures, settings)
             rows[t.group].seconds += time.perf_counter() - t0
             bar.advance(task, len(cases))
-    _attribute_elsewhere(rows)
     return VerifyReport(rows, failures, {}, settings)
-
-
-def _attribute_elsewhere(rows: dict[str, OpRow]) -> None:
-    """For each op's registered algorithms its own cases did not run: which other ops' cases ran them."""
-    for r in rows.values():
-        for label in sorted(r.algorithms_registered):
-            if not r.algorithms_run[label]:
-                others = [o.group for o in rows.values() if o is not r and o.algorithms_run[label]]
-                if others:
-                    r.algorithms_run_elsewhere[label] = others
 
 
 def _run_unit(t: Target, prepared, mesh_name_: str, shape, cases: list[Case], row: OpRow, failures: list[Failure], settings) -> None:
@@ -257,7 +247,7 @@ def _record(b, o, t: Target, mesh: str, row: OpRow, failures: list[Failure], set
     row.cases += 1
     row.grad_cases += o.grad_error is not None
     row.worst = max(row.worst, o.error, o.grad_error or 0.0)
-    row.algorithms_run.update(o.algorithms)
+    row.algorithms_run.update(o.algorithms & row.algorithms_registered)  # the op's own; the ops it reaches have their rows
     if o.problem is None:
         row.passed += 1
         return

@@ -24,8 +24,9 @@ import functools
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from ..dispatch import core
-from ..dispatch.strategy import CHOICE_HOOKS, Candidate
+from ..planner import caches
+from ..planner.choice import CHOICE_HOOKS, choosing
+from ..planner.rows import Candidate
 
 _forced: dict[str, str | None] = {"label": None}
 _thread = threading.local()
@@ -64,15 +65,12 @@ def _choose(ranked: list[Candidate]) -> list[Candidate]:
 
 @contextlib.contextmanager
 def installed() -> Iterator[None]:
-    """Route every planning decision through the forcing/recording hook (decision cache cleared around it)."""
-    core.clear_cache()
-    CHOICE_HOOKS.append(_choose)
-    try:
-        yield
-    finally:
-        CHOICE_HOOKS.remove(_choose)
-        _forced["label"] = None
-        core.clear_cache()
+    """Route every planning decision through the forcing/recording hook (planning caches invalidated around it)."""
+    with choosing(_choose):
+        try:
+            yield
+        finally:
+            _forced["label"] = None
 
 
 @contextlib.contextmanager
@@ -87,12 +85,12 @@ def forcing(label: str | None) -> Iterator[None]:
             stack.enter_context(installed())
         previous = _forced["label"]
         _forced["label"] = label
-        core.clear_cache()
+        caches.invalidate()
         try:
             yield
         finally:
             _forced["label"] = previous
-            core.clear_cache()
+            caches.invalidate()
 
 
 @contextlib.contextmanager

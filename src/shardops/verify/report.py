@@ -1,9 +1,10 @@
 """The verify report: one row per op, the failures with a command that reproduces each, JSON and a table.
 
 Per op the report also lists the sharded algorithms its rows can run
-(`algorithms_registered`, row labels) and how many cases ran each
-(`algorithms_run`); a registered algorithm that no case of the run ran (its
-own or another op's: `algorithms_run_elsewhere`) fails the run.
+(`algorithms_registered`, by the names their rows register) and how many of the
+op's own cases ran each (`algorithms_run`: only the op's own algorithms, never
+those of the ops it reaches); a registered algorithm that none of the op's own
+cases ran fails the run.
 """
 from __future__ import annotations
 
@@ -41,10 +42,7 @@ class OpRow:
     no_samples: list[str] = field(default_factory=list)  # "overload: reason"
     seconds: float = 0.0
     algorithms_registered: set[str] = field(default_factory=set)  # labels of the sharded algorithms its rows can run
-    algorithms_run: Counter = field(default_factory=Counter)  # label -> cases that ran it
-    # label -> the other ops whose cases ran it (e.g. aten._fused_rms_norm's algorithms run inside
-    # F.rms_norm: called directly, torch decomposes the aten op before it reaches shardops)
-    algorithms_run_elsewhere: dict[str, list[str]] = field(default_factory=dict)
+    algorithms_run: Counter = field(default_factory=Counter)  # label -> the op's own cases that ran it
     check_coverage: bool = True  # False for a --case run: one case cannot run every algorithm
 
     @property
@@ -52,7 +50,7 @@ class OpRow:
         """Registered algorithms that ran in no case of the run (a failure)."""
         if not self.check_coverage:
             return []
-        return sorted(a for a in self.algorithms_registered if not self.algorithms_run[a] and a not in self.algorithms_run_elsewhere)
+        return sorted(a for a in self.algorithms_registered if not self.algorithms_run[a])
 
     @property
     def status(self) -> str:
@@ -93,7 +91,7 @@ class VerifyReport:
                  "grad_cases": r.grad_cases, "worst_error": r.worst if math.isfinite(r.worst) else "inf",
                  "no_samples": r.no_samples, "status": r.status, "seconds": round(r.seconds, 3),
                  "algorithms_registered": sorted(r.algorithms_registered), "algorithms_run": dict(sorted(r.algorithms_run.items())),
-                 "algorithms_run_elsewhere": r.algorithms_run_elsewhere, "algorithms_not_run": r.algorithms_not_run}
+                 "algorithms_not_run": r.algorithms_not_run}
                 for r in self.rows.values()
             ],
             "failures": [f.__dict__ for f in self.failures],

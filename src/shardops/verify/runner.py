@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from ..errors import CollectiveError
 from ..tensor import DTensor
 from ..world import current_comm, run
+from ..wrapping import wrap
 from .cases import Built, replace_tensors
 from .compare import tie_aware, worst_of
 from .forcing import recording
@@ -41,7 +42,7 @@ def _run_case(b: Built, rank: int) -> Outcome:
     mesh_leaves = []
     wants_grad = b.grad_case
     for spec, local in zip(b.specs, b.locals[rank]):
-        mesh_leaves.append(DTensor._make(local, spec, requires_grad=wants_grad and differentiable(local)))
+        mesh_leaves.append(wrap(local, spec, requires_grad=wants_grad and differentiable(local)))
     leaves = replace_tensors(b.prep.leaves, mesh_leaves)
     with torch.set_grad_enabled(wants_grad):
         out = pytree.tree_leaves(call(b.target.fn, b.prep.tree, leaves))

@@ -820,7 +820,7 @@ def _attention_call(op, dtype, g, k):
 SAMPLES.insert(0, (r"_scaled_dot_product_flash_attention_for_cpu(_backward)?|scaled_dot_product_attention", _attention_call))
 
 
-# ------------------------------------------------------------------ matrix products, embeddings, their views (issue 12)
+# ------------------------------------------------------------------ matrix products, embeddings, their views
 #
 # Views between products: merge a (possibly uneven) sequence dim with the batch, split
 # heads out of a hidden dim, and back; the exact layouts include StridedShard.
@@ -859,7 +859,7 @@ SAMPLES[:0] = [
 ]
 
 
-# ------------------------------------------------------------------ indexing, padding, complex views (issue 14; appended)
+# ------------------------------------------------------------------ indexing, padding, complex views
 
 
 def _index_family(op, dtype, g, k):
