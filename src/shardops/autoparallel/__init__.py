@@ -1,0 +1,79 @@
+"""so.autoparallel: choose a model's whole parallelization plan by its bytes per training step.
+
+    plan = so.autoparallel(model, (2, 2), (tokens,))
+    print(plan)                      # the parallelize_module dict + data_parallel a person would write
+    so.run(lambda: train(plan.apply(Llama(args))), 4)
+
+Search: per mesh dim data or tensor parallelism; on the tensor-parallel dim one style per
+kind of module (sequence parallelism, vocabulary parallelism, column/row-parallel or
+replicated per Linear group), decided once for a block and reused by every repeated block
+(candidates.py). Every candidate is priced by running its step (measure.py) and must give
+single-device values; the fewest bytes on the busiest rank win, then the fewest rounds, then
+the least memory.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..cost import resolve_links
+from ..errors import ShardingError
+from ..mesh import DeviceMesh
+from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
+from .measure import measure, reference_step
+from .plan import Plan, Scored, apply_candidate, mesh_names_for
+from .structure import find_structure
+
+__all__ = ["Plan", "autoparallel", "language_model_loss"]
+
+MAX_RUNNABLE_RANKS = 16  # pricing runs the step on a threads world of this many ranks at most
+
+
+def language_model_loss(output: torch.Tensor, tokens: torch.Tensor, *rest) -> torch.Tensor:
+    """Next-token cross-entropy of a language model called on token ids."""
+    return F.cross_entropy(output[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def autoparallel(
+    model: nn.Module,
+    mesh: DeviceMesh | Sequence[int],
+    example_inputs: tuple | torch.Tensor,
+    *,
+    loss_fn: Callable | None = None,
+    links=None,
+    memory_per_rank: int | None = None,
+) -> Plan:
+    """The plan with the fewest bytes per step on the busiest rank (see module doc). Call it outside
+    `so.run`, with the global example batch; apply the plan inside, on every rank."""
+    shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
+    example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    resolve_links(links, len(shape))  # validated; the objective is bytes, which do not depend on links
+    if math.prod(shape) > MAX_RUNNABLE_RANKS or any(isinstance(t, torch.Tensor) and t.is_meta for t in example) or any(
+        p.is_meta for p in model.parameters()
+    ):
+        raise ShardingError(
+            f"autoparallel: mesh {shape} with meta tensors or more than {MAX_RUNNABLE_RANKS} ranks needs metadata-only "
+            "pricing, which is not implemented yet; plans are priced by running one step on the threads world"
+        )
+    loss_fn = loss_fn or language_model_loss
+    structure = find_structure(model, example)
+    ref = reference_step(model, example, loss_fn)
+    batch = example[0].shape[0]
+    scored: list[Scored] = []
+    for cand in enumerate_candidates(structure, shape, batch):
+        entries = plan_entries(structure, cand)
+        names = mesh_names_for(cand)
+        m = measure(model, shape, names, lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e), example, loss_fn, ref)
+        if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
+            m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
+        scored.append(Scored(cand, entries, m))
+    feasible = [s for s in scored if s.measurement.feasible]
+    if not feasible:
+        reasons = "; ".join(f"{s.candidate}: {s.measurement.error}" for s in scored[:4])
+        raise ShardingError(f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})")
+    best = min(feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank))
+    return Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape))
