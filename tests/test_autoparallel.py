@@ -160,3 +160,15 @@ def test_autoplan_cli_prints_the_plan(capsys):
     assert main(["autoplan", "--model", "gpt2", "--mesh", "4"]) == 0
     out = capsys.readouterr().out
     assert "parallelize_module(model, mesh, {" in out and "'h.*.mlp.c_fc': ColwiseParallel()" in out
+
+
+def test_deep_model_priced_from_one_and_two_blocks_matches_the_whole_model():
+    """Four blocks priced from 1- and 2-block copies: the applied plan on all four measures the same."""
+    args = ModelArgs(n_layers=4)
+    make = lambda: GPT2(args, seed=0)  # noqa: E731
+    tokens = _tokens(4, 8, args.vocab_size)
+    ref_loss, ref_grads = _reference(make(), tokens)
+    plan = so.autoparallel(make(), (2, 2), (tokens,))
+    auto = _auto_step(plan, make, tokens)
+    _check_values(auto, ref_loss, ref_grads)
+    assert max(sent for sent, _, _ in auto) == plan.predicted_bytes

@@ -13,6 +13,7 @@ the least memory.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, Sequence
 
@@ -24,7 +25,7 @@ from ..cost import resolve_links
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
-from .measure import measure, reference_step
+from .measure import extrapolate, measure, reference_step
 from .plan import Plan, Scored, apply_candidate, mesh_names_for
 from .structure import find_structure
 
@@ -36,6 +37,17 @@ MAX_RUNNABLE_RANKS = 16  # pricing runs the step on a threads world of this many
 def language_model_loss(output: torch.Tensor, tokens: torch.Tensor, *rest) -> torch.Tensor:
     """Next-token cross-entropy of a language model called on token ids."""
     return F.cross_entropy(output[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _truncated(model: nn.Module, blocks: str, k: int) -> nn.Module:
+    """A copy of `model` with its first `k` repeated blocks only (the forward loops over the container)."""
+    copy_ = copy.deepcopy(model)
+    container = getattr(copy_, blocks)
+    if isinstance(container, nn.ModuleDict):
+        setattr(copy_, blocks, nn.ModuleDict(dict(list(container.items())[:k])))
+    else:
+        setattr(copy_, blocks, nn.ModuleList(list(container)[:k]))
+    return copy_
 
 
 def autoparallel(
@@ -61,13 +73,18 @@ def autoparallel(
         )
     loss_fn = loss_fn or language_model_loss
     structure = find_structure(model, example)
-    ref = reference_step(model, example, loss_fn)
+    # repeated blocks cost the same each: price a 1-block and a 2-block copy and extrapolate
+    depths = (1, 2) if structure.blocks and structure.n_blocks > 2 else (None,)
+    models = [model if k is None else _truncated(model, structure.blocks, k) for k in depths]
+    refs = [reference_step(m, example, loss_fn) for m in models]
     batch = example[0].shape[0]
     scored: list[Scored] = []
     for cand in enumerate_candidates(structure, shape, batch):
         entries = plan_entries(structure, cand)
         names = mesh_names_for(cand)
-        m = measure(model, shape, names, lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e), example, loss_fn, ref)
+        apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e)  # noqa: E731
+        runs = [measure(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
+        m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
         scored.append(Scored(cand, entries, m))

@@ -23,7 +23,7 @@ from ..mesh import init_device_mesh
 from ..tensor import DTensor
 from ..world import run
 
-__all__ = ["Measurement", "Reference", "measure", "reference_step"]
+__all__ = ["Measurement", "Reference", "extrapolate", "measure", "reference_step"]
 
 PARTS = ("forward + loss", "backward", "gradient sync")
 
@@ -113,3 +113,21 @@ def measure(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Refe
     out.total_rounds = max(sum(counts[p][1] for p in PARTS) for counts, _, _ in results)
     out.memory_per_rank = max(mem for _, mem, _ in results)
     return out
+
+
+def extrapolate(one: Measurement, two: Measurement, n_blocks: int) -> Measurement:
+    """The n-block model's figures from a 1-block and a 2-block copy: every block adds the same
+    collectives (same shapes, same styles), so each figure is linear in the number of blocks."""
+    if not one.feasible or not two.feasible:
+        return Measurement(error=one.error or two.error)
+
+    def line(a: int, b: int) -> int:
+        return a + (n_blocks - 1) * (b - a)
+
+    return Measurement(
+        {p: line(one.bytes_per_part[p], two.bytes_per_part[p]) for p in PARTS},
+        {p: line(one.rounds_per_part[p], two.rounds_per_part[p]) for p in PARTS},
+        line(one.total_bytes, two.total_bytes),
+        line(one.total_rounds, two.total_rounds),
+        line(one.memory_per_rank, two.memory_per_rank),
+    )

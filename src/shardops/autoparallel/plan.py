@@ -48,7 +48,7 @@ def _global_batch_slicer(mesh: DeviceMesh, dp_dims: tuple[int, ...]):
 
 
 def apply_candidate(model: nn.Module, mesh: DeviceMesh, c: Candidate, entries: list[PlanEntry]) -> nn.Module:
-    if tuple(mesh.shape) != tuple(len_ for len_ in mesh.shape) or mesh.ndim != len(c.dims):
+    if mesh.ndim != len(c.dims):
         raise ShardingError(f"autoparallel plan: made for a {len(c.dims)}-d mesh, got {mesh}")
     if c.tp_dim is not None:
         tp_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[c.tp_dim]]
