@@ -145,13 +145,21 @@ def test_autoparallel_refuses_metadata_only_meshes_clearly():
         so.autoparallel(Llama(ARGS, seed=0), (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"))
 
 
-def test_memory_limit_rules_out_plans_that_do_not_fit():
+def test_memory_limit_forces_sharded_optimizer_state_where_the_hand_plan_does_not_fit():
+    """Below the memory of every replicated-over-dp plan (the hand plan's included), the plan shards
+    parameters, gradients and AdamW states over dp (data_parallel mode="shard") and still runs exactly."""
+    make = lambda: Llama(ARGS, seed=0)  # noqa: E731
     tokens = _tokens(4, 8, ARGS.vocab_size)
-    free = so.autoparallel(Llama(ARGS, seed=0), (4,), (tokens,))
-    pure_dp_memory = next(s.measurement.memory_per_rank for s in free.considered if s.candidate.dims == ("dp",))
-    limited = so.autoparallel(Llama(ARGS, seed=0), (4,), (tokens,), memory_per_rank=pure_dp_memory - 1)
-    assert limited.chosen.measurement.memory_per_rank < pure_dp_memory
-    assert limited.candidate.tp_dim == 0
+    free = so.autoparallel(make(), (2, 2), (tokens,))
+    limit = min(s.measurement.memory_per_rank for s in free.considered if s.measurement.feasible) - 1
+    plan = so.autoparallel(make(), (2, 2), (tokens,), memory_per_rank=limit)
+    assert plan.candidate.dp_mode == "shard" and plan.chosen.measurement.memory_per_rank <= limit
+    assert 'mode="shard"' in str(plan)
+
+    ref_loss, ref_grads = _reference(make(), tokens)
+    auto = _auto_step(plan, make, tokens)
+    _check_values(auto, ref_loss, ref_grads)
+    assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
 
 
 def test_autoplan_cli_prints_the_plan(capsys):

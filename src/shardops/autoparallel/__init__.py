@@ -79,7 +79,10 @@ def autoparallel(
     refs = [reference_step(m, example, loss_fn) for m in models]
     batch = example[0].shape[0]
     scored: list[Scored] = []
-    for cand in enumerate_candidates(structure, shape, batch):
+    # FSDP-style sharding never moves fewer bytes than replication (an all_gather and a reduce_scatter
+    # per parameter against one all_reduce); it is searched only when memory is a constraint
+    dp_modes = ("replicate",) if memory_per_rank is None else ("replicate", "shard")
+    for cand in enumerate_candidates(structure, shape, batch, dp_modes):
         entries = plan_entries(structure, cand)
         names = mesh_names_for(cand)
         apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e)  # noqa: E731

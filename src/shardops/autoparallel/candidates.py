@@ -37,6 +37,7 @@ class Candidate:
     sequence_parallel: bool = False
     vocab_parallel: bool = False
     groups_tp: tuple[bool, ...] = ()
+    dp_mode: str = "replicate"  # data_parallel's mode: "shard" (FSDP-style) shards parameters and optimizer state
 
     @property
     def tp_dim(self) -> int | None:
@@ -75,7 +76,9 @@ def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int
     return (mine / dp) / (total / world)
 
 
-def enumerate_candidates(structure: ModelStructure, mesh_shape: tuple[int, ...], batch: int) -> list[Candidate]:
+def enumerate_candidates(
+    structure: ModelStructure, mesh_shape: tuple[int, ...], batch: int, dp_modes: tuple[str, ...] = ("replicate",)
+) -> list[Candidate]:
     """Every candidate for this mesh: per dim dp or tp (dp only where the batch splits evenly),
     that keeps each rank's matmul work within COMPUTE_SLACK of an even share."""
     out: list[Candidate] = []
@@ -94,14 +97,16 @@ def enumerate_candidates(structure: ModelStructure, mesh_shape: tuple[int, ...],
                 dp_ranks *= mesh_shape[d]
         if batch % dp_ranks:
             continue
+        modes = dp_modes if "dp" in dims else ("replicate",)
         if tp is None:
-            out.append(Candidate(dims))
+            out.extend(Candidate(dims, dp_mode=mode) for mode in modes)
             continue
         for sp, vocab in itertools.product((True, False), repeat=2):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
-                c = Candidate(dims, sp, vocab, groups)
-                if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK:
-                    out.append(c)
+                for mode in modes:
+                    c = Candidate(dims, sp, vocab, groups, mode)
+                    if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK:
+                        out.append(c)
     return out
 
 

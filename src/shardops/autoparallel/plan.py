@@ -55,7 +55,7 @@ def apply_candidate(model: nn.Module, mesh: DeviceMesh, c: Candidate, entries: l
         parallelize_module(model, tp_mesh, {e.key: e.make() for e in entries})
     if c.dp_dims:
         model.register_forward_pre_hook(_global_batch_slicer(mesh, c.dp_dims), with_kwargs=True, prepend=True)
-        data_parallel(model, mesh, mode="replicate")
+        data_parallel(model, mesh, mode=c.dp_mode)
     return model
 
 
@@ -116,7 +116,7 @@ class Plan:
         names = self.mesh_dim_names
         lines = [f"autoparallel plan for {self.model_name} on mesh {self.mesh_shape} {names}"]
         for d, kind in enumerate(c.dims):
-            what = "data parallel (mode='replicate', batch split)" if kind == "dp" else "tensor parallel (plan below)"
+            what = f"data parallel (mode={c.dp_mode!r}, batch split)" if kind == "dp" else "tensor parallel (plan below)"
             lines.append(f"  mesh dim {d} {names[d]!r} (size {self.mesh_shape[d]}): {what}")
         lines.append("")
         lines.append(f'mesh = so.init_device_mesh("cpu", {self.mesh_shape}, mesh_dim_names={names})')
@@ -127,7 +127,7 @@ class Plan:
                 lines.append(f"    {e.key!r}: {e.text},")
             lines.append("})")
         if c.dp_dims:
-            lines.append('data_parallel(model, mesh, mode="replicate")  # after slicing the global batch over ' +
+            lines.append(f'data_parallel(model, mesh, mode="{c.dp_mode}")  # after slicing the global batch over ' +
                          ", ".join(repr(names[d]) for d in c.dp_dims))
         lines.append("")
         lines.append(f"predicted per step, busiest rank ({self.pricing}):")
