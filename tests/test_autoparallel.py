@@ -92,8 +92,17 @@ def _check_values(results, ref_loss, ref_grads):
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
-@pytest.mark.parametrize("model_cls", [Llama, GPT2], ids=["llama", "gpt2"])
+# each model on each mesh; two of the four behind -m slow (each model and each mesh stays in the default run)
+@pytest.mark.parametrize(
+    "model_cls, mesh_shape",
+    [
+        (Llama, (4,)),
+        (GPT2, (2, 2)),
+        pytest.param(Llama, (2, 2), marks=pytest.mark.slow),
+        pytest.param(GPT2, (4,), marks=pytest.mark.slow),
+    ],
+    ids=["llama-4", "gpt2-2x2", "llama-2x2", "gpt2-4"],
+)
 def test_autoparallel_measured_equals_predicted_and_no_worse_than_hand(model_cls, mesh_shape):
     make = lambda: model_cls(ARGS, seed=0)  # noqa: E731
     tokens = _tokens(4, 8, ARGS.vocab_size)
@@ -145,6 +154,7 @@ def test_autoparallel_refuses_metadata_only_meshes_clearly():
         so.autoparallel(Llama(ARGS, seed=0), (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"))
 
 
+@pytest.mark.slow  # two searches (about 30 s)
 def test_memory_limit_forces_sharded_optimizer_state_where_the_hand_plan_does_not_fit():
     """Below the memory of every replicated-over-dp plan (the hand plan's included), the plan shards
     parameters, gradients and AdamW states over dp (data_parallel mode="shard") and still runs exactly."""
