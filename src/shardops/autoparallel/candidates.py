@@ -6,8 +6,9 @@ taken by every repeated block alike (the plan keys carry the wildcard `blocks.*`
 
 - `sequence_parallel`: the residual stream between blocks is sequence-sharded (norms under
   SequenceParallel) or replicated;
-- `vocab_parallel`: embeddings row-parallel (vocabulary-sharded tables) and the output
-  head column-parallel with vocabulary-sharded logits, or both replicated;
+- `embeddings_parallel`: embeddings row-parallel (vocabulary-sharded tables) or replicated
+  (every rank looks up its own tokens: no collective, the whole table's memory);
+- `vocab_parallel`: the output head column-parallel with vocabulary-sharded logits, or replicated;
 - one flag per Linear group of a block (attention, MLP): column/row-parallel as a pair,
   or replicated (every rank computes the group on the whole activation).
 """
@@ -35,9 +36,10 @@ __all__ = ["Candidate", "PlanEntry", "enumerate_candidates", "plan_entries"]
 class Candidate:
     dims: tuple[str, ...]  # per mesh dim: "dp" or "tp"
     sequence_parallel: bool = False
-    vocab_parallel: bool = False
+    vocab_parallel: bool = False  # the output head column-parallel with vocabulary-sharded logits
     groups_tp: tuple[bool, ...] = ()
     dp_mode: str = "replicate"  # data_parallel's mode: "shard" (FSDP-style) shards parameters and optimizer state
+    embeddings_parallel: bool = False  # the embedding tables row-parallel (vocabulary-sharded)
 
     @property
     def tp_dim(self) -> int | None:
@@ -101,10 +103,10 @@ def enumerate_candidates(
         if tp is None:
             out.extend(Candidate(dims, dp_mode=mode) for mode in modes)
             continue
-        for sp, vocab in itertools.product((True, False), repeat=2):
+        for sp, vocab, emb in itertools.product((True, False), repeat=3):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
                 for mode in modes:
-                    c = Candidate(dims, sp, vocab, groups, mode)
+                    c = Candidate(dims, sp, vocab, groups, mode, emb)
                     if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK:
                         out.append(c)
     return out
@@ -126,7 +128,7 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
         entries.append(PlanEntry(key, text, make))
 
     for emb in structure.embeddings:
-        if c.vocab_parallel:
+        if c.embeddings_parallel:
             add(emb, f"RowwiseParallel(input_layouts=Replicate(), output_layouts={s})",
                 lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
         elif c.sequence_parallel:  # whole table on every rank; the output keeps this rank's sequence shard
