@@ -190,3 +190,28 @@ def test_deep_model_priced_from_one_and_two_blocks_matches_the_whole_model():
     auto = _auto_step(plan, make, tokens)
     _check_values(auto, ref_loss, ref_grads)
     assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
+
+
+def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
+    """No repeated blocks to split: the data-parallel candidates only; a given loss_fn is priced."""
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    loss_fn = lambda out, x: ((out - y) ** 2).mean()  # noqa: E731
+    plan = so.autoparallel(net, (4,), (x,), loss_fn=loss_fn)
+    assert plan.candidate.dims == ("dp",)
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert plan.predicted_bytes == weights  # one all_reduce of every gradient: what DDP sends
+
+    ref = copy.deepcopy(net)
+    loss_fn(ref(x), x).backward()
+
+    def main():
+        model = plan.apply(copy.deepcopy(net))
+        with strict():
+            return _count_step(model, x, lambda out: loss_fn(out, x))
+
+    for sent, _, grads in so.run(main, 4):
+        assert sent == plan.predicted_bytes
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
