@@ -215,3 +215,9 @@ def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
         assert sent == plan.predicted_bytes
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_batch_that_cannot_split_is_a_clear_error():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(so.ShardingError, match="does not split evenly"):
+        so.autoparallel(net, (4,), (torch.randn(6, 4),), loss_fn=lambda out, x: out.sum())

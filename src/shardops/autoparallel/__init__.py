@@ -91,6 +91,12 @@ def autoparallel(
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
         scored.append(Scored(cand, entries, m))
+    if not scored:
+        raise ShardingError(
+            f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does not "
+            "split evenly over the data-parallel dims, and the model has no repeated blocks for tensor parallelism; "
+            "give a batch divisible by the mesh size"
+        )
     feasible = [s for s in scored if s.measurement.feasible]
     if not feasible:
         reasons = "; ".join(f"{s.candidate}: {s.measurement.error}" for s in scored[:4])
