@@ -13,6 +13,7 @@ from .explain import explain
 from . import ops as _ops  # noqa: F401  (registers strategies)
 from . import parallel
 from .parallel import distribute_module
+from .autoparallel import autoparallel  # noqa: E402  (the function; the package stays importable by its full name)
 
 __all__ = [
     "CollectiveError", "CommDebugMode", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",

@@ -1,0 +1,105 @@
+"""so.autoparallel: choose a model's whole parallelization plan by its bytes per training step.
+
+    plan = so.autoparallel(model, (2, 2), (tokens,))
+    print(plan)                      # the parallelize_module dict + data_parallel a person would write
+    so.run(lambda: train(plan.apply(Llama(args))), 4)
+
+Search: per mesh dim data or tensor parallelism; on the tensor-parallel dim one style per
+kind of module (sequence parallelism, vocabulary parallelism, column/row-parallel or
+replicated per Linear group), decided once for a block and reused by every repeated block
+(candidates.py). Every candidate is priced by running its step (measure.py) and must give
+single-device values; the fewest bytes on the busiest rank win, then the fewest rounds, then
+the least memory.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..cost import resolve_links
+from ..errors import ShardingError
+from ..mesh import DeviceMesh
+from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
+from .measure import extrapolate, measure, reference_step
+from .plan import Plan, Scored, apply_candidate, mesh_names_for
+from .structure import find_structure
+
+__all__ = ["Plan", "autoparallel", "language_model_loss"]
+
+MAX_RUNNABLE_RANKS = 16  # pricing runs the step on a threads world of this many ranks at most
+
+
+def language_model_loss(output: torch.Tensor, tokens: torch.Tensor, *rest) -> torch.Tensor:
+    """Next-token cross-entropy of a language model called on token ids."""
+    return F.cross_entropy(output[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _truncated(model: nn.Module, blocks: str, k: int) -> nn.Module:
+    """A copy of `model` with its first `k` repeated blocks only (the forward loops over the container)."""
+    copy_ = copy.deepcopy(model)
+    container = getattr(copy_, blocks)
+    if isinstance(container, nn.ModuleDict):
+        setattr(copy_, blocks, nn.ModuleDict(dict(list(container.items())[:k])))
+    else:
+        setattr(copy_, blocks, nn.ModuleList(list(container)[:k]))
+    return copy_
+
+
+def autoparallel(
+    model: nn.Module,
+    mesh: DeviceMesh | Sequence[int],
+    example_inputs: tuple | torch.Tensor,
+    *,
+    loss_fn: Callable | None = None,
+    links=None,
+    memory_per_rank: int | None = None,
+) -> Plan:
+    """The plan with the fewest bytes per step on the busiest rank (see module doc). Call it outside
+    `so.run`, with the global example batch; apply the plan inside, on every rank."""
+    shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
+    example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    resolve_links(links, len(shape))  # validated; the objective is bytes, which do not depend on links
+    if math.prod(shape) > MAX_RUNNABLE_RANKS or any(isinstance(t, torch.Tensor) and t.is_meta for t in example) or any(
+        p.is_meta for p in model.parameters()
+    ):
+        raise ShardingError(
+            f"autoparallel: mesh {shape} with meta tensors or more than {MAX_RUNNABLE_RANKS} ranks needs metadata-only "
+            "pricing, which is not implemented yet; plans are priced by running one step on the threads world"
+        )
+    loss_fn = loss_fn or language_model_loss
+    structure = find_structure(model, example)
+    # repeated blocks cost the same each: price a 1-block and a 2-block copy and extrapolate
+    depths = (1, 2) if structure.blocks and structure.n_blocks > 2 else (None,)
+    models = [model if k is None else _truncated(model, structure.blocks, k) for k in depths]
+    refs = [reference_step(m, example, loss_fn) for m in models]
+    batch = example[0].shape[0]
+    scored: list[Scored] = []
+    # FSDP-style sharding never moves fewer bytes than replication (an all_gather and a reduce_scatter
+    # per parameter against one all_reduce); it is searched only when memory is a constraint
+    dp_modes = ("replicate",) if memory_per_rank is None else ("replicate", "shard")
+    for cand in enumerate_candidates(structure, shape, batch, dp_modes):
+        entries = plan_entries(structure, cand)
+        names = mesh_names_for(cand)
+        apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e)  # noqa: E731
+        runs = [measure(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
+        m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
+        if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
+            m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
+        scored.append(Scored(cand, entries, m))
+    if not scored:
+        raise ShardingError(
+            f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does not "
+            "split evenly over the data-parallel dims, and the model has no repeated blocks for tensor parallelism; "
+            "give a batch divisible by the mesh size"
+        )
+    feasible = [s for s in scored if s.measurement.feasible]
+    if not feasible:
+        reasons = "; ".join(f"{s.candidate}: {s.measurement.error}" for s in scored[:4])
+        raise ShardingError(f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})")
+    best = min(feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank))
+    return Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape))

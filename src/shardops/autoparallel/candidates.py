@@ -1,0 +1,171 @@
+"""The plans the search chooses among, as a person would write them.
+
+A candidate fixes, per mesh dim, data parallelism or tensor parallelism (at most one
+tensor-parallel dim), and on the tensor-parallel dim one choice per *kind* of module,
+taken by every repeated block alike (the plan keys carry the wildcard `blocks.*`):
+
+- `sequence_parallel`: the residual stream between blocks is sequence-sharded (norms under
+  SequenceParallel) or replicated;
+- `embeddings_parallel`: embeddings row-parallel (vocabulary-sharded tables) or replicated
+  (every rank looks up its own tokens: no collective, the whole table's memory);
+- `vocab_parallel`: the output head column-parallel with vocabulary-sharded logits, or replicated;
+- one flag per Linear group of a block (attention, MLP): column/row-parallel as a pair,
+  or replicated (every rank computes the group on the whole activation).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+from ..parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from ..placements import Replicate, Shard
+from .structure import ModelStructure
+
+__all__ = ["Candidate", "PlanEntry", "enumerate_candidates", "plan_entries"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dims: tuple[str, ...]  # per mesh dim: "dp" or "tp"
+    sequence_parallel: bool = False
+    vocab_parallel: bool = False  # the output head column-parallel with vocabulary-sharded logits
+    groups_tp: tuple[bool, ...] = ()
+    dp_mode: str = "replicate"  # data_parallel's mode: "shard" (FSDP-style) shards parameters and optimizer state
+    embeddings_parallel: bool = False  # the embedding tables row-parallel (vocabulary-sharded)
+
+    @property
+    def tp_dim(self) -> int | None:
+        return self.dims.index("tp") if "tp" in self.dims else None
+
+    @property
+    def dp_dims(self) -> tuple[int, ...]:
+        return tuple(d for d, kind in enumerate(self.dims) if kind == "dp")
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    key: str  # parallelize_module plan key, wildcards folded
+    text: str  # the style as a person writes it
+    make: Callable[[], object]  # a fresh style object (styles keep per-application state)
+
+
+# A candidate may leave a rank at most this multiple of its even share of the model's matmul work
+# (replicating a small output head is fine; replicating a block's attention is not parallelism).
+# Without it, "every rank computes everything" would win on bytes: it moves nothing.
+COMPUTE_SLACK = 1.25
+
+
+def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int, ...]) -> float:
+    """The busiest rank's Linear work (weights x tokens) over an even split of the whole model's."""
+    world = 1
+    for size in mesh_shape:
+        world *= size
+    dp = world // (mesh_shape[c.tp_dim] if c.tp_dim is not None else 1)
+    tp = world // dp
+    total = structure.n_blocks * sum(g.weights for g in structure.groups) + structure.head_weights
+    if total == 0:
+        return 1.0
+    mine = structure.n_blocks * sum(g.weights / (tp if on else 1) for g, on in zip(structure.groups, c.groups_tp or (False,) * len(structure.groups)))
+    mine += structure.head_weights / (tp if c.vocab_parallel else 1)
+    return (mine / dp) / (total / world)
+
+
+def enumerate_candidates(
+    structure: ModelStructure, mesh_shape: tuple[int, ...], batch: int, dp_modes: tuple[str, ...] = ("replicate",)
+) -> list[Candidate]:
+    """Every candidate for this mesh: per dim dp or tp (dp only where the batch splits evenly),
+    that keeps each rank's matmul work within COMPUTE_SLACK of an even share."""
+    out: list[Candidate] = []
+    # the last dim first: ties then go to (dp, tp), the usual order (tp on the innermost, fastest links)
+    tp_choices = list(reversed(range(len(mesh_shape)))) if structure.transformer else []
+    sizes_seen: set[int] = set()
+    for tp in [None, *tp_choices]:
+        if tp is not None:
+            if mesh_shape[tp] in sizes_seen:
+                continue  # tensor parallelism on another dim of the same size moves the same bytes
+            sizes_seen.add(mesh_shape[tp])
+        dims = tuple("tp" if d == tp else "dp" for d in range(len(mesh_shape)))
+        dp_ranks = 1
+        for d, kind in enumerate(dims):
+            if kind == "dp":
+                dp_ranks *= mesh_shape[d]
+        if batch % dp_ranks:
+            continue
+        modes = dp_modes if "dp" in dims else ("replicate",)
+        if tp is None:
+            out.extend(Candidate(dims, dp_mode=mode) for mode in modes)
+            continue
+        for sp, vocab, emb in itertools.product((True, False), repeat=3):
+            for groups in itertools.product((True, False), repeat=len(structure.groups)):
+                for mode in modes:
+                    c = Candidate(dims, sp, vocab, groups, mode, emb)
+                    if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK:
+                        out.append(c)
+    return out
+
+
+def _place(p) -> str:
+    return "Shard(1)" if p == Shard(1) else "Replicate()" if p == Replicate() else repr(p)
+
+
+def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
+    """The parallelize_module plan of a candidate (empty for pure data parallelism)."""
+    if c.tp_dim is None:
+        return []
+    seq = Shard(1) if c.sequence_parallel else Replicate()
+    s = _place(seq)
+    entries: list[PlanEntry] = []
+
+    def add(key, text, make):
+        entries.append(PlanEntry(key, text, make))
+
+    for emb in structure.embeddings:
+        if c.embeddings_parallel:
+            add(emb, f"RowwiseParallel(input_layouts=Replicate(), output_layouts={s})",
+                lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
+        elif c.sequence_parallel:  # whole table on every rank; the output keeps this rank's sequence shard
+            add(emb, "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))",
+                lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+    if c.vocab_parallel:
+        add(structure.head, f"ColwiseParallel(input_layouts={s}, output_layouts=Shard(-1), use_local_output=False)",
+            lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False))
+    else:
+        add(structure.head,
+            f"PrepareModuleInputOutput(input_layouts={s}, desired_input_layouts=Replicate(), use_local_input=True, "
+            "output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False)",
+            lambda: PrepareModuleInputOutput(input_layouts=seq, desired_input_layouts=Replicate(), use_local_input=True,
+                                             output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False))
+    if c.sequence_parallel:
+        for norm in structure.final_norms:
+            add(norm, "SequenceParallel()", SequenceParallel)
+    block = f"{structure.blocks}.*"
+    for norm in structure.block_norms if c.sequence_parallel else ():
+        add(f"{block}.{norm}", "SequenceParallel()", SequenceParallel)
+    for group, tp in zip(structure.groups, c.groups_tp):
+        rest = (None,) * (group.n_inputs - 1)
+        ins, want = (seq, *rest), (Replicate(), *rest)
+        ins_t = "(" + ", ".join([s, *["None"] * len(rest)]) + ("," if not rest else "") + ")"
+        want_t = "(" + ", ".join(["Replicate()", *["None"] * len(rest)]) + ("," if not rest else "") + ")"
+        key = f"{block}.{group.name}"
+        if tp:
+            add(key, f"PrepareModuleInput(input_layouts={ins_t}, desired_input_layouts={want_t})",
+                lambda ins=ins, want=want: PrepareModuleInput(input_layouts=ins, desired_input_layouts=want))
+            for lin in group.colwise:
+                add(f"{key}.{lin}", "ColwiseParallel()", ColwiseParallel)
+            add(f"{key}.{group.rowwise}", f"RowwiseParallel(output_layouts={s})", lambda: RowwiseParallel(output_layouts=seq))
+        elif c.sequence_parallel:  # the whole group on every rank, on the gathered sequence; its output re-sliced
+            add(key,
+                f"PrepareModuleInputOutput(input_layouts={ins_t}, desired_input_layouts={want_t}, use_local_input=True, "
+                "output_layouts=Replicate(), desired_output_layouts=Shard(1))",
+                lambda ins=ins, want=want: PrepareModuleInputOutput(
+                    input_layouts=ins, desired_input_layouts=want, use_local_input=True,
+                    output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+    return entries

@@ -1,0 +1,140 @@
+"""Pricing a candidate: one forward + loss + backward + gradient resolution on the threads
+world, counted with CommDebugMode on every rank, the values checked against single-device torch.
+
+Pricing by running the step (rather than by a separate formula) makes the prediction the
+very figure the applied plan produces on the same global batch: shardops' planner chooses
+every op's layout from metadata, deterministically, so the step's collectives depend on
+shapes, placements and the link model only, never on values or timing.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..mesh import init_device_mesh
+from ..tensor import DTensor
+from ..world import run
+
+__all__ = ["Measurement", "Reference", "extrapolate", "measure", "reference_step"]
+
+PARTS = ("forward + loss", "backward", "gradient sync")
+
+
+@dataclass
+class Measurement:
+    bytes_per_part: dict[str, int] = field(default_factory=dict)  # busiest rank per part
+    rounds_per_part: dict[str, int] = field(default_factory=dict)
+    total_bytes: int = 0  # busiest rank over the whole step
+    total_rounds: int = 0
+    memory_per_rank: int = 0  # parameters + gradients + AdamW's two states, largest rank
+    error: str | None = None  # why the candidate cannot be used (raised, fell back, or wrong values)
+
+    @property
+    def feasible(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Reference:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+
+
+def reference_step(model: nn.Module, example: tuple, loss_fn: Callable) -> Reference:
+    ref = copy.deepcopy(model)
+    loss = loss_fn(ref(*example), *example)
+    loss.backward()
+    return Reference(loss.detach(), {n: None if p.grad is None else p.grad.detach() for n, p in ref.named_parameters()})
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _public(name: str):
+    """A public shardops name (so.CommDebugMode, so.FallbackWarning), looked up when used: the public
+    entry points stay put while the modules behind them move, and the package imports this one first."""
+    import shardops
+
+    return getattr(shardops, name)
+
+
+def _rank_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference):
+    CommDebugMode = _public("CommDebugMode")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
+    m = copy.deepcopy(model)
+    apply_fn(m, mesh)
+    with CommDebugMode() as fwd:
+        loss = loss_fn(m(*example), *example)
+    with CommDebugMode() as bwd:
+        loss.backward()
+    with CommDebugMode() as sync, torch.no_grad():
+        for p in m.parameters():
+            if isinstance(p.grad, DTensor):
+                p.grad.to_local()  # the first read resolves a pending gradient to its parameter's layout
+    memory = 0
+    for p in m.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        memory += 4 * local.numel() * local.element_size()
+    counts = {
+        part: (c.get_total_bytes(), c.get_rounds()) for part, c in zip(PARTS, (fwd, bwd, sync))
+    }
+    with torch.no_grad():
+        error = _compare(m, _full(loss.detach()), ref)
+    return counts, memory, error
+
+
+def _compare(m: nn.Module, loss: torch.Tensor, ref: Reference) -> str | None:
+    if not torch.allclose(loss, ref.loss, rtol=1e-4, atol=1e-5):
+        return f"loss {loss.item():.6g} differs from single-device {ref.loss.item():.6g}"
+    for name, p in m.named_parameters():
+        want = ref.grads.get(name)
+        got = None if p.grad is None else _full(p.grad)
+        if (want is None) != (got is None):
+            return f"gradient of {name} is {'missing' if got is None else 'unexpected'}"
+        if want is not None and not torch.allclose(got, want, rtol=1e-3, atol=1e-5):
+            return f"gradient of {name} differs from single-device"
+    return None
+
+
+def measure(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference) -> Measurement:
+    """Run the candidate's step on a threads world of the mesh's size; errors make it infeasible."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", _public("FallbackWarning"))  # a plan that only works by gathering is not a plan
+            results = run(_rank_step, math.prod(mesh_shape), model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref)
+    except Exception as exc:  # noqa: BLE001  (any failure of a candidate rules it out, with its reason)
+        return Measurement(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    errors = [e for _, _, e in results if e]
+    out = Measurement(error=errors[0] if errors else None)
+    for part in PARTS:
+        out.bytes_per_part[part] = max(counts[part][0] for counts, _, _ in results)
+        out.rounds_per_part[part] = max(counts[part][1] for counts, _, _ in results)
+    out.total_bytes = max(sum(counts[p][0] for p in PARTS) for counts, _, _ in results)
+    out.total_rounds = max(sum(counts[p][1] for p in PARTS) for counts, _, _ in results)
+    out.memory_per_rank = max(mem for _, mem, _ in results)
+    return out
+
+
+def extrapolate(one: Measurement, two: Measurement, n_blocks: int) -> Measurement:
+    """The n-block model's figures from a 1-block and a 2-block copy: every block adds the same
+    collectives (same shapes, same styles), so each figure is linear in the number of blocks."""
+    if not one.feasible or not two.feasible:
+        return Measurement(error=one.error or two.error)
+
+    def line(a: int, b: int) -> int:
+        return a + (n_blocks - 1) * (b - a)
+
+    return Measurement(
+        {p: line(one.bytes_per_part[p], two.bytes_per_part[p]) for p in PARTS},
+        {p: line(one.rounds_per_part[p], two.rounds_per_part[p]) for p in PARTS},
+        line(one.total_bytes, two.total_bytes),
+        line(one.total_rounds, two.total_rounds),
+        line(one.memory_per_rank, two.memory_per_rank),
+    )

@@ -1,0 +1,102 @@
+"""What the search needs to know about a model: its repeated blocks, the Linear groups inside
+a block, the norms, the embeddings and the output head, and how many positional inputs each
+module is called with (recorded on one single-device forward of the example)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+__all__ = ["LinearGroup", "ModelStructure", "find_structure"]
+
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+@dataclass(frozen=True)
+class LinearGroup:
+    """A module of a block holding Linears that can go tensor-parallel as a pair: the `colwise`
+    ones split their output features, `rowwise` takes those features back to the model dim."""
+
+    name: str  # relative to the block, e.g. "attention"
+    colwise: tuple[str, ...]
+    rowwise: str
+    n_inputs: int  # positional inputs it is called with (the first is the residual stream)
+    weights: int  # in_features * out_features summed over its Linears (matmul work per token)
+
+
+@dataclass
+class ModelStructure:
+    blocks: str | None  # the container of repeated blocks ("layers", "h"), None if there is none
+    n_blocks: int = 0
+    groups: list[LinearGroup] = field(default_factory=list)
+    block_norms: list[str] = field(default_factory=list)
+    embeddings: list[str] = field(default_factory=list)
+    head: str | None = None
+    head_weights: int = 0
+    final_norms: list[str] = field(default_factory=list)
+
+    @property
+    def transformer(self) -> bool:
+        """Whether the tensor-parallel templates apply: blocks with Linear groups, embeddings and a head."""
+        return bool(self.blocks and self.groups and self.embeddings and self.head)
+
+
+def _call_arity(model: nn.Module, example_inputs: tuple) -> dict[str, int]:
+    """Positional-input counts per module name, from one forward of the example without gradients."""
+    arity: dict[str, int] = {}
+    handles = []
+    for name, sub in model.named_modules():
+        handles.append(sub.register_forward_pre_hook(lambda m, args, name=name: arity.setdefault(name, len(args)) and None))
+    try:
+        with torch.no_grad():
+            model(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return arity
+
+
+def _rowwise_of(linears: dict[str, nn.Linear]) -> str:
+    """The Linear that maps the group's features back to its input width (the first Linear's
+    in_features): the one of another shape than the first (SwiGLU's w2, GPT-2's c_proj), or, if
+    every shape is alike (q, k, v, o), the last one."""
+    names = list(linears)
+    width = linears[names[0]].in_features
+    back = [n for n in names[1:] if linears[n].out_features == width]
+    reshaped = [n for n in back if linears[n].in_features != width]
+    return reshaped[0] if reshaped else back[-1] if back else names[-1]
+
+
+def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
+    arity = _call_arity(model, example_inputs)
+    structure = ModelStructure(blocks=None)
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0:
+            kids = list(child.children())
+            if len({type(k) for k in kids}) == 1 and structure.blocks is None:
+                structure.blocks, structure.n_blocks = name, len(kids)
+                first_name = next(iter(dict(child.named_children())))
+                _read_block(structure, kids[0], f"{name}.{first_name}", arity)
+        elif isinstance(child, nn.Embedding):
+            structure.embeddings.append(name)
+        elif isinstance(child, nn.Linear):
+            structure.head, structure.head_weights = name, child.in_features * child.out_features  # the last top-level Linear
+        elif isinstance(child, NORMS):
+            structure.final_norms.append(name)
+    return structure
+
+
+def _read_block(structure: ModelStructure, block: nn.Module, path: str, arity: dict[str, int]) -> None:
+    for name, child in block.named_children():
+        if isinstance(child, NORMS):
+            structure.block_norms.append(name)
+            continue
+        linears = {n: c for n, c in child.named_children() if isinstance(c, nn.Linear)}
+        if len(linears) >= 2 and len(linears) == len(list(child.children())) - sum(
+            1 for c in child.children() if isinstance(c, nn.Dropout)
+        ):
+            rowwise = _rowwise_of(linears)
+            colwise = tuple(n for n in linears if n != rowwise)
+            weights = sum(c.in_features * c.out_features for c in linears.values())
+            structure.groups.append(LinearGroup(name, colwise, rowwise, arity.get(f"{path}.{name}", 1), weights))

@@ -1,0 +1,223 @@
+"""so.autoparallel: the chosen plan's measured bytes per step equal its prediction, it moves no
+more than the hand plan of docs/parallel.md, and it gives single-device values in strict mode."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardops as so
+from shardops import DTensor
+from shardops.autoparallel import language_model_loss
+from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
+from shardops.parallel import data_parallel, loss_parallel, parallelize_module
+
+from parallel_harness import strict
+
+ARGS = ModelArgs()
+HAND = {Llama: llama_plan, GPT2: gpt2_plan}
+
+
+def _tokens(batch: int, seq: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def _reference(model, tokens):
+    model = copy.deepcopy(model)
+    loss = language_model_loss(model(tokens), tokens)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _count_step(model, feed, loss_of):
+    """Bytes this rank sends in forward + loss + backward + resolving every gradient; the values."""
+    with so.CommDebugMode() as fwd:
+        loss = loss_of(model(feed))
+    with so.CommDebugMode() as bwd:
+        loss.backward()
+    with so.CommDebugMode() as sync, torch.no_grad():
+        for p in model.parameters():
+            if isinstance(p.grad, DTensor):
+                p.grad.to_local()
+    sent = fwd.get_total_bytes() + bwd.get_total_bytes() + sync.get_total_bytes()
+    with torch.no_grad():
+        return sent, _full(loss.detach()), {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+def _auto_step(plan, make, tokens):
+    def main():
+        model = plan.apply(make())
+        with strict():
+            return _count_step(model, tokens, lambda out: language_model_loss(out, tokens))
+
+    return so.run(main, plan.mesh_shape[0] * (plan.mesh_shape[1] if len(plan.mesh_shape) > 1 else 1))
+
+
+def _hand_step(make, hand_plan, mesh_shape, tokens):
+    """The hand plan as docs/parallel.md applies it: tp on the last dim, data_parallel on the first."""
+
+    def main():
+        model = make()
+        if len(mesh_shape) == 1:
+            mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",))
+            parallelize_module(model, mesh, hand_plan())
+            feed = tokens
+        else:
+            mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh["tp"], hand_plan())
+            data_parallel(model, mesh, mode="replicate")
+            feed = tokens.chunk(mesh_shape[0])[mesh.get_coordinate()[0]]
+
+        def loss_of(out):
+            with loss_parallel():  # a plain target is this rank's batch shard, as the docs' loop feeds it
+                return F.cross_entropy(out[:, :-1].flatten(0, 1), feed[:, 1:].flatten())
+
+        with strict():
+            return _count_step(model, feed, loss_of)
+
+    return so.run(main, mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1))
+
+
+def _check_values(results, ref_loss, ref_grads):
+    for _, loss, grads in results:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+# each model on each mesh; two of the four behind -m slow (each model and each mesh stays in the default run)
+@pytest.mark.parametrize(
+    "model_cls, mesh_shape",
+    [
+        (Llama, (4,)),
+        (GPT2, (2, 2)),
+        pytest.param(Llama, (2, 2), marks=pytest.mark.slow),
+        pytest.param(GPT2, (4,), marks=pytest.mark.slow),
+    ],
+    ids=["llama-4", "gpt2-2x2", "llama-2x2", "gpt2-4"],
+)
+def test_autoparallel_measured_equals_predicted_and_no_worse_than_hand(model_cls, mesh_shape):
+    make = lambda: model_cls(ARGS, seed=0)  # noqa: E731
+    tokens = _tokens(4, 8, ARGS.vocab_size)
+    ref_loss, ref_grads = _reference(make(), tokens)
+    plan = so.autoparallel(make(), mesh_shape, (tokens,))
+
+    auto = _auto_step(plan, make, tokens)
+    _check_values(auto, ref_loss, ref_grads)
+    measured = max(sent for sent, _, _ in auto)
+    assert measured == plan.predicted_bytes  # the issue allows 1%; pricing runs the same step, so exact
+
+    hand = _hand_step(make, HAND[model_cls], mesh_shape, tokens)
+    _check_values(hand, ref_loss, ref_grads)
+    hand_bytes = max(sent for sent, _, _ in hand)
+    assert measured <= hand_bytes, (measured, hand_bytes, str(plan))
+
+
+def test_autoparallel_pure_data_parallel_beats_hand_plan_on_8_ranks():
+    """A tiny model with a large batch on (8,): gradient all-reduces are smaller than the
+    activations tensor parallelism moves, so the plan is pure data parallelism."""
+    args = ModelArgs(dim=16, n_heads=8, hidden_dim=32, vocab_size=32, n_layers=1, max_seq_len=32)
+    make = lambda: Llama(args, seed=0)  # noqa: E731
+    tokens = _tokens(16, 32, args.vocab_size)
+    ref_loss, ref_grads = _reference(make(), tokens)
+    plan = so.autoparallel(make(), (8,), (tokens,))
+    assert plan.candidate.dims == ("dp",) and plan.parallelize_plan == {}
+
+    auto = _auto_step(plan, make, tokens)
+    _check_values(auto, ref_loss, ref_grads)
+    measured = max(sent for sent, _, _ in auto)
+    assert measured == plan.predicted_bytes
+    hand_bytes = max(sent for sent, _, _ in _hand_step(make, llama_plan, (8,), tokens))
+    assert hand_bytes >= 3 * measured, (hand_bytes, measured)  # docs/autoparallel.md states the factor
+
+
+def test_plan_prints_the_code_and_explains_each_module():
+    tokens = _tokens(4, 8, ARGS.vocab_size)
+    plan = so.autoparallel(Llama(ARGS, seed=0), (4,), (tokens,))
+    text = str(plan)
+    assert "parallelize_module(model, mesh, {" in text and "'layers.*.attention.wq': ColwiseParallel()" in text
+    assert "gradient sync" in text and f"{plan.predicted_bytes:,}" in text
+    explained = plan.explain()
+    assert "layers.*.feed_forward.w2" in explained and "runner-up" in explained
+
+
+def test_autoparallel_refuses_metadata_only_meshes_clearly():
+    tokens = _tokens(4, 8, ARGS.vocab_size)
+    with pytest.raises(so.ShardingError, match="metadata-only"):
+        so.autoparallel(Llama(ARGS, seed=0), (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"))
+
+
+@pytest.mark.slow  # two searches (about 30 s)
+def test_memory_limit_forces_sharded_optimizer_state_where_the_hand_plan_does_not_fit():
+    """Below the memory of every replicated-over-dp plan (the hand plan's included), the plan shards
+    parameters, gradients and AdamW states over dp (data_parallel mode="shard") and still runs exactly."""
+    make = lambda: Llama(ARGS, seed=0)  # noqa: E731
+    tokens = _tokens(4, 8, ARGS.vocab_size)
+    free = so.autoparallel(make(), (2, 2), (tokens,))
+    limit = min(s.measurement.memory_per_rank for s in free.considered if s.measurement.feasible) - 1
+    plan = so.autoparallel(make(), (2, 2), (tokens,), memory_per_rank=limit)
+    assert plan.candidate.dp_mode == "shard" and plan.chosen.measurement.memory_per_rank <= limit
+    assert 'mode="shard"' in str(plan)
+
+    ref_loss, ref_grads = _reference(make(), tokens)
+    auto = _auto_step(plan, make, tokens)
+    _check_values(auto, ref_loss, ref_grads)
+    assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
+
+
+def test_autoplan_cli_prints_the_plan(capsys):
+    from shardops.cli import main
+
+    assert main(["autoplan", "--model", "gpt2", "--mesh", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "parallelize_module(model, mesh, {" in out and "'h.*.mlp.c_fc': ColwiseParallel()" in out
+
+
+def test_deep_model_priced_from_one_and_two_blocks_matches_the_whole_model():
+    """Four blocks priced from 1- and 2-block copies: the applied plan on all four measures the same."""
+    args = ModelArgs(n_layers=4)
+    make = lambda: GPT2(args, seed=0)  # noqa: E731
+    tokens = _tokens(4, 8, args.vocab_size)
+    ref_loss, ref_grads = _reference(make(), tokens)
+    plan = so.autoparallel(make(), (2, 2), (tokens,))
+    auto = _auto_step(plan, make, tokens)
+    _check_values(auto, ref_loss, ref_grads)
+    assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
+
+
+def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
+    """No repeated blocks to split: the data-parallel candidates only; a given loss_fn is priced."""
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    loss_fn = lambda out, x: ((out - y) ** 2).mean()  # noqa: E731
+    plan = so.autoparallel(net, (4,), (x,), loss_fn=loss_fn)
+    assert plan.candidate.dims == ("dp",)
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert plan.predicted_bytes == weights  # one all_reduce of every gradient: what DDP sends
+
+    ref = copy.deepcopy(net)
+    loss_fn(ref(x), x).backward()
+
+    def main():
+        model = plan.apply(copy.deepcopy(net))
+        with strict():
+            return _count_step(model, x, lambda out: loss_fn(out, x))
+
+    for sent, _, grads in so.run(main, 4):
+        assert sent == plan.predicted_bytes
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_batch_that_cannot_split_is_a_clear_error():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(so.ShardingError, match="does not split evenly"):
+        so.autoparallel(net, (4,), (torch.randn(6, 4),), loss_fn=lambda out, x: out.sum())
