@@ -10,11 +10,11 @@ from .world import run
 from .interop import from_torch, to_torch
 from .explain import explain
 from . import ops as _ops  # noqa: F401  (registers strategies)
-from . import parallel
+from . import checkpoint, parallel
 from .parallel import distribute_module
 
 __all__ = [
-    "CollectiveError", "CommDebugMode", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
+    "CollectiveError", "CommDebugMode", "checkpoint", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
     "Partial", "Placement", "Replicate", "Shard", "ShardingError", "StridedShard", "distribute_module", "distribute_tensor", "explain",
     "from_local", "from_torch", "init_device_mesh", "parallel", "run", "set_debug", "set_links", "set_strict", "to_torch",
 ]

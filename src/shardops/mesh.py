@@ -45,6 +45,12 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return hash(self._key)
 
+    def __reduce__(self) -> tuple:
+        # its description only: an unpickled mesh attaches to the world it is used in (checkpoint/pickling)
+        from .checkpoint.pickling import reduce_mesh
+
+        return reduce_mesh(self)
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self._ranks.tolist()}{names})"

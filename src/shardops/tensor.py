@@ -141,9 +141,27 @@ class DTensor(torch.Tensor):
             check_same_everywhere(dt, "from_local(run_check=True)")
         return dt
 
-    # torch.Tensor niceties that must not reach dispatch with Python-level args
-    def __reduce_ex__(self, proto):  # pragma: no cover
-        raise ShardingError("DTensor cannot be pickled; pickle dt.to_local() and its placements instead")
+    # -- persistence (shardops/checkpoint): pickling as torch's DTensor pickles (this rank's shard and
+    # layout), and the tensor-subclass hooks torch.distributed.checkpoint's planner calls
+    def __reduce_ex__(self, proto):
+        from .checkpoint.pickling import reduce_dtensor
+
+        return reduce_dtensor(self)
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        from .checkpoint.chunks import create_write_items
+
+        return create_write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list:
+        from .checkpoint.chunks import create_chunk_list
+
+        return create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        from .checkpoint.chunks import get_tensor_shard
+
+        return get_tensor_shard(self, index)
 
 
 # ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
