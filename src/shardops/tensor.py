@@ -187,6 +187,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     key = tuple(key)
     decision = core._CACHE.get(key)
     if decision is None:
+        if func is _COPY and _across_meshes(args):
+            from .remesh import copy_across_meshes  # load_state_dict from a model on another mesh or plan
+
+            return copy_across_meshes(args[0], args[1])
         kwargs = kwargs or _NO_KWARGS
         decomposition = DECOMPOSITIONS.get(func)  # never cached: these always come this way
         if decomposition is not None:
@@ -223,6 +227,13 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     specs = iter(core.output_specs(decision, out_leaves))
     wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
     return pytree.tree_unflatten(wrapped, out_tree)
+
+
+_COPY = torch.ops.aten.copy_.default
+
+
+def _across_meshes(args: tuple) -> bool:
+    return len(args) >= 2 and isinstance(args[0], DTensor) and isinstance(args[1], DTensor) and args[0]._spec.mesh != args[1]._spec.mesh
 
 
 def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int]) -> bool:

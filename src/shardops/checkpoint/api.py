@@ -43,21 +43,56 @@ def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)) and not isinstance(obj, torch.Tensor)
 
 
+def _owner(opt: torch.optim.Optimizer, state: Mapping[str, Any]) -> torch.nn.Module | None:
+    """The module in `state` that holds every parameter of `opt` (its keys then follow torch's FQN convention)."""
+    wanted = {id(p) for g in opt.param_groups for p in g["params"]}
+    for obj in state.values():
+        if isinstance(obj, torch.nn.Module) and wanted <= {id(p) for p in obj.parameters()}:
+            return obj
+    return None
+
+
 def _save_view(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What gets saved for each name: torch's get_model_state_dict / get_optimizer_state_dict conventions
+    (FQN keys) for modules and their optimizers, `state_dict()` for other stateful objects."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     if not isinstance(state, Mapping):
         raise ShardingError(f"checkpoint.save: state must map names to tensors, state dicts or objects with state_dict(); got {type(state).__name__}")
-    return {name: obj.state_dict() if _is_stateful(obj) else obj for name, obj in state.items()}
+    out = {}
+    for name, obj in state.items():
+        owner = _owner(obj, state) if isinstance(obj, torch.optim.Optimizer) else None
+        if owner is not None:
+            out[name] = get_optimizer_state_dict(owner, obj)
+        elif isinstance(obj, torch.nn.Module):
+            out[name] = get_model_state_dict(obj)
+        else:
+            out[name] = obj.state_dict() if _is_stateful(obj) else obj
+    return out
 
 
 def _load_view(state: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(state, Mapping):
         raise ShardingError(f"checkpoint.load: state must map names to tensors, state dicts or objects with load_state_dict(); got {type(state).__name__}")
-    out = {}
-    for name, obj in state.items():
+    for obj in state.values():
         if isinstance(obj, torch.optim.Optimizer):
-            init_optimizer_state(obj)
-        out[name] = obj.state_dict() if _is_stateful(obj) else obj
-    return out
+            init_optimizer_state(obj)  # an optimizer that never stepped gets state to load into
+    return _save_view(state)
+
+
+def _restore(state: MutableMapping[str, Any], targets: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    for name, obj in state.items():
+        owner = _owner(obj, state) if isinstance(obj, torch.optim.Optimizer) else None
+        if owner is not None:
+            set_optimizer_state_dict(owner, obj, targets[name])
+        elif isinstance(obj, torch.nn.Module):
+            set_model_state_dict(obj, targets[name])
+        elif _is_stateful(obj):
+            obj.load_state_dict(targets[name])
+        elif not isinstance(obj, torch.Tensor) and targets[name] is not obj:
+            state[name] = targets[name]  # a plain top-level value (an int, a string) comes back here
 
 
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -196,8 +231,4 @@ def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_byt
     directory = checkpoint_dir(path)
     targets = _load_view(state)
     load_state_dict(targets, directory, buffer_bytes)
-    for name, obj in state.items():
-        if _is_stateful(obj):
-            obj.load_state_dict(targets[name])
-        elif not isinstance(obj, torch.Tensor) and targets[name] is not obj:
-            state[name] = targets[name]  # a plain top-level value (an int, a string) comes back here
+    _restore(state, targets)
