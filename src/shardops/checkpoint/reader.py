@@ -10,6 +10,7 @@ Peak extra memory per rank: that buffer (plus the archive directories, a few KB)
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 from torch.futures import Future
@@ -91,17 +92,28 @@ def _span_bytes(saved: SavedTensor, start: Sequence[int], lengths: Sequence[int]
     return _span_elements(saved, start, lengths)[1] * saved.itemsize
 
 
+# Runs shorter than this are read as part of a wider span (fewer, larger reads) even where the
+# span holds bytes the box does not need; longer runs are read one by one, exactly.
+SMALL_RUN_BYTES = 4096
+
+
 def copy_box(stream: IO[bytes], saved: SavedTensor, start: list[int], lengths: list[int], dst: torch.Tensor, buf: bytearray, name: str) -> int:
     """Copy the box [start, start + lengths) of the saved tensor into `dst`; the bytes read.
 
-    A box whose storage span fits the buffer is one read; a larger one is cut along its
-    outermost (largest-stride) dim into slabs that fit, down to single elements if need be.
+    A box whose storage span fits the buffer, and wastes little of it, is one read. A box
+    made of long runs far apart (a column block of a row-major tensor) is read run by run,
+    exactly its own bytes. Anything larger than the buffer is cut along its outermost
+    (largest-stride) dim into slabs that fit, down to single elements if need be.
     """
-    if math.prod(lengths) == 0:
+    count = math.prod(lengths)
+    if count == 0:
         return 0
     span = _span_bytes(saved, start, lengths)
+    run = _contiguous_run(saved, start, lengths)
+    if run is not None and span > 2 * count * saved.itemsize and SMALL_RUN_BYTES <= run[1] * saved.itemsize <= len(buf):
+        return _copy_runs(stream, saved, start, lengths, run[0], dst, buf, name)
     if span <= len(buf):
-        first, count = _span_elements(saved, start, lengths)
+        first, _ = _span_elements(saved, start, lengths)
         _read_exact(stream, saved.data_start + first * saved.itemsize, span, name, into=buf)
         src = torch.frombuffer(buf, dtype=torch.uint8, count=span).view(saved.dtype).as_strided(lengths, saved.stride, 0)
         dst.copy_(src)
@@ -121,3 +133,31 @@ def copy_box(stream: IO[bytes], saved: SavedTensor, start: list[int], lengths: l
         sub_len[d] = k
         total += copy_box(stream, saved, sub_start, sub_len, dst.narrow(d, j, k), buf, name)
     return total
+
+
+def _contiguous_run(saved: SavedTensor, start: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
+    """For a row-major saved tensor: (k, elements per run), where dims after k are whole in the box,
+    so each index over dims < k names one contiguous run. None for other strides."""
+    shape = saved.shape
+    expected = 1
+    for d in reversed(range(len(shape))):
+        if shape[d] != 1 and saved.stride[d] != expected:
+            return None
+        expected *= shape[d]
+    k = len(shape) - 1
+    while k > 0 and start[k] == 0 and lengths[k] == shape[k]:
+        k -= 1
+    if k < 0:
+        return None
+    return k, lengths[k] * math.prod(shape[k + 1 :])
+
+
+def _copy_runs(stream: IO[bytes], saved: SavedTensor, start: Sequence[int], lengths: Sequence[int], k: int, dst: torch.Tensor, buf: bytearray, name: str) -> int:
+    run_shape = tuple(lengths[k:])
+    nbytes = math.prod(run_shape) * saved.itemsize
+    base = saved.storage_offset + start[k] * saved.stride[k]
+    for outer in itertools.product(*(range(n) for n in lengths[:k])):
+        first = base + sum((start[d] + i) * saved.stride[d] for d, i in enumerate(outer))
+        _read_exact(stream, saved.data_start + first * saved.itemsize, nbytes, name, into=buf)
+        dst[outer].copy_(torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(saved.dtype).reshape(run_shape))
+    return nbytes * math.prod(lengths[:k])
