@@ -77,3 +77,28 @@ def full(t: torch.Tensor) -> torch.Tensor:
     if hasattr(t, "full_tensor"):
         return t.full_tensor()
     return t
+
+
+DROPOUT_ARGS = ModelArgs(**{**ARGS.__dict__, "dropout": 0.1})
+
+
+def train_and_checkpoint(path: str, steps: range, load: bool, save_after: int | None, mesh_shape=(2, 2), with_rng: bool = True, args: ModelArgs = DROPOUT_ARGS):
+    """GPT-2 (dropout per `args`) on one rank of any world; returns (losses, the step the extra dict held after loading)."""
+    model, mesh, dp_rank = shardops_model(mesh_shape, seed=0, kind="gpt2", args=args)
+    dp = mesh.shape[0] if len(mesh_shape) == 2 else 1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(5)
+    extra = {"step": 0}
+    state = {"model": model, "optim": opt, "extra": extra}
+    if with_rng:
+        state["rng"] = so.checkpoint.RandomState()
+    if load:
+        so.checkpoint.load(state, path)
+    loaded_step = extra["step"]
+    losses = []
+    for s in steps:
+        losses.append(shardops_step(model, opt, s, dp=dp, dp_rank=dp_rank))
+        extra["step"] = s + 1
+        if save_after == s:
+            so.checkpoint.save(state, path)
+    return losses, loaded_step

@@ -18,9 +18,9 @@ import shardops.checkpoint as ckpt
 from shardops import Partial, Replicate, Shard, StridedShard
 
 try:
-    from .checkpoint_harness import ARGS, full, shardops_model, shardops_step
+    from .checkpoint_harness import ARGS, full, shardops_model, train_and_checkpoint
 except ImportError:  # tests/ is not a package
-    from checkpoint_harness import ARGS, full, shardops_model, shardops_step
+    from checkpoint_harness import ARGS, full, shardops_model, train_and_checkpoint
 
 from shardops.models import ModelArgs
 
@@ -270,6 +270,38 @@ def test_a_truncated_storage_file_is_a_clear_error(tmp_path):
         _load_on(path, (4,))
 
 
+def _flip_first_data_byte(path: str, fqn: str) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardops.checkpoint.blob import read_saved_tensor
+
+    md = FileSystemReader(path).read_metadata()
+    index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn == fqn)
+    with open(os.path.join(path, info.relative_path), "r+b") as f:
+        start = read_saved_tensor(f, info.offset, info.length).data_start
+        f.seek(start)
+        byte = f.read(1)
+        f.seek(start)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("shape, verify", [((2, 2), "read"), ((4,), True)])
+def test_a_corrupted_storage_file_fails_its_checksum(tmp_path, shape, verify):
+    """Same layout: every box is read whole and checked by default. Another layout reads parts
+    of boxes: verify=True checks those too."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    _flip_first_data_byte(path, "t.uneven")
+
+    def main():
+        mesh = so.init_device_mesh("cpu", shape)
+        placements = CASES["uneven"][2] if shape == (2, 2) else [Shard(1)]
+        ckpt.load({"t": {"uneven": _empty_like_layout(mesh, "uneven", placements)}}, path, verify=verify)
+
+    with pytest.raises(so.ShardingError, match="CRC-32"):
+        so.run(main, 4)
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -296,31 +328,6 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no half-written directory left behind
     for result in _load_on(path, (4,)):
         assert result["step"] == 11
-
-
-DROPOUT_ARGS = ModelArgs(**{**ARGS.__dict__, "dropout": 0.1})
-
-
-def train_and_checkpoint(path: str, steps: range, load: bool, save_after: int | None, mesh_shape=(2, 2), with_rng: bool = True, args: ModelArgs = DROPOUT_ARGS):
-    """GPT-2 (dropout per `args`) on one rank of any world; returns (losses, the step the extra dict held after loading)."""
-    model, mesh, dp_rank = shardops_model(mesh_shape, seed=0, kind="gpt2", args=args)
-    dp = mesh.shape[0] if len(mesh_shape) == 2 else 1
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch.manual_seed(5)
-    extra = {"step": 0}
-    state = {"model": model, "optim": opt, "extra": extra}
-    if with_rng:
-        state["rng"] = ckpt.RandomState()
-    if load:
-        ckpt.load(state, path)
-    loaded_step = extra["step"]
-    losses = []
-    for s in steps:
-        losses.append(shardops_step(model, opt, s, dp=dp, dp_rank=dp_rank))
-        extra["step"] = s + 1
-        if save_after == s:
-            ckpt.save(state, path)
-    return losses, loaded_step
 
 
 def test_resume_is_bitwise_on_the_same_mesh_and_close_on_another(tmp_path):

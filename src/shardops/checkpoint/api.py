@@ -189,11 +189,11 @@ def save_state_dict(state_dict: dict[str, Any], directory: str) -> None:
     agree_local("checkpoint save (metadata)", lambda: writer.finish(metadata, results) if coordinator else None)
 
 
-def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> RangedFileSystemReader:
+def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = "read") -> RangedFileSystemReader:
     """DCP's load steps into `state_dict` (in place), every rank of the current world taking part."""
     rank = current_comm().rank
     coordinator = rank == 0
-    reader = RangedFileSystemReader(directory, buffer_bytes=buffer_bytes)
+    reader = RangedFileSystemReader(directory, buffer_bytes=buffer_bytes, verify=verify)
     planner = CheckedLoadPlanner()
 
     def local_plan():
@@ -225,10 +225,13 @@ def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
         raise
 
 
-def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
+def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = "read") -> None:
     """Load the checkpoint at `path` into `state` in place: tensors are filled, stateful objects get
-    `load_state_dict`, plain values are replaced in `state` (and inside nested dicts)."""
+    `load_state_dict`, plain values are replaced in `state` (and inside nested dicts).
+
+    `buffer_bytes` bounds each rank's read buffer; `verify` picks the checksum checks
+    (see `reader`: "read" checks every saved box read whole, True every box read from)."""
     directory = checkpoint_dir(path)
     targets = _load_view(state)
-    load_state_dict(targets, directory, buffer_bytes)
+    load_state_dict(targets, directory, buffer_bytes, verify)
     _restore(state, targets)

@@ -35,6 +35,11 @@ class SavedTensor:
     storage_offset: int
     data_start: int  # absolute byte offset of the storage's first byte in the file
     storage_numel: int
+    crc32: int  # of the storage bytes, as the archive records it
+
+    @property
+    def whole_storage_bytes(self) -> int:
+        return self.storage_numel * self.itemsize
 
     @property
     def itemsize(self) -> int:
@@ -139,4 +144,4 @@ def read_saved_tensor(f: IO[bytes], offset: int, length: int) -> SavedTensor:
     data_start = offset + info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if info.file_size != numel * dtype.itemsize:
         raise ShardingError(f"checkpoint: storage {key} holds {info.file_size} bytes, expected {numel} x {dtype}")
-    return SavedTensor(dtype, shape, stride, int(storage_offset), data_start, numel)
+    return SavedTensor(dtype, shape, stride, int(storage_offset), data_start, numel, info.CRC)
