@@ -356,3 +356,42 @@ def test_resume_with_dropout_is_bitwise_in_the_threads_world(tmp_path):
     whole = so.run(lambda: train_and_checkpoint(path, range(5), False, 2), 4)
     resumed = so.run(lambda: train_and_checkpoint(path, range(3, 5), True, None), 4)
     assert resumed[0][0] == whole[0][0][3:]
+
+
+def test_safetensors_weights_load_into_a_parallel_model_reading_only_each_ranks_slices(tmp_path):
+    from safetensors.torch import save_file
+
+    from shardops.models import GPT2
+
+    reference = GPT2(ARGS, seed=3)
+    weights = {k: v.clone().contiguous() for k, v in reference.state_dict().items()}  # tied weights saved twice, as files hold them
+    save_file(weights, str(tmp_path / "model.safetensors"))
+
+    def main():
+        model, mesh, _ = shardops_model((2, 2), seed=0, kind="gpt2")
+        report = ckpt.load_safetensors(model, tmp_path)
+        local_bytes = sum((t.to_local() if isinstance(t, so.DTensor) else t).nbytes for t in model.state_dict().values())
+        return {n: full(t) for n, t in model.state_dict().items()}, report.bytes_read, local_bytes, report.missing
+
+    for params, bytes_read, local_bytes, missing in so.run(main, 4):
+        assert not missing
+        assert bytes_read == local_bytes  # this rank's slices only
+        for name, value in weights.items():
+            assert torch.equal(params[name], value), name
+
+
+def test_safetensors_shape_mismatch_names_the_key(tmp_path):
+    from safetensors.torch import save_file
+
+    from shardops.models import GPT2
+
+    weights = {k: v.clone().contiguous() for k, v in GPT2(ARGS, seed=3).state_dict().items()}
+    weights["wpe.weight"] = torch.zeros(3, 3)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+
+    def main():
+        model, _, _ = shardops_model((4,), seed=0, kind="gpt2")
+        ckpt.load_safetensors(model, tmp_path / "model.safetensors")
+
+    with pytest.raises(so.ShardingError, match=r"'wpe\.weight' is \[3, 3\] in the file"):
+        so.run(main, 4)

@@ -3,6 +3,7 @@
 - `torch.save` / `torch.load` of DTensors and state dicts holding them: `pickling`.
 - The tensor-subclass hooks DCP's planner calls (on `DTensor`, backed by `chunks`), so
   `torch.distributed.checkpoint.save/load` work on shardops state dicts under torchrun.
+- `load_safetensors(model, files)`: transformers weights, each rank reading its own slices.
 - `save(state, path)` / `load(state, path)`: DCP's format in either world, atomic saves,
   ranged reads, checked loads, stateful objects (`api`); `RandomState` for resuming.
 
@@ -17,7 +18,7 @@ from .random_state import RandomState
 
 register_safe_globals()
 
-__all__ = ["RandomState", "load", "save"]
+__all__ = ["RandomState", "load", "load_safetensors", "save"]
 
 
 def save(state: Any, path: Any) -> None:
@@ -32,3 +33,11 @@ def load(state: Any, path: Any, **kwargs: Any) -> None:
     from .api import load as _load
 
     _load(state, path, **kwargs)
+
+
+def load_safetensors(target: Any, source: Any, **kwargs: Any) -> Any:
+    """Load safetensors files into a parallelized model, each rank reading only its slices
+    (see `shardops.checkpoint.safetensors_load`)."""
+    from .safetensors_load import load_safetensors as _load
+
+    return _load(target, source, **kwargs)
