@@ -54,6 +54,9 @@ def rank_main(directory: str, mib: int, tensors: int, repeats: int) -> dict[str,
     import shardops as so
     from shardops import Shard
 
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # dcp.save over its last repeat
     world, rank = dist.get_world_size(), dist.get_rank()
     cols = 1024
     rows = max(world, (mib * (1 << 20)) // (4 * cols * tensors) // world * world)

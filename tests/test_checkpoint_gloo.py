@@ -1,6 +1,6 @@
 """Checkpoints between torch DTensor and shardops as 4 gloo processes (one launch, several checks).
 
-Acceptance of issue 24: torch's tensor-parallel Llama on a (4,) mesh trains a step and saves
+Acceptance of issue 24 (plus torch's fully_shard checkpoints, both ways): torch's tensor-parallel Llama on a (4,) mesh trains a step and saves
 with torch's own `dcp.save`; a shardops model on (2,2) (dp x tp) loads it with torch's own
 `dcp.load` and continues: its next-step losses equal torch's. And the reverse: shardops
 saves (plain `dcp.save` through the subclass hooks, and `shardops.checkpoint.save`), torch
@@ -80,8 +80,44 @@ def _checks(tmp: str) -> dict:
     torch.save(sm.state_dict(), path)
     loaded = torch.load(path)
     out["pickle_equal"] = all(torch.equal(full(loaded[n]), full(p)) and loaded[n].placements == p.placements for n, p in sm.state_dict().items())
+    out["fsdp"] = _fully_shard_both_ways(tmp)
     out["memory"] = _resharding_load_memory(os.path.join(tmp, "big"))
     return out
+
+
+def _fully_shard_both_ways(tmp: str) -> tuple[bool, bool]:
+    """torch's fully_shard (FSDP2) checkpoint -> shardops (2, 2) tensor + data parallel, and the reverse."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import shardops as so
+    from shardops.models import Llama
+
+    try:
+        from .checkpoint_harness import ARGS
+    except ImportError:
+        from checkpoint_harness import ARGS
+
+    def fsdp_llama(seed: int):
+        model = Llama(ARGS, seed=seed)
+        mesh = init_device_mesh("cpu", (4,))
+        for layer in model.layers.values() if hasattr(model.layers, "values") else model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    dcp.save(get_model_state_dict(fsdp_llama(4)), checkpoint_id=os.path.join(tmp, "fsdp"))
+    sm, _, _ = shardops_model((2, 2), seed=0)
+    state = get_model_state_dict(sm)
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "fsdp"))
+    into_shardops = all(torch.equal(full(state[k]), v) for k, v in Llama(ARGS, seed=4).state_dict().items())
+    sm, _, _ = shardops_model((2, 2), seed=6)
+    so.checkpoint.save({"model": sm}, os.path.join(tmp, "so_fsdp"))
+    state = {"model": get_model_state_dict(fsdp_llama(0))}
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "so_fsdp"))
+    into_fsdp = all(torch.equal(full(state["model"][k]), v) for k, v in Llama(ARGS, seed=6).state_dict().items())
+    return into_shardops, into_fsdp
 
 
 MiB = 1 << 20
@@ -181,6 +217,7 @@ def test_torch_and_shardops_checkpoints_load_into_each_other(tmp_path):
     assert r0["torch_after_so_api"] == pytest.approx(r0["shardops_losses"], rel=1e-5, abs=1e-6)
     assert r0["to_torch_save_equal"]
     assert all(r["pickle_equal"] for r in results)
+    assert all(r["fsdp"] == (True, True) for r in results)  # torch fully_shard checkpoints, both ways
     for r in results:  # peak extra memory per rank <= its shard + a 16 MiB read buffer
         m = r["memory"]
         assert m["equal"]
@@ -218,3 +255,44 @@ def test_resume_with_dropout_in_new_gloo_processes_is_bitwise(tmp_path):
         assert loaded_step == 3
         assert losses == r[3:]
     assert resumed[0]["without_rng"][0] != whole[0][3:]  # control: the random state matters
+
+
+def _save_maybe_dying(path: str, step: int, die_rank: int | None) -> None:
+    import shardops as so
+    from shardops import Shard
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    mesh = so.init_device_mesh("cpu", (2, 2))
+    weights = so.distribute_tensor(torch.full((8, 8), float(step)), mesh, [Shard(0), Shard(1)])
+    if die_rank is not None and mesh.get_rank() == die_rank:
+        def die(self, plan, planner):
+            os._exit(3)  # the process is gone mid-save, without a word to the others
+
+        FileSystemWriter.write_data = die
+    so.checkpoint.save({"w": weights, "step": step}, path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rank_killed_mid_save_leaves_the_last_good_checkpoint(tmp_path):
+    import shardops as so
+    from shardops import Shard
+
+    try:
+        from .mp import RankFailure
+    except ImportError:
+        from mp import RankFailure
+
+    path = str(tmp_path / "ckpt")
+    run_gloo(_save_maybe_dying, 4, path, 1, None, timeout=300)
+    with pytest.raises(RankFailure, match="rank 2 exited"):
+        run_gloo(_save_maybe_dying, 4, path, 2, 2, timeout=300, pg_timeout=10)
+
+    def load():
+        mesh = so.init_device_mesh("cpu", (4,))
+        state = {"w": so.distribute_tensor(torch.zeros(8, 8), mesh, [Shard(1)]), "step": 0}
+        so.checkpoint.load(state, path)
+        return state["step"], state["w"].full_tensor()
+
+    for step, w in so.run(load, 4):
+        assert step == 1 and torch.equal(w, torch.full((8, 8), 1.0))

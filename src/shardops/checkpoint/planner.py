@@ -16,7 +16,6 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 
 from ..errors import ShardingError
 
@@ -57,7 +56,8 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         for fqn, obj in self.state_dict.items():
             if not isinstance(obj, torch.Tensor) or fqn not in self.metadata.state_dict_metadata:
                 continue
-            needed = sum(math.prod(c.sizes) for c in _create_chunk_list(obj))
+            chunks = obj.__create_chunk_list__() if hasattr(obj, "__create_chunk_list__") else None
+            needed = sum(math.prod(c.sizes) for c in chunks) if chunks is not None else obj.numel()
             if loaded.get(fqn, 0) != needed:
                 raise ShardingError(
                     f"checkpoint load: key {fqn!r}: the checkpoint covers {loaded.get(fqn, 0)} of the {needed} elements this rank "
