@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import threading
 import uuid
 from typing import Any, Mapping, MutableMapping
 
@@ -34,6 +35,10 @@ from ..world import current_comm
 
 _SAVING = ".saving-"
 _REPLACED = ".replaced-"
+# torch's DCP planners flip a module global while planning (`_version._derived_version`, when the
+# checkpoint holds keys the state dict does not: each rank's RandomState entry): rank threads of
+# one process plan one at a time. No collective runs under it (pending tensors resolve first).
+_PLANNING = threading.Lock()
 
 
 # ------------------------------------------------------------------ state <-> state dicts
@@ -164,6 +169,21 @@ def checkpoint_dir(path: str | os.PathLike) -> str:
 # ------------------------------------------------------------------ the DCP steps, coordinated by shardops
 
 
+def _resolve_pending_tensors(obj: Any) -> None:
+    """Resolve every pending (Partial) DTensor in a state dict first: a collective, on every rank."""
+    from .chunks import resolve_pending
+
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "_spec"):
+            resolve_pending(obj, "checkpoint")
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            _resolve_pending_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _resolve_pending_tensors(value)
+
+
 def save_state_dict(state_dict: dict[str, Any], directory: str) -> None:
     """DCP's save steps for `state_dict` into `directory`, every rank of the current world taking part."""
     rank = current_comm().rank
@@ -172,9 +192,11 @@ def save_state_dict(state_dict: dict[str, Any], directory: str) -> None:
     planner = DefaultSavePlanner()
 
     def local_plan():
-        writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
-        planner.set_up_planner(state_dict, writer.storage_meta(), coordinator)
-        return writer.prepare_local_plan(planner.create_local_plan())
+        _resolve_pending_tensors(state_dict)
+        with _PLANNING:
+            writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+            planner.set_up_planner(state_dict, writer.storage_meta(), coordinator)
+            return writer.prepare_local_plan(planner.create_local_plan())
 
     local_plans = agree("checkpoint save (local plan)", local_plan)
 
@@ -197,10 +219,12 @@ def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: in
     planner = CheckedLoadPlanner()
 
     def local_plan():
+        _resolve_pending_tensors(state_dict)
         metadata = reader.read_metadata()
-        reader.set_up_storage_reader(metadata, coordinator, rank=rank, use_collectives=True)
-        planner.set_up_planner(state_dict, metadata, coordinator)
-        return reader.prepare_local_plan(planner.create_local_plan())
+        with _PLANNING:
+            reader.set_up_storage_reader(metadata, coordinator, rank=rank, use_collectives=True)
+            planner.set_up_planner(state_dict, metadata, coordinator)
+            return reader.prepare_local_plan(planner.create_local_plan())
 
     local_plans = agree("checkpoint load (local plan)", local_plan)
     plans = broadcast_object(agree_local("checkpoint load (global plan)", lambda: reader.prepare_global_plan(planner.create_global_plan(local_plans)) if coordinator else None))
