@@ -47,9 +47,7 @@ class DeviceMesh:
 
     def __reduce__(self) -> tuple:
         # its description only: an unpickled mesh attaches to the world it is used in (checkpoint/pickling)
-        from .checkpoint.pickling import reduce_mesh
-
-        return reduce_mesh(self)
+        return (rebuild_mesh, (self.device_type, self._ranks.tolist(), self.mesh_dim_names))
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
@@ -148,6 +146,13 @@ class DeviceMesh:
     @classmethod
     def from_torch(cls, torch_mesh: Any) -> "DeviceMesh":
         return cls(torch_mesh.device_type, torch_mesh.mesh, torch_mesh.mesh_dim_names, _torch_mesh=torch_mesh)
+
+
+def rebuild_mesh(device_type: str, ranks: Any, mesh_dim_names: Sequence[str] | None) -> DeviceMesh:
+    """Unpickle a DeviceMesh (a torch.load safe global: checks what it is given)."""
+    if not isinstance(device_type, str) or not isinstance(ranks, (list, int)):
+        raise ShardingError(f"torch.load: not a shardops DeviceMesh record ({device_type!r}, {ranks!r})")
+    return DeviceMesh(device_type, ranks, mesh_dim_names)
 
 
 def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..tensor import DTensor
 from .pickling import register_safe_globals
 from .random_state import RandomState
 
-register_safe_globals()
+register_safe_globals(DTensor)
 
 __all__ = ["RandomState", "load", "load_safetensors", "save"]
 

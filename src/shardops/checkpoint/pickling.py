@@ -16,32 +16,22 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import ShardingError
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, rebuild_mesh
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
 from ..spec import TensorMeta, TensorSpec
 
 
-def rebuild_mesh(device_type: str, ranks: list, mesh_dim_names: tuple[str, ...] | None) -> DeviceMesh:
-    if not isinstance(device_type, str) or not isinstance(ranks, (list, int)):
-        raise ShardingError(f"torch.load: not a shardops DeviceMesh record ({device_type!r}, {ranks!r})")
-    return DeviceMesh(device_type, ranks, mesh_dim_names)
-
-
-def reduce_mesh(mesh: DeviceMesh) -> tuple:
-    return (rebuild_mesh, (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names))
-
-
 def rebuild_dtensor(
-    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Sequence[int], stride: Sequence[int], requires_grad: bool
+    cls: type, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Sequence[int], stride: Sequence[int], requires_grad: bool
 ) -> Any:
-    from ..tensor import DTensor
-
+    if not (isinstance(cls, type) and cls.__module__ == "shardops.tensor" and cls.__name__ == "DTensor"):
+        raise ShardingError(f"torch.load: a shardops DTensor record names {cls!r} as its class")
     if not isinstance(mesh, DeviceMesh) or not all(isinstance(p, Placement) for p in placements):
         raise ShardingError("torch.load: a shardops DTensor record without a mesh and placements")
     if len(placements) != mesh.ndim:
         raise ShardingError(f"torch.load: {len(placements)} placements {list(placements)} for a {mesh.ndim}-d mesh")
     meta = TensorMeta(tuple(int(s) for s in shape), tuple(int(s) for s in stride), local.dtype)
-    dt = DTensor._make(local, TensorSpec(mesh, tuple(placements), meta))
+    dt = cls._make(local, TensorSpec(mesh, tuple(placements), meta))
     if requires_grad:
         dt.requires_grad_()  # through DTensor.requires_grad_: the leaf keeps its gradient layout
     return dt
@@ -53,11 +43,11 @@ def reduce_dtensor(dt: Any) -> tuple:
         dt._resolve_pending()
     spec = dt._spec
     local = dt._local_tensor.detach()
-    return (rebuild_dtensor, (local, spec.mesh, spec.placements, spec.shape, spec.meta.stride, dt.requires_grad))
+    return (rebuild_dtensor, (type(dt), local, spec.mesh, spec.placements, spec.shape, spec.meta.stride, dt.requires_grad))
 
 
-def register_safe_globals() -> None:
+def register_safe_globals(dtensor_cls: type) -> None:
     """What `torch.load(weights_only=True)` must accept to rebuild shardops DTensors."""
     torch.serialization.add_safe_globals(
-        [rebuild_dtensor, rebuild_mesh, Shard, StridedShard, Replicate, Partial, NormPartial]
+        [dtensor_cls, rebuild_dtensor, rebuild_mesh, Shard, StridedShard, Replicate, Partial, NormPartial]
     )
