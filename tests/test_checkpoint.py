@@ -395,3 +395,28 @@ def test_safetensors_shape_mismatch_names_the_key(tmp_path):
 
     with pytest.raises(so.ShardingError, match=r"'wpe\.weight' is \[3, 3\] in the file"):
         so.run(main, 4)
+
+
+def test_tensor_parallel_checkpoint_loads_into_a_data_parallel_sharded_model_and_back(tmp_path):
+    """TP on (4,) -> FSDP-style dp-sharded (data_parallel mode="shard") on (2, 2) -> TP on (4,)."""
+    from shardops.models import Llama
+
+    tp_path, dp_path = str(tmp_path / "tp"), str(tmp_path / "dp")
+
+    def main():
+        tp_model, _, _ = shardops_model((4,), seed=1)
+        ckpt.save({"model": tp_model}, tp_path)
+        dp_model, _, _ = shardops_model((2, 2), seed=2, dp_mode="shard")
+        ckpt.load({"model": dp_model}, tp_path)
+        sharded_over_dp = any(isinstance(p, so.DTensor) and p.placements[0].is_shard() for p in dp_model.parameters())
+        loaded = {n: full(t) for n, t in dp_model.state_dict().items()}
+        ckpt.save({"model": dp_model}, dp_path)
+        back, _, _ = shardops_model((4,), seed=3)
+        ckpt.load({"model": back}, dp_path)
+        return sharded_over_dp, loaded, {n: full(t) for n, t in back.state_dict().items()}
+
+    expected = Llama(ARGS, seed=1).state_dict()
+    for sharded_over_dp, loaded, back in so.run(main, 4):
+        assert sharded_over_dp
+        for name, value in expected.items():
+            assert torch.equal(loaded[name], value) and torch.equal(back[name], value), name
