@@ -18,9 +18,9 @@ import shardops.checkpoint as ckpt
 from shardops import Partial, Replicate, Shard, StridedShard
 
 try:
-    from .checkpoint_harness import ARGS, full, shardops_model, train_and_checkpoint
+    from .checkpoint_harness import ARGS, full, shardops_model, shardops_step, train_and_checkpoint
 except ImportError:  # tests/ is not a package
-    from checkpoint_harness import ARGS, full, shardops_model, train_and_checkpoint
+    from checkpoint_harness import ARGS, full, shardops_model, shardops_step, train_and_checkpoint
 
 from shardops.models import ModelArgs
 
@@ -420,3 +420,30 @@ def test_tensor_parallel_checkpoint_loads_into_a_data_parallel_sharded_model_and
         assert sharded_over_dp
         for name, value in expected.items():
             assert torch.equal(loaded[name], value) and torch.equal(back[name], value), name
+
+
+def test_torch_save_of_parameters_and_optimizer_state():
+    """nn.Parameter-ness survives (torch marks a subclass parameter with _is_param), and an
+    optimizer state dict of DTensors round-trips through torch.save/torch.load(weights_only=True)."""
+    from shardops.models import Llama
+
+    def main():
+        model, mesh, dp_rank = shardops_model((2, 2), seed=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        shardops_step(model, opt, 0, dp=2, dp_rank=dp_rank)
+        buf = io.BytesIO()
+        torch.save({"params": list(model.parameters()), "opt": opt.state_dict()}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)
+        same_params = all(
+            isinstance(q, torch.nn.Parameter) and q.requires_grad and torch.equal(full(q.detach()), full(p.detach()))
+            for p, q in zip(model.parameters(), loaded["params"])
+        )
+        state = opt.state_dict()["state"]
+        same_state = all(
+            torch.equal(full(loaded["opt"]["state"][i][k]), full(v)) for i, s in state.items() for k, v in s.items()
+        )
+        return same_params, same_state
+
+    for same_params, same_state in so.run(main, 4):
+        assert same_params and same_state

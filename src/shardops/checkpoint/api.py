@@ -127,16 +127,16 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
 # ------------------------------------------------------------------ paths: atomic replace
 
 
-def _commit(staging: str, path: str) -> None:
-    """Swap the finished `staging` directory into `path` (rank 0, after every rank has written)."""
+def _commit(staging: str, path: str) -> str | None:
+    """Swap the finished `staging` directory into `path` (rank 0, after every rank has written);
+    returns where the previous checkpoint went (removed once the swap is durable)."""
     replaced = None
     if os.path.exists(path):
         replaced = f"{path}{_REPLACED}{uuid.uuid4().hex[:8]}"
         os.rename(path, replaced)
     os.rename(staging, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
+    return replaced
 
 
 def _fsync_dir(directory: str) -> None:
@@ -242,11 +242,13 @@ def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     staging = broadcast_object(f"{path}{_SAVING}{uuid.uuid4().hex[:12]}" if current_comm().rank == 0 else None)
     try:
         save_state_dict(state_dict, staging)
-        agree_local("checkpoint save (commit)", lambda: _commit(staging, path) if current_comm().rank == 0 else None)
+        replaced = agree_local("checkpoint save (commit)", lambda: _commit(staging, path) if current_comm().rank == 0 else None)
     except BaseException:
         if current_comm().rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)  # the other ranks are already on their way
 
 
 def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = "read") -> None:

@@ -22,7 +22,8 @@ from ..spec import TensorMeta, TensorSpec
 
 
 def rebuild_dtensor(
-    cls: type, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Sequence[int], stride: Sequence[int], requires_grad: bool
+    cls: type, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Sequence[int], stride: Sequence[int], requires_grad: bool,
+    is_param: bool = False,
 ) -> Any:
     if not (isinstance(cls, type) and cls.__module__ == "shardops.tensor" and cls.__name__ == "DTensor"):
         raise ShardingError(f"torch.load: a shardops DTensor record names {cls!r} as its class")
@@ -34,6 +35,8 @@ def rebuild_dtensor(
     dt = cls._make(local, TensorSpec(mesh, tuple(placements), meta))
     if requires_grad:
         dt.requires_grad_()  # through DTensor.requires_grad_: the leaf keeps its gradient layout
+    if is_param:
+        dt._is_param = True  # what nn.Parameter(subclass) marks: isinstance(dt, nn.Parameter) again
     return dt
 
 
@@ -43,7 +46,7 @@ def reduce_dtensor(dt: Any) -> tuple:
         dt._resolve_pending()
     spec = dt._spec
     local = dt._local_tensor.detach()
-    return (rebuild_dtensor, (type(dt), local, spec.mesh, spec.placements, spec.shape, spec.meta.stride, dt.requires_grad))
+    return (rebuild_dtensor, (type(dt), local, spec.mesh, spec.placements, spec.shape, spec.meta.stride, dt.requires_grad, bool(getattr(dt, "_is_param", False))))
 
 
 def register_safe_globals(dtensor_cls: type) -> None:
