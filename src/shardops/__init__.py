@@ -11,12 +11,12 @@ from .interop import from_torch, to_torch
 from .interop import rank_random as _rank_random  # noqa: F401 - gives so.run's rank threads their own random state
 from .explain import explain
 from . import ops as _ops  # noqa: F401  (registers strategies)
-from . import parallel
+from . import checkpoint, parallel
 from .parallel import distribute_module
 from .autoparallel import autoparallel  # noqa: E402  (the function; the package stays importable by its full name)
 
 __all__ = [
-    "CollectiveError", "CommDebugMode", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
+    "CollectiveError", "CommDebugMode", "checkpoint", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
     "Partial", "Placement", "Replicate", "Shard", "ShardingError", "StridedShard", "distribute_module", "distribute_tensor", "explain",
     "from_local", "from_torch", "init_device_mesh", "parallel", "run", "set_debug", "set_links", "set_strict", "to_torch",
 ]

@@ -46,6 +46,10 @@ class DeviceMesh:
     def __hash__(self) -> int:
         return hash(self._key)
 
+    def __reduce__(self) -> tuple:
+        # its description only: an unpickled mesh attaches to the world it is used in (checkpoint/pickling)
+        return (rebuild_mesh, (self.device_type, self._ranks.tolist(), self.mesh_dim_names))
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self._ranks.tolist()}{names})"
@@ -166,6 +170,13 @@ def current_mesh() -> DeviceMesh | None:
     """The innermost mesh entered with `with mesh:` on this rank, or None."""
     stack = _mesh_stack()
     return stack[-1] if stack else None
+
+
+def rebuild_mesh(device_type: str, ranks: Any, mesh_dim_names: Sequence[str] | None) -> DeviceMesh:
+    """Unpickle a DeviceMesh (a torch.load safe global: checks what it is given)."""
+    if not isinstance(device_type, str) or not isinstance(ranks, (list, int)):
+        raise ShardingError(f"torch.load: not a shardops DeviceMesh record ({device_type!r}, {ranks!r})")
+    return DeviceMesh(device_type, ranks, mesh_dim_names)
 
 
 def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:

@@ -140,9 +140,27 @@ class DTensor(torch.Tensor):
             check_same_everywhere(dt, "from_local(run_check=True)")
         return dt
 
-    # torch.Tensor niceties that must not reach dispatch with Python-level args
-    def __reduce_ex__(self, proto):  # pragma: no cover
-        raise ShardingError("DTensor cannot be pickled; pickle dt.to_local() and its placements instead")
+    # -- persistence (shardops/checkpoint): pickling as torch's DTensor pickles (this rank's shard and
+    # layout), and the tensor-subclass hooks torch.distributed.checkpoint's planner calls
+    def __reduce_ex__(self, proto):
+        from .checkpoint.pickling import reduce_dtensor
+
+        return reduce_dtensor(self)
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        from .checkpoint.chunks import create_write_items
+
+        return create_write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list:
+        from .checkpoint.chunks import create_chunk_list
+
+        return create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        from .checkpoint.chunks import get_tensor_shard
+
+        return get_tensor_shard(self, index)
 
 
 # ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
@@ -168,6 +186,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     key = tuple(key)
     decision = core._CACHE.get(key)
     if decision is None:
+        if func is _COPY and _across_meshes(args):
+            from .remesh import copy_across_meshes  # load_state_dict from a model on another mesh or plan
+
+            return copy_across_meshes(args[0], args[1])
         kwargs = kwargs or _NO_KWARGS
         decomposition = DECOMPOSITIONS.get(func)  # never cached: these always come this way
         if decomposition is not None:
@@ -204,6 +226,13 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     specs = iter(core.output_specs(decision, out_leaves))
     wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
     return pytree.tree_unflatten(wrapped, out_tree)
+
+
+_COPY = torch.ops.aten.copy_.default
+
+
+def _across_meshes(args: tuple) -> bool:
+    return len(args) >= 2 and isinstance(args[0], DTensor) and isinstance(args[1], DTensor) and args[0]._spec.mesh != args[1]._spec.mesh
 
 
 def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int]) -> bool:
