@@ -346,11 +346,6 @@ def test_resume_is_bitwise_on_the_same_mesh_and_close_on_another(tmp_path):
     assert other[0][0] == pytest.approx(whole[0][0][3:], rel=1e-6, abs=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 21: the threads world has no per-rank torch generator yet (plain-tensor dropout draws from one "
-    "process-wide generator shared by the rank threads, so even an uninterrupted run is not repeatable)",
-)
 def test_resume_with_dropout_is_bitwise_in_the_threads_world(tmp_path):
     path = str(tmp_path / "ckpt")
     whole = so.run(lambda: train_and_checkpoint(path, range(5), False, 2), 4)

@@ -11,7 +11,7 @@ from .interop import from_torch, to_torch
 from .interop import rank_random as _rank_random  # noqa: F401 - gives so.run's rank threads their own random state
 from .explain import explain
 from . import ops as _ops  # noqa: F401  (registers strategies)
-from . import checkpoint, parallel
+from . import checkpoint, parallel, remesh  # remesh: copy_ and load_state_dict across meshes
 from .parallel import distribute_module
 from .autoparallel import autoparallel  # noqa: E402  (the function; the package stays importable by its full name)
 

@@ -18,6 +18,8 @@ import torch
 from .comm.base import Group
 from .errors import ShardingError
 from .placements import dim_positions, without_partials
+from .tensor import CROSS_MESH_COPY
+from .wrapping import local_of, relabel, shard_in, spec_of
 
 
 def _positions(spec: Any, rank: int, placements: Sequence[Any]) -> list[range | list[int]]:
@@ -76,7 +78,7 @@ def _holder(src_spec: Any, src_pl: Sequence[Any], dst_rank: int, ranks: Sequence
 
 def copy_across_meshes(dst: Any, src: Any) -> Any:
     """`dst.copy_(src)` with `src` on another mesh over the same ranks (in place; returns dst)."""
-    dspec, sspec = dst._spec, src._spec
+    dspec, sspec = spec_of(dst), spec_of(src)
     ranks = sorted(dspec.mesh.mesh.flatten().tolist())
     if ranks != sorted(sspec.mesh.mesh.flatten().tolist()):
         raise ShardingError(
@@ -86,10 +88,10 @@ def copy_across_meshes(dst: Any, src: Any) -> Any:
     if tuple(dspec.shape) != tuple(sspec.shape):
         raise ShardingError(f"aten.copy_: across meshes the shapes must match (destination {list(dspec.shape)}, source {list(sspec.shape)})")
     src_pl = without_partials(sspec.placements)
-    src_local = src._redistribute_local(src_pl)  # a pending source resolves on its own mesh
+    src_local = shard_in(src, src_pl)  # a pending source resolves on its own mesh
     if any(p.is_partial() for p in dspec.placements):
-        dst._set_spec(dspec.with_placements(without_partials(dspec.placements)))  # it will hold the value itself
-        dspec = dst._spec
+        relabel(dst, dspec.with_placements(without_partials(dspec.placements)))  # it will hold the value itself
+        dspec = spec_of(dst)
     comm = dspec.mesh.comm
     me = comm.rank
     group = Group(tuple(ranks))
@@ -118,10 +120,13 @@ def copy_across_meshes(dst: Any, src: Any) -> Any:
             recv_shapes.append((0,))
             recv_places.append(None)
     received = comm.all_to_all(sends, group, recv_shapes)
-    local = dst._local_tensor
+    local = local_of(dst)
     for piece, places in zip(received, recv_places):
         if places is not None and piece.numel():
             _put(local, places, piece)
         elif places is not None and local.ndim == 0:
             local.copy_(piece)
     return dst
+
+
+CROSS_MESH_COPY.append(copy_across_meshes)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -140,27 +140,10 @@ class DTensor(torch.Tensor):
             check_same_everywhere(dt, "from_local(run_check=True)")
         return dt
 
-    # -- persistence (shardops/checkpoint): pickling as torch's DTensor pickles (this rank's shard and
-    # layout), and the tensor-subclass hooks torch.distributed.checkpoint's planner calls
-    def __reduce_ex__(self, proto):
-        from .checkpoint.pickling import reduce_dtensor
 
-        return reduce_dtensor(self)
-
-    def __create_write_items__(self, fqn: str, object: Any) -> list:
-        from .checkpoint.chunks import create_write_items
-
-        return create_write_items(self, fqn)
-
-    def __create_chunk_list__(self) -> list:
-        from .checkpoint.chunks import create_chunk_list
-
-        return create_chunk_list(self)
-
-    def __get_tensor_shard__(self, index) -> torch.Tensor:
-        from .checkpoint.chunks import get_tensor_shard
-
-        return get_tensor_shard(self, index)
+# shardops.remesh moves a copy's data between two meshes over the seam (so it imports this
+# module); it installs itself here when shardops is imported.
+CROSS_MESH_COPY: list[Callable[[Any, Any], Any]] = []
 
 
 # ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
@@ -187,9 +170,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     decision = core._CACHE.get(key)
     if decision is None:
         if func is _COPY and _across_meshes(args):
-            from .remesh import copy_across_meshes  # load_state_dict from a model on another mesh or plan
-
-            return copy_across_meshes(args[0], args[1])
+            return CROSS_MESH_COPY[0](args[0], args[1])  # load_state_dict from a model on another mesh or plan
         kwargs = kwargs or _NO_KWARGS
         decomposition = DECOMPOSITIONS.get(func)  # never cached: these always come this way
         if decomposition is not None:

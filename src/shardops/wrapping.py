@@ -46,3 +46,15 @@ def become(x: DTensor, other: DTensor) -> None:
     x._local_tensor = other._local_tensor
     x._set_spec(other._spec)
     restride_wrapper(x, other.shape, other.stride())
+
+
+def resolve_pending_gradient(x: DTensor) -> None:
+    """A leaf gradient still pending after backward takes its parameter's layout now (what a first read does)."""
+    if x._pending_layout is not None:
+        x._resolve_pending()
+
+
+def relayout(x: DTensor, placements: Sequence[Placement]) -> None:
+    """Move `x`'s data to `placements` in place (same global tensor; e.g. a pending sum made Replicate before it is saved)."""
+    x._local_tensor = x._redistribute_local(placements)
+    x._set_spec(x._spec.with_placements(tuple(placements)))

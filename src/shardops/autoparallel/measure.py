@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..comm.base import CommDebugMode
+from ..dispatch.core import FallbackWarning
 from ..mesh import init_device_mesh
 from ..tensor import DTensor
 from ..world import run
@@ -57,16 +59,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _public(name: str):
-    """A public shardops name (so.CommDebugMode, so.FallbackWarning), looked up when used: the public
-    entry points stay put while the modules behind them move, and the package imports this one first."""
-    import shardops
-
-    return getattr(shardops, name)
-
-
 def _rank_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference):
-    CommDebugMode = _public("CommDebugMode")
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     m = copy.deepcopy(model)
     apply_fn(m, mesh)
@@ -107,7 +100,7 @@ def measure(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Refe
     """Run the candidate's step on a threads world of the mesh's size; errors make it infeasible."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", _public("FallbackWarning"))  # a plan that only works by gathering is not a plan
+            warnings.simplefilter("error", FallbackWarning)  # a plan that only works by gathering is not a plan
             results = run(_rank_step, math.prod(mesh_shape), model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref)
     except Exception as exc:  # noqa: BLE001  (any failure of a candidate rules it out, with its reason)
         return Measurement(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

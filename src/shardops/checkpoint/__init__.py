@@ -14,9 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..tensor import DTensor
-from .pickling import register_safe_globals
+from .chunks import create_chunk_list, create_write_items, get_tensor_shard
+from .pickling import reduce_dtensor, register_safe_globals
 from .random_state import RandomState
 
+# torch's persistence protocols, installed on DTensor here (this package reads DTensors through
+# the seam, so tensor.py cannot import it): pickling as torch's DTensor pickles (this rank's
+# shard and layout), and the tensor-subclass hooks torch.distributed.checkpoint's planner calls.
+DTensor.__reduce_ex__ = lambda self, proto: reduce_dtensor(self)
+DTensor.__create_write_items__ = lambda self, fqn, object: create_write_items(self, fqn)
+DTensor.__create_chunk_list__ = create_chunk_list
+DTensor.__get_tensor_shard__ = get_tensor_shard
 register_safe_globals(DTensor)
 
 __all__ = ["RandomState", "load", "load_safetensors", "save"]

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ShardingError
 from ..placements import dim_positions, without_partials
+from ..wrapping import local_of, relayout, spec_of
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def local_boxes(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Seq
 
 
 def boxes_of(dt: Any) -> list[Box]:
-    spec = dt._spec
+    spec = spec_of(dt)
     coord = spec.mesh.get_coordinate()
     if coord is None:
         return []  # not on this tensor's mesh: nothing to write or read here (as torch skips it)
@@ -76,14 +77,13 @@ def resolve_pending(dt: Any, what: str) -> None:
     partial mesh dims, which every rank of the mesh reaches as DCP's planner visits
     the same keys in the same order on every rank).
     """
-    spec = dt._spec
+    spec = spec_of(dt)
     target = without_partials(spec.placements)
     if target == spec.placements:
         return
     if spec.mesh.get_coordinate() is None:
         raise ShardingError(f"{what}: a pending (Partial) tensor off this rank's mesh cannot be resolved here")
-    dt._local_tensor = dt._redistribute_local(target)
-    dt._set_spec(spec.with_placements(target))
+    relayout(dt, target)
 
 
 def create_write_items(dt: Any, fqn: str) -> list[Any]:
@@ -92,9 +92,9 @@ def create_write_items(dt: Any, fqn: str) -> list[Any]:
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     resolve_pending(dt, f"checkpoint save of {fqn!r}")
-    local = dt._local_tensor
+    local = local_of(dt)
     properties = TensorProperties.create_from_tensor(local)
-    size = torch.Size(dt._spec.shape)
+    size = torch.Size(spec_of(dt).shape)
     return [
         WriteItem(
             index=MetadataIndex(fqn, torch.Size(b.offsets)),
@@ -116,11 +116,11 @@ def get_tensor_shard(dt: Any, index: Any) -> torch.Tensor:
     """The view of this rank's local tensor that the box at `index.offset` covers (written to on load)."""
     boxes = boxes_of(dt)
     if index.index is not None and index.index < len(boxes) and boxes[index.index].offsets == tuple(index.offset or ()):
-        return boxes[index.index].narrow(dt._local_tensor)
+        return boxes[index.index].narrow(local_of(dt))
     for b in boxes:
         if b.offsets == tuple(index.offset or ()):
-            return b.narrow(dt._local_tensor)
+            return b.narrow(local_of(dt))
     raise ShardingError(
-        f"checkpoint: {index.fqn!r} has no box at offsets {tuple(index.offset or ())} on rank {dt._spec.mesh.get_rank()} "
-        f"(its boxes: {[b.offsets for b in boxes]}, layout {dt._spec!r})"
+        f"checkpoint: {index.fqn!r} has no box at offsets {tuple(index.offset or ())} on rank {spec_of(dt).mesh.get_rank()} "
+        f"(its boxes: {[b.offsets for b in boxes]}, layout {spec_of(dt)!r})"
     )

@@ -19,6 +19,7 @@ from ..errors import ShardingError
 from ..mesh import DeviceMesh, rebuild_mesh
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
 from ..spec import TensorMeta, TensorSpec
+from ..wrapping import local_of, resolve_pending_gradient, spec_of, wrap
 
 
 def rebuild_dtensor(
@@ -32,7 +33,7 @@ def rebuild_dtensor(
     if len(placements) != mesh.ndim:
         raise ShardingError(f"torch.load: {len(placements)} placements {list(placements)} for a {mesh.ndim}-d mesh")
     meta = TensorMeta(tuple(int(s) for s in shape), tuple(int(s) for s in stride), local.dtype)
-    dt = cls._make(local, TensorSpec(mesh, tuple(placements), meta))
+    dt = wrap(local, TensorSpec(mesh, tuple(placements), meta))
     if requires_grad:
         dt.requires_grad_()  # through DTensor.requires_grad_: the leaf keeps its gradient layout
     if is_param:
@@ -42,10 +43,9 @@ def rebuild_dtensor(
 
 def reduce_dtensor(dt: Any) -> tuple:
     """DTensor.__reduce_ex__: this rank's shard and the layout (a pending leaf gradient moved first)."""
-    if dt._pending_layout is not None:
-        dt._resolve_pending()
-    spec = dt._spec
-    local = dt._local_tensor.detach()
+    resolve_pending_gradient(dt)
+    spec = spec_of(dt)
+    local = local_of(dt).detach()
     return (rebuild_dtensor, (type(dt), local, spec.mesh, spec.placements, spec.shape, spec.meta.stride, dt.requires_grad, bool(getattr(dt, "_is_param", False))))
 
 

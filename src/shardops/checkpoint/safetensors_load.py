@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import ShardingError
+from ..tensor import DTensor
+from ..wrapping import local_of
 from .chunks import boxes_of, resolve_pending
 
 
@@ -96,12 +98,12 @@ def _load_one(f: Any, key: str, name: str, dst: torch.Tensor) -> int:
     if shape != tuple(dst.shape):
         raise ShardingError(f"load_safetensors: {name!r} is {list(shape)} in the file ({key!r}) but {list(dst.shape)} in the model")
     with torch.no_grad():
-        if not hasattr(dst, "_spec"):
+        if not isinstance(dst, DTensor):
             piece = f.get_tensor(key)
             dst.copy_(piece)
             return piece.nbytes
         resolve_pending(dst, f"load_safetensors of {name!r}")
-        local = dst._local_tensor
+        local = local_of(dst)
         total = 0
         for box in boxes_of(dst):
             piece = sl[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] if box.offsets else f.get_tensor(key)
