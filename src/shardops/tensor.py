@@ -304,6 +304,9 @@ class _ToLocal(torch.autograd.Function):
         spec = ctx.spec
         placements = tuple(ctx.grad_placements) if ctx.grad_placements is not None else spec.placements
         gspec = TensorSpec(spec.mesh, placements, TensorMeta(spec.shape, spec.meta.stride, grad.dtype))
+        scale = dp_grad_scale(spec.mesh, placements)
+        if scale != 1:  # a rank-local loss's gradient: averaged over the data-parallel ranks, as DDP does
+            grad = grad / scale
         return DTensor._make(grad.contiguous() if not grad.is_contiguous() else grad, gspec), None
 
 
@@ -320,7 +323,31 @@ class _FromLocal(torch.autograd.Function):
             return grad, None
         # The gradient goes back to the source layout; a Partial source gets a Replicate gradient.
         target = without_partials(spec.placements)
-        return grad._redistribute_local(target), None
+        local = grad._redistribute_local(target)
+        scale = dp_grad_scale(spec.mesh, target)
+        return (local * scale if scale != 1 else local), None
+
+
+def dp_grad_scale(mesh: DeviceMesh, placements: Sequence[Placement]) -> int:
+    """How many data-parallel ranks' local losses a DTensor gradient in `placements` sums over.
+
+    On the data-parallel dims of a mesh (`data_parallel` marks them), plain tensors carry the
+    gradient of the rank-local loss and DTensors the gradient of the global loss, the mean of
+    the ranks' local losses (torch's DDP/FSDP convention). Where a DTensor's gradient is
+    assembled from the ranks' local gradients (Shard or Partial on a dp dim), crossing
+    `to_local` divides by the size of those dims and `from_local` multiplies by it; a Replicate
+    dim holds one gradient on every rank, already the mean, so it counts 1. A DTensor loss
+    therefore is never divided, a rank-local loss is averaged, and a from_local/to_local
+    round trip inside a model changes nothing.
+    """
+    dims = mesh.data_parallel_dims
+    if not dims:
+        return 1
+    scale = 1
+    for d in dims:
+        if not placements[d].is_replicate():
+            scale *= mesh.shape[d]
+    return scale
 
 
 class _Redistribute(torch.autograd.Function):
