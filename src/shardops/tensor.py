@@ -32,6 +32,11 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
+        if isinstance(local, DTensor):  # one level of wrapping, by construction: a local tensor is plain
+            raise ShardingError(
+                f"internal error: a DTensor {spec!r} would wrap another DTensor {local._spec!r} as its local tensor; "
+                "please report this with the call that made it"
+            )
         r = torch.Tensor._make_wrapper_subclass(
             DTensor,
             spec.meta.shape,
@@ -304,10 +309,27 @@ class _ToLocal(torch.autograd.Function):
         spec = ctx.spec
         placements = tuple(ctx.grad_placements) if ctx.grad_placements is not None else spec.placements
         gspec = TensorSpec(spec.mesh, placements, TensorMeta(spec.shape, spec.meta.stride, grad.dtype))
+        if isinstance(grad, DTensor):
+            return _local_grad_from_dtensor(grad, gspec), None
         scale = dp_grad_scale(spec.mesh, placements)
         if scale != 1:  # a rank-local loss's gradient: averaged over the data-parallel ranks, as DDP does
             grad = grad / scale
         return DTensor._make(grad.contiguous() if not grad.is_contiguous() else grad, gspec), None
+
+
+def _local_grad_from_dtensor(grad: DTensor, gspec: TensorSpec) -> DTensor:
+    """to_local's gradient when the plain local tensor met DTensors downstream.
+
+    A plain operand mixed with DTensors is taken as Replicate, so its gradient comes back as a
+    DTensor whose global value is the gradient of this rank's local tensor (already the global
+    loss's: no data-parallel scaling). Where the local tensor is the whole tensor (no Shard), that
+    DTensor is the gradient as it is, pending layout and all; otherwise its replicated value is
+    this rank's piece in `gspec`.
+    """
+    if grad._spec.mesh == gspec.mesh and not any(p.is_shard() for p in gspec.placements) and tuple(grad.shape) == tuple(gspec.shape):
+        return grad
+    local = grad._redistribute_local((Replicate(),) * grad._spec.mesh.ndim)
+    return DTensor._make(local.contiguous(), gspec)
 
 
 class _FromLocal(torch.autograd.Function):
