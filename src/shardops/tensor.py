@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from . import cost
 from .dispatch import core
 from .dispatch.debug import check_agreement
-from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
+from .dispatch.registry import DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
@@ -162,6 +162,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     no signature binding. Static lists (dims, sizes) stay in place; only calls with keyword
     arguments or tensor lists are flattened first.
     """
+    if func in OVERWRITES_SELF:
+        _relabel_overwritten_self(args[0] if args else (kwargs or _NO_KWARGS).get("self"))
     key = [func]
     tensor_pos: list[int] = []
     if not kwargs and _operand_key(func, args, key, tensor_pos):
@@ -210,6 +212,15 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     specs = iter(core.output_specs(decision, out_leaves))
     wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
     return pytree.tree_unflatten(wrapped, out_tree)
+
+
+def _relabel_overwritten_self(self_: Any) -> None:
+    """An op that overwrites every value of self (a fill, a draw) never reads it: a pending self
+    becomes Replicate without resolving (0 bytes; CPU F.dropout's empty_like(x).bernoulli_() on a
+    Partial x would otherwise all-reduce memory it is about to overwrite)."""
+    if isinstance(self_, DTensor) and any(p.is_partial() for p in self_._spec.placements):
+        self_._pending_layout = None  # a leaf's pending gradient overwritten: nothing left to resolve
+        self_._set_spec(self_._spec.with_placements(without_partials(self_._spec.placements)))
 
 
 def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int]) -> bool:

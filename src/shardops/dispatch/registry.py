@@ -28,6 +28,9 @@ TORCH_FUNCTIONS: dict[Any, Callable[..., Any]] = {}
 DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 # Ops known to have no sharded strategy on purpose (replicate fallback, said so in explain).
 REPLICATE_ONLY: set[Any] = set()
+# In-place ops whose result never reads self's values (fills, draws): a pending (Partial) self
+# is relabelled Replicate before planning, never resolved (tensor.dispatch).
+OVERWRITES_SELF: set[Any] = set()
 
 
 def _overloads(ops: Iterable[Any]) -> list[torch._ops.OpOverload]:
@@ -49,6 +52,11 @@ def register(rule: Rule, *ops: Any) -> Rule:
 def register_replicate(*ops: Any) -> None:
     for op in _overloads(ops):
         REPLICATE_ONLY.add(op)
+
+
+def register_overwrites_self(*ops: Any) -> None:
+    for op in _overloads(ops):
+        OVERWRITES_SELF.add(op)
 
 
 def register_torch_function(fn: Callable[..., Any], *torch_callables: Any) -> Callable[..., Any]:

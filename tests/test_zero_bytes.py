@@ -1,0 +1,82 @@
+"""Ops the design says move nothing, measured: 0 bytes in so.CommDebugMode (strict mode on),
+values equal to single-device torch (issue 21, item 5)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardops as so
+from shardops import Partial, Replicate, Shard
+from parallel_harness import strict
+
+
+def zero_bytes_on_every_rank(setup, op, mesh_shape=(4,)):
+    """On each rank (strict mode): args = setup(mesh) outside the count, then op(*args) inside
+    CommDebugMode, asserted 0 B; returns each rank's full_tensor() of the outputs."""
+
+    def main():
+        mesh = so.init_device_mesh("cpu", mesh_shape)
+        with strict():
+            args = setup(mesh)
+            with so.CommDebugMode() as comm:
+                out = op(*args)
+            assert comm.get_total_bytes() == 0 and comm.get_comm_counts() == {}, comm.get_comm_counts()
+            outs = out if isinstance(out, tuple) else (out,)
+            return [o.full_tensor() if isinstance(o, so.DTensor) else o for o in outs]
+
+    return so.run(main, int(torch.tensor(mesh_shape).prod()))
+
+
+# ------------------------------------------------------------------ (a) overwriting a pending self
+
+
+@pytest.mark.parametrize("p", [0.5, 0.0])
+def test_dropout_on_a_partial_tensor_moves_nothing(p):
+    """CPU F.dropout = empty_like(x).bernoulli_(): the Partial empty_like is overwritten, never all-reduced."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(41))
+
+    def drop(xp, xr):
+        torch.manual_seed(5)
+        out = F.dropout(xp, p)
+        assert out.placements == (Partial(),)
+        torch.manual_seed(5)
+        return out, F.dropout(xr, p)  # layout-invariant draws: the same mask as on a Replicate copy
+
+    setup = lambda mesh: (so.distribute_tensor(x, mesh, [Partial()]), so.distribute_tensor(x, mesh, [Replicate()]))  # noqa: E731
+    for out, ref in zero_bytes_on_every_rank(setup, drop):
+        torch.testing.assert_close(out, ref)
+        kept = out != 0
+        torch.testing.assert_close(out[kept], x[kept] / (1 - p))  # each element dropped or scaled, as torch
+        if p == 0.0:
+            torch.testing.assert_close(out, x)
+
+
+@pytest.mark.parametrize("fill", ["zero_", "fill_", "uniform_", "normal_", "bernoulli_", "random_", "exponential_"])
+def test_fills_never_resolve_a_pending_self(fill):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(42))
+    ops = {
+        "zero_": lambda t: torch.ops.aten.zero_(t), "fill_": lambda t: torch.ops.aten.fill_.Scalar(t, 3.0),
+        "uniform_": lambda t: torch.ops.aten.uniform_(t), "normal_": lambda t: torch.ops.aten.normal_(t),
+        "bernoulli_": lambda t: torch.ops.aten.bernoulli_.float(t, 0.3), "random_": lambda t: torch.ops.aten.random_.to(t, 7),
+        "exponential_": lambda t: torch.ops.aten.exponential_(t),
+    }
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (4,))
+        with strict():
+            t = so.distribute_tensor(x, mesh, [Partial()])
+            torch.manual_seed(6)
+            with so.CommDebugMode() as comm:
+                ops[fill](t)
+            assert comm.get_total_bytes() == 0, comm.get_comm_counts()
+            r = so.distribute_tensor(x, mesh, [Replicate()])
+            torch.manual_seed(6)
+            ops[fill](r)
+            return t.placements, t.full_tensor(), r.full_tensor()
+
+    for placements, got, ref in so.run(main, 4):
+        assert placements == (Replicate(),)
+        torch.testing.assert_close(got, ref)
+    if fill == "fill_":
+        torch.testing.assert_close(got, torch.full_like(x, 3.0))
+    if fill == "zero_":
+        torch.testing.assert_close(got, torch.zeros_like(x))
