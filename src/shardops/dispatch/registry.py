@@ -28,6 +28,9 @@ TORCH_FUNCTIONS: dict[Any, Callable[..., Any]] = {}
 DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 # Ops known to have no sharded strategy on purpose (replicate fallback, said so in explain).
 REPLICATE_ONLY: set[Any] = set()
+# Ops replicated on purpose only for some layouts (sort over a sharded dim): op -> when (schema -> bool).
+# Where it holds, a plan that moves data is strict mode's to refuse (so.allow_replicate allows it).
+REPLICATE_WHEN: dict[Any, Callable[[OpSchema], bool]] = {}
 # In-place ops whose result never reads self's values (fills, draws): a pending (Partial) self
 # is relabelled Replicate before planning, never resolved (tensor.dispatch).
 OVERWRITES_SELF: set[Any] = set()
@@ -52,6 +55,11 @@ def register(rule: Rule, *ops: Any) -> Rule:
 def register_replicate(*ops: Any) -> None:
     for op in _overloads(ops):
         REPLICATE_ONLY.add(op)
+
+
+def register_replicate_when(when: Callable[[OpSchema], bool], *ops: Any) -> None:
+    for op in _overloads(ops):
+        REPLICATE_WHEN[op] = when
 
 
 def register_overwrites_self(*ops: Any) -> None:
