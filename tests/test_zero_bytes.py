@@ -80,3 +80,40 @@ def test_fills_never_resolve_a_pending_self(fill):
         torch.testing.assert_close(got, torch.full_like(x, 3.0))
     if fill == "zero_":
         torch.testing.assert_close(got, torch.zeros_like(x))
+
+
+# ------------------------------------------------------------------ (b) linear on unevenly sharded leading dims
+
+X3, W3, B3 = (torch.randn(*s, generator=torch.Generator().manual_seed(43 + i)) for i, s in enumerate([(3, 10, 66), (20, 66), (20,)]))
+
+LINEAR_LAYOUTS = {  # mesh shape, input, weight, bias placements
+    "batch_over_4_weight_replicated": ((4,), [Shard(0)], [Replicate()], [Replicate()]),
+    "batch_over_4_weight_colwise": ((4, 2), [Shard(0), Replicate()], [Replicate(), Shard(0)], [Replicate(), Shard(0)]),
+    "sequence_over_4": ((4,), [Shard(1)], [Replicate()], [Replicate()]),
+}
+
+
+@pytest.mark.parametrize("form", ["linear", "matmul"])
+@pytest.mark.parametrize("layout", list(LINEAR_LAYOUTS))
+def test_linear_on_uneven_leading_dims_moves_nothing(layout, form):
+    """[3,10,66] with 3 (or 10) rows over 4 ranks: forward and backward 0 B, output sharded alike, values exact."""
+    mesh_shape, xp, wp, bp = LINEAR_LAYOUTS[layout]
+    x, w, b = (t.clone().requires_grad_() for t in (X3, W3, B3))
+    ref = F.linear(x, w, b) if form == "linear" else x @ w.t()
+    ref.square().sum().backward()
+
+    def setup(mesh):
+        return tuple(so.distribute_tensor(t, mesh, p).requires_grad_() for t, p in ((X3, xp), (W3, wp), (B3, bp)))
+
+    def step(xd, wd, bd):
+        out = F.linear(xd, wd, bd) if form == "linear" else xd @ wd.t()
+        assert out.placements[0] == xp[0] and isinstance(out._local_tensor, torch.Tensor)
+        out.square().sum().backward()
+        return out, xd.grad, wd.grad, (bd.grad if form == "linear" else torch.zeros(()))
+
+    for out, gx, gw, gb in zero_bytes_on_every_rank(setup, step, mesh_shape):
+        torch.testing.assert_close(out, ref.detach(), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(gx, x.grad, atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(gw, w.grad, atol=1e-3, rtol=1e-5)
+        if form == "linear":
+            torch.testing.assert_close(gb, b.grad, atol=1e-3, rtol=1e-5)
