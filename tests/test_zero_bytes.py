@@ -117,3 +117,30 @@ def test_linear_on_uneven_leading_dims_moves_nothing(layout, form):
         torch.testing.assert_close(gw, w.grad, atol=1e-3, rtol=1e-5)
         if form == "linear":
             torch.testing.assert_close(gb, b.grad, atol=1e-3, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ (c) embedding max_norm on a vocabulary-sharded table
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+def test_embedding_max_norm_on_a_vocabulary_sharded_table(norm_type):
+    """embedding_renorm_ is row-local: each rank renorms the rows it owns (10 rows over 4 ranks: 3,3,3,1)."""
+    g = torch.Generator().manual_seed(44)
+    table, ids = torch.randn(10, 4, generator=g) * 2, torch.tensor([[1, 9, 3, 3], [0, 7, 9, 2]])
+    ref_table = table.clone().requires_grad_()
+    coef = torch.randn(2, 4, 4, generator=g)  # a linear loss: the lookup's P(sum) output stays pending
+    ref = F.embedding(ids, ref_table, max_norm=1.0, norm_type=norm_type)
+    (ref * coef).sum().backward()
+
+    def setup(mesh):
+        return so.distribute_tensor(table, mesh, [Shard(0)]).requires_grad_(), so.distribute_tensor(ids, mesh, [Replicate()])
+
+    def lookup(t, i):
+        out = F.embedding(i, t, max_norm=1.0, norm_type=norm_type)
+        (out * coef).sum().backward()
+        return out, t.detach(), t.grad
+
+    for out, renormed, grad in zero_bytes_on_every_rank(setup, lookup):
+        torch.testing.assert_close(out, ref.detach())
+        torch.testing.assert_close(renormed, ref_table.detach())
+        torch.testing.assert_close(grad, ref_table.grad)
