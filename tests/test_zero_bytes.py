@@ -144,3 +144,30 @@ def test_embedding_max_norm_on_a_vocabulary_sharded_table(norm_type):
         torch.testing.assert_close(out, ref.detach())
         torch.testing.assert_close(renormed, ref_table.detach())
         torch.testing.assert_close(grad, ref_table.grad)
+
+
+# ------------------------------------------------------------------ (d) GQA with aligned, non-divisible heads
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gqa_with_aligned_uneven_heads_moves_nothing(is_causal):
+    """q 6 heads, K/V 3 over 4 ranks: q heads 2,2,2,0 and K/V 1,1,1,0 line up, so each rank attends locally."""
+    g = torch.Generator().manual_seed(45)
+    q, k, v = (torch.randn(2, h, 5, 8, generator=g).requires_grad_() for h in (6, 3, 3))
+    coef = torch.randn(2, 6, 5, 8, generator=g)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    (ref * coef).sum().backward()
+
+    def setup(mesh):
+        return tuple(so.distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in (q, k, v))
+
+    def attend(qd, kd, vd):
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=is_causal, enable_gqa=True)
+        assert out.placements == (Shard(1),)
+        (out * so.distribute_tensor(coef, out.device_mesh, [Shard(1)], src_data_rank=None)).sum().backward()
+        return out, qd.grad, kd.grad, vd.grad
+
+    for out, gq, gk, gv in zero_bytes_on_every_rank(setup, attend):
+        torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
+        for got, want in ((gq, q.grad), (gk, k.grad), (gv, v.grad)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
