@@ -51,9 +51,10 @@ class FallbackWarning(UserWarning):
 def set_strict(strict: bool = True) -> None:
     """Strict mode: nothing is gathered. Any step that moves data of a sharded or pending dim that the
     op's own sharded algorithm would not move raises, naming the op and the bytes: an op with no
-    strategy, an op replicated on purpose (svd, qr, ..., sort over a sharded dim), a rule's implicit
-    all-Replicate row over a sharded input; unless `allow_replicate` allows that op. An op whose
-    inputs are all Replicate already runs locally (0 B) in either mode."""
+    strategy (inputs sharded or pending), an op replicated on purpose (svd, qr, ..., sort over a
+    sharded dim), a plan that gathers a sharded input to run replicated on a mesh dim (a rule's
+    implicit all-Replicate row); unless `allow_replicate` allows that op. An op whose inputs are
+    all Replicate already runs locally (0 B) in either mode."""
     _state["strict"] = bool(strict)
     _CACHE.clear()
 
@@ -161,9 +162,8 @@ class Decision:
     replicate_only: bool = False
     meta_error: Exception | None = None  # torch's own refusal on meta tensors, if that is why there is no plan
     # Strict mode's subject: the chosen plan gathers sharded data the op's own algorithm would not
-    # (replicated on purpose, or a rule's implicit all-Replicate row); its text names how. None: it does not.
+    # (replicated on purpose, or gathered to run replicated); its text names how. None: it does not.
     gathers: str | None = None
-    allowed: bool = False  # the plan gathers in strict mode because allow_replicate allows the op (not cached)
 
     def __post_init__(self) -> None:
         # read on every call: indices of the operands that need redistributing
@@ -309,7 +309,7 @@ def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=N
     out_shapes = [(m.shape, m.dtype.itemsize) for m in out_metas]
     on_purpose = func in REPLICATE_WHEN and REPLICATE_WHEN[func](schema)
     avoid = _state["strict"] and not on_purpose and not replicate_allowed(func)
-    ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=_without_implicit_gathers(rows, specs, filt) if avoid else filt, limit=limit)
+    ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=_without_replicating_gathers(rows, specs, filt) if avoid else filt, limit=limit)
     if avoid and not ranked:  # strict mode: no candidate but the implicit all-Replicate row's gather
         ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=filt, limit=limit)
     if not ranked:
@@ -344,7 +344,7 @@ def _replicating_gather(c: Candidate, specs) -> bool:
     return False
 
 
-def _without_implicit_gathers(rows, specs, filt):
+def _without_replicating_gathers(rows, specs, filt):
     """Strict mode's candidate filter: no candidate that gathers a sharded input to run replicated."""
     return lambda c: not _replicating_gather(c, specs) and (filt is None or filt(c))
 
@@ -358,8 +358,7 @@ def decide_for_dispatch(key: tuple, func, leaves: Sequence[Any], tree, tensor_po
     if decision.gathers is not None and _state["strict"]:
         if not replicate_allowed(func):
             raise strict_error(decision, decision.gathers)
-        decision.allowed = True
-        return decision  # decided anew each call: the allowance may end
+        return decision  # allowed: decided anew each call (never cached), since the allowance may end
     decision.candidates = []  # explain's list; a cached decision keeps only its choice
     if len(_CACHE) >= MAX_DECISIONS:  # bounded: the oldest decision goes (a later call decides it again)
         _CACHE.pop(next(iter(_CACHE)), None)
