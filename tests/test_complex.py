@@ -145,7 +145,10 @@ LAZY_BIT_PATHS = {
 @pytest.mark.parametrize("name", sorted(LAZY_BIT_PATHS))
 def test_lazy_bit_paths(name, mesh_shape, placements):
     f = torch.randn(9, 6, dtype=torch.complex128, generator=GEN)
-    check(LAZY_BIT_PATHS[name], [f], mesh_shape, [placements])
+    # flattening 9 rows sharded over 4 (3,3,3,0) is no Shard of the merged dim: the view gathers on
+    # purpose here (the move of a conjugated local is what these paths test), allowed explicitly
+    with so.allow_replicate("view"):
+        check(LAZY_BIT_PATHS[name], [f], mesh_shape, [placements])
 
 
 @pytest.mark.parametrize("mesh_shape,placements", [((4,), [S0]), ((4,), [S1]), ((2, 2), [S0, R])])

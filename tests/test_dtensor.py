@@ -295,3 +295,15 @@ def test_distribute_tensor_takes_source_rank_data():
     out = so.run(body, 2)
     assert out[0][0] == out[1][0] == [1.0] * 4
     assert out[0][1] == [0.0] * 4 and out[1][1] == [1.0] * 4
+
+
+def test_a_dtensor_never_wraps_a_dtensor():
+    """Nested wrapping is refused where every DTensor is made (the whole suite runs with this check)."""
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2,))
+        dt = so.distribute_tensor(torch.ones(4), mesh, [so.Shard(0)])
+        with pytest.raises(so.ShardingError, match="would wrap another DTensor"):
+            so.DTensor._make(dt, dt._spec)
+
+    so.run(main, 2)

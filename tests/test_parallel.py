@@ -567,3 +567,57 @@ def test_data_parallel_refuses_bad_meshes():
         return True
 
     assert all(so.run(main, 4))
+
+
+# ------------------------------------------------------------------ tied, scaled embeddings (issue 21)
+
+
+class ScaledTiedLM(nn.Module):
+    """Gemma-2's shape in small: the input embedding scaled by sqrt(dim), a residual that mixes the
+    embedding's plain output with a DTensor, and the output projection tied to the embedding."""
+
+    def __init__(self, vocab=16, dim=8):
+        super().__init__()
+        torch.manual_seed(31)
+        self.embed = nn.Embedding(vocab, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h * torch.tensor(h.shape[-1] ** 0.5, dtype=h.dtype)
+        return self.lm_head(torch.tanh(h + self.mid(h)))
+
+
+@pytest.mark.parametrize("embed_style", ["rowwise", "colwise", "outside_plan"])
+def test_tied_scaled_embedding_gradient(embed_style):
+    """The tied weight's gradient is one plain-backed DTensor (never a DTensor wrapping a DTensor:
+    the plain embedding output met a DTensor in the residual) equal to single-device torch."""
+    g = torch.Generator().manual_seed(32)
+    ids, targets = torch.randint(0, 16, (2, 5), generator=g), torch.randint(0, 16, (2, 5), generator=g)
+    ref = ScaledTiedLM()
+    F.cross_entropy(ref(ids).flatten(0, 1), targets.flatten()).backward()
+
+    def main():
+        mesh = _tp_mesh()
+        model = ScaledTiedLM()
+        plan = {
+            "mid": ColwiseParallel(use_local_output=False),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+        if embed_style == "rowwise":
+            plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+        elif embed_style == "colwise":
+            plan["embed"] = ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(model, mesh, plan)
+        with loss_parallel():
+            F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
+        grad = model.embed.weight.grad
+        assert model.embed.weight is model.lm_head.weight
+        assert type(grad._local_tensor) is torch.Tensor
+        return grad.full_tensor(), model.mid.weight.grad.full_tensor()
+
+    for tied, mid in so.run(main, 4):
+        torch.testing.assert_close(tied, ref.embed.weight.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mid, ref.mid.weight.grad, atol=1e-5, rtol=1e-5)

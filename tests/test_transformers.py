@@ -114,20 +114,18 @@ def check(name, mesh_shape, use_local_output):
     assert sum(finals) / len(finals) == pytest.approx(ref_final, abs=1e-4)
 
 
-# Local outputs on (dp, tp): the loss is this dp rank's batch mean, and data_parallel sums the dp
-# ranks' gradients of it where DDP averages them (2x here). The training-semantics issue (21)
-# makes data_parallel average a rank-local loss; until then these cases fail, and say so.
-DDP_AVERAGING = pytest.mark.xfail(strict=True, reason="data_parallel sums rank-local losses' gradients over dp (issue 21)")
+# Local outputs on (dp, tp): the loss is this dp rank's batch mean, which data_parallel averages
+# over dp as DDP does (the gradients of the global-batch loss).
 FAST = [
     ("llama", (4,), True), ("llama", (4,), False), ("qwen3", (4,), True), ("gemma2", (4,), False),
     ("mixtral", (4,), True), ("mixtral", (4,), False), ("llama", (2, 2), False),
-    pytest.param("qwen2", (2, 2), True, marks=DDP_AVERAGING),
+    ("qwen2", (2, 2), True),
 ]
 ALL = [
-    pytest.param(m, s, u, marks=DDP_AVERAGING) if (s == (2, 2) and u) else (m, s, u)
+    (m, s, u)
     for m in MODELS for s in ((4,), (2, 2)) for u in (True, False)
 ]
-_FAST_KEYS = {(m, s, u) for m, s, u in [c.values if hasattr(c, "values") else c for c in FAST]}
+_FAST_KEYS = set(FAST)
 
 
 @pytest.mark.parametrize("name,mesh_shape,use_local_output", FAST, ids=lambda v: str(v))

@@ -1,7 +1,7 @@
 """shardops: sharded tensor math on PyTorch."""
 from .comm.base import CommDebugMode
 from .cost import Link, set_links
-from .dispatch.core import FallbackWarning, set_debug, set_strict
+from .dispatch.core import FallbackWarning, allow_replicate, set_debug, set_strict
 from .errors import CollectiveError, ShardingError
 from .mesh import DeviceMesh, init_device_mesh
 from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
@@ -16,7 +16,7 @@ from .parallel import distribute_module
 from .autoparallel import autoparallel  # noqa: E402  (the function; the package stays importable by its full name)
 
 __all__ = [
-    "CollectiveError", "CommDebugMode", "checkpoint", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
+    "CollectiveError", "CommDebugMode", "allow_replicate", "checkpoint", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
     "Partial", "Placement", "Replicate", "Shard", "ShardingError", "StridedShard", "distribute_module", "distribute_tensor", "explain",
     "from_local", "from_torch", "init_device_mesh", "parallel", "run", "set_debug", "set_links", "set_strict", "to_torch",
 ]

@@ -38,6 +38,9 @@ class DeviceMesh:
         self._flat = tuple(ranks.flatten().tolist())
         self._key = (device_type, self.shape, self._flat, self.mesh_dim_names)
         self._groups: dict[tuple[int, int], Group] = {}
+        # Mesh dims that split a data-parallel batch (set by shardops.parallel.data_parallel): on them,
+        # plain tensors carry gradients of the rank-local loss, as under DDP (see tensor.dp_grad_scale).
+        self.data_parallel_dims: tuple[int, ...] = ()
 
     # -- identity
     def __eq__(self, other: object) -> bool:

@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 
 from .dispatch import core
 from .dispatch.debug import check_agreement
-from .dispatch.registry import DECOMPOSITIONS, TORCH_FUNCTIONS
+from .dispatch.registry import DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
 from .errors import ShardingError
 from .mesh import DeviceMesh
@@ -33,6 +33,11 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
+        if isinstance(local, DTensor):  # one level of wrapping, by construction: a local tensor is plain
+            raise ShardingError(
+                f"internal error: a DTensor {spec!r} would wrap another DTensor {local._spec!r} as its local tensor; "
+                "please report this with the call that made it"
+            )
         r = torch.Tensor._make_wrapper_subclass(
             DTensor,
             spec.meta.shape,
@@ -157,6 +162,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     no signature binding. Static lists (dims, sizes) stay in place; only calls with keyword
     arguments or tensor lists are flattened first.
     """
+    if func in OVERWRITES_SELF:
+        _relabel_overwritten_self(args[0] if args else (kwargs or _NO_KWARGS).get("self"))
     key = [func]
     tensor_pos: list[int] = []
     if not kwargs and _operand_key(func, args, key, tensor_pos):
@@ -214,6 +221,15 @@ _COPY = torch.ops.aten.copy_.default
 
 def _across_meshes(args: tuple) -> bool:
     return len(args) >= 2 and isinstance(args[0], DTensor) and isinstance(args[1], DTensor) and args[0]._spec.mesh != args[1]._spec.mesh
+
+
+def _relabel_overwritten_self(self_: Any) -> None:
+    """An op that overwrites every value of self (a fill, a draw) never reads it: a pending self
+    becomes Replicate without resolving (0 bytes; CPU F.dropout's empty_like(x).bernoulli_() on a
+    Partial x would otherwise all-reduce memory it is about to overwrite)."""
+    if isinstance(self_, DTensor) and any(p.is_partial() for p in self_._spec.placements):
+        self_._pending_layout = None  # a leaf's pending gradient overwritten: nothing left to resolve
+        self_._set_spec(self_._spec.with_placements(without_partials(self_._spec.placements)))
 
 
 def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int]) -> bool:
@@ -313,7 +329,27 @@ class _ToLocal(torch.autograd.Function):
         spec = ctx.spec
         placements = tuple(ctx.grad_placements) if ctx.grad_placements is not None else spec.placements
         gspec = TensorSpec(spec.mesh, placements, TensorMeta(spec.shape, spec.meta.stride, grad.dtype))
+        if isinstance(grad, DTensor):
+            return _local_grad_from_dtensor(grad, gspec), None
+        scale = dp_grad_scale(spec.mesh, placements)
+        if scale != 1:  # a rank-local loss's gradient: averaged over the data-parallel ranks, as DDP does
+            grad = grad / scale
         return DTensor._make(grad.contiguous() if not grad.is_contiguous() else grad, gspec), None
+
+
+def _local_grad_from_dtensor(grad: DTensor, gspec: TensorSpec) -> DTensor:
+    """to_local's gradient when the plain local tensor met DTensors downstream.
+
+    A plain operand mixed with DTensors is taken as Replicate, so its gradient comes back as a
+    DTensor whose global value is the gradient of this rank's local tensor (already the global
+    loss's: no data-parallel scaling). Where the local tensor is the whole tensor (no Shard), that
+    DTensor is the gradient as it is, pending layout and all; otherwise its replicated value is
+    this rank's piece in `gspec`.
+    """
+    if grad._spec.mesh == gspec.mesh and not any(p.is_shard() for p in gspec.placements) and tuple(grad.shape) == tuple(gspec.shape):
+        return grad
+    local = grad._redistribute_local((Replicate(),) * grad._spec.mesh.ndim)
+    return DTensor._make(local.contiguous(), gspec)
 
 
 class _FromLocal(torch.autograd.Function):
@@ -329,7 +365,31 @@ class _FromLocal(torch.autograd.Function):
             return grad, None
         # The gradient goes back to the source layout; a Partial source gets a Replicate gradient.
         target = without_partials(spec.placements)
-        return grad._redistribute_local(target), None
+        local = grad._redistribute_local(target)
+        scale = dp_grad_scale(spec.mesh, target)
+        return (local * scale if scale != 1 else local), None
+
+
+def dp_grad_scale(mesh: DeviceMesh, placements: Sequence[Placement]) -> int:
+    """How many data-parallel ranks' local losses a DTensor gradient in `placements` sums over.
+
+    On the data-parallel dims of a mesh (`data_parallel` marks them), plain tensors carry the
+    gradient of the rank-local loss and DTensors the gradient of the global loss, the mean of
+    the ranks' local losses (torch's DDP/FSDP convention). Where a DTensor's gradient is
+    assembled from the ranks' local gradients (Shard or Partial on a dp dim), crossing
+    `to_local` divides by the size of those dims and `from_local` multiplies by it; a Replicate
+    dim holds one gradient on every rank, already the mean, so it counts 1. A DTensor loss
+    therefore is never divided, a rank-local loss is averaged, and a from_local/to_local
+    round trip inside a model changes nothing.
+    """
+    dims = mesh.data_parallel_dims
+    if not dims:
+        return 1
+    scale = 1
+    for d in dims:
+        if not placements[d].is_replicate():
+            scale *= mesh.shape[d]
+    return scale
 
 
 class _Redistribute(torch.autograd.Function):

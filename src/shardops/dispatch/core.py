@@ -28,7 +28,7 @@ from ..planner.choice import caching_decisions, candidates, with_plans
 from ..planner.rows import Candidate
 from ..redistribute import Plan, execute, materialize_lazy_bits, plan, plan_bytes
 from ..spec import TensorMeta, TensorSpec
-from .registry import REPLICATE_ONLY, RULES
+from .registry import REPLICATE_ONLY, REPLICATE_WHEN, RULES
 from .schema import OpSchema
 
 aten = torch.ops.aten
@@ -53,9 +53,83 @@ caches.register("decisions", _CACHE.clear)
 
 
 def set_strict(strict: bool = True) -> None:
-    """Strict mode: an op with no strategy raises instead of replicating."""
+    """Strict mode: nothing is gathered. Any step that moves data of a sharded or pending dim that the
+    op's own sharded algorithm would not move raises, naming the op and the bytes: an op with no
+    strategy (inputs sharded or pending), an op replicated on purpose (svd, qr, ..., sort over a
+    sharded dim), a plan that gathers a sharded input to run replicated on a mesh dim (a rule's
+    implicit all-Replicate row); unless `allow_replicate` allows that op. An op whose inputs are
+    all Replicate already runs locally (0 B) in either mode."""
     _state["strict"] = bool(strict)
     caches.invalidate()  # a decision made in the other mode may fall back where this one must raise
+
+
+# op name -> how many allowances (global calls, open `with` blocks) let it replicate in strict mode
+_ALLOWED: dict[str, int] = {}
+# torch-level names of the replicate-on-purpose ops -> the aten op that gathers
+_ALLOW_ALIASES = {
+    "svd": "_linalg_svd", "linalg_svd": "_linalg_svd", "eigh": "_linalg_eigh", "linalg_eigh": "_linalg_eigh",
+    "qr": "linalg_qr", "solve_triangular": "linalg_solve_triangular", "argsort": "sort", "orthogonal_": "linalg_qr",
+}
+
+
+def op_name(op: Any) -> str:
+    """The name strict mode and `allow_replicate` know an op by: its aten name without overload
+    (aten._linalg_svd.default -> "_linalg_svd"); torch-level names map to the aten op that gathers."""
+    if isinstance(op, torch._ops.OpOverload):
+        name = op._schema.name
+    elif isinstance(op, torch._ops.OpOverloadPacket):
+        name = op._qualified_op_name
+    elif isinstance(op, str):
+        name = op
+    elif callable(op) and hasattr(op, "__name__"):
+        name = op.__name__
+    else:
+        raise ShardingError(f"allow_replicate: {op!r} is not an op; give torch functions (torch.linalg.svd), aten ops or names ('sort')")
+    name = name.split("::")[-1]
+    if name.startswith("aten."):
+        name = name[len("aten."):]
+    name = name.split(".")[0]
+    return _ALLOW_ALIASES.get(name, name)
+
+
+class allow_replicate:
+    """Let `ops` replicate (gather their sharded inputs) in strict mode.
+
+        so.allow_replicate(torch.linalg.svd, "sort")      # from now on
+        with so.allow_replicate(torch.linalg.qr):         # inside the block only
+            q, r = torch.linalg.qr(w)
+
+    An op is named by a torch function, an aten op or its name (what the strict-mode error
+    names); all overloads of the op are allowed. Non-strict mode replicates anyway. The
+    allowance is process-wide (every rank thread of the threads world sees it); so.explain
+    lists the allowed ops.
+    """
+
+    def __init__(self, *ops: Any) -> None:
+        self.names = tuple(dict.fromkeys(op_name(op) for op in ops))
+        for name in self.names:
+            _ALLOWED[name] = _ALLOWED.get(name, 0) + 1
+
+    def __enter__(self) -> "allow_replicate":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in self.names:
+            left = _ALLOWED.get(name, 0) - 1
+            if left > 0:
+                _ALLOWED[name] = left
+            else:
+                _ALLOWED.pop(name, None)
+
+
+def allowed_to_replicate() -> tuple[str, ...]:
+    """The ops strict mode lets replicate now (allow_replicate), by name."""
+    return tuple(sorted(_ALLOWED))
+
+
+def replicate_allowed(func) -> bool:
+    return bool(_ALLOWED) and op_name(func) in _ALLOWED
+
 
 
 @dataclass
@@ -88,6 +162,9 @@ class Decision:
     out_metas: list[TensorMeta] = field(default_factory=list)
     replicate_only: bool = False
     meta_error: Exception | None = None  # torch's own refusal on meta tensors, if that is why there is no plan
+    # Strict mode's subject: the chosen plan gathers sharded data the op's own algorithm would not
+    # (replicated on purpose, or gathered to run replicated); its text names how. None: it does not.
+    gathers: str | None = None
 
     def __post_init__(self) -> None:
         # read on every call: indices of the operands that need redistributing
@@ -230,18 +307,47 @@ def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=N
     out_metas = metas[0]
     rows = rule(schema)
     filt = _inplace_filter(specs) if inplace else None
-    ranked = candidates(rows, specs, [(m.shape, m.dtype.itemsize) for m in out_metas], links=links, filter_fn=filt, limit=limit)
+    out_shapes = [(m.shape, m.dtype.itemsize) for m in out_metas]
+    on_purpose = func in REPLICATE_WHEN and REPLICATE_WHEN[func](schema)
+    avoid = _state["strict"] and not on_purpose and not replicate_allowed(func)
+    ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=_without_replicating_gathers(rows, specs, filt) if avoid else filt, limit=limit)
+    if avoid and not ranked:  # strict mode: no candidate but the implicit all-Replicate row's gather
+        ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=filt, limit=limit)
     if not ranked:
         raise ShardingError(
             f"{schema.name}: in-place op on {specs[0]!r} would need self in another layout; "
             "an in-place op never changes its tensor's local shape. Redistribute the tensor first, or use the out-of-place op."
         )
     best = with_plans(ranked[0], specs, links)
+    gathers = None
+    if on_purpose and (any(p.steps for p in best.plans) or any(r.comm for r in best.rows)):
+        gathers = "is replicated on purpose (its only algorithm gathers the sharded dim)"
+    elif _replicating_gather(best, specs):
+        gathers = "has no sharded strategy for this layout (it would gather a sharded input and run replicated)"
     mesh = specs[0].mesh
     out_specs = tuple(TensorSpec(mesh, pl, m) for pl, m in zip(best.outputs, out_metas))
     in_after = tuple(s.with_placements(pl) for s, pl in zip(specs, best.inputs))
     ctx = AlgoContext(schema, in_after, out_specs, func) if best.algorithm is not None else None
-    return Decision(func, specs, best.plans, out_specs, best.algorithm, ctx, best, inplace=inplace, schema=schema, candidates=ranked, out_metas=out_metas)
+    return Decision(func, specs, best.plans, out_specs, best.algorithm, ctx, best, inplace=inplace, schema=schema, candidates=ranked, out_metas=out_metas,
+                    gathers=gathers)
+
+
+def _replicating_gather(c: Candidate, specs) -> bool:
+    """On some mesh dim the candidate gathers a sharded input (Shard -> Replicate or Partial) and
+    leaves no output sharded there: the op runs replicated over that mesh dim, as the implicit
+    all-Replicate row does (a gather that feeds a sharded output, like a column-parallel matmul's
+    weight, is the op's own algorithm)."""
+    for i in range(len(specs[0].placements)):
+        if any(o[i].is_shard() for o in c.outputs):
+            continue
+        if any(s.placements[i].is_shard() and not t[i].is_shard() for s, t in zip(specs, c.inputs)):
+            return True
+    return False
+
+
+def _without_replicating_gathers(rows, specs, filt):
+    """Strict mode's candidate filter: no candidate that gathers a sharded input to run replicated."""
+    return lambda c: not _replicating_gather(c, specs) and (filt is None or filt(c))
 
 
 def decide_for_dispatch(key: tuple, func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int]) -> Decision:
@@ -250,6 +356,10 @@ def decide_for_dispatch(key: tuple, func, leaves: Sequence[Any], tree, tensor_po
     if decision.fallback:
         checked_fallback(decision)
         return decision
+    if decision.gathers is not None and _state["strict"]:
+        if not replicate_allowed(func):
+            raise strict_error(decision, decision.gathers)
+        return decision  # allowed: decided anew each call (never cached), since the allowance may end
     decision.candidates = []  # explain's list; a cached decision keeps only its choice
     if not caching_decisions():
         return decision
@@ -273,18 +383,39 @@ def _inplace_filter(specs):
     return ok
 
 
+def moved_bytes(d: Decision) -> int:
+    """Bytes this rank puts into the decision's input moves."""
+    coord = d.in_specs[0].mesh.get_coordinate()
+    internal = sum(b for r in d.candidate.rows for _, b in r.comm) if d.candidate is not None else 0  # a gathering algorithm's own
+    return int(sum(plan_bytes(s, p, coord) for s, p in zip(d.in_specs, d.plans)) + internal)
+
+
+def strict_error(d: Decision, how: str) -> ShardingError:
+    name = op_name(d.func)
+    text = (
+        f"{d.schema.name} {how}: strict mode refuses to move {moved_bytes(d)} bytes on this rank for inputs {list(d.in_specs)}. "
+        f"Allow it with so.allow_replicate({name!r}) (or `with so.allow_replicate({name!r}):`), redistribute the inputs yourself, "
+        "or call so.set_strict(False)."
+    )
+    if d.replicate_only or not how.startswith("has no sharded strategy"):
+        return ShardingError(text)
+    # a NotImplementedError too, with torch's phrase first, as torch raises for an op with no strategy
+    return NoShardingStrategyError(f"Operator {d.schema.name} does not have a sharding strategy registered. shardops: {text}")
+
+
 def checked_fallback(d: Decision) -> None:
-    """A fallback at run time: an error in strict mode or where it would change self's layout, else a warning."""
+    """A fallback at run time: an error in strict mode or where it would change self's layout, else a warning.
+
+    Inputs all Replicate already: nothing moves, the op runs locally with no warning in either mode."""
     specs = d.in_specs
+    if not any(p.steps for p in d.plans):
+        return
     # The op has a rule but its meta run failed: torch refuses these arguments (a dtype or shape
     # error). Running it replicated raises torch's own error: no missing strategy to warn about.
     refused = d.meta_error is not None and not isinstance(d.meta_error, NotImplementedError)
-    if not d.replicate_only and not refused and _state["strict"]:
-        raise NoShardingStrategyError(  # a NotImplementedError too, as torch's for an op with no strategy
-            f"Operator {d.schema.name} does not have a sharding strategy registered. shardops: "
-            f"{d.schema.name} has no sharded strategy (strict mode) for inputs {list(specs)}; "
-            "call so.set_strict(False) to replicate and run locally, or redistribute to Replicate yourself."
-        )
+    if not refused and _state["strict"] and not replicate_allowed(d.func):
+        how = "is replicated on purpose (no sharded algorithm)" if d.replicate_only else "has no sharded strategy"
+        raise strict_error(d, how)
     if d.inplace and any(not p.is_replicate() and not p.is_partial() for p in specs[0].placements):
         meta_error = d.meta_error
         if meta_error is not None and not isinstance(meta_error, NotImplementedError):
@@ -299,10 +430,9 @@ def checked_fallback(d: Decision) -> None:
 
 
 def warn_fallback(d: Decision) -> None:
-    if d.replicate_only:
+    if d.replicate_only or replicate_allowed(d.func):
         return
-    coord = d.in_specs[0].mesh.get_coordinate()
-    moved = sum(plan_bytes(s, p, coord) for s, p in zip(d.in_specs, d.plans))
+    moved = moved_bytes(d)
     warnings.warn(
         f"shardops: {d.func} has no sharded strategy; replicated its inputs and ran locally ({moved} bytes moved on this rank). "
         "so.set_strict(True) makes this an error.",

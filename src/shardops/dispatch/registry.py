@@ -39,6 +39,12 @@ DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 REPLICATE_ONLY: set[Any] = set()
 # The names of the sharded algorithms each op's rule declares (verify runs and credits them by name).
 ALGORITHMS: dict[Any, tuple[str, ...]] = {}
+# Ops replicated on purpose only for some layouts (sort over a sharded dim): op -> when (schema -> bool).
+# Where it holds, a plan that moves data is strict mode's to refuse (so.allow_replicate allows it).
+REPLICATE_WHEN: dict[Any, Callable[[OpSchema], bool]] = {}
+# In-place ops whose result never reads self's values (fills, draws): a pending (Partial) self
+# is relabelled Replicate before planning, never resolved (tensor.dispatch).
+OVERWRITES_SELF: set[Any] = set()
 
 
 def _overloads(ops: Iterable[Any]) -> list[torch._ops.OpOverload]:
@@ -100,6 +106,16 @@ def decomposition(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any
 def register_replicate(*ops: Any) -> None:
     for op in _overloads(ops):
         REPLICATE_ONLY.add(op)
+
+
+def register_replicate_when(when: Callable[[OpSchema], bool], *ops: Any) -> None:
+    for op in _overloads(ops):
+        REPLICATE_WHEN[op] = when
+
+
+def register_overwrites_self(*ops: Any) -> None:
+    for op in _overloads(ops):
+        OVERWRITES_SELF.add(op)
 
 
 def register_torch_function(fn: Callable[..., Any], *torch_callables: Any) -> Callable[..., Any]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..dispatch import registry
+from ..dispatch import core, registry
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..notation import callable_name
@@ -147,6 +147,14 @@ def _notes(rec: Recorder, intercepts: Intercepts, steps: list[Step]) -> list[str
     for s in steps:
         if s.fallback and not s.replicate_only:
             notes.append(f"{s.op} has no sharded strategy: it replicates its inputs (so.set_strict(True) makes that an error)")
+    allowed = core.allowed_to_replicate()
+    for s in steps:
+        if s.gathers is not None:
+            name = core.op_name(s.op)
+            state = "allowed now by so.allow_replicate" if name in allowed else f"strict mode raises unless so.allow_replicate({name!r})"
+            notes.append(f"{s.op} {s.gathers}: it moves sharded data; {state}")
+    if allowed:
+        notes.append("so.allow_replicate lets these ops replicate in strict mode: " + ", ".join(allowed))
     if not steps:
         notes.append("no op of this call touches a sharded tensor")
     return notes

@@ -139,7 +139,7 @@ def _plan_step(index: int, func, args, kwargs, out, names: Names, links, top: in
     mesh = specs[0].mesh
     out_specs = [TensorSpec(mesh, pl, m) for pl, m in zip(chosen.outputs, report.out_metas)]
     total = getattr(report.candidates, "total", len(report.candidates))
-    return Step(index, str(func), call, input_names, specs, out_specs, shown, total, chosen, _reason(chosen, others))
+    return Step(index, str(func), call, input_names, specs, out_specs, shown, total, chosen, _reason(chosen, others), gathers=report.gathers)
 
 
 def _fallback_step(index, func, call, input_names, specs, out_tensors, replicate_only: bool, links) -> Step:
@@ -149,8 +149,11 @@ def _fallback_step(index, func, call, input_names, specs, out_tensors, replicate
                  plans, [], specs, sum(p.time for p in plans), sum(p.time for p in plans), 0.0, 0.0, chosen=True, replicate=True)
     out_specs = [TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)) for t in out_tensors]
     why = "replicated on purpose" if replicate_only else "no sharded strategy"
+    gathers = None
+    if any(p.steps for p in plans):
+        gathers = "is replicated on purpose (no sharded algorithm)" if replicate_only else "has no sharded strategy"
     return Step(index, str(func), call, input_names, specs, out_specs, [opt], 1, opt, f"#1 {why}: replicate-then-local, {fmt_time(opt.time)}",
-                fallback=True, replicate_only=replicate_only)
+                fallback=True, replicate_only=replicate_only, gathers=gathers)
 
 
 def plan_all(rec: Recorder, names: Names, links, top: int) -> list[Step]:

@@ -79,13 +79,14 @@ class Step:
     reason: str
     fallback: bool = False
     replicate_only: bool = False
+    gathers: str | None = None  # how the chosen plan gathers sharded data (strict mode refuses it unless allowed)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "index": self.index, "op": self.op, "call": self.call,
             "inputs": {n: spec_text(s) for n, s in zip(self.input_names, self.in_specs)},
             "outputs": [spec_text(s) for s in self.out_specs],
-            "fallback": self.fallback, "replicate_only": self.replicate_only,
+            "fallback": self.fallback, "replicate_only": self.replicate_only, "gathers": self.gathers,
             "candidates_total": self.total, "reason": self.reason,
             "candidates": [o.to_dict(self.input_names) for o in self.options],
         }

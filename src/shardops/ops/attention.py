@@ -280,7 +280,16 @@ def _gqa_head_dims(q: TensorSpec, k: TensorSpec) -> list[int]:
         if hq % (product * mesh_shape[i]) == 0 and hk % (product * mesh_shape[i]) == 0:
             chosen.append(i)
             product *= mesh_shape[i]
+    if not chosen:  # one mesh dim alone may still align uneven chunks (see _aligned_chunks)
+        chosen = [next((i for i in current + list(range(len(mesh_shape))) if _aligned_chunks(hq, hk, mesh_shape[i])), None)]
+        chosen = [i for i in chosen if i is not None]
     return sorted(chosen)
+
+
+def _aligned_chunks(hq: int, hk: int, n: int) -> bool:
+    """Uneven head shards that still align (q 6, K/V 3 over 4 ranks: q 2,2,2,0 and K/V 1,1,1,0): torch.chunk's
+    pieces of q are the group size times K/V's, so rank r's q heads use exactly its own K/V heads."""
+    return n > 1 and hq % hk == 0 and -(-hq // n) == (hq // hk) * -(-hk // n)
 
 
 def _shard_bytes(spec: TensorSpec, n: int) -> float:

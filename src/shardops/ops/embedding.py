@@ -17,6 +17,10 @@ Rows for one mesh dim (weight [V, H], indices [...], output [..., H]):
                                  scale_grad_by_freq, whose counts are global)
       P(sum)   R        P(sum)   linear in grad_out
 
+F.embedding(max_norm=...) first renormalises the looked-up rows in place
+(embedding_renorm_, under no_grad): row-local, so a vocabulary-sharded table renorms the
+rows it owns (0 B), a replicated one all of them (ids Replicate, so replicas stay equal).
+
 An id outside [0, V) raises like torch on every rank: the vocabulary rows see the
 whole id tensor (it is Replicate there), so each rank can check it without a message.
 """
@@ -71,6 +75,21 @@ def _vocab_table_grad(ctx, grad: torch.Tensor, ids: torch.Tensor, num_weights: i
     return table[:n_local]
 
 
+def _vocab_renorm(ctx, weight: torch.Tensor, ids: torch.Tensor, max_norm: float, norm_type: float) -> torch.Tensor:
+    """embedding_renorm_ on the rows this rank owns (each row is renormalised on its own)."""
+    rows = _owned_rows(ctx)
+    _check_ids(ids, ctx.in_specs[0].shape[0], "embedding_renorm_")
+    mine = ids[(ids >= rows.start) & (ids < rows.stop)] - rows.start
+    if mine.numel():
+        aten.embedding_renorm_.default(weight, mine, max_norm, norm_type)
+    return weight
+
+
+def embedding_renorm_rule(schema: OpSchema) -> list[Row]:
+    """Vocabulary-sharded table: local on the owned rows; a replicated table with replicated ids: local."""
+    return [row(Shard(0), [Shard(0), R], algorithm=_vocab_renorm, label="vocabulary parallel renorm: owned rows only")]
+
+
 def embedding_rule(schema: OpSchema) -> list[Row]:
     weight, ids = schema.tensor_specs
     last = ids.ndim  # the output's hidden dim
@@ -97,3 +116,4 @@ def embedding_backward_rule(schema: OpSchema) -> list[Row]:
 
 register(embedding_rule, aten.embedding.default)
 register(embedding_backward_rule, aten.embedding_dense_backward.default)
+register(embedding_renorm_rule, aten.embedding_renorm_.default)

@@ -22,6 +22,14 @@ on the others).
 StridedShard placements (FSDP+TP layouts after a view) get the same rows as Shard:
 a product does not care in which order a rank holds its rows, as long as every
 operand that carries a label holds the same positions of it.
+
+Uneven leading dims: torch folds F.linear / torch.matmul of a [*lead, K] input with a
+2-d weight into one mm over the flattened leading dims. Flattening an unevenly sharded
+leading dim (a batch of 3 over 4 ranks: rows 1,1,1,0) is no Shard of the merged dim, so
+that view would all_to_all. On DTensors such calls keep the leading dims: a bmm of the
+[A, M, K] input with the weight expanded (a free view) over A, which is local for a
+sharded A or M (column-parallel weights too); the weight's gradient is the bmm's summed
+over A, pending (P(sum)) where A is sharded.
 """
 from __future__ import annotations
 
@@ -29,8 +37,8 @@ from typing import Callable
 
 import torch
 
-from ..dispatch.registry import register
-from ..dispatch.schema import OpSchema
+from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 
@@ -103,3 +111,61 @@ register(
     aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default,
     aten.addmm.default, aten.baddbmm.default, aten.addmv.default,
 )
+
+
+# ------------------------------------------------------------------ uneven leading dims (torch level)
+
+
+def _uneven_leading_dims(x) -> list[int]:
+    """x's leading (non-last) dims whose shards are uneven (their size not a multiple of the shard count)."""
+    counts: dict[int, int] = {}
+    for n, p in zip(x.device_mesh.shape, x.placements):
+        if p.is_shard() and p.dim % x.ndim < x.ndim - 1:
+            counts[p.dim % x.ndim] = counts.get(p.dim % x.ndim, 1) * n
+    return [d for d, c in counts.items() if x.shape[d] % c]
+
+
+def _keeps_leading_dims(x, weight) -> bool:
+    """The bmm form applies: x a DTensor of 3+ dims with an unevenly sharded leading dim among its
+    first two, the dims it would merge (1 .. -2, for 4+ dims) unsharded, and a 2-d weight."""
+    from ..tensor import DTensor
+
+    if not isinstance(x, DTensor) or x.ndim < 3 or not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return False
+    uneven = _uneven_leading_dims(x)
+    if not uneven or any(d > 1 for d in uneven):
+        return False
+    merged = set(range(1, x.ndim - 1)) if x.ndim > 3 else set()
+    return not any(p.is_shard() and p.dim % x.ndim in merged for p in x.placements)
+
+
+def _bmm_keeping_leading_dims(x, rhs, bias=None):
+    """x [A, *mid, K] @ rhs [K, N] (+ bias) as one bmm over A: the leading dims never merge with A."""
+    x3 = x if x.ndim == 3 else x.flatten(1, -2)  # unsharded mid dims: a free view
+    out = torch.bmm(x3, rhs.expand(x3.shape[0], *rhs.shape))
+    if x.ndim > 3:
+        out = out.unflatten(1, tuple(x.shape[1:-1]))
+    return out if bias is None else out + bias
+
+
+def _linear_call(input, weight, bias=None): ...  # noqa: E704
+
+
+def _matmul_call(input, other, *, out=None): ...  # noqa: E704
+
+
+def _parse_linear(b: dict, *_) -> tuple | None:
+    if not _keeps_leading_dims(b["input"], b["weight"]):
+        return None
+    return b["input"], b["weight"].t(), b["bias"]
+
+
+def _parse_matmul(b: dict, *_) -> tuple | None:
+    if b.get("out") is not None or not _keeps_leading_dims(b["input"], b["other"]):
+        return None
+    return b["input"], b["other"], None
+
+
+register_torch_entry(CallSignature(_linear_call), _parse_linear, _bmm_keeping_leading_dims, torch.nn.functional.linear)
+register_torch_entry(CallSignature(_matmul_call, aliases={"self": "input"}), _parse_matmul, _bmm_keeping_leading_dims,
+                     torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)

@@ -41,7 +41,7 @@ import torch
 
 from .. import rng
 from ..dispatch import core
-from ..dispatch.registry import call_default, register, register_torch_entry
+from ..dispatch.registry import call_default, register, register_overwrites_self, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..errors import ShardingError
@@ -427,6 +427,13 @@ register(
     aten.randint_like.default, aten.randint_like.low_dtype, aten.randint_like.generator, aten.randint_like.low_generator_dtype,
 )
 register(_dropout_rule, aten.native_dropout.default)
+# every value overwritten: a pending self is relabelled, never resolved (CPU F.dropout on a Partial x
+# reaches bernoulli_ on empty_like(x), a Partial tensor of uninitialised memory)
+register_overwrites_self(
+    aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.geometric_.default, aten.log_normal_.default,
+    aten.cauchy_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.random_, aten.fill_.Scalar, aten.fill_.Tensor,
+    aten.zero_.default,
+)
 
 # torch-level entries (verify skips them with the random aten ops: their values are not torch's)
 RANDOM_ENTRIES = {getattr(torch.Tensor, m) for m in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")}

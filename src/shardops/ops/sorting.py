@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.registry import register, register_replicate_when, register_torch_entry
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..errors import ShardingError
@@ -313,5 +313,14 @@ def _apply_select(x, op, args, kwargs, dim, result_type):
 
 register(_topk_rule, aten.topk.default)
 register(_sort_rule, aten.sort.default, aten.sort.stable)
+
+
+def _sorts_a_sharded_dim(schema: OpSchema) -> bool:
+    """sort/argsort over a sharded dim: its only algorithm gathers that dim (strict mode asks so.allow_replicate)."""
+    spec = schema.self_spec
+    return spec.ndim > 0 and any(p.is_shard() and p.dim == schema.dim("dim") for p in spec.placements)
+
+
+register_replicate_when(_sorts_a_sharded_dim, aten.sort.default, aten.sort.stable)
 register_torch_entry(CallSignature(_topk_call, aliases={"input": "self"}), _parse_topk, _apply_select, torch.topk, torch.Tensor.topk)
 register_torch_entry(CallSignature(_sort_call, aliases={"input": "self"}), _parse_sort, _apply_select, torch.sort, torch.Tensor.sort)

@@ -13,7 +13,11 @@ pass DTensors with their global shape, e.g. `so.from_local(x, mesh, [Shard(0)],
 shape=...)`, which pass through) and the whole model runs on DTensors. The model's DTensor outputs come
 out sharded on `batch_dim` over dp (a plain target then means this rank's shard
 under loss_parallel). A loss computed on the DTensor
-outputs (mean over the batch) is the global loss, exact on uneven batches.
+outputs (mean over the batch) is the global loss, exact on uneven batches, and is not
+divided again; a loss computed on plain local tensors (use_local_output=True, or
+`out.to_local()`) is the rank's local loss, and its gradients are averaged over the
+data-parallel ranks, as torch's DDP and FSDP do (the mesh's `data_parallel_dims` tell
+to_local/from_local to convert between the two conventions: tensor.dp_grad_scale).
 
 Collectives per training step for the parameters (the activations move as the plan says):
 
@@ -64,6 +68,12 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "repli
     experts = expert_parameters(module, mesh)  # already laid out on the whole mesh: their ep dims are data dims
     sub_meshes = {p.device_mesh for p in module.parameters() if isinstance(p, DTensor) and id(p) not in experts}
     layout = DataParallelLayout(mesh, _dp_dims(mesh, sub_meshes), batch_dim, mode)
+    if mesh.data_parallel_dims not in ((), layout.dp_dims):
+        raise ShardingError(
+            f"data_parallel: {mesh} already splits the batch over mesh dims {mesh.data_parallel_dims}, this module would over "
+            f"{layout.dp_dims}; give both modules the same data-parallel dims (or separate meshes)"
+        )
+    mesh.data_parallel_dims = layout.dp_dims  # the loss convention on these dims (tensor.dp_grad_scale)
     lifted: dict[int, nn.Parameter] = {}
     outside_plan: set[int] = set()  # lifted parameters that were plain: their modules compute on local tensors
     for sub in module.modules():
