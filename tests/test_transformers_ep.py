@@ -36,19 +36,29 @@ def build(name: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).float()
 
 
-def _rank(name, state, use_local_output):
-    model = build(name)
-    model.load_state_dict(state)
-    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    from_transformers(model, mesh, use_local_output=use_local_output, expert_parallel=True)
-    experts = model.model.layers[0].mlp.experts
-    placements = {n: p.placements for n, p in experts.named_parameters()}
+def _all_to_alls(model):
+    """The all_to_alls of one forward and one backward."""
     with so.CommDebugMode() as fwd:
         loss = next_token_loss(model(BATCH).logits, BATCH)
     with so.CommDebugMode() as bwd:
         loss.backward()
     model.zero_grad()
-    return train(model, BATCH, _full), placements, fwd.get_comm_counts(), bwd.get_comm_counts()
+    return fwd.get_comm_counts().get("all_to_all", 0), bwd.get_comm_counts().get("all_to_all", 0)
+
+
+def _rank(name, state, use_local_output):
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    # the same model tensor-parallel only: the all_to_alls the rest of the model makes (with DTensor
+    # boundaries, one in the loss's backward), which expert parallelism adds to
+    dense = from_transformers(build(name), mesh, use_local_output=use_local_output)
+    baseline = _all_to_alls(dense)
+    model = build(name)
+    model.load_state_dict(state)
+    from_transformers(model, mesh, use_local_output=use_local_output, expert_parallel=True)
+    experts = model.model.layers[0].mlp.experts
+    placements = {n: p.placements for n, p in experts.named_parameters()}
+    counts = _all_to_alls(model)
+    return train(model, BATCH, _full), placements, counts, baseline
 
 
 @pytest.mark.parametrize("name,use_local_output", [("mixtral", True), ("qwen2_moe", False)], ids=str)
@@ -59,10 +69,11 @@ def test_moe_model_trains_exactly_expert_parallel(name, use_local_output, strict
     reference_run = train(model, BATCH)
     out = so.run(_rank, 4, name, state, use_local_output, timeout=600)
     compare(reference_run, [r[0] for r in out], (4,), use_local_output)
-    for _, placements, fwd, bwd in out:
+    for _, placements, (fwd, bwd), (fwd_dense, bwd_dense) in out:
         assert set(placements.values()) == {(Shard(0),)}  # experts split over the ranks, not tensor-parallel
-        assert fwd.get("all_to_all") == 3 * MOE_LAYERS  # counts, dispatch, combine
-        assert bwd.get("all_to_all") == 2 * MOE_LAYERS  # dispatch and combine mirrored
+        assert fwd - fwd_dense == 3 * MOE_LAYERS  # counts, dispatch, combine
+        assert bwd - bwd_dense == 2 * MOE_LAYERS  # dispatch and combine mirrored
+        assert fwd_dense == 0 and bwd_dense == (0 if use_local_output else 1)
 
 
 def test_expert_parallel_errors_name_what_to_do():
