@@ -108,9 +108,8 @@ def test_expert_parallel_errors_name_what_to_do():
 
 def test_data_parallel_refuses_experts_on_the_tp_mesh_only():
     """(dp, tp): experts over mesh["tp"] only would need their gradients summed over dp; data_parallel says so."""
-    model = build("mixtral")
-
     def rank():
+        model = build("mixtral")
         mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         from_transformers(model, mesh["tp"], expert_parallel=True)
         data_parallel(model, mesh)
