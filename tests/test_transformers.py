@@ -96,8 +96,13 @@ def sharded(name, state, mesh_shape, use_local_output):
 
 
 def check(name, mesh_shape, use_local_output):
-    state, (ref_steps, ref_final) = reference(name)
-    results = sharded(name, state, mesh_shape, use_local_output)
+    state, reference_run = reference(name)
+    compare(reference_run, sharded(name, state, mesh_shape, use_local_output), mesh_shape, use_local_output)
+
+
+def compare(reference_run, results, mesh_shape, use_local_output):
+    """Every rank's (steps, final loss) from `train` against the single-device run's."""
+    ref_steps, ref_final = reference_run
     dp = mesh_shape[0] if len(mesh_shape) > 1 else 1
     for step, (ref_loss, ref_grads) in enumerate(ref_steps):
         # a local loss on (dp, tp) is this dp rank's batch mean: their mean is the global loss

@@ -253,7 +253,10 @@ class _ExpertLayer:
             module.__dict__.update(views)
             if saved:
                 module.__dict__["num_experts"] = tokens_per_expert.numel()
-            y = self.local_forward(module, x, local_ids, torch.ones(local_ids.shape, dtype=weight_dtype, device=x.device))
+            if tokens_per_expert.numel() == 0:  # this rank holds no expert (uneven split), so no token: forwards
+                y = x.new_zeros((0, x.shape[-1]))  # sized by num_experts (transformers' grouped_mm's histc) refuse 0
+            else:
+                y = self.local_forward(module, x, local_ids, torch.ones(local_ids.shape, dtype=weight_dtype, device=x.device))
         finally:
             for name in views:
                 module.__dict__.pop(name, None)

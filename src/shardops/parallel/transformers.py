@@ -31,6 +31,15 @@ style (docs/parallel.md has the table):
   local_params                  the module computes on its parameters' local shards
   replicate                     nothing (the parameter stays a plain, replicated tensor)
 
+`expert_parallel=True` adds the model's expert-parallel plan (`model._ep_plan`, from the
+config's `base_model_ep_plan`), as transformers' `DistributedConfig(ep_size=tp_size)` does
+on the same ranks: its entries take the place of the tensor-parallel entries for the
+experts module and its parameters.
+
+  ep_dispatch_experts           ExpertParallel over the mesh: the replicated tokens sliced (free),
+                                dispatched and combined by all_to_all, the output gathered back
+  grouped_gemm                  nothing of its own (ExpertParallel lays the experts out Shard(0))
+
 `use_local_output=True` is how transformers applies its plan: tensors between
 boundaries are plain local tensors. `use_local_output=False` keeps every boundary
 a DTensor, so attention, rotary embeddings, masks and the loss run on DTensors.
@@ -52,6 +61,7 @@ from ._layout import as_mesh, boundary, distribute_param, move, to_dtensor
 from ._views import LocalView, set_compute_layout
 from .api import parallelize_module
 from .distribute import distribute_module
+from .expert import ExpertParallel
 from .style import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, _distribute_params
 
 __all__ = ["from_transformers", "style_for"]
@@ -59,12 +69,20 @@ __all__ = ["from_transformers", "style_for"]
 PACKED_SPLIT = 2  # transformers packs [gate; up]: two halves
 
 
-def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = True) -> nn.Module:
+def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = True, expert_parallel: bool = False) -> nn.Module:
     """Apply `model._tp_plan` (transformers' own tensor-parallel plan) on the 1-d `mesh`, in place; return the model.
 
     For data parallelism on top, pass `mesh["tp"]` here and call `data_parallel(model, mesh)` after.
+    `expert_parallel=True`: the experts follow the model's expert-parallel plan instead (`model._ep_plan`),
+    each rank holding its share of every MoE layer's experts, tokens routed to them by all_to_all.
     """
     mesh = as_mesh(mesh, "from_transformers")
+    if mesh.ndim != 1 and expert_parallel:
+        raise ShardingError(
+            f"from_transformers: expert_parallel=True runs the experts over the given 1-d mesh, got {mesh}; "
+            "for experts over (dp, tp) apply shardops.parallel.ExpertParallel() to each MoE block's experts "
+            "on the 2-d mesh (docs/parallel.md, Expert parallelism)"
+        )
     if mesh.ndim != 1:
         raise ShardingError(
             f"from_transformers: transformers' plans are for a 1-d tensor-parallel mesh, got {mesh}; pass mesh[\"tp\"] "
@@ -76,9 +94,43 @@ def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = T
             f"from_transformers: {type(model).__name__} has no tensor-parallel plan (model._tp_plan is empty); "
             "write a plan of shardops.parallel styles and call parallelize_module"
         )
-    parallelize_module(model, mesh, _shardops_plan(model, dict(tp_plan), use_local_output))
+    plan = dict(tp_plan)
+    if expert_parallel:
+        plan = _with_expert_plan(model, plan)
+    parallelize_module(model, mesh, _shardops_plan(model, plan, use_local_output))
     _replicate_the_rest(model, mesh, as_dtensors=not use_local_output)
     return model
+
+
+EXPERT_DISPATCH = "ep_dispatch_experts"
+EXPERT_PARAM = "grouped_gemm"
+
+
+def _with_expert_plan(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """The tensor-parallel plan with the expert-parallel plan's entries in place of the experts' own.
+
+    transformers: expert-parallel rules take precedence over tensor-parallel rules for the same
+    modules. An `ep_dispatch_experts` module's tensor-parallel entries (its own and its parameters',
+    `moe_tp_experts`, `packed_colwise`, ...) go; its `grouped_gemm` parameter entries add nothing,
+    since ExpertParallel lays out every parameter of the experts module itself."""
+    ep_plan = getattr(model, "_ep_plan", None) or getattr(model, "ep_plan", None)
+    if not ep_plan:
+        raise ShardingError(
+            f"from_transformers: expert_parallel=True, but {type(model).__name__} has no expert-parallel plan "
+            "(model._ep_plan is empty: not a mixture-of-experts model?); call it without expert_parallel"
+        )
+    dispatch = [key for key, kind in ep_plan.items() if kind == EXPERT_DISPATCH]
+    for key, kind in ep_plan.items():
+        if kind == EXPERT_DISPATCH:
+            continue
+        if kind != EXPERT_PARAM or key.rpartition(".")[0] not in dispatch:
+            raise ShardingError(
+                f"from_transformers: expert-parallel plan entry {key!r}: {kind!r} is not one shardops knows; known: "
+                f"{EXPERT_DISPATCH!r} on an experts module, {EXPERT_PARAM!r} on that module's parameters"
+            )
+    plan = {key: kind for key, kind in tp_plan.items() if not any(key == d or key.startswith(d + ".") for d in dispatch)}
+    plan.update({key: EXPERT_DISPATCH for key in dispatch})
+    return plan
 
 
 def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh, *, as_dtensors: bool) -> None:
@@ -153,6 +205,7 @@ def style_for(kind: str | None, param_kinds: dict[str, str], module: nn.Module, 
         "all_reduce": lambda: SumOutput(use_local_output=u),
         "mla_kv_a_proj": lambda: RopeGradSum(),
         "replicate": lambda: ParamLayouts({}),
+        EXPERT_DISPATCH: lambda: ExpertDispatch(use_local_output=u),
     }
     if kind not in builders:
         raise ShardingError(
@@ -329,6 +382,45 @@ class RopeGradSum(ParallelStyle):
 
         module.register_forward_hook(leave)
         return module
+
+
+class ExpertDispatch(ParallelStyle):
+    """transformers' ep_dispatch_experts on the tensor-parallel ranks: ExpertParallel over the whole mesh.
+
+    Between the plan's boundaries the tokens are replicated over the mesh (plain tensors, or
+    Replicate DTensors). Each rank takes its slice of them (free), routes it to the experts' ranks
+    and back (ExpertParallel: counts, dispatch, combine, three all_to_alls), and the output is
+    gathered back to the layout the tokens came in (one all_gather; its backward is a free slice,
+    the slice's backward an all_gather of the row gradients), a plain tensor if they came plain.
+    """
+
+    def __init__(self, *, use_local_output: bool = True):
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = ExpertParallel(use_local_output=False)
+        style.src_data_rank = self.src_data_rank
+        style._apply(module, device_mesh)
+        module.forward = _ReplicatedTokensRouted(module.forward, device_mesh)  # an instance attribute, as ExpertParallel's
+        return module
+
+
+class _ReplicatedTokensRouted:
+    def __init__(self, routed: Callable, mesh: DeviceMesh):
+        self.routed = routed
+        self.mesh = mesh
+
+    def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        plain = not isinstance(hidden_states, DTensor)
+        if plain:  # the same tokens on every rank: Replicate, whose gradient comes back whole on each rank
+            replicate = (Replicate(),) * self.mesh.ndim
+            hidden_states, top_k_index, top_k_weights = (
+                t if isinstance(t, DTensor) else from_local(t, self.mesh, replicate) for t in (hidden_states, top_k_index, top_k_weights)
+            )
+        out = self.routed(hidden_states, top_k_index, top_k_weights)
+        if out.placements != hidden_states.placements:
+            out = out.redistribute(placements=hidden_states.placements)
+        return out.to_local() if plain else out
 
 
 class PackedColwiseParallel(ColwiseParallel):
