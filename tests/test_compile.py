@@ -179,3 +179,21 @@ def test_compiled_parallel_mlp_with_inductor():
         assert out["requires_grad"] and out["values"] == [True, True, True], f"rank {r}: {out}"
         assert all(all(v) for v in out["grads"].values()), f"rank {r}: {out['grads']}"
         assert out["compiled"] == [out["eager"], out["eager"]], f"rank {r}"
+
+
+def test_random_ops_on_dtensors_refuse_to_compile():
+    """A compiled dropout would replay one frozen draw counter every step: a clear error instead."""
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.distribute_tensor(torch.ones(4, 8), mesh, [so.Shard(1)])
+        f = torch.compile(lambda t: torch.nn.functional.dropout(t, 0.5, training=True) * 2, backend="aot_eager")
+        try:
+            f(x)
+        except Exception as e:  # noqa: BLE001 - dynamo wraps the error in its own type
+            return str(e)
+        return "compiled"
+
+    for message in so.run(rank, 2):
+        assert "draw counter would be frozen" in message, message

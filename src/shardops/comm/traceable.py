@@ -51,6 +51,12 @@ def tracing() -> bool:
     return TracingContext.try_get() is not None
 
 
+def refuse_while_tracing(what: str, why: str) -> None:
+    """Raise at compile time for something a compiled graph would get silently wrong."""
+    if tracing():
+        raise ShardingError(f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region (torch.compiler.disable).")
+
+
 def is_traced_tensor(t: torch.Tensor) -> bool:
     """A fake (or functionalized fake) tensor: we are tracing, not running. Eager tensors are never fake."""
     from torch._subclasses.fake_tensor import is_fake
