@@ -578,4 +578,5 @@ def _default_mesh() -> DeviceMesh:
 # the graph before it), never resumes inside one (a resume there lost requires_grad, issue 25)
 traceable.trace_opaque(DTensor._make)
 traceable.trace_opaque(distribute_tensor)
+traceable.eager_only(dispatch)
 traceable.setup()  # torch.compile support: meshes and placements as constants; dynamo's marks when it loads

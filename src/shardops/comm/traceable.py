@@ -271,13 +271,44 @@ def trace_opaque(fn):
 def _mark(fn) -> None:
     from torch._dynamo import trace_rules  # the ids torch.compiler.nonstrict_trace registers (its wrapper would be a new object)
 
+    from torch._dynamo.eval_frame import skip_code
+
     trace_rules._allowed_callable_ids.add(id(fn))
     trace_rules._nonstrict_trace_callable_ids.add(id(fn))
+    # Called from eager code after a graph break, the function runs as it is: dynamo never compiles
+    # it as a frame of its own (a resume after _make_wrapper_subclass lost requires_grad, issue 25).
+    skip_code(fn.__code__)
+
+
+_EAGER_ONLY: list = []  # shardops' dispatch: eager code that dynamo must never compile as frames
+
+
+def eager_only(fn):
+    """Dynamo never compiles `fn`, nor any frame it calls, as a frame of its own.
+
+    After a graph break the rest of a compiled function runs eagerly, with dynamo's frame hook on:
+    every Python frame it enters (our __torch_dispatch__, a sharded algorithm) would be compiled on
+    its own and break again at each data-dependent check. Tracing enters dispatch through the
+    DTensor's flatten protocol instead, which this does not touch.
+    """
+    _EAGER_ONLY.append(fn)
+    if "torch._dynamo" in sys.modules and not _hook.pending:
+        _skip_recursively(fn)
+    return fn
+
+
+def _skip_recursively(fn) -> None:
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 def _install() -> None:
     for fn in _OPAQUE:
         _mark(fn)
+    for fn in _EAGER_ONLY:
+        _skip_recursively(fn)
     _wrap_metadata_objects()
     watch_compiles()
 
