@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "random", "training")
+BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "random", "training", "compile")
 TARGET_BYTES_RATIO = 1.0  # shardops bytes / DTensor bytes, every case
 TARGET_GATHER_SAVING = 30.0  # DTensor bytes / shardops bytes where DTensor moves the sharded dim
 
@@ -57,9 +57,9 @@ DOCS_HEADER = (
     "`loss_parallel()`), both are measured and shardops is compared with the better one.\n\n"
 )
 QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10},
-         "random": {"repeats": 3}, "training": {"quick": True}}
+         "random": {"repeats": 3}, "training": {"quick": True}, "compile": {"size": "quick"}}
 FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "random": {},
-        "training": {"quick": False}}
+        "training": {"quick": False}, "compile": {"size": "full"}}
 
 
 # --- 1. communication ------------------------------------------------------------------------
@@ -476,6 +476,7 @@ def run_benchmarks(only: Sequence[str], config: dict[str, Any], cases: Sequence[
         "planning": lambda: _planning(config["planning"]),
         "random": lambda: __import__("benchmarks.random_ops", fromlist=["measure_random"]).measure_random(**config["random"]),
         "training": lambda: {"rows": __import__("benchmarks.training", fromlist=["measure_all"]).measure_all(**config["training"])},
+        "compile": lambda: __import__("benchmarks.compile", fromlist=["measure_compile"]).measure_compile(**config["compile"]),
     }
     for name in BENCHMARKS:
         if name in only:
@@ -555,6 +556,11 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
         caption = " ".join(training_doc.split("\n\n")[2].split())
         parts.append("### Training steps: LLaMA- and GPT-2-style models, same model, mesh and plan\n\n"
                      + (_section_error("training", results) or f"{caption}\n\n" + training_table(results["training"]["rows"])))
+    if "compile" in results:
+        from benchmarks.compile import compile_caption, format_compile_table
+
+        parts.append("### torch.compile: eager and compiled training steps, shardops and DTensor\n\n"
+                     + (_section_error("compile", results) or compile_caption(results["compile"]) + "\n\n" + format_compile_table(results["compile"])))
     return "\n\n".join(parts) + "\n"
 
 
