@@ -197,3 +197,22 @@ def test_random_ops_on_dtensors_refuse_to_compile():
 
     for message in so.run(rank, 2):
         assert "draw counter would be frozen" in message, message
+
+
+def test_in_place_resolution_of_a_partial_input_refuses_to_compile():
+    """Eager resolves a pending partial of `self` in place and relabels it; a compiled graph could
+    write back the data but not the label: a clear error instead of a DTensor whose data and layout disagree."""
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.DTensor.from_local(torch.ones(4), mesh, [so.Partial()])
+        f = torch.compile(lambda t: t.add_(1), backend="aot_eager")
+        try:
+            f(x)
+        except Exception as e:  # noqa: BLE001 - dynamo wraps the error in its own type
+            return str(e)
+        return f"compiled: {x.placements} {x.full_tensor()}"
+
+    for message in so.run(rank, 2):
+        assert "cannot change an input's layout" in message, message

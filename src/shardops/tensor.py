@@ -251,6 +251,12 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         core.move_inputs(decision, flat, tensor_pos)
     if decision.inplace:
         if decision.moves and decision.moves[0] == 0:  # self's pending partial was resolved in place
+            if type(self_._local_tensor) is not torch.Tensor and traceable.is_traced_tensor(self_._local_tensor):
+                # a compiled graph writes back an input's data, never its layout: the caller's DTensor would keep P()
+                raise ShardingError(
+                    f"torch.compile: {func} resolves the pending partial of its DTensor input in place ({self_._spec!r}); "
+                    "a compiled graph cannot change an input's layout. Redistribute it (e.g. to Replicate) before the compiled region."
+                )
             self_._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
         core.compute(decision, flat, tree)
         return self_
