@@ -216,3 +216,17 @@ def test_in_place_resolution_of_a_partial_input_refuses_to_compile():
 
     for message in so.run(rank, 2):
         assert "cannot change an input's layout" in message, message
+
+
+def test_compile_benchmark_section_renders_its_rows_and_failures():
+    from benchmarks import run
+    from benchmarks.compile import format_compile_table
+
+    result = {"size": "tiny", "world_size": 4, "steps": 2, "rows": [
+        {"model": "gpt2", "system": "shardops", "eager_ms": 20.0, "compiled_ms": 10.0, "first_compiled_s": 3.0, "same_loss": True},
+        {"model": "gpt2", "system": "DTensor", "error": "RuntimeError: boom"},
+    ]}
+    table = format_compile_table(result)
+    assert "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes |" in table and "failed: RuntimeError: boom" in table
+    assert "compile" in run.BENCHMARKS
+    assert "### torch.compile" in run.render_report({"compile": result}, "shardops bench --quick", run.machine_info(), {}, None)
