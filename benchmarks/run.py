@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "random", "training", "moe")
+BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "random", "training", "moe", "compile")
 TARGET_BYTES_RATIO = 1.0  # shardops bytes / DTensor bytes, every case
 TARGET_GATHER_SAVING = 30.0  # DTensor bytes / shardops bytes where DTensor moves the sharded dim
 
@@ -57,9 +57,9 @@ DOCS_HEADER = (
     "`loss_parallel()`), both are measured and shardops is compared with the better one.\n\n"
 )
 QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10},
-         "random": {"repeats": 3}, "training": {"quick": True}, "moe": {"quick": True}}
+         "random": {"repeats": 3}, "training": {"quick": True}, "moe": {"quick": True}, "compile": {"size": "quick"}}
 FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "random": {},
-        "training": {"quick": False}, "moe": {"quick": False}}
+        "training": {"quick": False}, "moe": {"quick": False}, "compile": {"size": "full"}}
 
 
 # --- 1. communication ------------------------------------------------------------------------
@@ -477,6 +477,7 @@ def run_benchmarks(only: Sequence[str], config: dict[str, Any], cases: Sequence[
         "random": lambda: __import__("benchmarks.random_ops", fromlist=["measure_random"]).measure_random(**config["random"]),
         "training": lambda: {"rows": __import__("benchmarks.training", fromlist=["measure_all"]).measure_all(**config["training"])},
         "moe": lambda: {"rows": __import__("benchmarks.moe", fromlist=["measure_moe"]).measure_moe(**config["moe"])},
+        "compile": lambda: __import__("benchmarks.compile", fromlist=["measure_compile"]).measure_compile(**config["compile"]),
     }
     for name in BENCHMARKS:
         if name in only:
@@ -563,6 +564,11 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
 
         parts.append("### Mixture of experts: expert-parallel vs the same experts tensor-parallel\n\n"
                      + (_section_error("moe", results) or moe_table(results["moe"]["rows"])))
+    if "compile" in results:
+        from benchmarks.compile import compile_caption, format_compile_table
+
+        parts.append("### torch.compile: eager and compiled training steps, shardops and DTensor\n\n"
+                     + (_section_error("compile", results) or compile_caption(results["compile"]) + "\n\n" + format_compile_table(results["compile"])))
     return "\n\n".join(parts) + "\n"
 
 

@@ -1,6 +1,7 @@
 """DeviceMesh: an n-d array of global ranks, and the groups along its dims."""
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from functools import cached_property
@@ -138,11 +139,14 @@ class DeviceMesh:
             coord = self.coordinate_of(rank)
             if coord is None:
                 raise ShardingError(f"rank {rank} is not part of {self}; only its ranks may run ops on its tensors")
-            index = tuple(slice(None) if d in dims else coord[d] for d in range(self.ndim))
-            sub = self._ranks[index]
-            if len(dims) > 1:
-                sub = sub.permute(*_order(dims))
-            group = Group(tuple(sub.flatten().tolist()), (self, dims))
+            # plain ints, no tensor ops: groups are also made while torch.compile traces (under fake tensors)
+            members = []
+            for along in itertools.product(*(range(self.shape[d]) for d in dims)):  # row-major over dims as given
+                c = list(coord)
+                for d, v in zip(dims, along):
+                    c[d] = v
+                members.append(self._flat[_ravel(c, self.shape)])
+            group = Group(tuple(members), (self, dims))
             self._groups[cache_key] = group
         return group
 
@@ -188,6 +192,13 @@ def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
         coord.append(flat % s)
         flat //= s
     return tuple(reversed(coord))
+
+
+def _ravel(coord: Sequence[int], shape: Sequence[int]) -> int:
+    flat = 0
+    for c, s in zip(coord, shape):
+        flat = flat * s + c
+    return flat
 
 
 def _order(dims: Sequence[int]) -> list[int]:

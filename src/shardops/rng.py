@@ -132,6 +132,9 @@ def reseed(seed: int) -> None:
 
 def next_key(generator: torch.Generator | None = None) -> int:
     """The 64-bit key of one draw (one op call); advances the counter or the given generator."""
+    from .comm.traceable import refuse_while_tracing
+
+    refuse_while_tracing("a random op on a DTensor (dropout, rand, normal_, ...)", "its draw counter would be frozen into the graph, so every step would draw the same values")
     if generator is not None:
         return int(torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=generator)) & MASK64
     st = current_state()

@@ -11,6 +11,7 @@ from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
+from .comm import traceable
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
@@ -22,6 +23,9 @@ from .wrapper_meta import mirror_lazy_bits
 
 # runs func with subclass __torch_function__ disabled (in C: cheaper than the context manager)
 _torch_function_default = torch._C._disabled_torch_function_impl
+_NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+# False whenever Python runs it; True while dynamo traces it (per trace, so rank threads never see another's)
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
 _SCALARS = {int, float, bool, type(None)}
 _NO_KWARGS: dict = {}
 
@@ -89,6 +93,9 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _dynamo_tracing():  # only while dynamo reads this code: ops go into the graph; dispatch runs in AOTAutograd
+            with _NO_SUBCLASS_TORCH_FUNCTION():
+                return func(*args, **(kwargs or {}))
         impl = TORCH_FUNCTIONS.get(func)
         if impl is not None:
             return impl(*args, **(kwargs or {}))
@@ -104,13 +111,12 @@ class DTensor(torch.Tensor):
         return self._spec.mesh
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        if self._pending_layout is not None:
-            self._resolve_pending()
-        if not torch.is_grad_enabled():
-            return self._local_tensor
-        return _ToLocal.apply(self, grad_placements)
+        return _to_local(self, grad_placements)
 
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *, async_op: bool = False) -> "DTensor":
+        return _redistribute(self, device_mesh, placements)
+
+    def _redistribute_checked(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> "DTensor":
         if device_mesh is not None and device_mesh != self._spec.mesh:
             raise ShardingError(f"redistribute: moving between meshes is not supported ({self._spec.mesh} -> {device_mesh})")
         if placements is None:
@@ -145,10 +151,63 @@ class DTensor(torch.Tensor):
             check_same_everywhere(dt, "from_local(run_check=True)")
         return dt
 
+    # -- torch.compile: a traceable wrapper subclass (comm/traceable.py says how collectives trace)
+    def __tensor_flatten__(self):
+        """The local tensor is the traced inner tensor; the spec is a trace-time constant that dynamo guards on."""
+        return ["_local_tensor"], CompileMeta(self._spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()))
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta: "CompileMeta", outer_size, outer_stride) -> "DTensor":
+        spec = meta.spec
+        if tuple(outer_size) != spec.shape or tuple(outer_stride) != spec.meta.stride:
+            if not all(type(s) is int for s in (*outer_size, *outer_stride)):
+                raise ShardingError(
+                    f"torch.compile: shardops DTensors need static shapes (got {tuple(outer_size)} for {spec!r}); "
+                    "compile with dynamic=False"
+                )
+            spec = TensorSpec(spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), spec.dtype))
+        return DTensor._make(inner_tensors["_local_tensor"], spec, meta.requires_grad)
+
+    def __coerce_same_metadata_as_tangent__(self, expected: "CompileMeta", expected_type=None) -> "DTensor | None":
+        """A compiled backward guessed the incoming gradient's layout (the forward output's); move it there."""
+        if expected_type is not None and expected_type is not DTensor:
+            return None
+        target = expected.spec.placements
+        if target == self._spec.placements:
+            return self
+        return DTensor._make(self._redistribute_local(target), self._spec.with_placements(target))
+
 
 # shardops.remesh moves a copy's data between two meshes over the seam (so it imports this
 # module); it installs itself here when shardops is imported.
 CROSS_MESH_COPY: list[Callable[[Any, Any], Any]] = []
+
+
+class CompileMeta:
+    """What torch.compile keeps of a DTensor besides its local tensor: the spec (mesh, placements,
+    global shape) and this rank's mesh coordinate. Dynamo guards on equality, so a graph traced on
+    one layout, or on one rank of a threads world (offsets and uneven sizes are baked in), is never
+    reused for another. Immutable: dynamo's deepcopy of guard metadata returns it as is."""
+
+    __slots__ = ("spec", "requires_grad", "coordinate")
+
+    def __init__(self, spec: TensorSpec, requires_grad: bool, coordinate: tuple[int, ...]) -> None:
+        self.spec, self.requires_grad, self.coordinate = spec, requires_grad, coordinate
+
+    def _parts(self) -> tuple:
+        return (self.spec, self.requires_grad, self.coordinate)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CompileMeta) and self._parts() == other._parts()
+
+    def __hash__(self) -> int:
+        return hash(self._parts())
+
+    def __deepcopy__(self, memo) -> "CompileMeta":
+        return self
+
+    def __repr__(self) -> str:
+        return f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate})"
 
 
 # ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
@@ -201,6 +260,12 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         core.move_inputs(decision, flat, tensor_pos)
     if decision.inplace:
         if decision.moves and decision.moves[0] == 0:  # self's pending partial was resolved in place
+            if type(self_._local_tensor) is not torch.Tensor and traceable.is_traced_tensor(self_._local_tensor):
+                # a compiled graph writes back an input's data, never its layout: the caller's DTensor would keep P()
+                raise ShardingError(
+                    f"torch.compile: {func} resolves the pending partial of its DTensor input in place ({self_._spec!r}); "
+                    "a compiled graph cannot change an input's layout. Redistribute it (e.g. to Replicate) before the compiled region."
+                )
             self_._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
         core.compute(decision, flat, tree)
         return self_
@@ -312,6 +377,23 @@ def _dispatch_out_variant(func, args: tuple, kwargs: dict, names: tuple[str, ...
         out._local_tensor.resize_(moved.shape).copy_(moved)
         out._set_spec(TensorSpec(out._spec.mesh, out._spec.placements, TensorMeta(res._spec.shape, res._spec.meta.stride, out._spec.dtype)))
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+# ------------------------------------------------------------------ entry points dynamo records as one call
+
+
+@traceable.trace_opaque
+def _to_local(dt: DTensor, grad_placements: Sequence[Placement] | None) -> torch.Tensor:
+    if dt._pending_layout is not None:
+        dt._resolve_pending()
+    if not torch.is_grad_enabled():
+        return dt._local_tensor
+    return _ToLocal.apply(dt, grad_placements)
+
+
+@traceable.trace_opaque
+def _redistribute(dt: DTensor, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensor:
+    return dt._redistribute_checked(device_mesh, placements)
 
 
 # ------------------------------------------------------------------ autograd functions
@@ -495,6 +577,7 @@ def execute_local_layout(data: torch.Tensor, replicated: TensorSpec, placements:
     return x.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensor
 
 
+@traceable.trace_opaque
 def from_local(
     local_tensor: torch.Tensor,
     device_mesh: DeviceMesh | None = None,
@@ -564,3 +647,11 @@ def check_same_everywhere(dt: "DTensor", what: str) -> None:
 
 def _default_mesh() -> DeviceMesh:
     raise ShardingError("give a device_mesh (so.init_device_mesh(...))")
+
+
+# dynamo traces neither a DTensor's construction nor distribute_tensor: it records each call (or breaks
+# the graph before it), never resumes inside one (a resume there lost requires_grad, issue 25)
+traceable.trace_opaque(DTensor._make)
+traceable.trace_opaque(distribute_tensor)
+traceable.eager_only(dispatch)
+traceable.setup()  # torch.compile support: meshes and placements as constants; dynamo's marks when it loads

@@ -148,6 +148,8 @@ class Communicator:
         _check_op(op)
         if group.size == 1:
             return t
+        if type(t) is not torch.Tensor and _traced(t):
+            return _traceable().all_reduce(t, op, group)
         record("all_reduce", nbytes(t))
         return self._all_reduce(t.contiguous(), op, group)
 
@@ -160,6 +162,8 @@ class Communicator:
             raise ShardingError(f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}")
         if group.size == 1:
             return [t]
+        if type(t) is not torch.Tensor and _traced(t):
+            return _traceable().all_gather(t, group, shapes)
         record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
         return self._all_gather(t.contiguous(), group, shapes)
 
@@ -170,6 +174,8 @@ class Communicator:
             raise ShardingError(f"reduce_scatter: {len(chunks)} chunks for a group of {group.size}")
         if group.size == 1:
             return chunks[0]
+        if type(chunks[0]) is not torch.Tensor and _traced(chunks[0]):
+            return _traceable().reduce_scatter(chunks, op, group)
         record("reduce_scatter", sum(nbytes(c) for c in chunks), self._reduce_scatter_wire_bytes(chunks, op))
         return self._reduce_scatter([c.contiguous() for c in chunks], op, group)
 
@@ -180,6 +186,8 @@ class Communicator:
         me = group.index(self.rank)
         if group.size == 1:
             return [chunks[0]]
+        if type(chunks[0]) is not torch.Tensor and _traced(chunks[0]):
+            return _traceable().all_to_all(chunks, group, recv_shapes)
         record("all_to_all", sum(nbytes(c) for i, c in enumerate(chunks) if i != me))
         return self._all_to_all([c.contiguous() for c in chunks], group, [tuple(s) for s in recv_shapes])
 
@@ -187,6 +195,8 @@ class Communicator:
         """The tensor of member `src_index`; every member passes a tensor of the same shape."""
         if group.size == 1:
             return t
+        if type(t) is not torch.Tensor and _traced(t):
+            return _traceable().broadcast(t, src_index, group)
         record("broadcast", nbytes(t) if group.index(self.rank) == src_index else 0)
         return self._broadcast(t.contiguous(), src_index, group)
 
@@ -235,6 +245,17 @@ def natively_reducible(dtype: torch.dtype, op: str) -> bool:
     if dtype == torch.bool or dtype in _NATIVE_REDUCE_DTYPES:
         return True
     return dtype.is_complex and op in ("sum", "avg") and dtype in (torch.complex64, torch.complex128)
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """A fake tensor: torch.compile is tracing, the collective goes into the graph (comm/traceable)."""
+    return _traceable().is_traced_tensor(t)
+
+
+def _traceable():
+    from . import traceable  # torch's compile machinery: imported on the first traced collective only
+
+    return traceable
 
 
 def _check_op(op: str) -> None:

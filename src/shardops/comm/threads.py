@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import CollectiveError
+from . import traceable
 from .base import Communicator, Group, reduce_stack
 
 DEFAULT_TIMEOUT = 60.0
@@ -86,6 +87,10 @@ class ThreadsWorld:
                 missing = [r for r in group.ranks if r not in slot["entries"]]
                 gone = [r for r in missing if r in self.finished]
                 left = deadline - time.monotonic()
+                if left <= 0 and not gone and _later_deadline_for_compiles(deadline, self.timeout) > deadline:
+                    # the missing ranks may be queued behind dynamo's compile lock (traceable.py)
+                    deadline = _later_deadline_for_compiles(deadline, self.timeout)
+                    continue
                 if gone or left <= 0:
                     reason = f"{signature[0]} over ranks {list(group.ranks)}: " + (
                         # a rank that has returned will never arrive: waiting for the timeout is pointless
@@ -108,6 +113,13 @@ class ThreadsWorld:
     def _raise_if_failed(self, signature: tuple, group: Group) -> None:
         if self.failure is not None:
             raise CollectiveError(f"{signature[0]} over ranks {list(group.ranks)} aborted: {self.failure}")
+
+
+def _later_deadline_for_compiles(deadline: float, timeout: float) -> float:
+    """While torch.compile compiles in this process, a collective's timeout counts from the last compile's end."""
+    if traceable.compiles_in_progress():
+        return time.monotonic() + min(timeout, 1.0)
+    return max(deadline, traceable.compile_quiet_since() + timeout)
 
 
 def _check_agreement(rank: int, group: Group, entries: dict[int, tuple]) -> None:

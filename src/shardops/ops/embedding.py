@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.traceable import is_traced_tensor
 from ..dispatch.registry import register
 from ..dispatch.schema import OpSchema
 from ..planner.rows import Row, row
@@ -49,6 +50,8 @@ def _owned_rows(ctx) -> range:
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, op: str) -> None:
+    if type(ids) is not torch.Tensor and is_traced_tensor(ids):
+        return  # torch.compile: ids have no values at trace time (a compiled lookup gives zero rows for bad ids)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ShardingError(f"{op}: index out of range in self (ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}).")
 

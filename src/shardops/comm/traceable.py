@@ -1,0 +1,378 @@
+"""torch.compile support: shardops collectives as traceable ops, and what tracing may and may not do.
+
+Under torch.compile, dynamo and AOTAutograd run shardops' dispatch on fake local
+tensors: the planner decides on metadata as in eager, and every collective it
+issues reaches `Communicator`'s public methods with a fake tensor. There it is
+routed here and recorded as one op of the `shardops::` library instead of being
+run. The compiled graph calls that op at run time, and its real implementation
+calls the calling thread's communicator: the same counted collective as in eager
+(CommDebugMode sees the same calls and bytes), in either world (threads or
+torch.distributed), with the same uneven-size and group-order handling.
+
+A group travels in the graph as (mesh id, mesh dims), never as ranks: the ranks
+of "the group along mesh dim 1" depend on the calling rank, and in the threads
+world every rank thread runs the same compiled code.
+
+Rank-specific facts read while tracing (this rank's coordinate: shard offsets,
+uneven local sizes, which chunk a reduce_scatter returns) are baked into the graph.
+The DTensor's flatten metadata carries the coordinate, so dynamo guards on it and
+each rank of a threads world gets its own compiled entry (see tensor.py).
+
+Threads world and dynamo's compile lock: dynamo compiles one frame at a time per
+process. A rank that already runs compiled code may wait in a collective for a
+rank that is still queued to compile. While any compile of this process is in
+progress, a threads-world collective does not time out; its timeout counts from
+the end of the last compile (`compile_quiet_since`).
+
+This is the one module of shardops that touches torch's compile internals
+(dynamo's compile callbacks, the tracing context, fake-tensor detection).
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import itertools
+import sys
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from ..errors import ShardingError
+
+# ------------------------------------------------------------------ is this tensor being traced?
+
+
+def tracing() -> bool:
+    """True inside torch.compile's tracing on this thread (dynamo or AOTAutograd)."""
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get() is not None
+
+
+def refuse_while_tracing(what: str, why: str) -> None:
+    """Raise at compile time for something a compiled graph would get silently wrong."""
+    if tracing():
+        raise ShardingError(f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region (torch.compiler.disable).")
+
+
+def is_traced_tensor(t: torch.Tensor) -> bool:
+    """A fake (or functionalized fake) tensor: we are tracing, not running. Eager tensors are never fake."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+# ------------------------------------------------------------------ meshes by id
+
+_MESH_IDS: dict[tuple, int] = {}
+_MESHES: dict[int, object] = {}
+_NEXT_MESH_ID = itertools.count()
+_lock = threading.Lock()
+
+
+def mesh_id(mesh) -> int:
+    """A small int naming `mesh` (equal meshes share it: every rank thread builds its own equal mesh)."""
+    with _lock:
+        i = _MESH_IDS.get(mesh._key)
+        if i is None:
+            i = _MESH_IDS[mesh._key] = next(_NEXT_MESH_ID)
+        if i not in _MESHES or (getattr(_MESHES[i], "_torch_mesh", None) is None and mesh._torch_mesh is not None):
+            _MESHES[i] = mesh  # prefer a mesh that knows its torch DeviceMesh (its groups are torch's own)
+        return i
+
+
+def _group(mid: int, dims: Sequence[int]):
+    return _MESHES[mid].group(tuple(dims))
+
+
+def _group_key(group) -> tuple[int, list[int]]:
+    if not group.key:
+        raise ShardingError(
+            f"torch.compile: a collective over ranks {list(group.ranks)} has no mesh; only mesh groups can be traced"
+        )
+    mesh, dims = group.key
+    return mesh_id(mesh), list(dims)
+
+
+def _comm():
+    from ..world import current_comm
+
+    return current_comm()
+
+
+def _fresh(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A custom op's output may not alias its inputs (nor another output)."""
+    return out.clone() if any(out.untyped_storage().data_ptr() == i.untyped_storage().data_ptr() for i in inputs) else out
+
+
+def _flat(shapes: Sequence[Sequence[int]]) -> tuple[list[int], int]:
+    ndim = len(shapes[0]) if shapes else 0
+    return [int(s) for shape in shapes for s in shape], ndim
+
+
+def _unflat(flat: Sequence[int], ndim: int, n: int) -> list[tuple[int, ...]]:
+    if ndim == 0:
+        return [()] * n
+    return [tuple(flat[i : i + ndim]) for i in range(0, len(flat), ndim)]
+
+
+# ------------------------------------------------------------------ the ops
+
+
+@torch.library.custom_op("shardops::all_reduce", mutates_args=())
+def _all_reduce(t: torch.Tensor, op: str, mesh: int, dims: list[int]) -> torch.Tensor:
+    return _fresh(_comm().all_reduce(t, op, _group(mesh, dims)), [t])
+
+
+@_all_reduce.register_fake
+def _(t, op, mesh, dims):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("shardops::all_gather", mutates_args=())
+def _all_gather(t: torch.Tensor, mesh: int, dims: list[int], shapes: list[int], ndim: int) -> list[torch.Tensor]:
+    group = _group(mesh, dims)
+    outs = _comm().all_gather(t, group, _unflat(shapes, ndim, group.size))
+    return [o.clone() for o in outs]  # pieces may be views of one buffer or of the input
+
+
+@_all_gather.register_fake
+def _(t, mesh, dims, shapes, ndim):
+    n = len(shapes) // ndim if ndim else _group(mesh, dims).size
+    return [t.new_empty(s) for s in _unflat(shapes, ndim, n)]
+
+
+@torch.library.custom_op("shardops::reduce_scatter", mutates_args=())
+def _reduce_scatter(chunks: list[torch.Tensor], op: str, mesh: int, dims: list[int]) -> torch.Tensor:
+    return _fresh(_comm().reduce_scatter(chunks, op, _group(mesh, dims)), chunks)
+
+
+@_reduce_scatter.register_fake
+def _(chunks, op, mesh, dims):
+    group = _group(mesh, dims)
+    mine = chunks[group.index(_comm().rank)]  # rank-specific: the coordinate guard keeps it right (module doc)
+    return mine.new_empty(mine.shape)
+
+
+@torch.library.custom_op("shardops::all_to_all", mutates_args=())
+def _all_to_all(chunks: list[torch.Tensor], mesh: int, dims: list[int], recv_shapes: list[int], ndim: int) -> list[torch.Tensor]:
+    group = _group(mesh, dims)
+    outs = _comm().all_to_all(chunks, group, _unflat(recv_shapes, ndim, group.size))
+    return [o.clone() for o in outs]
+
+
+@_all_to_all.register_fake
+def _(chunks, mesh, dims, recv_shapes, ndim):
+    return [chunks[0].new_empty(s) for s in _unflat(recv_shapes, ndim, len(chunks))]
+
+
+@torch.library.custom_op("shardops::broadcast", mutates_args=())
+def _broadcast(t: torch.Tensor, src_index: int, mesh: int, dims: list[int]) -> torch.Tensor:
+    return _fresh(_comm().broadcast(t, src_index, _group(mesh, dims)), [t])
+
+
+@_broadcast.register_fake
+def _(t, src_index, mesh, dims):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------ what Communicator calls while tracing
+
+
+def all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    mid, dims = _group_key(group)
+    return torch.ops.shardops.all_reduce(t, op, mid, dims)
+
+
+def all_gather(t: torch.Tensor, group, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    mid, dims = _group_key(group)
+    flat, ndim = _flat(shapes)
+    return list(torch.ops.shardops.all_gather(t, mid, dims, flat, ndim))
+
+
+def reduce_scatter(chunks: Sequence[torch.Tensor], op: str, group) -> torch.Tensor:
+    mid, dims = _group_key(group)
+    return torch.ops.shardops.reduce_scatter(list(chunks), op, mid, dims)
+
+
+def all_to_all(chunks: Sequence[torch.Tensor], group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    mid, dims = _group_key(group)
+    flat, ndim = _flat(recv_shapes)
+    return list(torch.ops.shardops.all_to_all(list(chunks), mid, dims, flat, ndim))
+
+
+def broadcast(t: torch.Tensor, src_index: int, group) -> torch.Tensor:
+    mid, dims = _group_key(group)
+    return torch.ops.shardops.broadcast(t, src_index, mid, dims)
+
+
+def barrier(group) -> None:
+    raise ShardingError("torch.compile: a barrier cannot be traced (it returns nothing the graph could keep)")
+
+
+# ------------------------------------------------------------------ compiles in progress (threads-world timeouts)
+
+_compiles = {"active": 0, "quiet_since": 0.0}
+_compiles_lock = threading.Lock()
+_hooked = [False]
+
+
+def compiles_in_progress() -> bool:
+    return _compiles["active"] > 0
+
+
+def compile_quiet_since() -> float:
+    """time.monotonic() when the last compile of this process ended (0: none yet)."""
+    return _compiles["quiet_since"]
+
+
+def _on_start(*_a) -> None:
+    with _compiles_lock:
+        _compiles["active"] += 1
+
+
+def _on_end(*_a) -> None:
+    with _compiles_lock:
+        _compiles["active"] = max(0, _compiles["active"] - 1)
+        _compiles["quiet_since"] = time.monotonic()
+
+
+def watch_compiles() -> None:
+    """Follow dynamo's compiles (once per process): the threads world's timeouts pause during them."""
+    if _hooked[0]:
+        return
+    _hooked[0] = True
+    from torch._dynamo.callback import on_compile_end, on_compile_start
+
+    on_compile_start(_on_start)
+    on_compile_end(_on_end)
+
+
+# ------------------------------------------------------------------ dynamo: what it must not trace into
+
+_OPAQUE: list = []  # functions dynamo records as one call; AOTAutograd traces into them
+
+
+def trace_opaque(fn):
+    """Mark `fn` (a DTensor constructor or unwrapper) as dynamo's `nonstrict_trace`, without importing dynamo.
+
+    Dynamo cannot trace `_make_wrapper_subclass`; these functions make or unwrap DTensors, so dynamo
+    records each call as a node and AOTAutograd runs it on fake tensors (where it traces fine).
+    Importing torch._dynamo costs seconds, so the marks are made when dynamo is first imported.
+    """
+    _OPAQUE.append(fn)
+    if "torch._dynamo" in sys.modules and not _hook.pending:
+        _mark(fn)
+    return fn
+
+
+def _mark(fn) -> None:
+    from torch._dynamo import trace_rules  # the ids torch.compiler.nonstrict_trace registers (its wrapper would be a new object)
+
+    from torch._dynamo.eval_frame import skip_code
+
+    trace_rules._allowed_callable_ids.add(id(fn))
+    trace_rules._nonstrict_trace_callable_ids.add(id(fn))
+    # Called from eager code after a graph break, the function runs as it is: dynamo never compiles
+    # it as a frame of its own (a resume after _make_wrapper_subclass lost requires_grad, issue 25).
+    skip_code(fn.__code__)
+
+
+_EAGER_ONLY: list = []  # shardops' dispatch: eager code that dynamo must never compile as frames
+
+
+def eager_only(fn):
+    """Dynamo never compiles `fn`, nor any frame it calls, as a frame of its own.
+
+    After a graph break the rest of a compiled function runs eagerly, with dynamo's frame hook on:
+    every Python frame it enters (our __torch_dispatch__, a sharded algorithm) would be compiled on
+    its own and break again at each data-dependent check. Tracing enters dispatch through the
+    DTensor's flatten protocol instead, which this does not touch.
+    """
+    _EAGER_ONLY.append(fn)
+    if "torch._dynamo" in sys.modules and not _hook.pending:
+        _skip_recursively(fn)
+    return fn
+
+
+def _skip_recursively(fn) -> None:
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def _install() -> None:
+    for fn in _OPAQUE:
+        _mark(fn)
+    for fn in _EAGER_ONLY:
+        _skip_recursively(fn)
+    _wrap_metadata_objects()
+    watch_compiles()
+
+
+def _wrap_metadata_objects() -> None:
+    """Let dynamo hold a DTensor's metadata read in compiled code (`dt.device_mesh`, `dt.placements`)
+    as plain Python objects: they are trace-time constants, guarded through the DTensor's CompileMeta."""
+    from torch._dynamo.variables.builder import SourcelessBuilder
+    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+    from ..mesh import DeviceMesh
+    from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
+    from ..spec import TensorMeta, TensorSpec
+
+    for cls in (DeviceMesh, TensorSpec, TensorMeta, Shard, StridedShard, Replicate, Partial, NormPartial):
+        SourcelessBuilder._type_handlers.setdefault(cls, lambda tx, value: UserDefinedObjectVariable(value))
+
+
+class _AfterDynamoImport(importlib.abc.MetaPathFinder):
+    """Runs `_install` right after torch._dynamo is imported (by the first torch.compile)."""
+
+    pending = True
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo" or not self.pending:
+            return None
+        self.pending = False
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_install(module):
+            exec_module(module)
+            _install()
+
+        spec.loader.exec_module = exec_then_install
+        return spec
+
+
+_hook = _AfterDynamoImport()
+
+
+def _register_constants() -> None:
+    """Meshes and placements are compile-time constants (dynamo guards them by equality)."""
+    import torch.utils._pytree as pytree
+
+    from ..mesh import DeviceMesh
+    from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
+
+    if not pytree.is_constant_class(DeviceMesh):
+        pytree.register_constant(DeviceMesh)
+    # placements are small frozen dataclasses of ints and strings, often made inside the compiled code
+    # (Shard(-1) normalised to Shard(1)): pytree nodes whose fields are constants of the call site
+    for cls in (Shard, StridedShard, Replicate, Partial, NormPartial):
+        if cls not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(cls)
+
+
+def setup() -> None:
+    """Called once when shardops is imported (cheap: no dynamo import)."""
+    _register_constants()
+    if "torch._dynamo" in sys.modules:
+        _hook.pending = False
+        _install()
+    elif _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)

@@ -1,0 +1,232 @@
+"""torch.compile on models with shardops DTensor parameters (issue 25).
+
+Compiled against eager shardops on the same module and input: output values and
+placements, every parameter's gradient (values and layout), the collectives and
+bytes per step (compiled moves nothing extra), and how many graphs dynamo made.
+Both worlds: threads (so.run) and 4 gloo processes. Eager shardops is itself
+checked against single-device torch in test_parallel.py; here the reference for
+the values is also single-device torch, computed in the test.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardops as so
+from shardops.parallel import ColwiseParallel, RowwiseParallel, data_parallel, parallelize_module
+
+from mp import run_gloo
+
+MESHES = [(4,), (2, 2)]
+
+
+class _GraphCounter:
+    """A dynamo backend that counts the graphs it is given, then runs them as aot_eager would."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.graphs += 1
+        return aot_eager(gm, example_inputs)
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def _parallel_mlp(reference: nn.Module, mesh_shape) -> tuple[nn.Module, so.DeviceMesh]:
+    """Column- then row-parallel on the tp dim; on a 2-d mesh data-parallel over the other dim."""
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    m = copy.deepcopy(reference)
+    parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if len(mesh_shape) == 2:
+        data_parallel(m, mesh)
+    return m, mesh
+
+
+def _step(m: nn.Module, x: torch.Tensor, run=None):
+    """Forward (through `run`: m or its compiled form), a loss, backward; what came out and what the step sent."""
+    for p in m.parameters():
+        p.grad = None
+    with so.CommDebugMode() as comm:
+        y = (run or m)(x)
+        loss = (y * y).sum()
+        loss.backward()
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    return y, grads, comm.get_comm_counts(), comm.get_total_bytes()
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, so.DTensor) else t
+
+
+def _compare_compiled_with_eager(mesh_shape, backend) -> dict:
+    reference = _mlp()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    ref_y = reference(x)
+    (ref_y * ref_y).sum().backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+
+    def rank():
+        m, mesh = _parallel_mlp(reference, mesh_shape)
+        eager_y, eager_grads, eager_counts, eager_bytes = _step(m, x)
+        compiled = torch.compile(m, backend=backend)
+        y, grads, counts, nbytes = _step(m, x, compiled)  # first call: compiles
+        y2, grads2, counts2, nbytes2 = _step(m, x, compiled)  # second: the cached graph
+        out = {"requires_grad": y.requires_grad, "eager": (eager_counts, eager_bytes), "compiled": [(counts, nbytes), (counts2, nbytes2)]}
+        out["values"] = [torch.allclose(_full(v), ref_y if len(mesh_shape) == 1 else _full(eager_y), atol=1e-5) for v in (eager_y, y, y2)]
+        out["grads"] = {}
+        for n, g in grads.items():
+            e = eager_grads[n]
+            out["grads"][n] = (
+                g is not None and grads2[n] is not None,
+                g is not None and type(g) is type(e) and (not isinstance(g, so.DTensor) or g.placements == e.placements),
+                g is not None and torch.allclose(_full(g), _full(e), atol=1e-5) and torch.allclose(_full(grads2[n]), _full(e), atol=1e-5),
+                # data parallel averages the dp ranks' gradients of their batch shards: single-device torch only on (4,)
+                len(mesh_shape) > 1 or torch.allclose(_full(e), ref_grads[n], atol=1e-5),
+            )
+        return out
+
+    return so.run(rank, 4)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
+def test_compiled_parallel_mlp_equals_eager_and_torch(mesh_shape):
+    torch._dynamo.reset()
+    for r, out in enumerate(_compare_compiled_with_eager(mesh_shape, "aot_eager")):
+        assert out["requires_grad"], f"rank {r}: the compiled output lost requires_grad"
+        assert out["values"] == [True, True, True], f"rank {r}: {out['values']}"
+        for name, (present, same_layout, same_values, eager_right) in out["grads"].items():
+            assert present, f"rank {r}: {name}.grad is None after a compiled backward"
+            assert same_layout, f"rank {r}: {name}.grad has another type or layout than eager's"
+            assert same_values, f"rank {r}: the compiled {name}.grad differs from eager's"
+            assert eager_right, f"rank {r}: eager {name}.grad differs from single-device torch"
+        assert out["compiled"] == [out["eager"], out["eager"]], f"rank {r}: compiled {out['compiled']} vs eager {out['eager']}"
+
+
+def test_sharded_parameter_gradient_is_never_silently_none():
+    """A plain layer after the sharded ones: backward succeeds either way, so only the grads tell."""
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (2,))
+        m = nn.Sequential(_mlp(), nn.Linear(8, 4))
+        parallelize_module(m[0], mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        compiled = torch.compile(m, backend="aot_eager")
+        compiled(torch.randn(3, 8)).sum().backward()
+        return {n: p.grad is not None for n, p in m.named_parameters()}
+
+    for grads in so.run(rank, 2):
+        assert all(grads.values()), grads
+
+
+def test_parallel_mlp_compiles_to_one_graph_in_the_threads_world():
+    torch._dynamo.reset()
+    counters = [_GraphCounter() for _ in range(4)]
+
+    def rank():
+        m, mesh = _parallel_mlp(_mlp(), (4,))
+        compiled = torch.compile(m, backend=counters[mesh.get_rank()], fullgraph=True)
+        compiled(torch.randn(8, 8)).sum().backward()
+        compiled(torch.randn(8, 8)).sum().backward()
+
+    so.run(rank, 4)
+    # each rank traces once (its coordinate is part of the guard), one graph each, none again on the second step
+    assert [c.graphs for c in counters] == [1, 1, 1, 1]
+
+
+def _gloo_rank(mesh_shape, backend):
+    torch.manual_seed(0)
+    reference = _mlp()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    m, mesh = _parallel_mlp(reference, mesh_shape)
+    eager_y, eager_grads, eager_counts, eager_bytes = _step(m, x)
+    explained = torch._dynamo.explain(copy.deepcopy(m))(x) if len(mesh_shape) == 1 else None
+    compiled = torch.compile(m, backend=backend)
+    y, grads, counts, nbytes = _step(m, x, compiled)
+    same_grads = all(
+        grads[n] is not None and grads[n].placements == eager_grads[n].placements and torch.allclose(_full(grads[n]), _full(eager_grads[n]), atol=1e-5)
+        for n in grads
+    )
+    return {
+        "graphs": None if explained is None else (explained.graph_count, explained.graph_break_count),
+        "values": torch.allclose(_full(y), _full(eager_y), atol=1e-5) and y.requires_grad,
+        "grads": same_grads,
+        "bytes": ((counts, nbytes), (eager_counts, eager_bytes)),
+    }
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
+def test_compiled_parallel_mlp_under_gloo(mesh_shape):
+    for r, out in enumerate(run_gloo(_gloo_rank, 4, mesh_shape, "aot_eager", timeout=600)):
+        if out["graphs"] is not None:
+            assert out["graphs"] == (1, 0), f"rank {r}: (graphs, breaks) = {out['graphs']}"
+        assert out["values"] and out["grads"], f"rank {r}: {out}"
+        compiled, eager = out["bytes"]
+        assert compiled == eager, f"rank {r}: compiled step sent {compiled}, eager {eager}"
+
+
+@pytest.mark.slow
+def test_compiled_parallel_mlp_with_inductor():
+    torch._dynamo.reset()
+    for r, out in enumerate(_compare_compiled_with_eager((4,), "inductor")):
+        assert out["requires_grad"] and out["values"] == [True, True, True], f"rank {r}: {out}"
+        assert all(all(v) for v in out["grads"].values()), f"rank {r}: {out['grads']}"
+        assert out["compiled"] == [out["eager"], out["eager"]], f"rank {r}"
+
+
+def test_random_ops_on_dtensors_refuse_to_compile():
+    """A compiled dropout would replay one frozen draw counter every step: a clear error instead."""
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.distribute_tensor(torch.ones(4, 8), mesh, [so.Shard(1)])
+        f = torch.compile(lambda t: torch.nn.functional.dropout(t, 0.5, training=True) * 2, backend="aot_eager")
+        try:
+            f(x)
+        except Exception as e:  # noqa: BLE001 - dynamo wraps the error in its own type
+            return str(e)
+        return "compiled"
+
+    for message in so.run(rank, 2):
+        assert "draw counter would be frozen" in message, message
+
+
+def test_in_place_resolution_of_a_partial_input_refuses_to_compile():
+    """Eager resolves a pending partial of `self` in place and relabels it; a compiled graph could
+    write back the data but not the label: a clear error instead of a DTensor whose data and layout disagree."""
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (2,))
+        x = so.DTensor.from_local(torch.ones(4), mesh, [so.Partial()])
+        f = torch.compile(lambda t: t.add_(1), backend="aot_eager")
+        try:
+            f(x)
+        except Exception as e:  # noqa: BLE001 - dynamo wraps the error in its own type
+            return str(e)
+        return f"compiled: {x.placements} {x.full_tensor()}"
+
+    for message in so.run(rank, 2):
+        assert "cannot change an input's layout" in message, message
+
+
+def test_compile_benchmark_section_renders_its_rows_and_failures():
+    from benchmarks import run
+    from benchmarks.compile import format_compile_table
+
+    result = {"size": "tiny", "world_size": 4, "steps": 2, "rows": [
+        {"model": "gpt2", "system": "shardops", "eager_ms": 20.0, "compiled_ms": 10.0, "first_compiled_s": 3.0, "same_loss": True},
+        {"model": "gpt2", "system": "DTensor", "error": "RuntimeError: boom"},
+    ]}
+    table = format_compile_table(result)
+    assert "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes |" in table and "failed: RuntimeError: boom" in table
+    assert "compile" in run.BENCHMARKS
+    assert "### torch.compile" in run.render_report({"compile": result}, "shardops bench --quick", run.machine_info(), {}, None)
