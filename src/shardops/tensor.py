@@ -14,7 +14,7 @@ from .dispatch.schema import static_key
 from .comm import traceable
 from .errors import ShardingError
 from .mesh import DeviceMesh
-from .placements import Placement, Replicate, local_shape_and_offset, normalize_placements, shard_positions, without_partials
+from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, local_shape_and_offset, normalize_placements, shard_positions, without_partials
 from .planner import caches
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
@@ -654,4 +654,4 @@ def _default_mesh() -> DeviceMesh:
 traceable.trace_opaque(DTensor._make)
 traceable.trace_opaque(distribute_tensor)
 traceable.eager_only(dispatch)
-traceable.setup()  # torch.compile support: meshes and placements as constants; dynamo's marks when it loads
+traceable.setup(DeviceMesh, (Shard, StridedShard, Replicate, Partial, NormPartial), (TensorSpec, TensorMeta))  # torch.compile support: meshes and placements as constants; dynamo's marks when it loads

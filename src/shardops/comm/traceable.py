@@ -96,10 +96,8 @@ def _group_key(group) -> tuple[int, list[int]]:
     return mesh_id(mesh), list(dims)
 
 
-def _comm():
-    from ..world import current_comm
-
-    return current_comm()
+def _comm(mid: int):
+    return _MESHES[mid].comm  # this rank's communicator (in the threads world: this rank thread's)
 
 
 def _fresh(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -123,7 +121,7 @@ def _unflat(flat: Sequence[int], ndim: int, n: int) -> list[tuple[int, ...]]:
 
 @torch.library.custom_op("shardops::all_reduce", mutates_args=())
 def _all_reduce(t: torch.Tensor, op: str, mesh: int, dims: list[int]) -> torch.Tensor:
-    return _fresh(_comm().all_reduce(t, op, _group(mesh, dims)), [t])
+    return _fresh(_comm(mesh).all_reduce(t, op, _group(mesh, dims)), [t])
 
 
 @_all_reduce.register_fake
@@ -134,7 +132,7 @@ def _(t, op, mesh, dims):
 @torch.library.custom_op("shardops::all_gather", mutates_args=())
 def _all_gather(t: torch.Tensor, mesh: int, dims: list[int], shapes: list[int], ndim: int) -> list[torch.Tensor]:
     group = _group(mesh, dims)
-    outs = _comm().all_gather(t, group, _unflat(shapes, ndim, group.size))
+    outs = _comm(mesh).all_gather(t, group, _unflat(shapes, ndim, group.size))
     return [o.clone() for o in outs]  # pieces may be views of one buffer or of the input
 
 
@@ -146,20 +144,20 @@ def _(t, mesh, dims, shapes, ndim):
 
 @torch.library.custom_op("shardops::reduce_scatter", mutates_args=())
 def _reduce_scatter(chunks: list[torch.Tensor], op: str, mesh: int, dims: list[int]) -> torch.Tensor:
-    return _fresh(_comm().reduce_scatter(chunks, op, _group(mesh, dims)), chunks)
+    return _fresh(_comm(mesh).reduce_scatter(chunks, op, _group(mesh, dims)), chunks)
 
 
 @_reduce_scatter.register_fake
 def _(chunks, op, mesh, dims):
     group = _group(mesh, dims)
-    mine = chunks[group.index(_comm().rank)]  # rank-specific: the coordinate guard keeps it right (module doc)
+    mine = chunks[group.index(_comm(mesh).rank)]  # rank-specific: the coordinate guard keeps it right (module doc)
     return mine.new_empty(mine.shape)
 
 
 @torch.library.custom_op("shardops::all_to_all", mutates_args=())
 def _all_to_all(chunks: list[torch.Tensor], mesh: int, dims: list[int], recv_shapes: list[int], ndim: int) -> list[torch.Tensor]:
     group = _group(mesh, dims)
-    outs = _comm().all_to_all(chunks, group, _unflat(recv_shapes, ndim, group.size))
+    outs = _comm(mesh).all_to_all(chunks, group, _unflat(recv_shapes, ndim, group.size))
     return [o.clone() for o in outs]
 
 
@@ -170,7 +168,7 @@ def _(chunks, mesh, dims, recv_shapes, ndim):
 
 @torch.library.custom_op("shardops::broadcast", mutates_args=())
 def _broadcast(t: torch.Tensor, src_index: int, mesh: int, dims: list[int]) -> torch.Tensor:
-    return _fresh(_comm().broadcast(t, src_index, _group(mesh, dims)), [t])
+    return _fresh(_comm(mesh).broadcast(t, src_index, _group(mesh, dims)), [t])
 
 
 @_broadcast.register_fake
@@ -319,11 +317,7 @@ def _wrap_metadata_objects() -> None:
     from torch._dynamo.variables.builder import SourcelessBuilder
     from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
 
-    from ..mesh import DeviceMesh
-    from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
-    from ..spec import TensorMeta, TensorSpec
-
-    for cls in (DeviceMesh, TensorSpec, TensorMeta, Shard, StridedShard, Replicate, Partial, NormPartial):
+    for cls in (_CLASSES["mesh"], *_CLASSES["specs"], *_CLASSES["placements"]):
         SourcelessBuilder._type_handlers.setdefault(cls, lambda tx, value: UserDefinedObjectVariable(value))
 
 
@@ -356,20 +350,24 @@ def _register_constants() -> None:
     """Meshes and placements are compile-time constants (dynamo guards them by equality)."""
     import torch.utils._pytree as pytree
 
-    from ..mesh import DeviceMesh
-    from ..placements import NormPartial, Partial, Replicate, Shard, StridedShard
-
-    if not pytree.is_constant_class(DeviceMesh):
-        pytree.register_constant(DeviceMesh)
+    mesh_class = _CLASSES["mesh"]
+    if not pytree.is_constant_class(mesh_class):
+        pytree.register_constant(mesh_class)
     # placements are small frozen dataclasses of ints and strings, often made inside the compiled code
     # (Shard(-1) normalised to Shard(1)): pytree nodes whose fields are constants of the call site
-    for cls in (Shard, StridedShard, Replicate, Partial, NormPartial):
+    for cls in _CLASSES["placements"]:
         if cls not in pytree.SUPPORTED_NODES:
             pytree.register_dataclass(cls)
 
 
-def setup() -> None:
+# The metadata classes compiled code holds as constants, handed in by tensor.py (this module sits
+# below mesh.py, placements.py and spec.py, which import the communicators).
+_CLASSES: dict = {}
+
+
+def setup(mesh: type, placements: Sequence[type], specs: Sequence[type]) -> None:
     """Called once when shardops is imported (cheap: no dynamo import)."""
+    _CLASSES.update(mesh=mesh, placements=tuple(placements), specs=tuple(specs))
     _register_constants()
     if "torch._dynamo" in sys.modules:
         _hook.pending = False

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import cost
+from ..planner import pricing
 from ..errors import ShardingError
 from ..placements import Replicate, Shard, chunk_size_and_offset, local_shape_and_offset
 from ..spec import TensorSpec
@@ -92,9 +92,9 @@ class RoutingStep:
 
 
 def _time(kind: str, nbytes: float, n: int, link) -> float:
-    """The cost model's time for what one rank puts in (cost.collective_time takes the whole size)."""
+    """The cost model's time for what one rank puts in (pricing.collective_time takes the whole size)."""
     whole = {"all_gather": nbytes * n, "all_to_all": nbytes * n / max(n - 1, 1)}.get(kind, nbytes)
-    return cost.collective_time(kind, whole, n, link)
+    return pricing.collective_time(kind, whole, n, link)
 
 
 def _fmt(b: int) -> str:
