@@ -118,12 +118,6 @@ def register_overwrites_self(*ops: Any) -> None:
         OVERWRITES_SELF.add(op)
 
 
-def register_torch_function(fn: Callable[..., Any], *torch_callables: Any) -> Callable[..., Any]:
-    for c in torch_callables:
-        TORCH_FUNCTIONS[c] = fn
-    return fn
-
-
 def call_default(func, args: tuple, kwargs: dict) -> Any:
     """Run a torch function the ordinary way (into __torch_dispatch__), without our override."""
     with _NO_SUBCLASS_TORCH_FUNCTION():  # (torch._C._disabled_torch_function_impl would enter __torch_function__ again)

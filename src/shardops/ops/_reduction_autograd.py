@@ -260,10 +260,13 @@ def _count_nonzero(input, dim=None): ...  # noqa: E704
 
 
 _ALIASES = {"axis": "dim", "keepdims": "keepdim", "self": "input"}
-SIGNATURES = {
-    f.__name__.lstrip("_"): CallSignature(f, aliases=_ALIASES)
-    for f in (_dims_dtype, _dims, _amax, _aminmax, _kthvalue, _mode, _count_nonzero)
-}
+DIMS_DTYPE, DIMS, AMAX, AMINMAX, KTHVALUE, MODE, COUNT_NONZERO = (
+    CallSignature(f, aliases=_ALIASES) for f in (_dims_dtype, _dims, _amax, _aminmax, _kthvalue, _mode, _count_nonzero)
+)
+
+
+# describe(name, bound arguments, input spec) -> the Call to run sharded, or None: torch's path
+Describe = Callable[[str, dict, TensorSpec], "Call | None"]
 
 
 class TorchDecides(Exception):
@@ -318,59 +321,18 @@ def _apply_reduction(x, call: Call):
     return call.result_type(out) if call.result_type is not None else out
 
 
-def _named(raw) -> bool:
-    return isinstance(raw, str) or (isinstance(raw, (list, tuple)) and any(isinstance(d, str) for d in raw))
+def reduction_entry(*funcs: Any, signature: CallSignature) -> Callable[[Describe], Describe]:
+    """Decorator over a describe(name, bound, spec) -> Call | None: `funcs` (torch callables, bound
+    by `signature`) on DTensors that need a gradient run ShardedReduction as the Call says."""
 
-
-def describe_reduce(kind: str, single: bool = False):
-    """sum/mean/nansum/nanmean/prod: dim (None: all), keepdim, dtype."""
-
-    def describe(name, b, spec) -> Call:
-        if _named(b["dim"]):
-            raise TorchDecides
-        dims = check_dims(name, spec, b["dim"], single=single)
-        return Call(kind, dims, bool(b["keepdim"]), flat=b["dim"] is None)
-
-    return describe
-
-
-def describe_amax(name, b, spec) -> Call:
-    if _named(b["dim"]):
-        raise TorchDecides
-    return Call("extreme", check_dims(name, spec, b["dim"]), bool(b["keepdim"]))
-
-
-def describe_max(name, b, spec) -> Call:
-    """max(x) / max(x, dim, keepdim) / max(x, other) (elementwise: torch's path)."""
-    dim = b["dim"]
-    if isinstance(dim, torch.Tensor) or _named(dim):
-        raise TorchDecides
-    if dim is None:
-        if b["keepdim"]:
-            raise TorchDecides
-        return Call("extreme", tuple(range(spec.ndim)), False, nan_aware=True)
-    dims = check_dims(name, spec, dim, single=True)
-    return Call("select", dims, bool(b["keepdim"]), result_type=getattr(torch.return_types, name))
-
-
-def describe_aminmax(name, b, spec) -> Call:
-    dims = check_dims(name, spec, b["dim"], single=True)
-    return Call("aminmax", dims, bool(b["keepdim"]), result_type=torch.return_types.aminmax)
-
-
-def describe_checked(single: bool):
-    """Non-differentiable ops (argmax, all, count_nonzero, ...): only check the dims, then dispatch."""
-
-    def describe(name, b, spec) -> None:
-        if not _named(b["dim"]):
-            check_dims(name, spec, b["dim"], single=single)
-        return None
-
-    return describe
-
-
-def register_entries(table: Sequence[tuple[Sequence[Any], str, Callable]]) -> None:
-    """(torch callables, signature, describe) rows -> __torch_function__ overrides."""
-    for funcs, sig, describe in table:
+    def register_describe(describe: Describe) -> Describe:
         for func in funcs:
-            register_torch_entry(SIGNATURES[sig], partial(_parse_reduction, func, describe), _apply_reduction, func)
+            register_torch_entry(signature, partial(_parse_reduction, func, describe), _apply_reduction, func)
+        return describe
+
+    return register_describe
+
+
+def named_dims(raw) -> bool:
+    """dim= given by name (torch's named-tensor forms): torch decides."""
+    return isinstance(raw, str) or (isinstance(raw, (list, tuple)) and any(isinstance(d, str) for d in raw))

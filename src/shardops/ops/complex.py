@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch.registry import register
+from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
 from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, StridedShard
@@ -45,16 +45,17 @@ def _elementwise_view_rule(partials: tuple[str, ...]):
     return rule
 
 
+# conj is linear and commutes with products; negation and real/imag are linear; prims.view_of moves nothing.
+strategy(aten._conj.default, aten.resolve_conj.default, aten.conj.default)(_elementwise_view_rule(("sum", "avg", "product")))
+strategy(aten._neg_view.default, aten.resolve_neg.default, aten.real.default, aten.imag.default)(_elementwise_view_rule(("sum", "avg")))
+strategy(torch.ops.prims.view_of.default)(_elementwise_view_rule(("sum", "avg", "max", "min", "product")))
+strategy(aten.polar.default, aten.complex.default)(pointwise_rule)  # elementwise over two real tensors
+
+
+@strategy(aten.view_as_complex.default)
 def _view_as_complex_rule(schema: OpSchema) -> list[Row]:
     """(..., 2) real -> (...) complex: every dim but the pair dim keeps its shard."""
     nd = schema.self_spec.ndim
     rows = [row(Shard(d), Shard(d)) for d in range(nd - 1)]
     rows += [row(p, p) for p in _strided(schema) if p.dim < nd - 1]
     return rows + [row(Partial(op), Partial(op)) for op in ("sum", "avg")]
-
-
-register(_elementwise_view_rule(("sum", "avg", "product")), aten._conj.default, aten.resolve_conj.default, aten.conj.default)
-register(_elementwise_view_rule(("sum", "avg")), aten._neg_view.default, aten.resolve_neg.default, aten.real.default, aten.imag.default)
-register(_view_as_complex_rule, aten.view_as_complex.default)
-register(pointwise_rule, aten.polar.default, aten.complex.default)
-register(_elementwise_view_rule(("sum", "avg", "max", "min", "product")), torch.ops.prims.view_of.default)

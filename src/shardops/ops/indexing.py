@@ -29,13 +29,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..dispatch.registry import register, register_torch_function
-from ..dispatch.schema import OpSchema, normalize_dim
+from ..dispatch.registry import strategy, torch_level
+from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions
 from ..redistribute import redistribute_local
 from ..spec import TensorSpec
-from . import views as _views  # noqa: F401 - its select/slice/narrow rules exist before rows are added to them
+from ._shard_stats import needs_grad
+from .views import keep_other_dims_rule
 
 aten = torch.ops.aten
 R = Replicate()
@@ -44,6 +45,8 @@ ALL_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), 
 LABEL_MOVE = "re-index along the sharded dim: all_to_all of the rows that change owner"
 LABEL_OWNER = "each rank applies the entries whose target it owns"
 LABEL_PICK = "pick from the shard that holds the index, zeros elsewhere"
+LABEL_FROM_REPLICA = "re-index a replica into this rank's shard (local)"
+LABEL_OWNER_WRITES = "the rank that owns the selected index writes the gradient (local)"
 
 
 # ------------------------------------------------------------------ the re-indexing primitive
@@ -167,7 +170,7 @@ def _move_rows(dims: Sequence[int], algorithm, out_bytes: float, n_in: int = 1, 
     for d in dims:
         rows.append(row(Shard(out_dim(d)), [Shard(d)] + [R] * (n_in - 1), algorithm, comm=(("all_to_all", out_bytes),), label=LABEL_MOVE))
         if from_replica:
-            rows.append(row(Shard(out_dim(d)), [R] * n_in, algorithm, label="re-index a replica into this rank's shard (local)"))
+            rows.append(row(Shard(out_dim(d)), [R] * n_in, algorithm, label=LABEL_FROM_REPLICA))
     return rows
 
 
@@ -198,6 +201,7 @@ def _flip_algorithm(ctx, x: torch.Tensor, dims, *args, **kwargs) -> torch.Tensor
     return x.flip(left) if left else x
 
 
+@strategy(aten.flip.default, algorithms=[LABEL_MOVE])
 def _flip_rule(schema: OpSchema) -> list[Row]:
     spec, dims = schema.self_spec, _flip_dims(schema)
     return _keep_rows(spec.ndim, dims) + _move_rows(dims, _flip_algorithm, _shard_bytes(spec)) + [row(p, p) for p in _partials(schema)]
@@ -227,6 +231,7 @@ def _roll_algorithm(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return torch.roll(x, shifts, dims) if ctx.schema.arg("dims") else torch.roll(x, shifts)
 
 
+@strategy(aten.roll.default, algorithms=[LABEL_MOVE])
 def _roll_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     if not schema.arg("dims") and spec.ndim != 1:
@@ -255,6 +260,7 @@ def _repeat_algorithm(ctx, x: torch.Tensor, repeats, *args, **kwargs) -> torch.T
     return x.repeat(local_repeats)
 
 
+@strategy(aten.repeat.default, algorithms=[LABEL_MOVE])
 def _repeat_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     lead, repeated = _repeat_layout(schema)
@@ -286,6 +292,7 @@ def _pad_algorithm(ctx, x: torch.Tensor, pad, value=0, *args, **kwargs) -> torch
     return aten.constant_pad_nd.default(x, local_pad, value) if any(local_pad) else x.clone()
 
 
+@strategy(aten.constant_pad_nd.default, algorithms=[LABEL_MOVE])
 def _pad_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     padded = sorted(_pad_pairs(schema))
@@ -322,6 +329,7 @@ def _clamp_slice(start, end, n: int) -> tuple[int, int]:
     return min(max(start, 0), n), min(max(end, 0), n)
 
 
+@strategy(aten.slice_backward.default, algorithms=[LABEL_MOVE, LABEL_FROM_REPLICA])
 def _slice_backward_rule(schema: OpSchema) -> list[Row]:
     grad = schema.tensor_specs[0]
     sizes = list(schema.arg("input_sizes"))
@@ -348,12 +356,13 @@ def _select_backward_algorithm(ctx, grad: torch.Tensor, input_sizes, dim, index,
     return out
 
 
+@strategy(aten.select_backward.default, algorithms=[LABEL_OWNER_WRITES])
 def _select_backward_rule(schema: OpSchema) -> list[Row]:
     sizes = list(schema.arg("input_sizes"))
     dim = normalize_dim(schema.arg("dim"), len(sizes), schema.name)
     algo = _select_backward_algorithm
     rows = [row(Shard(d), Shard(d - (d > dim)), algo) for d in range(len(sizes)) if d != dim]
-    rows.append(row(Shard(dim), R, algo, label="the rank that owns the selected index writes the gradient (local)"))
+    rows.append(row(Shard(dim), R, algo, label=LABEL_OWNER_WRITES))
     return rows + [row(p, p, algo) for p in _partials(schema, ("sum", "avg"))]
 
 
@@ -414,6 +423,7 @@ def _replace(shape, dim, size) -> list[int]:
     return s
 
 
+@strategy(aten.index_select.default, algorithms=[LABEL_MOVE, LABEL_PICK])
 def _index_select_rule(schema: OpSchema) -> list[Row]:
     x, index = schema.tensor_specs
     dim = schema.dim("dim", ndim=x.ndim)
@@ -436,6 +446,7 @@ def _index_add_algorithm(ctx, x: torch.Tensor, dim, index: torch.Tensor, source:
     return ctx.func(x, dim, local[keep], source.index_select(dim, keep), *args, **kwargs)
 
 
+@strategy(aten.index_add.default, aten.index_add_.default, algorithms=[LABEL_OWNER])
 def _index_add_rule(schema: OpSchema) -> list[Row]:
     x, index, source = schema.tensor_specs
     dim = schema.dim("dim", ndim=x.ndim)
@@ -468,21 +479,17 @@ class _IndexSelectFunction(torch.autograd.Function):
         return aten.index_add.default(zeros, ctx.dim, ctx.index, grad), None, None
 
 
-def _index_select_entry(func):
-    def entry(*args, **kwargs):
-        from ..dispatch.registry import call_default
-        from ._shard_stats import needs_grad
+def _index_select_call(input, dim, index, *, out=None): ...  # noqa: E704  (torch's form)
 
-        kw = dict(kwargs)
-        pos = list(args)
-        names = ("input", "dim", "index")
-        bound = {n: (pos.pop(0) if pos else kw.pop(n, kw.pop("self", None) if n == "input" else None)) for n in names}
-        x = bound["input"]
-        if pos or kw or not isinstance(bound["dim"], int) or not needs_grad(x) or not (x.is_floating_point() or x.is_complex()):
-            return call_default(func, args, kwargs)
-        return _IndexSelectFunction.apply(x, normalize_dim(bound["dim"], x.ndim, "index_select") if x.ndim else 0, bound["index"])
 
-    return entry
+@torch_level(torch.index_select, torch.Tensor.index_select, signature=CallSignature(_index_select_call, aliases={"self": "input"}),
+             apply=_IndexSelectFunction.apply)
+def _parse_index_select(b: dict, *_) -> tuple | None:
+    """(x, dim, index) for a differentiable index_select by an int dim; None: torch's path."""
+    x, dim = b["input"], b["dim"]
+    if b["out"] is not None or not isinstance(dim, int) or not needs_grad(x) or not (x.is_floating_point() or x.is_complex()):
+        return None
+    return x, normalize_dim(dim, x.ndim, "index_select") if x.ndim else 0, b["index"]
 
 
 # ------------------------------------------------------------------ scatter family (gather lives in losses.py)
@@ -507,6 +514,9 @@ def _scatter_owner_algorithm(ctx, x: torch.Tensor, dim, index: torch.Tensor, *re
     return kept.contiguous()
 
 
+@strategy(aten.scatter.value, aten.scatter.src, aten.scatter.reduce, aten.scatter.value_reduce, algorithms=[LABEL_OWNER])
+@strategy(aten.scatter_.value, aten.scatter_.src, aten.scatter_.reduce, aten.scatter_.value_reduce, algorithms=[LABEL_OWNER])
+@strategy(aten.scatter_add.default, aten.scatter_add_.default, aten.scatter_reduce.two, aten.scatter_reduce_.two, algorithms=[LABEL_OWNER])
 def _scatter_rule(schema: OpSchema) -> list[Row]:
     specs = schema.tensor_specs
     x, index = specs[0], specs[1]
@@ -566,6 +576,7 @@ def _index_pick_algorithm(ctx, x: torch.Tensor, indices, *args, **kwargs) -> tor
     return torch.where(owned.view(shape), picked, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+@strategy(aten.index.Tensor, algorithms=[LABEL_PICK])
 def _index_rule(schema: OpSchema) -> list[Row]:
     x = schema.self_spec
     indices = _index_tensors(schema)
@@ -604,6 +615,7 @@ def _index_put_owner_algorithm(ctx, x: torch.Tensor, indices, values: torch.Tens
     return ctx.func(x, moved, picked, *args, **kwargs)
 
 
+@strategy(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default, algorithms=[LABEL_OWNER])
 def _index_put_rule(schema: OpSchema) -> list[Row]:
     x = schema.self_spec
     indices = _index_tensors(schema)
@@ -637,7 +649,7 @@ def _index_put_rule(schema: OpSchema) -> list[Row]:
 
 
 # ------------------------------------------------------------------ select / slice / narrow along the sharded dim
-# views.py owns these ops' rules (every other dim keeps its shard); the rows below are added to them.
+# select, slice and narrow: views.py's rows (every other dim keeps its shard), then the moves along `dim`.
 
 
 def _select_pick(ctx, x: torch.Tensor, dim, index, *args, **kwargs) -> torch.Tensor:
@@ -652,12 +664,13 @@ def _select_pick(ctx, x: torch.Tensor, dim, index, *args, **kwargs) -> torch.Ten
     return x.new_zeros(ctx.out_specs[0].local_shape())
 
 
-def _select_rows(schema: OpSchema) -> list[Row]:
+@strategy(aten.select.int, algorithms=[LABEL_PICK])
+def _select_rule(schema: OpSchema) -> list[Row]:
+    rows = keep_other_dims_rule(schema)
     x = schema.self_spec
     if not x.ndim or x.dtype == torch.bool:
-        return []
-    dim = schema.dim("dim")
-    return [row(P, Shard(dim), _select_pick, label=LABEL_PICK)]
+        return rows
+    return rows + [row(P, Shard(schema.dim("dim")), _select_pick, label=LABEL_PICK)]
 
 
 def _slice_move(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -681,43 +694,12 @@ def _slice_args(schema: OpSchema) -> tuple[int, int, int]:
     return dim, start, schema.arg("step", 1) or 1
 
 
-def _slice_rows(schema: OpSchema) -> list[Row]:
+@strategy(aten.slice.Tensor, aten.narrow.default, algorithms=[LABEL_MOVE])
+def _slice_rule(schema: OpSchema) -> list[Row]:
+    rows = keep_other_dims_rule(schema)
     x = schema.self_spec
     if not x.ndim or isinstance(schema.arg("start"), torch.Tensor):
-        return []
+        return rows
     dim = schema.dim("dim")
-    return [row(Shard(dim), Shard(dim), _slice_move, comm=(("all_to_all", _shard_bytes(x)),), label=LABEL_MOVE)]
+    return rows + [row(Shard(dim), Shard(dim), _slice_move, comm=(("all_to_all", _shard_bytes(x)),), label=LABEL_MOVE)]
 
-
-def _extend(extra: Callable[[OpSchema], list[Row]], *ops) -> None:
-    """Add rows to the rules another module registered for `ops` (keeps that module's rows first)."""
-    from ..dispatch.registry import RULES
-
-    for op in ops:
-        base = RULES.get(op)
-        if base is None:
-            continue
-
-        def rule(schema: OpSchema, base=base) -> list[Row]:
-            return list(base(schema)) + extra(schema)
-
-        register(rule, op)
-
-
-register(_flip_rule, aten.flip.default)
-register(_roll_rule, aten.roll.default)
-register(_repeat_rule, aten.repeat.default)
-register(_pad_rule, aten.constant_pad_nd.default)
-register(_slice_backward_rule, aten.slice_backward.default)
-register(_select_backward_rule, aten.select_backward.default)
-register(_index_select_rule, aten.index_select.default)
-register(_index_add_rule, aten.index_add.default, aten.index_add_.default)
-register(_scatter_rule, aten.scatter.value, aten.scatter.src, aten.scatter.reduce, aten.scatter.value_reduce)
-register(_scatter_rule, aten.scatter_.value, aten.scatter_.src, aten.scatter_.reduce, aten.scatter_.value_reduce)
-register(_scatter_rule, aten.scatter_add.default, aten.scatter_add_.default, aten.scatter_reduce.two, aten.scatter_reduce_.two)
-register(_index_rule, aten.index.Tensor)
-register(_index_put_rule, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
-for _func in (torch.index_select, torch.Tensor.index_select):
-    register_torch_function(_index_select_entry(_func), _func)
-_extend(_select_rows, aten.select.int)
-_extend(_slice_rows, aten.slice.Tensor, aten.narrow.default)

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from ..dispatch.registry import register
+from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
 from ..planner.rows import Row, row
 from ..errors import ShardingError
@@ -225,6 +225,7 @@ def _check_target_dtype(schema: OpSchema, target) -> None:
         )
 
 
+@strategy(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, algorithms=[LABEL_VOCAB, LABEL_VOCAB_WEIGHT, LABEL_BATCH, LABEL_BATCH_REPLICATED_TARGET])
 def _nll_forward_rule(schema: OpSchema) -> list[Row]:
     x, target = schema.tensor_specs[0], schema.tensor_specs[1]
     _check_target_dtype(schema, target)
@@ -269,6 +270,7 @@ def _nll_backward_sharded(ctx, grad: torch.Tensor, x: torch.Tensor, target: torc
     return grad_input.scatter_(layout.cdim, layout.local_class_index(t, owned), value.unsqueeze(layout.cdim))
 
 
+@strategy(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default, algorithms=[LABEL_VOCAB, LABEL_VOCAB_WEIGHT, LABEL_BATCH, LABEL_BATCH_REPLICATED_TARGET])
 def _nll_backward_rule(schema: OpSchema) -> list[Row]:
     x = schema.tensor_specs[1]
     has_weight = len(schema.tensor_specs) == 5
@@ -312,6 +314,10 @@ def _gather_sharded(ctx, x: torch.Tensor, dim: int, index: torch.Tensor, *args, 
     return torch.where(owned, picked, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+LABEL_GATHER_PICK = "gather from the shard that holds the index"
+
+
+@strategy(aten.gather.default, algorithms=[LABEL_GATHER_PICK])
 def _gather_rule(schema: OpSchema) -> list[Row]:
     """Rows: index sharded along the gathered dim with self replicated (local); self and index
     sharded alike on another dim of equal size (local); self sharded along the gathered dim with
@@ -327,11 +333,6 @@ def _gather_rule(schema: OpSchema) -> list[Row]:
         if k != dim and x.shape[k] == index.shape[k] > 1
     ]
     if x.ndim and x.dtype != torch.bool:
-        rows.append(row(P, [Shard(dim), R], _gather_sharded, label="gather from the shard that holds the index"))
+        rows.append(row(P, [Shard(dim), R], _gather_sharded, label=LABEL_GATHER_PICK))
         rows.append(row(P, [P, R]))
     return rows
-
-
-register(_nll_forward_rule, aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
-register(_nll_backward_rule, aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
-register(_gather_rule, aten.gather.default)

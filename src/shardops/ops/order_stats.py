@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch.registry import register
+from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
 from ..planner.rows import Row
 from ..errors import ShardingError
-from ._reduction_autograd import Call, TorchDecides, check_dims, register_entries
+from ._reduction_autograd import DIMS, KTHVALUE, MODE, Call, TorchDecides, check_dims, reduction_entry
 from .reductions import kept_dim_rows
 
 aten = torch.ops.aten
 
 
+@strategy(aten.median.dim, aten.nanmedian.dim, aten.kthvalue.default, aten.mode.default)
 def _order_dim_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     if spec.ndim == 0:
@@ -43,6 +44,7 @@ def _check_k(schema: OpSchema, spec, d: int) -> None:
         raise ShardingError(f"{schema.name}: k={k} is out of range for dim {d} of {spec!r}; use 1 <= k <= {spec.shape[d]}.")
 
 
+@strategy(aten.median.default, aten.nanmedian.default)
 def _order_full_rule(schema: OpSchema) -> list[Row]:
     return []  # every element in one place: the implicit Replicate row
 
@@ -50,6 +52,7 @@ def _order_full_rule(schema: OpSchema) -> list[Row]:
 # ------------------------------------------------------------------ torch-level entry
 
 
+@reduction_entry(torch.median, torch.Tensor.median, torch.nanmedian, torch.Tensor.nanmedian, signature=DIMS)
 def _describe_median(name, b, spec) -> Call:
     dim = b["dim"]
     if dim is None:
@@ -59,6 +62,7 @@ def _describe_median(name, b, spec) -> Call:
     return _select_call(name, spec, dim, b["keepdim"])
 
 
+@reduction_entry(torch.kthvalue, torch.Tensor.kthvalue, signature=KTHVALUE)
 def _describe_kthvalue(name, b, spec) -> Call:
     call = _select_call(name, spec, b["dim"], b["keepdim"])
     size = spec.shape[call.dims[0]] if spec.ndim else 1
@@ -68,6 +72,7 @@ def _describe_kthvalue(name, b, spec) -> Call:
     return call
 
 
+@reduction_entry(torch.mode, torch.Tensor.mode, signature=MODE)
 def _describe_mode(name, b, spec) -> Call:
     return _select_call(name, spec, b["dim"], b["keepdim"])
 
@@ -78,13 +83,3 @@ def _select_call(name, spec, dim, keepdim) -> Call:
     dims = check_dims(name, spec, dim, single=True)
     return Call("select", dims, bool(keepdim), result_type=getattr(torch.return_types, name))
 
-
-# ------------------------------------------------------------------ registration table
-
-register(_order_dim_rule, aten.median.dim, aten.nanmedian.dim, aten.kthvalue.default, aten.mode.default)
-register(_order_full_rule, aten.median.default, aten.nanmedian.default)
-register_entries([
-    ((torch.median, torch.Tensor.median, torch.nanmedian, torch.Tensor.nanmedian), "dims", _describe_median),
-    ((torch.kthvalue, torch.Tensor.kthvalue), "kthvalue", _describe_kthvalue),
-    ((torch.mode, torch.Tensor.mode), "mode", _describe_mode),
-])

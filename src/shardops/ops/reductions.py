@@ -28,18 +28,22 @@ from typing import Any, Sequence
 
 import torch
 
-from ..dispatch.registry import register
+from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
 from ..planner.rows import Row, row
 from ..placements import Partial, Placement, Replicate, Shard
 from ..spec import TensorSpec, contiguous_stride
 from ._reduction_autograd import (
-    describe_aminmax,
-    describe_amax,
-    describe_checked,
-    describe_max,
-    describe_reduce,
-    register_entries,
+    AMAX,
+    AMINMAX,
+    COUNT_NONZERO,
+    DIMS,
+    DIMS_DTYPE,
+    Call,
+    TorchDecides,
+    check_dims,
+    named_dims,
+    reduction_entry,
 )
 from .common import all_gather_stacked, global_index_tensor, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 
@@ -153,6 +157,9 @@ def identity(op: str, dtype: torch.dtype) -> Any:
 # ------------------------------------------------------------------ linear reductions
 
 
+# Its rows' labels name the op ("local sum.dim_IntList -> pending", as explain prints them):
+# verify reads each op's algorithm names from its rows.
+@strategy(*LINEAR)
 def _linear_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     lin = LINEAR[schema.op]
@@ -249,6 +256,10 @@ def _mean_over_global_count(ctx, x: torch.Tensor, dims: Sequence[int]) -> torch.
 # ------------------------------------------------------------------ arg-reductions
 
 
+LABEL_PAIRS = "gather (value, global index) pairs"
+
+
+@strategy(*SELECT, algorithms=[LABEL_PAIRS])
 def _select_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     _, with_values = SELECT[schema.op]
@@ -260,7 +271,7 @@ def _select_rule(schema: OpSchema) -> list[Row]:
     pairs = (("all_gather", output_bytes_per_rank(spec, dims, 8 if _compact(spec, dims, flat) else 16)),)
     for d in dims:
         for p in shard_options(spec, d):
-            rows.append(row([R] * n_out, p, algorithm=select_sharded, comm=pairs, label="gather (value, global index) pairs"))
+            rows.append(row([R] * n_out, p, algorithm=select_sharded, comm=pairs, label=LABEL_PAIRS))
     return rows
 
 
@@ -364,27 +375,53 @@ def best_of(values: torch.Tensor, index: torch.Tensor, which: str) -> tuple[torc
     return best_v, best_i
 
 
-# ------------------------------------------------------------------ registration table
+# ------------------------------------------------------------------ torch-level entries (autograd)
 
-register(
-    _linear_rule,
-    aten.sum.default, aten.sum.dim_IntList, aten.nansum.default, aten.prod.default, aten.prod.dim_int,
-    aten.mean.default, aten.mean.dim, aten.amax.default, aten.amin.default, aten.max.default, aten.min.default,
-    aten.all.default, aten.all.dim, aten.all.dims, aten.any.default, aten.any.dim, aten.any.dims,
-    aten.count_nonzero.default, aten.count_nonzero.dim_IntList, aten.aminmax.default,
+
+@reduction_entry(
+    torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean, torch.nansum, torch.Tensor.nansum,
+    torch.nanmean, torch.Tensor.nanmean, torch.prod, torch.Tensor.prod, signature=DIMS_DTYPE,
 )
-register(_select_rule, aten.argmax.default, aten.argmin.default, aten.max.dim, aten.min.dim)
+def _describe_linear(name, b, spec) -> Call:
+    """sum/mean/nansum/nanmean/prod (the Call's kind is the function's name): dim (None: all), keepdim, dtype."""
+    if named_dims(b["dim"]):
+        raise TorchDecides
+    dims = check_dims(name, spec, b["dim"], single=name == "prod")
+    return Call(name, dims, bool(b["keepdim"]), flat=b["dim"] is None)
 
-register_entries([
-    ((torch.sum, torch.Tensor.sum), "dims_dtype", describe_reduce("sum")),
-    ((torch.mean, torch.Tensor.mean), "dims_dtype", describe_reduce("mean")),
-    ((torch.nansum, torch.Tensor.nansum), "dims_dtype", describe_reduce("nansum")),
-    ((torch.nanmean, torch.Tensor.nanmean), "dims_dtype", describe_reduce("nanmean")),
-    ((torch.prod, torch.Tensor.prod), "dims_dtype", describe_reduce("prod", single=True)),
-    ((torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin), "amax", describe_amax),
-    ((torch.max, torch.Tensor.max, torch.min, torch.Tensor.min), "dims", describe_max),
-    ((torch.aminmax, torch.Tensor.aminmax), "aminmax", describe_aminmax),
-    ((torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin), "dims", describe_checked(single=True)),
-    ((torch.all, torch.Tensor.all, torch.any, torch.Tensor.any), "dims", describe_checked(single=False)),
-    ((torch.count_nonzero, torch.Tensor.count_nonzero), "count_nonzero", describe_checked(single=False)),
-])
+
+@reduction_entry(torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, signature=AMAX)
+def _describe_amax(name, b, spec) -> Call:
+    if named_dims(b["dim"]):
+        raise TorchDecides
+    return Call("extreme", check_dims(name, spec, b["dim"]), bool(b["keepdim"]))
+
+
+@reduction_entry(torch.max, torch.Tensor.max, torch.min, torch.Tensor.min, signature=DIMS)
+def _describe_max(name, b, spec) -> Call:
+    """max(x) / max(x, dim, keepdim) / max(x, other) (elementwise: torch's path)."""
+    dim = b["dim"]
+    if isinstance(dim, torch.Tensor) or named_dims(dim):
+        raise TorchDecides
+    if dim is None:
+        if b["keepdim"]:
+            raise TorchDecides
+        return Call("extreme", tuple(range(spec.ndim)), False, nan_aware=True)
+    dims = check_dims(name, spec, dim, single=True)
+    return Call("select", dims, bool(b["keepdim"]), result_type=getattr(torch.return_types, name))
+
+
+@reduction_entry(torch.aminmax, torch.Tensor.aminmax, signature=AMINMAX)
+def _describe_aminmax(name, b, spec) -> Call:
+    dims = check_dims(name, spec, b["dim"], single=True)
+    return Call("aminmax", dims, bool(b["keepdim"]), result_type=torch.return_types.aminmax)
+
+
+@reduction_entry(torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin, torch.all, torch.Tensor.all,
+                 torch.any, torch.Tensor.any, signature=DIMS)
+@reduction_entry(torch.count_nonzero, torch.Tensor.count_nonzero, signature=COUNT_NONZERO)
+def _check_dims_only(name, b, spec) -> None:
+    """Non-differentiable ops (argmax, all, count_nonzero, ...): only check the dims, then dispatch."""
+    if not named_dims(b["dim"]):
+        check_dims(name, spec, b["dim"], single=name in ("argmax", "argmin"))
+    return None

@@ -27,12 +27,11 @@ sends one (sum of those gradients, index) pair per row: one small all_gather.
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Callable
 
 import torch
 
-from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, without_partials
@@ -148,6 +147,11 @@ def _extreme_sharded(ctx, x, *args, **kwargs):
 # ------------------------------------------------------------------ rules
 
 
+@strategy(aten.cumsum.default, aten.cumsum_.default, algorithms=["sharded cumsum"])
+@strategy(aten.cumprod.default, aten.cumprod_.default, algorithms=["sharded cumprod"])
+@strategy(aten.logcumsumexp.default, algorithms=["sharded logcumsumexp"])
+@strategy(aten.cummax.default, algorithms=["sharded cummax"])
+@strategy(aten.cummin.default, algorithms=["sharded cummin"])
 def _scan_rule(schema: OpSchema) -> list[Row]:
     """Rows: S(k)->S(k) for every dim (the scanned one runs the sharded algorithm); P(sum) for cumsum.
 
@@ -165,7 +169,7 @@ def _scan_rule(schema: OpSchema) -> list[Row]:
     comm = [("all_gather", reduction_stats_bytes(spec, (d,), per_row))]
     algo = _extreme_sharded if extreme else _scan_sharded
     rows = [row(Shard(k), Shard(k)) for k in range(spec.ndim) if k != d]
-    rows.append(row(Shard(d), Shard(d), algorithm=algo, comm=comm, label=f"sharded {name}"))
+    rows.append(row(Shard(d), Shard(d), algorithm=algo, comm=comm, label=f"sharded {name}"))  # as declared above
     if name == "cumsum":
         rows += [row(Partial(op), Partial(op)) for op in ("sum", "avg")]
     return rows
@@ -319,7 +323,7 @@ class _ScanFunction(torch.autograd.Function):
 def _scan_call(self, dim, dtype=None, *, out=None): ...  # noqa: E704  (torch's forms, aten's names)
 
 
-def _parse_scan(name: str, b: dict, *_) -> tuple | None:
+def _parse_scan(name: str, b: dict) -> tuple | None:
     """(input, name, dim, dtype) of a differentiable scan call; None: not ours."""
     x, dim = b["self"], b["dim"]
     if b.get("out") is not None or not isinstance(dim, int) or isinstance(dim, bool):
@@ -342,17 +346,37 @@ def _apply_scan(named_tuple: bool):
     return apply
 
 
-# ------------------------------------------------------------------ registration
 
-register(
-    _scan_rule,
-    aten.cumsum.default, aten.cumsum_.default, aten.cumprod.default, aten.cumprod_.default,
-    aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default,
-)
-for _name in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"):
-    _parse = partial(_parse_scan, _name)
-    register_torch_entry(
-        CallSignature(_scan_call, aliases={"input": "self"}), _parse, _apply_scan(True), getattr(torch, _name), getattr(torch.Tensor, _name)
-    )
-    # torch.ops.aten.* called directly get the same backward
-    register_torch_entry(None, _parse, _apply_scan(False), getattr(aten, _name).default)
+# Each scan's torch entries: torch.<scan> and Tensor.<scan> (named tuples for cummax/cummin), and
+# torch.ops.aten.<scan> called directly, which gets the same backward.
+SCAN_SIGNATURE = CallSignature(_scan_call, aliases={"input": "self"})
+
+
+@torch_level(torch.cumsum, torch.Tensor.cumsum, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
+@torch_level(aten.cumsum.default, apply=_apply_scan(False))
+def _parse_cumsum(b: dict, *_) -> tuple | None:
+    return _parse_scan("cumsum", b)
+
+
+@torch_level(torch.cumprod, torch.Tensor.cumprod, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
+@torch_level(aten.cumprod.default, apply=_apply_scan(False))
+def _parse_cumprod(b: dict, *_) -> tuple | None:
+    return _parse_scan("cumprod", b)
+
+
+@torch_level(torch.logcumsumexp, torch.Tensor.logcumsumexp, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
+@torch_level(aten.logcumsumexp.default, apply=_apply_scan(False))
+def _parse_logcumsumexp(b: dict, *_) -> tuple | None:
+    return _parse_scan("logcumsumexp", b)
+
+
+@torch_level(torch.cummax, torch.Tensor.cummax, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
+@torch_level(aten.cummax.default, apply=_apply_scan(False))
+def _parse_cummax(b: dict, *_) -> tuple | None:
+    return _parse_scan("cummax", b)
+
+
+@torch_level(torch.cummin, torch.Tensor.cummin, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
+@torch_level(aten.cummin.default, apply=_apply_scan(False))
+def _parse_cummin(b: dict, *_) -> tuple | None:
+    return _parse_scan("cummin", b)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..dispatch.registry import DECOMPOSITIONS, register
+from ..dispatch.registry import decomposition, strategy
 from ..dispatch.schema import OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..errors import ShardingError
@@ -77,17 +77,29 @@ def _dim_map_rule(mapping: Callable[[OpSchema], dict[int, int]], n_out: int = 1,
     return rule
 
 
+def _dim_map(*ops, **options):
+    """Decorator over a mapping {input dim: output dim}: the rule of `ops` is `_dim_map_rule(mapping, **options)`."""
+
+    def register_mapping(mapping: Callable[[OpSchema], dict[int, int]]) -> Callable[[OpSchema], dict[int, int]]:
+        strategy(*ops)(_dim_map_rule(mapping, **options))
+        return mapping
+
+    return register_mapping
+
+
 def _strided(schema: OpSchema) -> list[StridedShard]:
     """The StridedShard placements of self (rows keep them where a dim passes whole)."""
     return sorted({p for p in schema.self_spec.placements if isinstance(p, StridedShard)}, key=repr)
 
 
+@_dim_map(aten.unsqueeze.default, aten.unsqueeze_.default)
 def _unsqueeze(schema: OpSchema) -> dict[int, int]:
     nd = schema.self_spec.ndim
     d = normalize_dim(schema.arg("dim"), nd + 1, schema.name)
     return {i: (i if i < d else i + 1) for i in range(nd)}
 
 
+@_dim_map(aten.squeeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.squeeze_.dim, algorithm=_squeeze_global_dims)
 def _squeeze(schema: OpSchema) -> dict[int, int]:
     spec = schema.self_spec
     shape = spec.shape
@@ -101,12 +113,14 @@ def _squeeze(schema: OpSchema) -> dict[int, int]:
     return {i: kept.index(i) for i in kept}
 
 
+@_dim_map(aten.permute.default)
 def _permute(schema: OpSchema) -> dict[int, int]:
     nd = schema.self_spec.ndim
     dims = [normalize_dim(d, nd, schema.name) for d in schema.arg("dims")]
     return {src: out for out, src in enumerate(dims)}
 
 
+@_dim_map(aten.transpose.int, aten.t.default, aten.transpose_.default, aten.t_.default)
 def _transpose(schema: OpSchema) -> dict[int, int]:
     nd = schema.self_spec.ndim
     if schema.op in (aten.t.default,):
@@ -118,6 +132,7 @@ def _transpose(schema: OpSchema) -> dict[int, int]:
     return m
 
 
+@_dim_map(aten.expand.default, local_size=True)
 def _expand(schema: OpSchema) -> dict[int, int]:
     spec = schema.self_spec
     size = list(schema.arg("size"))
@@ -125,16 +140,18 @@ def _expand(schema: OpSchema) -> dict[int, int]:
     return {i: i + lead for i in range(spec.ndim) if size[i + lead] in (-1, spec.shape[i]) and spec.shape[i] != 1}
 
 
-def _keep_other_dims(arg: str) -> Callable[[OpSchema], dict[int, int]]:
-    """select/slice/narrow/split-like: every dim but `arg`'s keeps its shard (select drops it)."""
+def _keep_other_dims(schema: OpSchema) -> dict[int, int]:
+    """select/slice/narrow/split-like: every dim but `dim` keeps its shard (select drops it)."""
+    nd = schema.self_spec.ndim
+    d = normalize_dim(schema.arg("dim", 0), nd, schema.name)
+    drop = schema.op in (aten.select.int, aten.unbind.int)
+    return {i: (i - (1 if drop and i > d else 0)) for i in range(nd) if i != d}
 
-    def mapping(schema: OpSchema) -> dict[int, int]:
-        nd = schema.self_spec.ndim
-        d = normalize_dim(schema.arg(arg, 0), nd, schema.name)
-        drop = schema.op in (aten.select.int, aten.unbind.int)
-        return {i: (i - (1 if drop and i > d else 0)) for i in range(nd) if i != d}
 
-    return mapping
+# The rows of select, slice and narrow too: their rules (ops/indexing.py) add the moves along `dim`.
+keep_other_dims_rule = strategy(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)(
+    _dim_map_rule(_keep_other_dims)
+)
 
 
 def _view_size(schema: OpSchema) -> list[int]:
@@ -165,6 +182,7 @@ def _view(schema: OpSchema) -> dict[int, int]:
     return out
 
 
+@strategy(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view_rule(schema: OpSchema) -> list[Row]:
     """view/reshape/_unsafe_view: the input's own layout where it maps exactly (StridedShard
     where a merge needs it, see _view_layout), else rows that hold in any combination.
@@ -196,6 +214,7 @@ def _exact_view(layout: tuple):
     return run
 
 
+@strategy(aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like)  # rand_like, randn_like: ops/random.py
 def _like_rule(schema: OpSchema) -> list[Row]:
     """zeros_like & co: the output takes the input's shards; a partial input gives Replicate
     (empty_like keeps it: its values are written before they are read)."""
@@ -215,6 +234,7 @@ def _partial_rows_inputs(schema: OpSchema):
     return PARTIALS + tuple(norms)
 
 
+@strategy(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.new_empty_strided)
 def _new_factory_rule(schema: OpSchema) -> list[Row]:
     """new_zeros(size) & co: the input lends dtype and device. At self's own size (the
     gradient buffers autograd makes) the output keeps self's layout, as the *_like ops do;
@@ -246,6 +266,7 @@ def _strides_like(size: list[int], global_stride) -> list[int]:
     return stride
 
 
+@strategy(aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.contiguous.default, aten.view_as_real.default)
 def _identity_rule(schema: OpSchema) -> list[Row]:
     """clone/detach/alias/_to_copy/contiguous: every layout passes."""
     nd = schema.self_spec.ndim
@@ -257,6 +278,7 @@ def _identity_rule(schema: OpSchema) -> list[Row]:
     return rows + _partial_rows(schema)
 
 
+@strategy(aten.copy_.default)
 def _copy_rule(schema: OpSchema) -> list[Row]:
     """self.copy_(src): src follows self's layout (broadcast dims replicated)."""
     dst, src = schema.tensor_specs[0], schema.tensor_specs[1]
@@ -271,23 +293,9 @@ def _copy_rule(schema: OpSchema) -> list[Row]:
     return rows + [row(p, [p, p]) for p in (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))]
 
 
+@strategy(aten._local_scalar_dense.default)
 def _scalar_rule(schema: OpSchema) -> list[Row]:
     return []  # item()/_local_scalar_dense: needs the whole value (the implicit Replicate row)
-
-
-register(_dim_map_rule(_unsqueeze), aten.unsqueeze.default, aten.unsqueeze_.default)
-register(_dim_map_rule(_squeeze, algorithm=_squeeze_global_dims), aten.squeeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.squeeze_.dim)
-register(_dim_map_rule(_permute), aten.permute.default)
-register(_dim_map_rule(_transpose), aten.transpose.int, aten.t.default, aten.transpose_.default, aten.t_.default)
-register(_dim_map_rule(_expand, local_size=True), aten.expand.default)
-register(_view_rule, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-register(_dim_map_rule(_keep_other_dims("dim")), aten.select.int, aten.slice.Tensor, aten.narrow.default)
-register(_dim_map_rule(_keep_other_dims("dim"), n_out=1), aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
-register(_like_rule, aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like)  # rand_like, randn_like: ops/random.py
-register(_new_factory_rule, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.new_empty_strided)
-register(_identity_rule, aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.contiguous.default, aten.view_as_real.default)
-register(_copy_rule, aten.copy_.default)
-register(_scalar_rule, aten._local_scalar_dense.default)
 
 
 # -- in-place views (squeeze_, unsqueeze_, transpose_, t_): torch.matmul of a vector ends
@@ -324,4 +332,4 @@ for _inplace, _functional in [
     (aten.squeeze_.dim, aten.squeeze.dim), (aten.squeeze_.dims, aten.squeeze.dims), (aten.squeeze_.default, aten.squeeze.default),
     (aten.unsqueeze_.default, aten.unsqueeze.default), (aten.transpose_.default, aten.transpose.int), (aten.t_.default, aten.t.default),
 ]:
-    DECOMPOSITIONS[_inplace] = _inplace_view(_functional)
+    decomposition(_inplace)(_inplace_view(_functional))
