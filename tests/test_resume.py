@@ -103,3 +103,31 @@ def test_demo_resume_past_the_last_step_and_bad_flags_are_clear_errors(tmp_path,
     for bad in (["--save-every", "2"], ["--checkpoint", path], ["--save-every", "-1", "--checkpoint", path], ["--resume", str(tmp_path / "missing")]):
         with pytest.raises(SystemExit):
             demo.parse_args(bad)
+
+
+def _demo_rank_in_gloo(tmp: str) -> dict:
+    """The demo's torchrun path (train_rank under torch.distributed, strict mode): whole, saved, resumed."""
+    from shardops.demo import training as demo
+    from shardops.training.shardops_side import train_rank
+
+    path = f"{tmp}/demo-ckpt"
+
+    def run(argv: list[str]) -> list[float]:
+        args = demo.parse_args(TINY + argv)
+        so.set_strict(True)
+        try:
+            return _losses(train_rank(demo.spec_from(args), checkpointing=demo.checkpointing_from(args)))
+        finally:
+            so.set_strict(False)
+
+    return {"whole": run(["--steps", "4"]), "first": run(["--steps", "2", "--save-every", "2", "--checkpoint", path]), "resumed": run(["--steps", "4", "--resume", path])}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_resume_in_gloo_processes_equals_the_run_never_stopped(tmp_path):
+    from shardops.training.launch import run_gloo
+
+    for r in run_gloo(_demo_rank_in_gloo, 4, str(tmp_path), timeout=500):
+        assert r["first"] == r["whole"][:2]
+        assert r["resumed"] == r["whole"][2:]
