@@ -20,12 +20,23 @@ def batch(step: int, args: ModelArgs = ARGS) -> tuple[torch.Tensor, torch.Tensor
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def shardops_model(mesh_shape: tuple[int, ...], seed: int = 0, kind: str = "llama", dp_mode: str = "replicate", args: ModelArgs = ARGS) -> tuple[Any, Any, int]:
-    """(model, mesh, dp rank): tensor parallel over 'tp', data parallel over 'dp' on a 2-d mesh."""
+def shardops_model(
+    mesh_shape: tuple[int, ...], seed: int = 0, kind: str = "llama", dp_mode: str = "replicate", args: ModelArgs = ARGS, invariant_dropout: bool = False
+) -> tuple[Any, Any, int]:
+    """(model, mesh, dp rank): tensor parallel over 'tp', data parallel over 'dp' on a 2-d mesh.
+
+    `invariant_dropout`: the demo's plan (training/config.py), which keeps the tensors dropout reads
+    as DTensors, so the masks are those of the global tensor on any mesh; otherwise the plain plan,
+    where dropout reads local shards (each rank's mask depends on its shard's shape)."""
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
     mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model = (Llama if kind == "llama" else GPT2)(args, seed=seed)
-    plan = (llama_plan if kind == "llama" else gpt2_plan)()
+    if invariant_dropout:
+        from shardops.training.config import RunSpec, plan as demo_plan
+
+        plan = demo_plan(RunSpec(model=kind, cfg=args), so.parallel)
+    else:
+        plan = (llama_plan if kind == "llama" else gpt2_plan)()
     so.parallel.parallelize_module(model, mesh["tp"] if len(mesh_shape) == 2 else mesh, plan)
     if len(mesh_shape) == 2:
         so.parallel.data_parallel(model, mesh, mode=dp_mode)
@@ -82,9 +93,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 DROPOUT_ARGS = ModelArgs(**{**ARGS.__dict__, "dropout": 0.1})
 
 
-def train_and_checkpoint(path: str, steps: range, load: bool, save_after: int | None, mesh_shape=(2, 2), with_rng: bool = True, args: ModelArgs = DROPOUT_ARGS):
+def train_and_checkpoint(
+    path: str, steps: range, load: bool, save_after: int | None, mesh_shape=(2, 2), with_rng: bool = True, args: ModelArgs = DROPOUT_ARGS, invariant_dropout: bool = False
+):
     """GPT-2 (dropout per `args`) on one rank of any world; returns (losses, the step the extra dict held after loading)."""
-    model, mesh, dp_rank = shardops_model(mesh_shape, seed=0, kind="gpt2", args=args)
+    model, mesh, dp_rank = shardops_model(mesh_shape, seed=0, kind="gpt2", args=args, invariant_dropout=invariant_dropout)
     dp = mesh.shape[0] if len(mesh_shape) == 2 else 1
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(5)

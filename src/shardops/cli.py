@@ -1,11 +1,11 @@
-"""The `shardops` command: subcommands verify, explain, demo, bench, autoplan.
+"""The `shardops` command: subcommands verify, explain, demo (alias train), bench, autoplan.
 
 Each subcommand is one row of SUBCOMMANDS: (module path, function). Modules are
 imported only when their subcommand runs, so `shardops explain` does not pay
 for the benchmarks, and a subcommand whose module does not exist yet says so.
 
     verify, explain   shardops.<module>.add_arguments(parser) + main(args[, extra]) -> exit code
-    demo, bench, autoplan  module:main(argv) -> exit code (they parse their own arguments)
+    demo, train, bench, autoplan  module:main(argv) -> exit code (they parse their own arguments)
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "verify": ("shardops.verify", "main", "check every registered op against single-device torch"),
     "explain": ("shardops.explain", "main", "show the candidate strategies of a call, their costs and the choice"),
     "demo": ("shardops.demo", "main", "run the demo"),
+    "train": ("shardops.demo", "main", "the demo's training run (--save-every N --checkpoint DIR, --resume DIR)"),
     "bench": ("benchmarks.run", "main", "run the benchmarks against torch.distributed.tensor"),
     "autoplan": ("shardops.autoparallel.cli", "main", "choose and print a parallelization plan for a built-in model"),
 }

@@ -3,6 +3,8 @@
     shardops demo                        # threads world (4 ranks in this process), strict mode
     shardops demo --model llama --size medium --steps 40 --mesh 4
     shardops demo --ops                  # the math-op demo (softmax, cross-entropy, norms, top-k...)
+    shardops demo --steps 20 --save-every 5 --checkpoint ckpt   # saves after steps 5, 10, 15, 20
+    shardops demo --steps 30 --resume ckpt                       # continues at step 20, bit for bit
     torchrun --nproc-per-node 4 -m shardops.demo   # shardops over torch.distributed (gloo)
 
 1. shardops: the torchtitan-style plan through `shardops.parallel`, data parallel over dp,
@@ -27,6 +29,7 @@ from typing import Any, Sequence
 from ..training import report
 from ..training.config import SIZES, RunSpec
 from ..training.reference import reference
+from ..training.shardops_side import Checkpointing, NothingToResume
 
 DEFAULT_DROPOUT = 0.1
 
@@ -43,7 +46,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=DEFAULT_DROPOUT, help=f"GPT-2's dropout (default {DEFAULT_DROPOUT})")
     p.add_argument("--local-attention", action="store_true", help="q/k/v as local shards (default: rotary and SDPA on DTensors)")
     p.add_argument("--no-torch", action="store_true", help="skip torch DTensor's side")
-    return p.parse_args(argv)
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps (into --checkpoint DIR)")
+    p.add_argument("--checkpoint", metavar="DIR", help="where --save-every saves (each save replaces the last, atomically)")
+    p.add_argument("--resume", metavar="DIR", help="load model, optimizer, random state and step from DIR and continue to --steps")
+    args = p.parse_args(argv)
+    if args.save_every < 0:
+        p.error(f"--save-every must be >= 0, got {args.save_every}")
+    if args.save_every and not args.checkpoint:
+        p.error("--save-every needs --checkpoint DIR")
+    if args.checkpoint and not args.save_every:
+        p.error("--checkpoint DIR is where --save-every N saves: give N")
+    if args.resume and not os.path.isdir(args.resume):
+        p.error(f"--resume {args.resume}: no such checkpoint directory")
+    return args
+
+
+def checkpointing_from(args: argparse.Namespace) -> Checkpointing:
+    return Checkpointing(save_every=args.save_every, path=args.checkpoint, resume=args.resume)
 
 
 def spec_from(args: argparse.Namespace) -> RunSpec:
@@ -60,7 +79,7 @@ def _reference_words(spec: RunSpec) -> str:
     return f"{masks}, same initial weights"
 
 
-def run_shardops(spec: RunSpec, console: Any) -> tuple[list[dict[str, Any]], float]:
+def run_shardops(spec: RunSpec, console: Any, checkpointing: Checkpointing = Checkpointing()) -> tuple[list[dict[str, Any]], float]:
     import shardops as so
 
     from ..training.shardops_side import train_rank
@@ -69,10 +88,24 @@ def run_shardops(spec: RunSpec, console: Any) -> tuple[list[dict[str, Any]], flo
         start = time.perf_counter()
         so.set_strict(True)
         try:
-            results = so.run(train_rank, spec.world_size, spec, advance, timeout=600)
+            results = so.run(train_rank, spec.world_size, spec, advance, False, checkpointing, timeout=600)
         finally:
             so.set_strict(False)
     return results, time.perf_counter() - start
+
+
+def resumed_reference(spec: RunSpec, ours: dict[str, Any]) -> dict[str, Any]:
+    """The single-device reference of the whole run, its records cut to the steps a resumed run ran:
+    a resumed run is checked against the run that was never stopped."""
+    ref = reference(spec)
+    return {**ref, "records": ref["records"][ours["first_step"] :]}
+
+
+def _resumed_words(spec: RunSpec, ours: dict[str, Any]) -> str:
+    words = _reference_words(spec)
+    if ours["first_step"]:
+        words += f"; resumed at step {ours['first_step']}, against the run never stopped"
+    return words
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,11 +116,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ops.main([])
     spec = spec_from(args)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return _torchrun_main(spec)
+        return _torchrun_main(spec, checkpointing_from(args))
     console = report.console()
     console.print(report.header(spec))
-    ours, ours_seconds = run_shardops(spec, console)
-    checks = [report.check("shardops", _reference_words(spec), ours[0]["records"], ours[0]["params"], reference(spec))]
+    try:
+        ours, ours_seconds = run_shardops(spec, console, checkpointing_from(args))
+    except NothingToResume as e:
+        console.print(f"[red]shardops demo --resume: {e}")
+        return 2
+    checks = [report.check("shardops", _resumed_words(spec, ours[0]), ours[0]["records"], ours[0]["params"], resumed_reference(spec, ours[0]))]
     theirs, theirs_seconds = None, None
     if not args.no_torch:
         from ..training import torch_side
@@ -107,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if all(c.ok for c in checks) else 1
 
 
-def _torchrun_main(spec: RunSpec) -> int:
+def _torchrun_main(spec: RunSpec, checkpointing: Checkpointing) -> int:
     import torch
     import torch.distributed as dist
 
@@ -119,7 +156,7 @@ def _torchrun_main(spec: RunSpec) -> int:
     try:
         so.set_strict(True)
         start = time.perf_counter()
-        result = train_rank(spec)
+        result = train_rank(spec, checkpointing=checkpointing)
         seconds = time.perf_counter() - start
         so.set_strict(False)
         records = [None] * dist.get_world_size()
@@ -128,7 +165,7 @@ def _torchrun_main(spec: RunSpec) -> int:
         if dist.get_rank() == 0:
             console = report.console()
             console.print(report.header(spec))
-            check = report.check("shardops", _reference_words(spec), result["records"], result["params"], reference(spec))
+            check = report.check("shardops", _resumed_words(spec, result), result["records"], result["params"], resumed_reference(spec, result))
             ok[0] = float(check.ok)
             everyone = [{"records": r} for r in records]
             console.print(report.parts_table(spec, everyone, None))

@@ -43,7 +43,7 @@ def progress(con: Any, steps: int) -> Iterator[Callable[[int, StepRecord], None]
         task = bar.add_task("train", total=steps, info="")
 
         def advance(step: int, record: StepRecord) -> None:
-            bar.update(task, advance=1, info=f"loss {record.loss:.4f}  step {record.seconds * 1e3:.0f} ms")
+            bar.update(task, completed=step + 1, info=f"loss {record.loss:.4f}  step {record.seconds * 1e3:.0f} ms")
 
         yield advance
 

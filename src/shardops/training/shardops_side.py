@@ -8,14 +8,20 @@ empty here and its bytes show up in the optimizer part.
 
 Bytes are CommDebugMode's wire figure (`get_wire_bytes()`): what this rank hands
 the transport, uneven gathers padded, as torch's side is counted.
+
+Checkpoints (`Checkpointing`): every `save_every` steps the model, the optimizer, each
+rank's random state and the step counter go to `shardops.checkpoint.save`; `resume`
+loads them and continues at the saved step, bit for bit the run that was not stopped.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from .. import checkpoint as so_checkpoint
 from .. import parallel as so_parallel
 from ..comm.base import CommDebugMode
 from ..mesh import init_device_mesh
@@ -42,6 +48,28 @@ class ShardopsMeter:
         return int(self._comm.get_wire_bytes())
 
 
+class NothingToResume(ValueError):
+    """The checkpoint to resume was saved at or after the last step asked for."""
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where and when a run saves (`save_every` steps into `path`; 0: never), and what it resumes from."""
+
+    save_every: int = 0
+    path: str | None = None
+    resume: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+        if self.save_every and not self.path:
+            raise ValueError("saving every N steps needs a checkpoint directory (--checkpoint DIR)")
+
+    def due(self, steps_done: int) -> bool:
+        return bool(self.save_every) and steps_done % self.save_every == 0
+
+
 def parallelize(spec: RunSpec, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     tp_mesh = mesh["tp"] if spec.dp > 1 else mesh
     so_parallel.parallelize_module(model, tp_mesh, plan(spec, so_parallel))
@@ -50,8 +78,12 @@ def parallelize(spec: RunSpec, model: torch.nn.Module, mesh: Any) -> torch.nn.Mo
     return model
 
 
-def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None = None, first_grads: bool = False) -> dict[str, Any]:
-    """One rank of shardops training (inside so.run, or a torch.distributed process); rank 0 calls `on_step`.
+def train_rank(
+    spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None = None, first_grads: bool = False, checkpointing: Checkpointing = Checkpointing()
+) -> dict[str, Any]:
+    """One rank of shardops training (inside so.run, or a torch.distributed process); rank 0 calls
+    `on_step(step, record)`. The result's records cover the steps this call ran: from
+    `first_step` (0, or the step a resumed checkpoint was saved at) to `spec.steps`.
 
     `first_grads`: also return the first step's gradients as full tensors (their reads then count in
     that step's backward part: for tests, not for measurements).
@@ -63,9 +95,17 @@ def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None 
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     dp_rank = mesh.get_coordinate()[0] if spec.dp > 1 else 0
     rows = spec.batch_size // spec.dp
-    run = Steps(ShardopsMeter, on_step if mesh.get_rank() == 0 else None)
+    progress = {"step": 0}
+    state = {"model": model, "optim": opt, "rng": so_checkpoint.RandomState(), "progress": progress}
+    if checkpointing.resume:
+        so_checkpoint.load(state, checkpointing.resume)
+    first = progress["step"]
+    if first >= spec.steps:
+        raise NothingToResume(f"the checkpoint {checkpointing.resume} was saved after step {first}: nothing left of {spec.steps} steps (raise --steps)")
+    report = (lambda i, record: on_step(first + i, record)) if on_step is not None and mesh.get_rank() == 0 else None
+    run = Steps(ShardopsMeter, report)
     grads: dict[str, torch.Tensor] = {}
-    for step in range(spec.steps):
+    for step in range(first, spec.steps):
         run.start()
         inputs, targets = (t[dp_rank * rows : (dp_rank + 1) * rows] for t in batch(spec.cfg, spec.batch_size, step))
         with run.timed("zero_grad"):
@@ -77,15 +117,18 @@ def train_rank(spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None 
         with run.timed("backward"):
             with so_parallel.loss_parallel():
                 loss.backward()
-            if first_grads and step == 0:
+            if first_grads and step == first:
                 grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         with run.timed("optimizer"):
             opt.step()
         with run.timed("loss_read"):
             run.finish((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
         run.done()
+        progress["step"] = step + 1
+        if checkpointing.due(step + 1):
+            so_checkpoint.save(state, checkpointing.path)
     params = {n: _full(p) for n, p in model.named_parameters()}
-    return {"records": run.records, "params": params, "grads": grads}
+    return {"records": run.records, "params": params, "grads": grads, "first_step": first}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
