@@ -30,9 +30,11 @@ VIEWS_ATTR = "_shardops_compute_layouts"
 
 @dataclass(frozen=True)
 class LocalView:
-    """The module reads the whole parameter as a plain tensor whose gradient has `grad_placements`."""
+    """The module reads the parameter as a plain tensor whose gradient has `grad_placements`: its
+    local piece in `placements` (a module computing on its shards), or with None the whole parameter."""
 
     grad_placements: tuple[Placement, ...]
+    placements: tuple[Placement, ...] | None = None
 
 
 View = Union[tuple[Placement, ...], LocalView]
@@ -59,8 +61,8 @@ def _install_views(module: nn.Module, inputs) -> None:
         if not isinstance(p, DTensor):
             continue
         if isinstance(layout, LocalView):
-            whole = (Replicate(),) * p.device_mesh.ndim
-            view = (p if p.placements == whole else p.redistribute(placements=whole)).to_local(grad_placements=layout.grad_placements)
+            compute = layout.placements or (Replicate(),) * p.device_mesh.ndim
+            view = (p if p.placements == compute else p.redistribute(placements=compute)).to_local(grad_placements=layout.grad_placements)
         elif p.placements == layout:
             continue
         else:

@@ -75,6 +75,7 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "repli
         )
     mesh.data_parallel_dims = layout.dp_dims  # the loss convention on these dims (tensor.dp_grad_scale)
     lifted: dict[int, nn.Parameter] = {}
+    lifted_buffers: dict[int, DTensor] = {}
     outside_plan: set[int] = set()  # lifted parameters that were plain: their modules compute on local tensors
     for sub in module.modules():
         sub.__dict__[DATA_PARALLEL_ATTR] = layout
@@ -86,11 +87,28 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "repli
                 if sub_meshes and not isinstance(p, DTensor):
                     outside_plan.add(id(lifted[id(p)]))
             sub._parameters[name] = lifted[id(p)]
+        _lift_buffers(sub, layout, lifted_buffers)
         _lift_compute_views(sub, layout, outside_plan, experts)
     if not sub_meshes:
         module.register_forward_pre_hook(_batch_inputs(layout), with_kwargs=True)
     module.register_forward_hook(_batch_outputs(layout))
     return module
+
+
+def _lift_buffers(sub: nn.Module, layout: DataParallelLayout, lifted: dict[int, DTensor]) -> None:
+    """DTensor buffers a style laid out on the tp mesh (distribute_module replicates a module's buffers,
+    e.g. Gemma's embedding scale) move to the whole mesh like the parameters, replicated over dp: the
+    module's forward mixes them with activations that live on the whole mesh (rank 0 of each dp group
+    wins, as for parameters). Plain buffers stay plain; buffers are never sharded over dp."""
+    for name, b in list(sub._buffers.items()):
+        if not isinstance(b, DTensor) or b.device_mesh == layout.mesh:
+            continue
+        if id(b) not in lifted:
+            with torch.no_grad():
+                placements = layout.lift_param(b.device_mesh, b.placements)
+                local = layout.mesh.comm.broadcast(b.to_local().detach().contiguous(), 0, layout.mesh.group(layout.dp_dims))
+                lifted[id(b)] = from_local(local, layout.mesh, placements, shape=b.shape, stride=b.stride())
+        sub._buffers[name] = lifted[id(b)]
 
 
 def _dp_dims(mesh: DeviceMesh, sub_meshes: set[DeviceMesh]) -> tuple[int, ...]:
@@ -151,7 +169,9 @@ def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout, outside_plan
         if not isinstance(p, DTensor) or id(p) in experts:
             continue
         old = views.get(name)
-        if isinstance(old, LocalView) or (old is None and id(p) in outside_plan):
+        if isinstance(old, LocalView):
+            set_compute_layout(sub, name, _lift_local_view(layout, _sub_mesh_of(layout, p), old))
+        elif old is None and id(p) in outside_plan:
             set_compute_layout(sub, name, local)  # each dp rank's gradient covers its own batch shard
         elif old is not None:
             set_compute_layout(sub, name, layout.lift_param(_sub_mesh_of(layout, p), old))
@@ -159,6 +179,15 @@ def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout, outside_plan
             compute = _compute_layout(p.placements, layout)
             if compute != p.placements:
                 set_compute_layout(sub, name, compute)
+
+
+def _lift_local_view(layout: DataParallelLayout, sub: DeviceMesh, view: LocalView) -> LocalView:
+    """A plan's local view on the whole mesh: the same piece over tp (replicated over dp), its gradient
+    declared as the plan said over tp (a per-head norm's Partial stays Partial) and Partial(sum) over
+    dp, where each rank's gradient covers its own batch shard."""
+    grad = tuple(Partial() if d in layout.dp_dims else q for d, q in enumerate(layout.lift(sub, view.grad_placements)))
+    placements = None if view.placements is None else layout.lift_param(sub, view.placements)
+    return LocalView(grad, placements)
 
 
 def _sub_mesh_of(layout: DataParallelLayout, p: DTensor) -> DeviceMesh:

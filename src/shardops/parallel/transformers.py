@@ -313,14 +313,20 @@ class LocalShardCompute(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.layouts:
             _distribute_params(module, device_mesh, self.layouts, self.src_data_rank)
+        # The forward reads each parameter's local shard as a plain tensor (a compute view, autograd-tracked:
+        # the gradient lands in the DTensor), whose gradient is this rank's whole share of that shard's.
+        # As a view, data_parallel lifts it: replicated over dp for compute, gradient Partial(sum) over dp.
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(p, DTensor):
+                set_compute_layout(module, name, LocalView(p.placements, p.placements))
+            else:  # left alone by the plan (replicated later by from_transformers): read whole
+                set_compute_layout(module, name, LocalView((Replicate(),) * device_mesh.ndim))
         module.register_forward_pre_hook(partial(self._enter, device_mesh), with_kwargs=True)
-        module.register_forward_hook(partial(self._leave, device_mesh), always_call=True)
+        if self.sum_output:
+            module.register_forward_hook(partial(self._leave, device_mesh), always_call=True)
         return module
 
     def _enter(self, mesh, module, args, kwargs):
-        for name, p in module.named_parameters(recurse=False):
-            if isinstance(p, DTensor):
-                module.__dict__[name] = p.to_local()  # autograd-tracked: the gradient lands in the DTensor
         if self.sum_output:
             args = tuple(_local_with_summed_grad(module, a, mesh) for a in args)
             kwargs = {k: _local_with_summed_grad(module, v, mesh) for k, v in kwargs.items()}
@@ -330,9 +336,7 @@ class LocalShardCompute(ParallelStyle):
         return args, kwargs
 
     def _leave(self, mesh, module, args, output):
-        for name in dict(module.named_parameters(recurse=False)):
-            module.__dict__.pop(name, None)
-        if not self.sum_output or not isinstance(output, torch.Tensor):
+        if not isinstance(output, torch.Tensor):
             return output
         return _sum_over_mesh(module, output, mesh, self.use_local_output)
 
