@@ -569,6 +569,41 @@ def test_data_parallel_refuses_bad_meshes():
     assert all(so.run(main, 4))
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """Gemma's embedding: its output times a constant buffer (which the style replicates on mesh["tp"])."""
+
+    def __init__(self):
+        super().__init__(16, 8)
+        self.register_buffer("scale", torch.tensor(8**0.5), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_data_parallel_lifts_a_styles_buffers_to_the_whole_mesh(mode):
+    torch.manual_seed(0)
+    model = _ScaledEmbedding()
+    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(2))
+    ref = model(ids).pow(2).mean()
+    (ref_grad,) = torch.autograd.grad(ref, model.weight)
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        m = copy.deepcopy(model)
+        parallelize_module(m, mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
+        data_parallel(m, mesh, mode=mode)
+        local = m(ids.chunk(2)[mesh.get_coordinate()[0]]).pow(2).mean()  # this dp rank's batch mean
+        local.backward()
+        return m.scale.device_mesh == mesh, local.item(), m.weight.grad.full_tensor()
+
+    results = so.run(main, 4)
+    assert sum(r[1] for r in results) / 4 == pytest.approx(ref.item(), abs=1e-6)
+    for on_whole_mesh, _, grad in results:
+        assert on_whole_mesh
+        torch.testing.assert_close(grad, ref_grad)
+
+
 # ------------------------------------------------------------------ tied, scaled embeddings (issue 21)
 
 

@@ -7,7 +7,10 @@ layout; and a module outside the plan, which computes on plain local tensors,
 reads its DTensor parameter as a plain tensor (`LocalView`: the whole parameter,
 its gradient declared Partial(sum) over the data-parallel dims, where each rank
 saw its own batch shard, and Replicate elsewhere, as torch assumes for modules a
-tensor-parallel plan leaves alone). The view is made with `redistribute` /
+tensor-parallel plan leaves alone; a style whose module computes on local tensors
+declares its own, e.g. a per-head norm's gradient Partial(sum) over tp, or the local
+shards of an experts module's parameters, and data_parallel adds Partial(sum) over dp
+to it). The view is made with `redistribute` /
 `to_local` (autograd-tracked), so the gradient flows back into the one stored
 parameter, in its storage layout; `nn.Module`'s parameters, `state_dict` and the
 optimizer keep seeing the stored parameter.
