@@ -314,9 +314,10 @@ def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=N
     if avoid and not ranked:  # strict mode: no candidate but the implicit all-Replicate row's gather
         ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=filt, limit=limit)
     if not ranked:
-        raise ShardingError(
-            f"{schema.name}: in-place op on {specs[0]!r} would need self in another layout; "
-            "an in-place op never changes its tensor's local shape. Redistribute the tensor first, or use the out-of-place op."
+        raise NoShardingStrategyError(  # a NotImplementedError too, as torch's for a layout its rules do not cover
+            f"Operator {schema.name} does not have a sharding strategy registered for {specs[0]!r}: the in-place op "
+            "would need self in another layout, and an in-place op never changes its tensor's local shape. "
+            "Redistribute the tensor first, or use the out-of-place op."
         )
     best = with_plans(ranked[0], specs, links)
     gathers = None
