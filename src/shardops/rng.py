@@ -111,6 +111,7 @@ def sync_with_first_rank(mesh) -> None:  # noqa: ANN001 - a DeviceMesh (mesh.py 
     (rank threads start from random seeds too, as processes). Ranks seeded alike lose nothing.
     Uncounted, as the debug checks: it is set-up, not the op's communication.
     """
+    _refuse_while_tracing()  # before the collective: a traced draw must fail on every rank alike, at once
     st = current_state()
     if st.synced:
         return
@@ -130,11 +131,15 @@ def reseed(seed: int) -> None:
     st.seed, st.counter, st.epoch, st.observed = seed & MASK64, 0, st.epoch + 1, seed & MASK64
 
 
-def next_key(generator: torch.Generator | None = None) -> int:
-    """The 64-bit key of one draw (one op call); advances the counter or the given generator."""
+def _refuse_while_tracing() -> None:
     from .comm.traceable import refuse_while_tracing
 
     refuse_while_tracing("a random op on a DTensor (dropout, rand, normal_, ...)", "its draw counter would be frozen into the graph, so every step would draw the same values")
+
+
+def next_key(generator: torch.Generator | None = None) -> int:
+    """The 64-bit key of one draw (one op call); advances the counter or the given generator."""
+    _refuse_while_tracing()
     if generator is not None:
         return int(torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=generator)) & MASK64
     st = current_state()
