@@ -183,7 +183,16 @@ def _lm_step(shape, mode):
     return loss.full_tensor().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("shape, mode", [((4,), "replicate"), ((2, 2), "replicate"), ((4,), "shard")], ids=["dp=ep4", "dp=ep2xtp2", "fsdp=ep4"])
+# Open bug (docs/reliability.md): on (2, 2) the experts' tp dim is also a data-parallel dim of the
+# other layers, and the tok_embeddings gradient differs from single-device.
+TP_DIM_ALSO_DP = pytest.mark.xfail(strict=True, reason="wrong tok_embeddings gradient when the experts' tp dim is also a dp dim")
+
+
+@pytest.mark.parametrize(
+    "shape, mode",
+    [((4,), "replicate"), pytest.param((2, 2), "replicate", marks=TP_DIM_ALSO_DP), ((4,), "shard")],
+    ids=["dp=ep4", "dp=ep2xtp2", "fsdp=ep4"],
+)
 def test_llama_moe_data_parallel_and_expert_parallel(shape, mode, strict):
     """EP over the data-parallel dim (each rank routes its own batch shard), exact vs one device.
     On (2, 2) the second dim is tensor parallelism inside each expert and splits the batch for the
