@@ -3,7 +3,8 @@ gradient scaled by the data-parallel size shows at once; AdamW would hide it):
 
 - a rank-local mean loss (plain tensors: use_local_output=True, or `out.to_local()`) is
   averaged over the data-parallel ranks, as torch's DDP and FSDP do;
-- a DTensor loss is already the global loss and is not divided again.
+- a DTensor loss is already the global loss and is not divided again, also when the user
+  assembles it from the ranks' local sums as a Partial DTensor (`from_local(..., [Partial()])`).
 """
 import copy
 
@@ -13,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardops as so
-from shardops import Replicate, Shard
+from shardops import Partial, Replicate, Shard
 from shardops.parallel import ColwiseParallel, RowwiseParallel, data_parallel, parallelize_module
 from parallel_harness import strict
 
@@ -67,6 +68,10 @@ FORMS = {
     # no plan (every mesh dim is data parallel): the same three ways in
     "no_plan_dtensor": (None, "dtensor"),
     "no_plan_to_local": (None, "to_local"),
+    # the user sums this rank's squared errors and assembles the global mean as a Partial DTensor
+    # over the batch's dims: a DTensor loss (the summands are distinct over dp, like batch shards)
+    "partial_sum": ({"w1": ColwiseParallel(), "w2": RowwiseParallel(use_local_output=False)}, "partial_sum"),
+    "no_plan_partial_sum": (None, "partial_sum"),
 }
 
 
@@ -90,6 +95,10 @@ def _sharded(model, plan, how, mode, x, target):
         if how == "dtensor":
             loss = _mse(out, so.from_local(local_target, mesh, placements))
             losses.append(loss.full_tensor().item())
+        elif how == "partial_sum":
+            local_sum = ((out.to_local() - local_target) ** 2).sum() / target.numel()
+            loss = so.from_local(local_sum, mesh, [Partial() if p.is_shard() else Replicate() for p in placements])
+            losses.append(loss.full_tensor().item())
         else:
             assert isinstance(out, so.DTensor) == (how == "to_local")
             loss = _mse(out.to_local() if how == "to_local" else out, local_target)
@@ -109,7 +118,7 @@ def test_sgd_training_equals_single_device(form, mode):
     with strict():
         results = so.run(_sharded, 4, model, plan, how, mode, x, target)
     for losses, params in results:
-        if how == "dtensor":  # the global loss; a rank-local loss is this rank's batch shard's
+        if how in ("dtensor", "partial_sum"):  # the global loss; a rank-local loss is this rank's batch shard's
             assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
         for name, ref in ref_params.items():
             torch.testing.assert_close(params[name], ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{form}/{mode} {name}: {m}")

@@ -47,6 +47,13 @@ def _expected_a2a_bytes(x, ep, me):
     m = _moe()
     with torch.no_grad():
         ids = [m.router(xs.reshape(-1, ARGS.dim))[1] for xs in x.chunk(ep)]
+    return _routing_a2a_bytes(ids, me)
+
+
+def _routing_a2a_bytes(ids, me):
+    """ep rank `me`'s all_to_all bytes for one MoE layer, given every ep rank's expert ids [tokens, k]:
+    forward [counts, dispatch, combine], backward [dispatch, combine] (the combine's mirror first)."""
+    ep = len(ids)
     slices = [chunk_size_and_offset(ARGS.num_experts, ep, j) for j in range(ep)]
     counts = [torch.bincount(i.reshape(-1), minlength=ARGS.num_experts) for i in ids]
     sent = [int(counts[me][s : s + n].sum()) for n, s in slices]  # token-slots to each rank
@@ -169,6 +176,40 @@ def _model():
     return model
 
 
+def _lm_routing(model, tokens):
+    """Every MoE layer's expert ids [tokens, k] for the whole batch on one device, in layer order."""
+    ids = []
+    hooks = [layer.moe.router.register_forward_hook(lambda m, a, out: ids.append(out[1])) for layer in model.layers.values()]
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    return ids
+
+
+def _lm_expected_a2a_bytes(ids_per_layer, ep, me):
+    """ep rank `me`'s all_to_all bytes in one training step: each ep rank routes its batch shard's tokens;
+    forward runs the layers in order, backward in reverse."""
+    fwd, bwd = [], []
+    for ids in ids_per_layer:
+        f, b = _routing_a2a_bytes(list(ids.chunk(ep)), me)
+        fwd, bwd = fwd + f, b + bwd
+    return fwd, bwd
+
+
+def test_llama_moe_routing_is_uneven():
+    """The LLaMA fixture routes unevenly (uneven all_to_all splits): expert counts differ 3x in the first
+    MoE layer, every ep rank sends different numbers of token-slots, and on (4,) rank 3 holds no expert."""
+    tokens, _ = _lm_batch()
+    ids = _lm_routing(_model(), tokens)
+    counts = torch.bincount(ids[0].reshape(-1), minlength=ARGS.num_experts)
+    assert int(counts.max()) >= 3 * int(counts.min())
+    for layer in ids:
+        per_rank = [torch.bincount(c.reshape(-1), minlength=ARGS.num_experts) for c in layer.chunk(4)]
+        assert len({tuple(c.tolist()) for c in per_rank}) == 4
+    assert chunk_size_and_offset(ARGS.num_experts, 4, 3)[0] == 0
+
+
 def _lm_step(shape, mode):
     mesh = so.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[: len(shape)])
     model = _model()
@@ -176,63 +217,72 @@ def _lm_step(shape, mode):
     data_parallel(model, mesh, mode)
     tokens, target = _lm_batch()
     rank = mesh.get_rank()
-    logits = model(tokens.chunk(4)[rank])
-    tgt = so.distribute_tensor(target, mesh, [Shard(0)] * mesh.ndim)
-    loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(0, 1))
-    loss.backward()
-    return loss.full_tensor().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-
-
-# Open bug (docs/reliability.md): on (2, 2) the experts' tp dim is also a data-parallel dim of the
-# other layers, and the tok_embeddings gradient differs from single-device.
-TP_DIM_ALSO_DP = pytest.mark.xfail(strict=True, reason="wrong tok_embeddings gradient when the experts' tp dim is also a dp dim")
+    with so.CommDebugMode() as fwd:
+        logits = model(tokens.chunk(4)[rank])  # the batch split over every mesh dim (all are data dims)
+        tgt = so.distribute_tensor(target, mesh, [Shard(0)] * mesh.ndim)
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(0, 1))
+    with so.CommDebugMode() as bwd:
+        loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return loss.full_tensor().detach(), grads, _a2a(fwd.log), _a2a(bwd.log), mesh.get_coordinate()[0]
 
 
 @pytest.mark.parametrize(
     "shape, mode",
-    [((4,), "replicate"), pytest.param((2, 2), "replicate", marks=TP_DIM_ALSO_DP), ((4,), "shard")],
-    ids=["dp=ep4", "dp=ep2xtp2", "fsdp=ep4"],
+    [((4,), "replicate"), ((2, 2), "replicate"), ((4,), "shard"), ((2, 2), "shard")],
+    ids=["dp=ep4", "dp=ep2xtp2", "fsdp=ep4", "fsdp=ep2xtp2"],
 )
 def test_llama_moe_data_parallel_and_expert_parallel(shape, mode, strict):
     """EP over the data-parallel dim (each rank routes its own batch shard), exact vs one device.
     On (2, 2) the second dim is tensor parallelism inside each expert and splits the batch for the
-    other layers; in "shard" mode the other parameters are FSDP-sharded, the experts stay EP-sharded."""
+    other layers (data_parallel's dp dims are both: the experts' tp partials are summed over a dp
+    dim); in "shard" mode the other parameters are FSDP-sharded, the experts stay EP-sharded.
+    Per MoE layer and ep rank, the all_to_all bytes are the ones the single-device routing implies:
+    forward counts + dispatch + combine, backward the two token all_to_alls mirrored, nothing else."""
     model = _model()
     tokens, target = _lm_batch()
+    routing = _lm_routing(model, tokens)
     loss_ref = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
     loss_ref.backward()
-    for loss, grads in so.run(_lm_step, 4, shape, mode):
+    for loss, grads, fwd, bwd, ep_rank in so.run(_lm_step, 4, shape, mode):
         assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
         for name, p in model.named_parameters():
             assert torch.allclose(grads[name], p.grad, atol=TOL), name
+        assert (fwd, bwd) == _lm_expected_a2a_bytes(routing, shape[0], ep_rank)
 
 
-def _lm_tp_step():
+def _lm_tp_step(mode):
     mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _model()
     parallelize_module(model, mesh["tp"], llama_moe_tp_plan())
     parallelize_module(model, mesh, llama_moe_plan())
-    data_parallel(model, mesh)
+    data_parallel(model, mesh, mode)
     tokens, target = _lm_batch()
     dp = mesh.get_coordinate()[0]
-    with so.CommDebugMode() as comm:
-        with loss_parallel():
+    with loss_parallel():
+        with so.CommDebugMode() as fwd:
             loss = F.cross_entropy(model(tokens.chunk(2)[dp]).flatten(0, 1), target.chunk(2)[dp].flatten(0, 1))
+        with so.CommDebugMode() as bwd:
             loss.backward()
-    return loss.full_tensor().detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}, comm.get_comm_counts()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return loss.full_tensor().detach(), grads, _a2a(fwd.log), _a2a(bwd.log), dp
 
 
-def test_llama_moe_tensor_sequence_expert_and_data_parallel(strict):
-    """Mesh (dp, tp): attention tensor/sequence-parallel, experts EP over dp with TP inside, batch over dp."""
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_llama_moe_tensor_sequence_expert_and_data_parallel(mode, strict):
+    """Mesh (dp, tp): attention tensor/sequence-parallel, experts EP over dp with TP inside, batch over dp
+    (tp is no data dim here). The MoE blocks get local tokens (replicated over tp): the same bytes."""
     model = _model()
     tokens, target = _lm_batch()
+    routing = _lm_routing(model, tokens)
     loss_ref = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
     loss_ref.backward()
-    for loss, grads, counts in so.run(_lm_tp_step, 4):
+    for loss, grads, fwd, bwd, dp in so.run(_lm_tp_step, 4, mode):
         assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
         for name, p in model.named_parameters():
             assert torch.allclose(grads[name], p.grad, atol=TOL), name
-        assert counts["all_to_all"] == ARGS.n_layers * (3 + 2)  # per MoE layer: counts, dispatch, combine; 2 back
+        assert len(fwd) == ARGS.n_layers * 3 and len(bwd) == ARGS.n_layers * 2  # per MoE layer: counts, dispatch, combine; 2 back
+        assert (fwd, bwd) == _lm_expected_a2a_bytes(routing, 2, dp)
 
 
 # ------------------------------------------------------------------ transformers' MoE blocks

@@ -446,23 +446,41 @@ class _FromLocal(torch.autograd.Function):
         if not isinstance(grad, DTensor):
             return grad, None
         # The gradient goes back to the source layout; a Partial source gets a Replicate gradient.
-        target = without_partials(spec.placements)
-        local = grad._redistribute_local(target)
-        scale = dp_grad_scale(spec.mesh, target)
+        local = grad._redistribute_local(without_partials(spec.placements))
+        # The scale follows the forward placements, Partial included: a Partial summand over a dp
+        # dim is one of N distinct contributions, like a Shard piece (see dp_grad_scale).
+        scale = dp_grad_scale(spec.mesh, spec.placements)
         return (local * scale if scale != 1 else local), None
 
 
 def dp_grad_scale(mesh: DeviceMesh, placements: Sequence[Placement]) -> int:
-    """How many data-parallel ranks' local losses a DTensor gradient in `placements` sums over.
+    """The factor between a plain tensor's gradient and its DTensor's on the data-parallel dims.
 
     On the data-parallel dims of a mesh (`data_parallel` marks them), plain tensors carry the
     gradient of the rank-local loss and DTensors the gradient of the global loss, the mean of
-    the ranks' local losses (torch's DDP/FSDP convention). Where a DTensor's gradient is
-    assembled from the ranks' local gradients (Shard or Partial on a dp dim), crossing
-    `to_local` divides by the size of those dims and `from_local` multiplies by it; a Replicate
-    dim holds one gradient on every rank, already the mean, so it counts 1. A DTensor loss
-    therefore is never divided, a rank-local loss is averaged, and a from_local/to_local
-    round trip inside a model changes nothing.
+    the ranks' local losses (torch's DDP/FSDP convention): a rank's plain gradient is the global
+    loss's gradient with respect to that rank's own local tensor times the size of the dp dims
+    on which the ranks' local tensors are distinct (below).
+
+    What counts is whether, on a dp dim, the ranks' local tensors are *distinct contributions*
+    to the DTensor or *identical copies* of it:
+
+    - Shard (a piece) or Partial (a summand): distinct. The global loss's gradient with respect
+      to one rank's contribution is its piece (Shard) or the whole (Partial) of the DTensor's
+      gradient, so `from_local` multiplies by the dim's size, and `to_local` divides the ranks'
+      plain gradients by it before they are assembled (concatenated or summed).
+    - Replicate: identical copies; the ranks computed redundantly and each holds the one
+      gradient, already the mean: the dim counts 1.
+
+    `from_local` reads its forward placements, `to_local` its gradient placements: the
+    gradient of a Partial summand is Replicate, yet the summand is still one of N distinct
+    contributions, and a local computation keeps that property from its output to its inputs'
+    gradients (the inputs of a Partial output get Partial gradients, of a sharded output Shard
+    or Partial ones, of a replicated output Replicate ones). So a from_local/to_local round trip
+    around local code inside a model (a module outside the plan, a user's `to_local` and back,
+    the experts of `ExpertParallel` whose tensor-parallel dim is also a dp dim: Replicate tokens
+    in, Partial gradient declared, Partial output) scales by the same factor both ways and
+    changes nothing; a DTensor loss is never divided, and a rank-local loss is averaged once.
     """
     dims = mesh.data_parallel_dims
     if not dims:
