@@ -25,7 +25,7 @@ from ..cost import resolve_links
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
-from .measure import extrapolate, measure, reference_step
+from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
 from .plan import Plan, Scored, apply_candidate, mesh_names_for
 from .structure import find_structure
 
@@ -50,6 +50,31 @@ def _truncated(model: nn.Module, blocks: str, k: int) -> nn.Module:
     return copy_
 
 
+PRICINGS = ("auto", "run", "metadata")
+
+
+def _pricing_for(pricing: str, shape: tuple[int, ...], model: nn.Module, example: tuple) -> str:
+    if pricing not in PRICINGS:
+        raise ShardingError(f"autoparallel: pricing={pricing!r}; use one of {PRICINGS}")
+    on_meta_already = any(isinstance(t, torch.Tensor) and t.is_meta for t in example) or any(p.is_meta for p in model.parameters())
+    runnable = math.prod(shape) <= MAX_RUNNABLE_RANKS and not on_meta_already
+    if pricing == "run" and not runnable:
+        raise ShardingError(
+            f"autoparallel: pricing='run' runs one step on a threads world, which needs real tensors and at most "
+            f"{MAX_RUNNABLE_RANKS} ranks (mesh {shape}); use pricing='metadata' (or the default)"
+        )
+    if pricing == "auto":
+        return "run" if runnable else "metadata"
+    return pricing
+
+
+def _dry_ranks(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks the dry world prices: the first and the last. Even shards cost every rank alike;
+    an uneven split gives the first ranks the larger shards and the last the smaller (or empty) ones."""
+    world = math.prod(shape)
+    return (0,) if world == 1 else (0, world - 1)
+
+
 def autoparallel(
     model: nn.Module,
     mesh: DeviceMesh | Sequence[int],
@@ -58,19 +83,21 @@ def autoparallel(
     loss_fn: Callable | None = None,
     links=None,
     memory_per_rank: int | None = None,
+    pricing: str = "auto",
 ) -> Plan:
     """The plan with the fewest bytes per step on the busiest rank (see module doc). Call it outside
-    `so.run`, with the global example batch; apply the plan inside, on every rank."""
+    `so.run`, with the global example batch; apply the plan inside, on every rank.
+
+    `pricing`: "run" runs each candidate's step on a threads world of the mesh's size and checks its
+    values against single-device torch; "metadata" runs it as one rank at a time of a dry world on
+    META tensors (any mesh size, a model built on the meta device); "auto" (default) runs where it
+    can (real tensors, at most 16 ranks) and prices from metadata otherwise."""
     shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
     example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     resolve_links(links, len(shape))  # validated; the objective is bytes, which do not depend on links
-    if math.prod(shape) > MAX_RUNNABLE_RANKS or any(isinstance(t, torch.Tensor) and t.is_meta for t in example) or any(
-        p.is_meta for p in model.parameters()
-    ):
-        raise ShardingError(
-            f"autoparallel: mesh {shape} with meta tensors or more than {MAX_RUNNABLE_RANKS} ranks needs metadata-only "
-            "pricing, which is not implemented yet; plans are priced by running one step on the threads world"
-        )
+    how = _pricing_for(pricing, shape, model, example)
+    if how == "metadata":
+        model, example = on_meta(model, example)
     loss_fn = loss_fn or language_model_loss
     structure = find_structure(model, example)
     # repeated blocks cost the same each: price a 1-block and a 2-block copy and extrapolate
@@ -86,7 +113,10 @@ def autoparallel(
         entries = plan_entries(structure, cand)
         names = mesh_names_for(cand)
         apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e)  # noqa: E731
-        runs = [measure(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
+        if how == "run":
+            runs = [measure(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
+        else:
+            runs = [measure_dry(mod, shape, names, apply_fn, example, loss_fn, ref, _dry_ranks(shape)) for mod, ref in zip(models, refs)]
         m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
@@ -102,4 +132,10 @@ def autoparallel(
         reasons = "; ".join(f"{s.candidate}: {s.measurement.error}" for s in scored[:4])
         raise ShardingError(f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})")
     best = min(feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank))
-    return Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape))
+    return Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how])
+
+
+PRICING_TEXT = {
+    "run": "measured: one step on the threads world, counted with so.CommDebugMode",
+    "metadata": "from metadata: one step on META tensors in the dry world, counted with so.CommDebugMode",
+}
