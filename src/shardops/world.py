@@ -116,13 +116,10 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     return results
 
 
-def run_dry(fn: Callable[..., Any], world_size: int, rank: int, *args: Any, **kwargs: Any) -> Any:
-    """Run `fn(*args, **kwargs)` as rank `rank` of a dry world of `world_size` ranks (comm/dry.py):
+def run_dry(fn: Callable[..., Any], comm: Communicator, *args: Any, **kwargs: Any) -> Any:
+    """Run `fn(*args, **kwargs)` as the one rank of `comm`, a dry world's communicator (comm/dry.py):
     its collectives are counted and move nothing, so its tensors must be meta. One thread, no
     other ranks: a world of thousands of ranks costs what one rank's metadata costs."""
-    from .comm.dry import DryCommunicator
-
-    comm = DryCommunicator(rank, world_size)  # checks the rank
     out: dict[str, Any] = {}
     grad_enabled = torch.is_grad_enabled()
 
@@ -138,7 +135,7 @@ def run_dry(fn: Callable[..., Any], world_size: int, rank: int, *args: Any, **kw
         finally:
             _local.comm = None
 
-    thread = threading.Thread(target=body, name=f"shardops-dry-rank{rank}", daemon=True)
+    thread = threading.Thread(target=body, name=f"shardops-dry-rank{comm.rank}", daemon=True)
     thread.start()
     thread.join()
     if "error" in out:

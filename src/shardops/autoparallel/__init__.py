@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from ..cost import resolve_links
 from ..errors import ShardingError
+from ..explain.trace import warm_up
 from ..mesh import DeviceMesh
 from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
 from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
@@ -68,13 +70,6 @@ def _pricing_for(pricing: str, shape: tuple[int, ...], model: nn.Module, example
     return pricing
 
 
-def _dry_ranks(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The ranks the dry world prices: the first and the last. Even shards cost every rank alike;
-    an uneven split gives the first ranks the larger shards and the last the smaller (or empty) ones."""
-    world = math.prod(shape)
-    return (0,) if world == 1 else (0, world - 1)
-
-
 def autoparallel(
     model: nn.Module,
     mesh: DeviceMesh | Sequence[int],
@@ -96,6 +91,8 @@ def autoparallel(
     example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     resolve_links(links, len(shape))  # validated; the objective is bytes, which do not depend on links
     how = _pricing_for(pricing, shape, model, example)
+    warmup_s = warm_up() if how == "metadata" else 0.0  # torch's first meta kernel imports torch._dynamo: said apart
+    t0 = time.perf_counter()
     if how == "metadata":
         model, example = on_meta(model, example)
     loss_fn = loss_fn or language_model_loss
@@ -116,7 +113,7 @@ def autoparallel(
         if how == "run":
             runs = [measure(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
         else:
-            runs = [measure_dry(mod, shape, names, apply_fn, example, loss_fn, ref, _dry_ranks(shape)) for mod, ref in zip(models, refs)]
+            runs = [measure_dry(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
         m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
@@ -132,7 +129,9 @@ def autoparallel(
         reasons = "; ".join(f"{s.candidate}: {s.measurement.error}" for s in scored[:4])
         raise ShardingError(f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})")
     best = min(feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank))
-    return Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how])
+    plan = Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how])
+    plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
+    return plan
 
 
 PRICING_TEXT = {

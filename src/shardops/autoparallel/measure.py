@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.base import CommDebugMode
+from ..comm.dry import DryCommunicator
 from ..dispatch.core import FallbackWarning
 from ..mesh import init_device_mesh
 from ..tensor import DTensor
@@ -129,15 +130,23 @@ def on_meta(model: nn.Module, example: tuple) -> tuple[nn.Module, tuple]:
     return meta_model, meta_example
 
 
-def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference, ranks: tuple[int, ...]) -> Measurement:
-    """The same step as `measure`, for the given ranks one at a time in the dry world (comm/dry.py):
-    META model and example, collectives counted and moving nothing; no world of the mesh's size."""
+def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference) -> Measurement:
+    """The same step as `measure`, as one rank at a time of a dry world (comm/dry.py): META model
+    and example, collectives counted and moving nothing; no world of the mesh's size.
+
+    Rank 0 first. If every collective it joined split evenly, every rank sends what it sends; else
+    the last rank too: an uneven split gives the first ranks the larger shares, the last the smaller
+    (or none), and the busiest rank's figure is the larger of the two."""
+    world = math.prod(mesh_shape)
     results = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FallbackWarning)
-            for rank in ranks:
-                results.append(run_dry(_rank_step, math.prod(mesh_shape), rank, model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref))
+            for rank in dict.fromkeys((0, world - 1)):
+                comm = DryCommunicator(rank, world)
+                results.append(run_dry(_rank_step, comm, model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref))
+                if comm.symmetric:
+                    break
     except Exception as exc:  # noqa: BLE001
         return Measurement(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     return _busiest(results)

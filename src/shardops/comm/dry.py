@@ -7,6 +7,11 @@ counted exactly as in the other worlds; the dry `_impl` methods then return tens
 the shapes the other members would have sent, with no values. Values are never read:
 the local tensors are meta, and a tensor that is not meta is refused (its result would
 be made-up numbers).
+
+`symmetric` stays True while every collective this rank joined had members of equal shares
+(equal shapes gathered, scattered and exchanged; no broadcast from another member): then
+every rank of the world issues the same collectives with the same bytes, and this one rank's
+count is every rank's.
 """
 from __future__ import annotations
 
@@ -30,6 +35,11 @@ class DryCommunicator(Communicator):
             raise ShardingError(f"dry world: rank {rank} is not in a world of {world_size}")
         self.rank = rank
         self.world_size = world_size
+        self.symmetric = True
+
+    def _note_shares(self, shapes) -> None:
+        if len({tuple(s) for s in shapes}) > 1:
+            self.symmetric = False
 
     def _check(self, kind: str, t: torch.Tensor) -> None:
         if not t.is_meta:
@@ -44,20 +54,26 @@ class DryCommunicator(Communicator):
 
     def _all_gather(self, t, group: Group, shapes):
         self._check("all_gather", t)
+        self._note_shares(shapes)
         me = group.index(self.rank)
         return [t if i == me else _like(t, s) for i, s in enumerate(shapes)]
 
     def _reduce_scatter(self, chunks, op, group: Group):
         self._check("reduce_scatter", chunks[0])
+        self._note_shares([c.shape for c in chunks])
         return _like(chunks[0], chunks[group.index(self.rank)].shape)
 
     def _all_to_all(self, chunks, group: Group, recv_shapes):
         self._check("all_to_all", chunks[0])
+        self._note_shares([c.shape for c in chunks])
+        self._note_shares(recv_shapes)
         me = group.index(self.rank)
         return [chunks[me] if i == me else _like(chunks[0], s) for i, s in enumerate(recv_shapes)]
 
     def _broadcast(self, t, src_index: int, group: Group):
         self._check("broadcast", t)
+        if group.index(self.rank) != src_index:
+            self.symmetric = False  # the source sends, this rank does not
         return _like(t, t.shape)
 
     def _barrier(self, group: Group) -> None:
