@@ -37,18 +37,21 @@ MAX_RUNNABLE_RANKS = 16  # pricing runs the step on a threads world of this many
 
 
 def language_model_loss(output: torch.Tensor, tokens: torch.Tensor, *rest) -> torch.Tensor:
-    """Next-token cross-entropy of a language model called on token ids."""
-    return F.cross_entropy(output[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    """Next-token cross-entropy of a language model called on token ids (transformers' outputs: their `.logits`)."""
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def _truncated(model: nn.Module, blocks: str, k: int) -> nn.Module:
     """A copy of `model` with its first `k` repeated blocks only (the forward loops over the container)."""
     copy_ = copy.deepcopy(model)
-    container = getattr(copy_, blocks)
+    parent_path, _, attr = blocks.rpartition(".")
+    parent = copy_.get_submodule(parent_path)
+    container = getattr(parent, attr)
     if isinstance(container, nn.ModuleDict):
-        setattr(copy_, blocks, nn.ModuleDict(dict(list(container.items())[:k])))
+        setattr(parent, attr, nn.ModuleDict(dict(list(container.items())[:k])))
     else:
-        setattr(copy_, blocks, nn.ModuleList(list(container)[:k]))
+        setattr(parent, attr, nn.ModuleList(list(container)[:k]))
     return copy_
 
 
