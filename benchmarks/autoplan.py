@@ -9,7 +9,8 @@ no data. Reported per mesh: wall seconds of the search and this process's CPU se
 (the dry rank runs in a thread of this process; on a shared machine CPU time is the figure less
 disturbed by other work), torch's one-time meta warm-up apart, the number of candidates, the
 plan chosen and its bytes per step on the busiest rank. Targets (issue 28): <= 10 s on (8, 8),
-<= 60 s on (8, 8, 16). Times are reported, never asserted.
+<= 60 s on (8, 8, 16), judged on CPU time (on an idle machine wall time is about the same:
+the search runs on one thread). Times are reported, never asserted.
 
 torch.distributed has no automatic planner to compare with, so there is no DTensor column.
 """
@@ -59,7 +60,9 @@ def measure_autoplan(meshes: Sequence[tuple[int, ...]] = tuple(TARGETS_S)) -> di
             "search_s": plan.timings["plan_s"], "candidates": len(plan.considered),
             "feasible": sum(1 for s in plan.considered if s.measurement.feasible),
             "plan": _plan_text(plan), "bytes": plan.predicted_bytes, "target_s": TARGETS_S.get(shape),
-            "met": None if shape not in TARGETS_S else plan.timings["plan_s"] <= TARGETS_S[shape],
+            # judged on CPU time: the search is one thread's work, and on a shared machine its wall
+            # time is mostly waiting for a core (both are reported)
+            "met": None if shape not in TARGETS_S else cpu <= TARGETS_S[shape],
         })
     return {"rows": rows, "model": "LLaMA-7B shape (dim 4096, 32 layers, 32 heads, ffn 11008, vocab 32000)", "seq": SEQ}
 
