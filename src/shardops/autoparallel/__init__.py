@@ -7,9 +7,10 @@
 Search: per mesh dim data or tensor parallelism; on the tensor-parallel dim one style per
 kind of module (sequence parallelism, vocabulary parallelism, column/row-parallel or
 replicated per Linear group), decided once for a block and reused by every repeated block
-(candidates.py). Every candidate is priced by running its step (measure.py) and must give
-single-device values; the fewest bytes on the busiest rank win, then the fewest rounds, then
-the least memory.
+(candidates.py). Every candidate is priced by running its step (measure.py): on a threads world
+of the mesh's size, where it must also give single-device values, or, from metadata alone, as
+one rank of a dry world on META tensors (comm/dry.py: any mesh size, a model built on the meta
+device). The fewest bytes on the busiest rank win, then the fewest rounds, then the least memory.
 """
 from __future__ import annotations
 
