@@ -3,6 +3,7 @@ more than the hand plan of docs/parallel.md, and it gives single-device values i
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -263,3 +264,14 @@ def test_a_batch_that_cannot_split_is_a_clear_error():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(so.ShardingError, match="does not split evenly"):
         so.autoparallel(net, (4,), (torch.randn(6, 4),), loss_fn=lambda out, x: out.sum())
+
+
+def test_autoplan_cli_plans_llama_7b_on_4096_ranks_from_metadata(capsys):
+    """The issue's command: a full-size shape on the meta device, priced from metadata, no world."""
+    from shardops.cli import main
+
+    assert main(["autoplan", "llama-7b", "--mesh", "8,8,16", "--links", "nvlink,ib,ib"]) == 0
+    out = capsys.readouterr().out
+    assert "autoparallel plan for Llama on mesh (8, 8, 16)" in out and "from metadata" in out
+    searched = re.search(r"searched (\d+) candidates \((\d+) feasible\)", out)
+    assert searched and int(searched[1]) == int(searched[2]) > 1  # dp, tp on 16 and on 8: every one priced on meta
