@@ -147,6 +147,7 @@ def test_autoparallel_pure_data_parallel_beats_hand_plan_on_8_ranks():
     ref_loss, ref_grads = _reference(make(), tokens)
     plan = so.autoparallel(make(), (8,), (tokens,))
     assert plan.candidate.dims == ("dp",) and plan.parallelize_plan == {}
+    _same_pricing_from_metadata(plan, make(), (8,), (tokens,))
 
     auto = _auto_step(plan, make, tokens)
     _check_values(auto, ref_loss, ref_grads)
@@ -207,6 +208,7 @@ def test_memory_limit_forces_sharded_optimizer_state_where_the_hand_plan_does_no
     limit = min(s.measurement.memory_per_rank for s in free.considered if s.measurement.feasible) - 1
     plan = so.autoparallel(make(), (2, 2), (tokens,), memory_per_rank=limit)
     assert plan.candidate.dp_mode == "shard" and plan.chosen.measurement.memory_per_rank <= limit
+    _same_pricing_from_metadata(plan, make(), (2, 2), (tokens,), memory_per_rank=limit)  # FSDP-style too
     assert 'mode="shard"' in str(plan)
 
     ref_loss, ref_grads = _reference(make(), tokens)
