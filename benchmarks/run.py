@@ -15,7 +15,9 @@ missed:
 3. end_to_end: the demo's transformer-step slice on 2 gloo processes
    (`benchmarks.end_to_end`);
 4. planning: cold propagation + redistribution planning time vs mesh ndim
-   (`benchmarks.planning`).
+   (`benchmarks.planning`);
+5. autoplan: so.autoparallel's planning time from metadata alone, a LLaMA-7B-shaped
+   model on (8, 8) and (8, 8, 16) (`benchmarks.autoplan`).
 
 Written to the output dir (default `bench_out/`): `report.md` (every table),
 `README_SNIPPET.md` (the same, with the command and the machine, to paste into
@@ -44,7 +46,7 @@ from typing import Any
 
 import torch
 
-BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "random", "training", "moe", "compile")
+BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "autoplan", "random", "training", "moe", "compile")
 TARGET_BYTES_RATIO = 1.0  # shardops bytes / DTensor bytes, every case
 TARGET_GATHER_SAVING = 30.0  # DTensor bytes / shardops bytes where DTensor moves the sharded dim
 
@@ -56,9 +58,9 @@ DOCS_HEADER = (
     "Where torch has a better path than DTensor's default (vocabulary-parallel cross-entropy: "
     "`loss_parallel()`), both are measured and shardops is compared with the better one.\n\n"
 )
-QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10},
+QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10}, "autoplan": {},
          "random": {"repeats": 3}, "training": {"quick": True}, "moe": {"quick": True}, "compile": {"size": "quick"}}
-FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "random": {},
+FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "autoplan": {}, "random": {},
         "training": {"quick": False}, "moe": {"quick": False}, "compile": {"size": "full"}}
 
 
@@ -348,6 +350,14 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             if len(nds) >= 2:
                 parts.append(f"{op} {d[nds[0]]:.0f}→{d[nds[-1]]:.0f} µs ({nds[0]}-D→{nds[-1]}-D)")
         out.append({"target": "planning time growth with mesh ndim (report the curve)", "verdict": "reported", "detail": "; ".join(parts)})
+    auto = results.get("autoplan")
+    if auto and "rows" in auto:
+        timed = [r for r in auto["rows"] if r["target_s"] is not None]
+        out.append({
+            "target": "so.autoparallel planning from metadata: LLaMA-7B shape ≤ 10 s on (8, 8), ≤ 60 s on (8, 8, 16) (CPU time)",
+            "verdict": "met" if all(r["met"] for r in timed) else "missed",
+            "detail": "; ".join(f"({', '.join(map(str, r['mesh']))}) {r['search_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU" for r in timed),
+        })
     rnd = results.get("random")
     if rnd and "rows" in rnd:
         from benchmarks.random_ops import TARGET_RATIO
@@ -474,6 +484,7 @@ def run_benchmarks(only: Sequence[str], config: dict[str, Any], cases: Sequence[
         "overhead": lambda: _overhead(config["overhead"]),
         "end_to_end": lambda: _end_to_end(config["end_to_end"]),
         "planning": lambda: _planning(config["planning"]),
+        "autoplan": lambda: __import__("benchmarks.autoplan", fromlist=["measure_autoplan"]).measure_autoplan(**config["autoplan"]),
         "random": lambda: __import__("benchmarks.random_ops", fromlist=["measure_random"]).measure_random(**config["random"]),
         "training": lambda: {"rows": __import__("benchmarks.training", fromlist=["measure_all"]).measure_all(**config["training"])},
         "moe": lambda: {"rows": __import__("benchmarks.moe", fromlist=["measure_moe"]).measure_moe(**config["moe"])},
@@ -547,6 +558,11 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
                + ("\n\nCold planning through `so.explain` (a new shape each call; CPU time, minimum of a few calls; "
                   "target: 4-D ≤ 6× 1-D):\n\n" + format_explain_table(r["explain"]) if r.get("explain") else ""))
         )
+    if "autoplan" in results:
+        from benchmarks.autoplan import format_autoplan_table
+
+        parts.append("### so.autoparallel: planning time from metadata alone\n\n"
+                     + (_section_error("autoplan", results) or format_autoplan_table(results["autoplan"])))
     if "random" in results:
         from benchmarks.random_ops import __doc__ as random_doc, format_random_table
 

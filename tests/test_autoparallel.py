@@ -3,6 +3,7 @@ more than the hand plan of docs/parallel.md, and it gives single-device values i
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from shardops import DTensor
 from shardops.autoparallel import language_model_loss
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 from shardops.parallel import data_parallel, loss_parallel, parallelize_module
+from shardops.world import in_threads_world
 
 from parallel_harness import strict
 
@@ -92,6 +94,21 @@ def _check_values(results, ref_loss, ref_grads):
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
+def _same_pricing_from_metadata(plan, model, mesh_shape, example, **kwargs):
+    """Every candidate priced from metadata alone (one dry rank on META tensors) moves exactly the
+    bytes and rounds, per step part, that the threads world measured on every rank."""
+    assert plan.pricing.startswith("measured")
+    dry = so.autoparallel(model, mesh_shape, example, pricing="metadata", **kwargs)
+    assert dry.pricing.startswith("from metadata")
+    assert [s.candidate for s in dry.considered] == [s.candidate for s in plan.considered]
+    for run_, meta in zip(plan.considered, dry.considered):
+        a, b = run_.measurement, meta.measurement
+        assert (a.error is None) == (b.error is None), (run_.candidate, a.error, b.error)
+        if a.error is None:
+            assert (a.bytes_per_part, a.rounds_per_part, a.memory_per_rank) == (b.bytes_per_part, b.rounds_per_part, b.memory_per_rank), run_.candidate
+    assert dry.candidate == plan.candidate and dry.predicted_bytes == plan.predicted_bytes
+
+
 # each model on each mesh; two of the four behind -m slow (each model and each mesh stays in the default run)
 @pytest.mark.parametrize(
     "model_cls, mesh_shape",
@@ -108,6 +125,7 @@ def test_autoparallel_measured_equals_predicted_and_no_worse_than_hand(model_cls
     tokens = _tokens(4, 8, ARGS.vocab_size)
     ref_loss, ref_grads = _reference(make(), tokens)
     plan = so.autoparallel(make(), mesh_shape, (tokens,))
+    _same_pricing_from_metadata(plan, make(), mesh_shape, (tokens,))
 
     auto = _auto_step(plan, make, tokens)
     _check_values(auto, ref_loss, ref_grads)
@@ -129,6 +147,7 @@ def test_autoparallel_pure_data_parallel_beats_hand_plan_on_8_ranks():
     ref_loss, ref_grads = _reference(make(), tokens)
     plan = so.autoparallel(make(), (8,), (tokens,))
     assert plan.candidate.dims == ("dp",) and plan.parallelize_plan == {}
+    _same_pricing_from_metadata(plan, make(), (8,), (tokens,))
 
     auto = _auto_step(plan, make, tokens)
     _check_values(auto, ref_loss, ref_grads)
@@ -148,10 +167,35 @@ def test_plan_prints_the_code_and_explains_each_module():
     assert "layers.*.feed_forward.w2" in explained and "runner-up" in explained
 
 
-def test_autoparallel_refuses_metadata_only_meshes_clearly():
-    tokens = _tokens(4, 8, ARGS.vocab_size)
-    with pytest.raises(so.ShardingError, match="metadata-only"):
-        so.autoparallel(Llama(ARGS, seed=0), (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"))
+def test_uneven_shards_priced_from_metadata_equal_the_threads_world():
+    """A vocabulary of 50 over 4 ranks splits 13, 13, 13, 11: the dry world prices the last rank too."""
+    args = ModelArgs(vocab_size=50, n_layers=1)
+    make = lambda: GPT2(args, seed=0)  # noqa: E731  (tied embedding and head)
+    tokens = _tokens(4, 8, args.vocab_size)
+    plan = so.autoparallel(make(), (4,), (tokens,))
+    _same_pricing_from_metadata(plan, make(), (4,), (tokens,))
+
+
+def test_a_meta_model_on_a_4096_rank_mesh_is_planned_from_metadata_alone():
+    """No world of ranks, no data: the model is built on the meta device."""
+    with torch.device("meta"):
+        model = Llama(ModelArgs(dim=64, n_heads=16, hidden_dim=128, vocab_size=128, n_layers=3), seed=0)
+    tokens = torch.empty(1024, 16, dtype=torch.long, device="meta")
+    plan = so.autoparallel(model, (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"))
+    assert plan.pricing.startswith("from metadata") and not in_threads_world()
+    assert all(s.measurement.feasible for s in plan.considered) and len(plan.considered) > 1
+    assert plan.predicted_bytes == min(s.measurement.total_bytes for s in plan.considered)
+    with pytest.raises(so.ShardingError, match="pricing='metadata'"):
+        so.autoparallel(model, (8, 8, 16), (tokens,), pricing="run")
+
+
+def test_data_parallelism_on_a_4096_rank_mesh_sends_what_ddp_sends():
+    """Priced from metadata on (8, 8, 16): one all_reduce of every gradient, the parameters' bytes."""
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(1024, 16)
+    plan = so.autoparallel(net, (8, 8, 16), (x,), loss_fn=lambda out, x: out.square().mean())
+    assert plan.candidate.dims == ("dp", "dp", "dp")
+    assert plan.predicted_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
 
 
 @pytest.mark.slow  # two searches (about 30 s)
@@ -164,6 +208,7 @@ def test_memory_limit_forces_sharded_optimizer_state_where_the_hand_plan_does_no
     limit = min(s.measurement.memory_per_rank for s in free.considered if s.measurement.feasible) - 1
     plan = so.autoparallel(make(), (2, 2), (tokens,), memory_per_rank=limit)
     assert plan.candidate.dp_mode == "shard" and plan.chosen.measurement.memory_per_rank <= limit
+    _same_pricing_from_metadata(plan, make(), (2, 2), (tokens,), memory_per_rank=limit)  # FSDP-style too
     assert 'mode="shard"' in str(plan)
 
     ref_loss, ref_grads = _reference(make(), tokens)
@@ -221,3 +266,14 @@ def test_a_batch_that_cannot_split_is_a_clear_error():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(so.ShardingError, match="does not split evenly"):
         so.autoparallel(net, (4,), (torch.randn(6, 4),), loss_fn=lambda out, x: out.sum())
+
+
+def test_autoplan_cli_plans_llama_7b_on_4096_ranks_from_metadata(capsys):
+    """The issue's command: a full-size shape on the meta device, priced from metadata, no world."""
+    from shardops.cli import main
+
+    assert main(["autoplan", "llama-7b", "--mesh", "8,8,16", "--links", "nvlink,ib,ib"]) == 0
+    out = capsys.readouterr().out
+    assert "autoparallel plan for Llama on mesh (8, 8, 16)" in out and "from metadata" in out
+    searched = re.search(r"searched (\d+) candidates \((\d+) feasible\)", out)
+    assert searched and int(searched[1]) == int(searched[2]) > 1  # dp, tp on 16 and on 8: every one priced on meta

@@ -310,3 +310,16 @@ def test_ratio_is_taken_against_torchs_best_path():
     row, = run.compare_comm([side(100)], [side(256_000)], [side(96, "loss_parallel", error="NotImplementedError: 2-D mesh")])
     assert row["baseline"] == "default" and row["ratio"] == pytest.approx(100 / 256_000)
     assert "(loss_parallel)" in run.format_comm_table([row]) or "error" in run.format_comm_table([row])
+
+
+def test_autoplan_section_plans_the_7b_shape_from_metadata():
+    """The planning-time section on a small mesh (the bench runs (8, 8) and (8, 8, 16)): a row per mesh,
+    the chosen plan's bytes, no target where the issue sets none."""
+    from benchmarks.autoplan import format_autoplan_table, measure_autoplan
+
+    result = measure_autoplan(((2,),))
+    (row,) = result["rows"]
+    assert row["mesh"] == [2] and row["candidates"] >= row["feasible"] >= 1 and row["bytes"] > 0
+    assert row["target_s"] is None and row["met"] is None
+    table = format_autoplan_table(result)
+    assert "| (2) | 2 |" in table and f"{row['bytes']:,}" in table

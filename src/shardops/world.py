@@ -114,3 +114,30 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     if stuck:
         raise CollectiveError(f"{world.failure}. {left_behind}")
     return results
+
+
+def run_dry(fn: Callable[..., Any], comm: Communicator, *args: Any, **kwargs: Any) -> Any:
+    """Run `fn(*args, **kwargs)` as the one rank of `comm`, a dry world's communicator (comm/dry.py):
+    its collectives are counted and move nothing, so its tensors must be meta. One thread, no
+    other ranks: a world of thousands of ranks costs what one rank's metadata costs."""
+    out: dict[str, Any] = {}
+    grad_enabled = torch.is_grad_enabled()
+
+    def body() -> None:
+        _local.comm = comm
+        try:
+            with torch.set_grad_enabled(grad_enabled), ExitStack() as contexts:
+                for context in RANK_THREAD_CONTEXTS:
+                    contexts.enter_context(context())
+                out["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            out["error"] = e
+        finally:
+            _local.comm = None
+
+    thread = threading.Thread(target=body, name=f"shardops-dry-rank{comm.rank}", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]

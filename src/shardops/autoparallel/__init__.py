@@ -7,14 +7,16 @@
 Search: per mesh dim data or tensor parallelism; on the tensor-parallel dim one style per
 kind of module (sequence parallelism, vocabulary parallelism, column/row-parallel or
 replicated per Linear group), decided once for a block and reused by every repeated block
-(candidates.py). Every candidate is priced by running its step (measure.py) and must give
-single-device values; the fewest bytes on the busiest rank win, then the fewest rounds, then
-the least memory.
+(candidates.py). Every candidate is priced by running its step (measure.py): on a threads world
+of the mesh's size, where it must also give single-device values, or, from metadata alone, as
+one rank of a dry world on META tensors (comm/dry.py: any mesh size, a model built on the meta
+device). The fewest bytes on the busiest rank win, then the fewest rounds, then the least memory.
 """
 from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -23,9 +25,10 @@ import torch.nn.functional as F
 
 from ..cost import resolve_links
 from ..errors import ShardingError
+from ..explain.trace import warm_up
 from ..mesh import DeviceMesh
 from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
-from .measure import extrapolate, measure, reference_step
+from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
 from .plan import Plan, Scored, apply_candidate, mesh_names_for
 from .structure import find_structure
 
@@ -35,19 +38,40 @@ MAX_RUNNABLE_RANKS = 16  # pricing runs the step on a threads world of this many
 
 
 def language_model_loss(output: torch.Tensor, tokens: torch.Tensor, *rest) -> torch.Tensor:
-    """Next-token cross-entropy of a language model called on token ids."""
-    return F.cross_entropy(output[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    """Next-token cross-entropy of a language model called on token ids (transformers' outputs: their `.logits`)."""
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def _truncated(model: nn.Module, blocks: str, k: int) -> nn.Module:
     """A copy of `model` with its first `k` repeated blocks only (the forward loops over the container)."""
     copy_ = copy.deepcopy(model)
-    container = getattr(copy_, blocks)
+    parent_path, _, attr = blocks.rpartition(".")
+    parent = copy_.get_submodule(parent_path)
+    container = getattr(parent, attr)
     if isinstance(container, nn.ModuleDict):
-        setattr(copy_, blocks, nn.ModuleDict(dict(list(container.items())[:k])))
+        setattr(parent, attr, nn.ModuleDict(dict(list(container.items())[:k])))
     else:
-        setattr(copy_, blocks, nn.ModuleList(list(container)[:k]))
+        setattr(parent, attr, nn.ModuleList(list(container)[:k]))
     return copy_
+
+
+PRICINGS = ("auto", "run", "metadata")
+
+
+def _pricing_for(pricing: str, shape: tuple[int, ...], model: nn.Module, example: tuple) -> str:
+    if pricing not in PRICINGS:
+        raise ShardingError(f"autoparallel: pricing={pricing!r}; use one of {PRICINGS}")
+    on_meta_already = any(isinstance(t, torch.Tensor) and t.is_meta for t in example) or any(p.is_meta for p in model.parameters())
+    runnable = math.prod(shape) <= MAX_RUNNABLE_RANKS and not on_meta_already
+    if pricing == "run" and not runnable:
+        raise ShardingError(
+            f"autoparallel: pricing='run' runs one step on a threads world, which needs real tensors and at most "
+            f"{MAX_RUNNABLE_RANKS} ranks (mesh {shape}); use pricing='metadata' (or the default)"
+        )
+    if pricing == "auto":
+        return "run" if runnable else "metadata"
+    return pricing
 
 
 def autoparallel(
@@ -58,19 +82,23 @@ def autoparallel(
     loss_fn: Callable | None = None,
     links=None,
     memory_per_rank: int | None = None,
+    pricing: str = "auto",
 ) -> Plan:
     """The plan with the fewest bytes per step on the busiest rank (see module doc). Call it outside
-    `so.run`, with the global example batch; apply the plan inside, on every rank."""
+    `so.run`, with the global example batch; apply the plan inside, on every rank.
+
+    `pricing`: "run" runs each candidate's step on a threads world of the mesh's size and checks its
+    values against single-device torch; "metadata" runs it as one rank at a time of a dry world on
+    META tensors (any mesh size, a model built on the meta device); "auto" (default) runs where it
+    can (real tensors, at most 16 ranks) and prices from metadata otherwise."""
     shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
     example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     resolve_links(links, len(shape))  # validated; the objective is bytes, which do not depend on links
-    if math.prod(shape) > MAX_RUNNABLE_RANKS or any(isinstance(t, torch.Tensor) and t.is_meta for t in example) or any(
-        p.is_meta for p in model.parameters()
-    ):
-        raise ShardingError(
-            f"autoparallel: mesh {shape} with meta tensors or more than {MAX_RUNNABLE_RANKS} ranks needs metadata-only "
-            "pricing, which is not implemented yet; plans are priced by running one step on the threads world"
-        )
+    how = _pricing_for(pricing, shape, model, example)
+    warmup_s = warm_up() if how == "metadata" else 0.0  # torch's first meta kernel imports torch._dynamo: said apart
+    t0 = time.perf_counter()
+    if how == "metadata":
+        model, example = on_meta(model, example)
     loss_fn = loss_fn or language_model_loss
     structure = find_structure(model, example)
     # repeated blocks cost the same each: price a 1-block and a 2-block copy and extrapolate
@@ -86,7 +114,10 @@ def autoparallel(
         entries = plan_entries(structure, cand)
         names = mesh_names_for(cand)
         apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e)  # noqa: E731
-        runs = [measure(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
+        if how == "run":
+            runs = [measure(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
+        else:
+            runs = [measure_dry(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
         m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
@@ -102,4 +133,12 @@ def autoparallel(
         reasons = "; ".join(f"{s.candidate}: {s.measurement.error}" for s in scored[:4])
         raise ShardingError(f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})")
     best = min(feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank))
-    return Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape))
+    plan = Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how])
+    plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
+    return plan
+
+
+PRICING_TEXT = {
+    "run": "measured: one step on the threads world, counted with so.CommDebugMode",
+    "metadata": "from metadata: one step on META tensors in the dry world, counted with so.CommDebugMode",
+}

@@ -112,6 +112,26 @@ def enumerate_candidates(
     return out
 
 
+@dataclass(frozen=True)
+class _GroupInput:
+    kwargs: dict  # PrepareModuleInput's layout arguments
+    text: str  # the same, as a person writes them
+
+
+def _group_input(group, seq, s: str) -> _GroupInput:
+    """The group's residual-stream input from `seq` to Replicate(): by position, or by keyword
+    when the block calls the group with keywords only (transformers' `self_attn(hidden_states=...)`)."""
+    if group.n_inputs == 0 and group.input_kwarg is not None:
+        k = group.input_kwarg
+        return _GroupInput({"input_kwarg_layouts": {k: seq}, "desired_input_kwarg_layouts": {k: Replicate()}},
+                           f"input_kwarg_layouts={{{k!r}: {s}}}, desired_input_kwarg_layouts={{{k!r}: Replicate()}}")
+    rest = (None,) * (max(group.n_inputs, 1) - 1)
+    ins_t = "(" + ", ".join([s, *["None"] * len(rest)]) + ("," if not rest else "") + ")"
+    want_t = "(" + ", ".join(["Replicate()", *["None"] * len(rest)]) + ("," if not rest else "") + ")"
+    return _GroupInput({"input_layouts": (seq, *rest), "desired_input_layouts": (Replicate(), *rest)},
+                       f"input_layouts={ins_t}, desired_input_layouts={want_t}")
+
+
 def _place(p) -> str:
     return "Shard(1)" if p == Shard(1) else "Replicate()" if p == Replicate() else repr(p)
 
@@ -150,22 +170,21 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     for norm in structure.block_norms if c.sequence_parallel else ():
         add(f"{block}.{norm}", "SequenceParallel()", SequenceParallel)
     for group, tp in zip(structure.groups, c.groups_tp):
-        rest = (None,) * (group.n_inputs - 1)
-        ins, want = (seq, *rest), (Replicate(), *rest)
-        ins_t = "(" + ", ".join([s, *["None"] * len(rest)]) + ("," if not rest else "") + ")"
-        want_t = "(" + ", ".join(["Replicate()", *["None"] * len(rest)]) + ("," if not rest else "") + ")"
         key = f"{block}.{group.name}"
+        prep = _group_input(group, seq, s)
         if tp:
-            add(key, f"PrepareModuleInput(input_layouts={ins_t}, desired_input_layouts={want_t})",
-                lambda ins=ins, want=want: PrepareModuleInput(input_layouts=ins, desired_input_layouts=want))
+            # a group called with keywords only (transformers' attention) keeps its plain input when the stream
+            # is replicated: each column-parallel Linear takes it as Replicate, as transformers' own plan does
+            # (a DTensor there would meet the plain attention mask the model builds beside it)
+            if c.sequence_parallel or group.input_kwarg is None or group.n_inputs:
+                add(key, f"PrepareModuleInput({prep.text})", lambda prep=prep: PrepareModuleInput(**prep.kwargs))
             for lin in group.colwise:
                 add(f"{key}.{lin}", "ColwiseParallel()", ColwiseParallel)
             add(f"{key}.{group.rowwise}", f"RowwiseParallel(output_layouts={s})", lambda: RowwiseParallel(output_layouts=seq))
         elif c.sequence_parallel:  # the whole group on every rank, on the gathered sequence; its output re-sliced
             add(key,
-                f"PrepareModuleInputOutput(input_layouts={ins_t}, desired_input_layouts={want_t}, use_local_input=True, "
+                f"PrepareModuleInputOutput({prep.text}, use_local_input=True, "
                 "output_layouts=Replicate(), desired_output_layouts=Shard(1))",
-                lambda ins=ins, want=want: PrepareModuleInputOutput(
-                    input_layouts=ins, desired_input_layouts=want, use_local_input=True,
-                    output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+                lambda prep=prep: PrepareModuleInputOutput(
+                    **prep.kwargs, use_local_input=True, output_layouts=Replicate(), desired_output_layouts=Shard(1)))
     return entries

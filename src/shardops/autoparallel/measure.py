@@ -18,12 +18,13 @@ import torch
 import torch.nn as nn
 
 from ..comm.base import CommDebugMode
+from ..comm.dry import DryCommunicator
 from ..dispatch.core import FallbackWarning
 from ..mesh import init_device_mesh
 from ..tensor import DTensor
-from ..world import run
+from ..world import run, run_dry
 
-__all__ = ["Measurement", "Reference", "extrapolate", "measure", "reference_step"]
+__all__ = ["Measurement", "Reference", "extrapolate", "measure", "measure_dry", "on_meta", "reference_step"]
 
 PARTS = ("forward + loss", "backward", "gradient sync")
 
@@ -84,6 +85,14 @@ def _rank_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: R
 
 
 def _compare(m: nn.Module, loss: torch.Tensor, ref: Reference) -> str | None:
+    if ref.loss.is_meta:  # the dry world has no values: every gradient present, of its parameter's shape
+        for name, p in m.named_parameters():
+            want = ref.grads.get(name)
+            if (want is None) != (p.grad is None):
+                return f"gradient of {name} is {'missing' if p.grad is None else 'unexpected'}"
+            if want is not None and tuple(p.grad.shape) != tuple(want.shape):
+                return f"gradient of {name} has shape {tuple(p.grad.shape)}, not {tuple(want.shape)}"
+        return None
     if not torch.allclose(loss, ref.loss, rtol=1e-4, atol=1e-5):
         return f"loss {loss.item():.6g} differs from single-device {ref.loss.item():.6g}"
     for name, p in m.named_parameters():
@@ -104,6 +113,46 @@ def measure(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Refe
             results = run(_rank_step, math.prod(mesh_shape), model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref)
     except Exception as exc:  # noqa: BLE001  (any failure of a candidate rules it out, with its reason)
         return Measurement(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return _busiest(results)
+
+
+def on_meta(model: nn.Module, example: tuple) -> tuple[nn.Module, tuple]:
+    """A META copy of the model and the example (shapes, dtypes and module tree kept, no data)."""
+    # a deepcopy whose memo maps each parameter and buffer to an empty meta twin: no data copied, and
+    # tied weights (GPT-2's wte and lm_head) stay one parameter (Module.to("meta") unties them)
+    memo: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        memo.setdefault(id(p), nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+    for b in model.buffers():
+        memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    meta_model = copy.deepcopy(model, memo)
+    meta_example = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in example)
+    return meta_model, meta_example
+
+
+def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference) -> Measurement:
+    """The same step as `measure`, as one rank at a time of a dry world (comm/dry.py): META model
+    and example, collectives counted and moving nothing; no world of the mesh's size.
+
+    Rank 0 first. If every collective it joined split evenly, every rank sends what it sends; else
+    the last rank too: an uneven split gives the first ranks the larger shares, the last the smaller
+    (or none), and the busiest rank's figure is the larger of the two."""
+    world = math.prod(mesh_shape)
+    results = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            for rank in dict.fromkeys((0, world - 1)):
+                comm = DryCommunicator(rank, world)
+                results.append(run_dry(_rank_step, comm, model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref))
+                if comm.symmetric:
+                    break
+    except Exception as exc:  # noqa: BLE001
+        return Measurement(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return _busiest(results)
+
+
+def _busiest(results: list) -> Measurement:
     errors = [e for _, _, e in results if e]
     out = Measurement(error=errors[0] if errors else None)
     for part in PARTS:

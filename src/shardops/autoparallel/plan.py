@@ -76,6 +76,7 @@ class Plan:
     model_name: str = "model"
     compute_share: float = 1.0
     pricing: str = "measured: one step on the threads world, counted with so.CommDebugMode"
+    timings: dict = field(default_factory=dict)  # plan_s (the search), warmup_s (torch's one-time meta warm-up)
 
     # -- the contract
     @property
@@ -139,7 +140,8 @@ class Plan:
         lines.append(f"  matmul work on the busiest rank: {self.compute_share:.2f}x an even share")
         lines.append(f"  peak memory per rank (parameters + gradients + AdamW states, no activations): {m.memory_per_rank:,} B")
         feasible = sum(1 for s in self.considered if s.measurement.feasible)
-        lines.append(f"  searched {len(self.considered)} candidates ({feasible} feasible)")
+        took = f" in {self.timings['plan_s']:.1f} s" if "plan_s" in self.timings else ""
+        lines.append(f"  searched {len(self.considered)} candidates ({feasible} feasible){took}")
         return "\n".join(lines)
 
     __repr__ = __str__

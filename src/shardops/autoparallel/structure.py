@@ -1,6 +1,10 @@
 """What the search needs to know about a model: its repeated blocks, the Linear groups inside
-a block, the norms, the embeddings and the output head, and how many positional inputs each
-module is called with (recorded on one single-device forward of the example)."""
+a block, the norms, the embeddings and the output head, and how each module is called
+(positional inputs, or the keyword of its first input: transformers calls its attention with
+`hidden_states=`), recorded on one single-device forward of the example.
+
+The stack of blocks may sit anywhere in the tree (transformers' `model.layers`); plan keys are
+full paths (`model.layers.*.self_attn.q_proj`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ class LinearGroup:
     rowwise: str
     n_inputs: int  # positional inputs it is called with (the first is the residual stream)
     weights: int  # in_features * out_features summed over its Linears (matmul work per token)
+    input_kwarg: str | None = None  # the residual stream's keyword when it is called with keywords only
 
 
 @dataclass
@@ -42,12 +47,28 @@ class ModelStructure:
         return bool(self.blocks and self.groups and self.embeddings and self.head)
 
 
-def _call_arity(model: nn.Module, example_inputs: tuple) -> dict[str, int]:
-    """Positional-input counts per module name, from one forward of the example without gradients."""
-    arity: dict[str, int] = {}
+def _is_norm(module: nn.Module) -> bool:
+    """torch's norms, and a model's own (transformers' LlamaRMSNorm): a leaf named *Norm with 1-d parameters."""
+    if isinstance(module, NORMS):
+        return True
+    params = list(module.parameters(recurse=False))
+    return (
+        "norm" in type(module).__name__.lower() and not list(module.children()) and bool(params) and all(p.ndim == 1 for p in params)
+    )
+
+
+def _call_arity(model: nn.Module, example_inputs: tuple) -> dict[str, tuple[int, str | None]]:
+    """Per module name: positional inputs, and the first keyword when there are none; from one
+    forward of the example without gradients."""
+    arity: dict[str, tuple[int, str | None]] = {}
+
+    def record(name, args, kwargs):
+        first_kw = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None) if not args else None
+        arity.setdefault(name, (len(args), first_kw))
+
     handles = []
     for name, sub in model.named_modules():
-        handles.append(sub.register_forward_pre_hook(lambda m, args, name=name: arity.setdefault(name, len(args)) and None))
+        handles.append(sub.register_forward_pre_hook(lambda m, args, kwargs, name=name: record(name, args, kwargs), with_kwargs=True))
     try:
         with torch.no_grad():
             model(*example_inputs)
@@ -71,32 +92,35 @@ def _rowwise_of(linears: dict[str, nn.Linear]) -> str:
 def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
     arity = _call_arity(model, example_inputs)
     structure = ModelStructure(blocks=None)
-    for name, child in model.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0:
+    for name, child in model.named_modules():
+        if structure.blocks is not None and (name == structure.blocks or name.startswith(structure.blocks + ".")):
+            continue  # inside the blocks: read from the first block below
+        if structure.blocks is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0:
             kids = list(child.children())
-            if len({type(k) for k in kids}) == 1 and structure.blocks is None:
+            if len({type(k) for k in kids}) == 1:
                 structure.blocks, structure.n_blocks = name, len(kids)
                 first_name = next(iter(dict(child.named_children())))
                 _read_block(structure, kids[0], f"{name}.{first_name}", arity)
         elif isinstance(child, nn.Embedding):
             structure.embeddings.append(name)
         elif isinstance(child, nn.Linear):
-            structure.head, structure.head_weights = name, child.in_features * child.out_features  # the last top-level Linear
-        elif isinstance(child, NORMS):
+            structure.head, structure.head_weights = name, child.in_features * child.out_features  # the last Linear outside the blocks
+        elif _is_norm(child):
             structure.final_norms.append(name)
     return structure
 
 
-def _read_block(structure: ModelStructure, block: nn.Module, path: str, arity: dict[str, int]) -> None:
+def _read_block(structure: ModelStructure, block: nn.Module, path: str, arity: dict[str, tuple[int, str | None]]) -> None:
     for name, child in block.named_children():
-        if isinstance(child, NORMS):
+        if _is_norm(child):
             structure.block_norms.append(name)
             continue
         linears = {n: c for n, c in child.named_children() if isinstance(c, nn.Linear)}
-        if len(linears) >= 2 and len(linears) == len(list(child.children())) - sum(
-            1 for c in child.children() if isinstance(c, nn.Dropout)
-        ):
+        # a group: Linears, besides parameter-free children only (dropout, an activation module)
+        others = [c for c in child.children() if not isinstance(c, nn.Linear)]
+        if len(linears) >= 2 and not any(list(c.parameters()) for c in others):
             rowwise = _rowwise_of(linears)
             colwise = tuple(n for n in linears if n != rowwise)
             weights = sum(c.in_features * c.out_features for c in linears.values())
-            structure.groups.append(LinearGroup(name, colwise, rowwise, arity.get(f"{path}.{name}", 1), weights))
+            n_inputs, kwarg = arity.get(f"{path}.{name}", (1, None))
+            structure.groups.append(LinearGroup(name, colwise, rowwise, n_inputs, weights, kwarg))
