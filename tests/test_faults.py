@@ -45,7 +45,7 @@ import torch.multiprocessing as torch_mp
 import shardops as so
 from shardops import Replicate, Shard
 from shardops.dispatch import core
-from shardops.dispatch.registry import RULES, register
+from shardops.dispatch.registry import RULES, strategy
 from shardops.planner import caches
 from shardops.planner.rows import row
 from shardops.mesh import DeviceMesh
@@ -88,7 +88,7 @@ def install_fault_op() -> Any:
             return x.new_empty(x.shape[1:])
 
         _FAULT_OP = torch.ops.shardops_faults.total.default
-    register(_fault_rule, _FAULT_OP)
+    strategy(_FAULT_OP)(_fault_rule)
     return _FAULT_OP
 
 

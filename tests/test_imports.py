@@ -202,3 +202,35 @@ def test_the_private_field_scan_sees_reads_writes_and_calls(tmp_path):
 def test_only_tensor_and_its_seam_touch_dtensor_private_fields():
     uses = private_field_uses()
     assert not uses, "use shardops.wrapping (wrap, local_of, spec_of, local_in, relabel, become) instead: " + ", ".join(uses)
+
+
+REGISTRY_TABLES = {"RULES", "TORCH_FUNCTIONS", "DECOMPOSITIONS", "ALGORITHMS", "REPLICATE_ONLY", "REPLICATE_WHEN", "OVERWRITES_SELF"}
+MUTATORS = {"add", "update", "setdefault", "pop", "discard", "remove", "clear", "__setitem__"}
+
+
+def registry_writes(source: str) -> list[int]:
+    """Lines of `source` that write one of the registry's tables (item assignment, deletion or a mutating call)."""
+
+    def table(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id in REGISTRY_TABLES) or (isinstance(node, ast.Attribute) and node.attr in REGISTRY_TABLES)
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target] if isinstance(node, ast.AugAssign) else []
+        if any(isinstance(t, ast.Subscript) and table(t.value) for t in targets):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS and table(node.func.value):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_registry_write_scan_sees_items_and_calls():
+    src = "RULES[op] = r\nregistry.DECOMPOSITIONS[op] = f\nREPLICATE_ONLY.add(op)\nx = RULES[op]\nRULES.get(op)\n"
+    assert registry_writes(src) == [1, 2, 3]
+
+
+def test_ops_register_only_through_the_registry_decorators():
+    """One way in: the library writes the registry's tables only inside dispatch/registry.py (the decorators)."""
+    writes = [f"{name}:{line}" for name, path in _modules().items() if name.startswith("shardops") and name != "shardops.dispatch.registry"
+              for line in registry_writes(path.read_text())]
+    assert not writes, "register with @strategy / @torch_level / @decomposition / @replicate_when (dispatch/registry.py): " + ", ".join(writes)

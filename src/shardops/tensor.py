@@ -668,7 +668,7 @@ def _default_mesh() -> DeviceMesh:
 
 
 # dynamo traces neither a DTensor's construction nor distribute_tensor: it records each call (or breaks
-# the graph before it), never resumes inside one (a resume there lost requires_grad, issue 25)
+# the graph before it), never resumes inside one (a resume there lost requires_grad)
 traceable.trace_opaque(DTensor._make)
 traceable.trace_opaque(distribute_tensor)
 traceable.eager_only(dispatch)

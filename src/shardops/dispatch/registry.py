@@ -12,11 +12,16 @@ the sharded algorithms its rows may run (by name: the rows' labels):
     @decomposition(aten._foreach_norm.Scalar)
     def _foreach_norm(tensors, ord=2, dtype=None): ...   # rewritten into other ops on DTensors
 
+    @replicate_when(aten.sort.default, aten.sort.stable)
+    def _sorts_a_sharded_dim(schema: OpSchema) -> bool: ...  # replicated on purpose for these layouts
+
+A rule or parse built by a factory is registered where it is built, by calling the
+decorator: `strategy(aten.conj.default)(_elementwise_view_rule(...))`.
 A torch-level entry (`torch_entry`) binds the call (schema.CallSignature), parses the bound
 arguments, applies the op's autograd.Function (whose backward is itself sharded), or else
-runs torch's ordinary path into __torch_dispatch__. `register_replicate(*ops)` marks ops
-that replicate on purpose. The plain functions under the decorators (`register`,
-`register_torch_entry`) remain for modules not converted yet.
+runs torch's ordinary path into __torch_dispatch__. Two marks have no function of their own:
+`replicate_on_purpose(*ops)` (no sharded strategy, on purpose) and `overwrites_self(*ops)`
+(in-place ops that never read self's values).
 """
 from __future__ import annotations
 
@@ -57,12 +62,6 @@ def _overloads(ops: Iterable[Any]) -> list[torch._ops.OpOverload]:
     return out
 
 
-def register(rule: Rule, *ops: Any) -> Rule:
-    for op in _overloads(ops):
-        RULES[op] = rule
-    return rule
-
-
 def strategy(*ops: Any, algorithms: Iterable[str] = ()) -> Callable[[Rule], Rule]:
     """Decorator: the rule below is the strategy of `ops` (overloads; a packet: all its overloads).
 
@@ -71,8 +70,8 @@ def strategy(*ops: Any, algorithms: Iterable[str] = ()) -> Callable[[Rule], Rule
     names = tuple(algorithms)
 
     def register_rule(rule: Rule) -> Rule:
-        register(rule, *ops)
         for op in _overloads(ops):
+            RULES[op] = rule
             ALGORITHMS[op] = names
         return rule
 
@@ -86,7 +85,8 @@ def torch_level(*torch_callables: Any, apply: Callable[..., Any], signature: Cal
     """
 
     def register_parse(parse: Parse) -> Parse:
-        register_torch_entry(signature, parse, apply, *torch_callables)
+        for c in torch_callables:
+            TORCH_FUNCTIONS[c] = torch_entry(c, signature or CallSignature.of_op(c), parse, apply)
         return parse
 
     return register_parse
@@ -103,17 +103,26 @@ def decomposition(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any
     return register_decomposition
 
 
-def register_replicate(*ops: Any) -> None:
+def replicate_when(*ops: Any) -> Callable[[Callable[[OpSchema], bool]], Callable[[OpSchema], bool]]:
+    """Decorator over when(schema) -> bool: where it holds, `ops` replicate on purpose (strict mode
+    refuses a plan that moves data unless so.allow_replicate)."""
+
+    def register_when(when: Callable[[OpSchema], bool]) -> Callable[[OpSchema], bool]:
+        for op in _overloads(ops):
+            REPLICATE_WHEN[op] = when
+        return when
+
+    return register_when
+
+
+def replicate_on_purpose(*ops: Any) -> None:
+    """Mark `ops` as having no sharded strategy on purpose: they replicate without a warning (explain says so)."""
     for op in _overloads(ops):
         REPLICATE_ONLY.add(op)
 
 
-def register_replicate_when(when: Callable[[OpSchema], bool], *ops: Any) -> None:
-    for op in _overloads(ops):
-        REPLICATE_WHEN[op] = when
-
-
-def register_overwrites_self(*ops: Any) -> None:
+def overwrites_self(*ops: Any) -> None:
+    """Mark in-place `ops` whose result never reads self's values: a pending self is relabelled, not resolved."""
     for op in _overloads(ops):
         OVERWRITES_SELF.add(op)
 
@@ -125,8 +134,6 @@ def call_default(func, args: tuple, kwargs: dict) -> Any:
 
 
 _NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
-
-
 
 
 def torch_entry(func: Any, signature: CallSignature, parse: Parse, apply: Callable[..., Any]) -> Callable[..., Any]:
@@ -191,12 +198,6 @@ def _leaf_key(a: Any) -> Any:
         parts = tuple(_leaf_key(v) for v in a)
         return None if None in parts else (t, parts)
     return None
-
-
-def register_torch_entry(signature: CallSignature | None, parse: Parse, apply: Callable[..., Any], *torch_callables: Any) -> None:
-    """`torch_entry` for each callable (signature None: each is an aten overload, bound by its own schema)."""
-    for c in torch_callables:
-        TORCH_FUNCTIONS[c] = torch_entry(c, signature or CallSignature.of_op(c), parse, apply)
 
 
 def rule_for(op: Any) -> Rule | None:

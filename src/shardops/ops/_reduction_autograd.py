@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..dispatch.registry import register_torch_entry
+from ..dispatch.registry import torch_level
 from ..dispatch.schema import CallSignature
 from ..errors import ShardingError
 from ..placements import Placement, Replicate, without_partials
@@ -327,7 +327,7 @@ def reduction_entry(*funcs: Any, signature: CallSignature) -> Callable[[Describe
 
     def register_describe(describe: Describe) -> Describe:
         for func in funcs:
-            register_torch_entry(signature, partial(_parse_reduction, func, describe), _apply_reduction, func)
+            torch_level(func, signature=signature, apply=_apply_reduction)(partial(_parse_reduction, func, describe))
         return describe
 
     return register_describe

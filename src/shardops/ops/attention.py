@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import core
-from ..dispatch.registry import call_default, register, register_torch_entry
+from ..dispatch.registry import call_default, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, static_key
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, without_partials
@@ -345,6 +345,7 @@ def _context_rows(q, k, v, outs, ins, algorithm, backward: bool) -> list[Row]:
     return rows
 
 
+@strategy(FLASH, algorithms=[LABEL_LOCAL, LABEL_CONTEXT])
 def _forward_rule(schema: OpSchema) -> list[Row]:
     q, k, v = schema.tensor_specs[:3]
     if not _applicable(schema, q, k, v):
@@ -352,6 +353,7 @@ def _forward_rule(schema: OpSchema) -> list[Row]:
     return _attention_rows(schema, q, k, v, schema.arg("attn_mask"), backward=False)
 
 
+@strategy(FLASH_BACKWARD, algorithms=[LABEL_LOCAL, LABEL_CONTEXT_BACKWARD])
 def _backward_rule(schema: OpSchema) -> list[Row]:
     q, k, v = schema.tensor_specs[1:4]
     if not _applicable(schema, q, k, v):
@@ -538,6 +540,8 @@ def _plan(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool
     return plan
 
 
+# F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention (one object)
+@torch_level(F.scaled_dot_product_attention, signature=CallSignature(_sdpa_call), apply=_Attention.apply)
 def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     """F.scaled_dot_product_attention on DTensors: (q, k, v, mask, is_causal, scale, layouts); None: torch's path."""
     if not _served(b):
@@ -558,8 +562,3 @@ def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     plan = _plan(q, k, v, mask, causal, scale, b)
     return None if plan is None else (q, k, v, mask, causal, scale, plan)
 
-
-register(_forward_rule, FLASH)
-register(_backward_rule, FLASH_BACKWARD)
-# F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention (one object)
-register_torch_entry(CallSignature(_sdpa_call), _parse_sdpa, _Attention.apply, F.scaled_dot_product_attention)

@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from ..dispatch.registry import call_default, register, register_torch_entry
+from ..dispatch.registry import call_default, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate, Shard
@@ -34,6 +34,7 @@ R = Replicate()
 PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), Partial("product"))
 
 
+@strategy(aten.cat.default, aten.stack.default)
 def _concat_rule(schema: OpSchema) -> list[Row]:
     specs = schema.tensor_specs
     stack = schema.op._schema.name.endswith("stack")
@@ -148,8 +149,6 @@ def _parse_concat(func, b: dict, args: tuple, kwargs: dict) -> tuple | None:
     return func, (), {**kwargs, "tensors": aligned}
 
 
-# ------------------------------------------------------------------ registration
-
-register(_concat_rule, aten.cat.default, aten.stack.default)
+# each callable's parse knows which one it is (its apply re-calls it)
 for _func in (torch.stack, torch.cat, torch.concat, torch.concatenate):
-    register_torch_entry(CallSignature(_concat_call, aliases={"axis": "dim"}), partial(_parse_concat, _func), _apply_concat, _func)
+    torch_level(_func, signature=CallSignature(_concat_call, aliases={"axis": "dim"}), apply=_apply_concat)(partial(_parse_concat, _func))

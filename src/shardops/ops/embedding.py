@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.traceable import is_traced_tensor
-from ..dispatch.registry import register
+from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
 from ..planner.rows import Row, row
 from ..errors import ShardingError
@@ -41,6 +41,7 @@ R = Replicate()
 SUM = Partial("sum")
 LABEL_VOCAB = "vocabulary parallel lookup: owned ids only, zero rows elsewhere -> P(sum)"
 LABEL_VOCAB_BACKWARD = "vocabulary parallel table gradient: each rank accumulates its own rows"
+LABEL_VOCAB_RENORM = "vocabulary parallel renorm: owned rows only"
 
 
 def _owned_rows(ctx) -> range:
@@ -90,11 +91,13 @@ def _vocab_renorm(ctx, weight: torch.Tensor, ids: torch.Tensor, max_norm: float,
     return weight
 
 
+@strategy(aten.embedding_renorm_.default, algorithms=[LABEL_VOCAB_RENORM])
 def embedding_renorm_rule(schema: OpSchema) -> list[Row]:
     """Vocabulary-sharded table: local on the owned rows; a replicated table with replicated ids: local."""
-    return [row(Shard(0), [Shard(0), R], algorithm=_vocab_renorm, label="vocabulary parallel renorm: owned rows only")]
+    return [row(Shard(0), [Shard(0), R], algorithm=_vocab_renorm, label=LABEL_VOCAB_RENORM)]
 
 
+@strategy(aten.embedding.default, algorithms=[LABEL_VOCAB])
 def embedding_rule(schema: OpSchema) -> list[Row]:
     weight, ids = schema.tensor_specs
     last = ids.ndim  # the output's hidden dim
@@ -106,6 +109,7 @@ def embedding_rule(schema: OpSchema) -> list[Row]:
     return rows + [row(Shard(d), [R, Shard(d)]) for d in range(ids.ndim)]
 
 
+@strategy(aten.embedding_dense_backward.default, algorithms=[LABEL_VOCAB_BACKWARD])
 def embedding_backward_rule(schema: OpSchema) -> list[Row]:
     grad, ids = schema.tensor_specs
     last = grad.ndim - 1
@@ -118,7 +122,3 @@ def embedding_backward_rule(schema: OpSchema) -> list[Row]:
         rows += [row(SUM, [Shard(d), Shard(d)]) for d in range(ids.ndim)]
     return rows
 
-
-register(embedding_rule, aten.embedding.default)
-register(embedding_backward_rule, aten.embedding_dense_backward.default)
-register(embedding_renorm_rule, aten.embedding_renorm_.default)

@@ -1,7 +1,7 @@
 """Linear algebra: decompositions replicate on purpose; triangles and diagonals stay sharded.
 
 _linalg_svd, linalg_qr, _linalg_eigh, linalg_solve_triangular (qr's backward), diag
-and diag_embed run replicated ON PURPOSE (registry.register_replicate: no warning,
+and diag_embed run replicated ON PURPOSE (registry.replicate_on_purpose: no warning,
 listed as such by explain): a sharded decomposition is a different algorithm
 (communication-heavy, iterative), and these ops are rare on large sharded operands.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch.registry import register_replicate, strategy
+from ..dispatch.registry import replicate_on_purpose, strategy
 from ..dispatch.schema import OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Placement, Shard, StridedShard
@@ -36,6 +36,15 @@ aten = torch.ops.aten
 PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), Partial("product"))
 LABEL_TRIANGLE = "sharded tril/triu: mask by global row/column indices, no communication"
 
+# decompositions (and diag, diag_embed): replicated on purpose, see the module docstring
+replicate_on_purpose(
+    aten._linalg_svd.default,
+    aten.linalg_qr.default,
+    aten._linalg_eigh.default,
+    aten.linalg_solve_triangular.default,
+    aten.diag.default,
+    aten.diag_embed.default,
+)
 
 
 def _moved(p: Placement, dim: int) -> Placement:
@@ -118,13 +127,3 @@ def _diagonal_backward_rule(schema: OpSchema) -> list[Row]:
             rows.append(row(_moved(p, kept[p.dim]), p, _diagonal_backward_local))
     rows.append(row(Partial("sum"), Partial("sum"), _diagonal_backward_local))
     return rows
-
-
-register_replicate(
-    aten._linalg_svd.default,
-    aten.linalg_qr.default,
-    aten._linalg_eigh.default,
-    aten.linalg_solve_triangular.default,
-    aten.diag.default,
-    aten.diag_embed.default,
-)

@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from ..dispatch.registry import register, register_torch_entry
+from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
@@ -67,6 +67,10 @@ def _shard_makers(schema: OpSchema) -> list[Callable[[int], Placement]]:
     return [Shard] + [lambda d, sf=sf: StridedShard(d, sf) for sf in factors]
 
 
+@strategy(
+    aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default,
+    aten.addmm.default, aten.baddbmm.default, aten.addmv.default,
+)
 def product_rows(schema: OpSchema) -> list[Row]:
     """Rows of a product with or without a bias (the bias is the first tensor operand)."""
     name = _base(schema)
@@ -104,13 +108,6 @@ def product_rows(schema: OpSchema) -> list[Row]:
 def _out_shape(a: tuple[int, ...], b: tuple[int, ...], lhs: str, rhs: str, out: str) -> tuple[int, ...]:
     sizes = dict(zip(lhs, a)) | dict(zip(rhs, b))
     return tuple(sizes[c] for c in out)
-
-
-register(
-    product_rows,
-    aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default,
-    aten.addmm.default, aten.baddbmm.default, aten.addmv.default,
-)
 
 
 # ------------------------------------------------------------------ uneven leading dims (torch level)
@@ -154,18 +151,17 @@ def _linear_call(input, weight, bias=None): ...  # noqa: E704
 def _matmul_call(input, other, *, out=None): ...  # noqa: E704
 
 
+@torch_level(torch.nn.functional.linear, signature=CallSignature(_linear_call), apply=_bmm_keeping_leading_dims)
 def _parse_linear(b: dict, *_) -> tuple | None:
     if not _keeps_leading_dims(b["input"], b["weight"]):
         return None
     return b["input"], b["weight"].t(), b["bias"]
 
 
+@torch_level(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+             signature=CallSignature(_matmul_call, aliases={"self": "input"}), apply=_bmm_keeping_leading_dims)
 def _parse_matmul(b: dict, *_) -> tuple | None:
     if b.get("out") is not None or not _keeps_leading_dims(b["input"], b["other"]):
         return None
     return b["input"], b["other"], None
 
-
-register_torch_entry(CallSignature(_linear_call), _parse_linear, _bmm_keeping_leading_dims, torch.nn.functional.linear)
-register_torch_entry(CallSignature(_matmul_call, aliases={"self": "input"}), _parse_matmul, _bmm_keeping_leading_dims,
-                     torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)

@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-from ..dispatch.registry import register_torch_entry, strategy
+from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..placements import Replicate, Shard
@@ -249,6 +249,6 @@ for (_kind, _with_mean), _ops in MOMENT_OPS.items():
     _apply = _MomentsFunction.apply if _with_mean else _stat_only
     _name = f"{_kind}_mean" if _with_mean else _kind
     _funcs = (getattr(torch, _name),) + ((getattr(torch.Tensor, _name),) if not _with_mean else ())
-    register_torch_entry(MOMENTS_SIGNATURE, partial(_parse_moments, _kind, "var"), _apply, *_funcs)
+    torch_level(*_funcs, signature=MOMENTS_SIGNATURE, apply=_apply)(partial(_parse_moments, _kind, "var"))
     for _op in _ops:  # torch.ops.aten.* called directly get the same backward
-        register_torch_entry(None, partial(_parse_moments, _kind, str(_op)), _apply, _op)
+        torch_level(_op, apply=_apply)(partial(_parse_moments, _kind, str(_op)))

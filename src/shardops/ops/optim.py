@@ -36,6 +36,10 @@ def _foreach_extremum_(clamp_, binary):
     return run
 
 
+decomposition(aten._foreach_maximum_)(_foreach_extremum_(aten.clamp_min_, aten.maximum))  # every overload (a packet)
+decomposition(aten._foreach_minimum_)(_foreach_extremum_(aten.clamp_max_, aten.minimum))
+
+
 def _fused_on_shards(op):
     """Run a fused optimizer kernel on each rank's shards (see module doc)."""
 
@@ -53,6 +57,11 @@ def _fused_on_shards(op):
         return None
 
     return run
+
+
+for _packet in (aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_):
+    for _name in _packet.overloads():
+        decomposition(getattr(_packet, _name))(_fused_on_shards(getattr(_packet, _name)))
 
 
 def _group_local(op, t, param, is_grad: bool):
@@ -74,9 +83,3 @@ def _local(t):
 
     return t.to_local() if isinstance(t, DTensor) else t
 
-
-decomposition(aten._foreach_maximum_)(_foreach_extremum_(aten.clamp_min_, aten.maximum))  # every overload (a packet)
-decomposition(aten._foreach_minimum_)(_foreach_extremum_(aten.clamp_max_, aten.minimum))
-for _packet in (aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_):
-    for _name in _packet.overloads():
-        decomposition(getattr(_packet, _name))(_fused_on_shards(getattr(_packet, _name)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch.registry import decomposition, register
+from ..dispatch.registry import decomposition, strategy
 from ..dispatch.schema import OpSchema
 from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate
@@ -143,12 +143,39 @@ def _strided_rows(schema: OpSchema) -> list[Row]:
     return rows
 
 
+def _aten_packets() -> list[tuple[str, torch._ops.OpOverloadPacket]]:
+    """Every aten packet (dir(aten) lists only the ones already touched)."""
+    names = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")})
+    return [(n, getattr(aten, n)) for n in names]
+
+
+def _tagged_pointwise() -> list[torch._ops.OpOverload]:
+    """Every aten overload tagged pointwise (equal is tagged too, but returns one bool for the whole tensor)."""
+    ops = []
+    for name, packet in _aten_packets():
+        if name == "equal" or not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        ops += [getattr(packet, ov) for ov in packet.overloads() if torch.Tag.pointwise in getattr(packet, ov).tags]
+    return ops
+
+
+# prims.* elementwise ops (torch's decompositions and PyTorch's own DTensor tests call them directly):
+# they carry no pointwise tag, so they are listed by name.
+_PRIMS_ELEMENTWISE = """abs acos acosh add asin asinh atan atan2 atanh bessel_i0 bessel_i0e bessel_i1 bessel_i1e bessel_j0
+bessel_j1 bitwise_and bitwise_not bitwise_or bitwise_xor cbrt ceil conj_physical convert_element_type cos cosh digamma div
+eq erf erf_inv erfc erfcx exp exp2 expm1 floor fmax fmin fmod gcd ge gt hypot igamma igammac isfinite le lgamma log log10
+log1p log2 lt maximum minimum mul ndtri ne neg nextafter pow reciprocal remainder round rsqrt shift_left
+shift_right_arithmetic sign signbit sin sinh spherical_bessel_j0 sqrt sub tan tanh trunc where zeta""".split()
+
+
+@strategy(
+    *_tagged_pointwise(),
+    aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
+    aten.masked_fill_.Tensor, aten.fill_.Scalar, aten.zero_, aten.fill.Scalar,
+    *[getattr(torch.ops.prims, n).default for n in _PRIMS_ELEMENTWISE if hasattr(torch.ops.prims, n)],
+)
 def pointwise_rule(schema: OpSchema) -> list[Row]:
     return _shard_rows(schema) + _strided_rows(schema) + _linear_rows(schema)
-
-
-def _is_pointwise(op) -> bool:
-    return torch.Tag.pointwise in op.tags
 
 
 # -- _foreach_*: a list op is the single-tensor op applied to each element
@@ -165,12 +192,6 @@ def _foreach(single, inplace: bool = False):
         return None if inplace else results  # torch requires None from an in-place foreach op
 
     return run
-
-
-def _aten_packets() -> list[tuple[str, torch._ops.OpOverloadPacket]]:
-    """Every aten packet (dir(aten) lists only the ones already touched)."""
-    names = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")})
-    return [(n, getattr(aten, n)) for n in names]
 
 
 def _register_foreach() -> None:
@@ -203,30 +224,4 @@ def _single_for(single_name: str, overload: str, single):
     return single
 
 
-def _register_pointwise() -> None:
-    for name, packet in _aten_packets():
-        if name == "equal":  # tagged pointwise, but returns one bool for the whole tensor
-            continue
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
-            continue
-        for ov in packet.overloads():
-            op = getattr(packet, ov)
-            if _is_pointwise(op):
-                register(pointwise_rule, op)
-
-
-_register_pointwise()
 _register_foreach()
-register(
-    pointwise_rule, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
-    aten.masked_fill_.Tensor, aten.fill_.Scalar, aten.zero_, aten.fill.Scalar,
-)
-
-# prims.* elementwise ops (torch's decompositions and PyTorch's own DTensor tests call them directly):
-# they carry no pointwise tag, so they are listed by name.
-_PRIMS_ELEMENTWISE = """abs acos acosh add asin asinh atan atan2 atanh bessel_i0 bessel_i0e bessel_i1 bessel_i1e bessel_j0
-bessel_j1 bitwise_and bitwise_not bitwise_or bitwise_xor cbrt ceil conj_physical convert_element_type cos cosh digamma div
-eq erf erf_inv erfc erfcx exp exp2 expm1 floor fmax fmin fmod gcd ge gt hypot igamma igammac isfinite le lgamma log log10
-log1p log2 lt maximum minimum mul ndtri ne neg nextafter pow reciprocal remainder round rsqrt shift_left
-shift_right_arithmetic sign signbit sin sinh spherical_bessel_j0 sqrt sub tan tanh trunc where zeta""".split()
-register(pointwise_rule, *[getattr(torch.ops.prims, n).default for n in _PRIMS_ELEMENTWISE if hasattr(torch.ops.prims, n)])

@@ -35,13 +35,13 @@ from __future__ import annotations
 import math
 import warnings
 from functools import partial
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import rng
 from ..dispatch import core
-from ..dispatch.registry import call_default, register, register_overwrites_self, register_torch_entry
+from ..dispatch.registry import call_default, overwrites_self, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..errors import ShardingError
@@ -149,122 +149,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return (t if t.is_contiguous() else t.contiguous()).view(-1)
 
 
-# ------------------------------------------------------------------ algorithms (ctx, local args...)
-
-
-def _uniform_(ctx, self, *args, **kwargs):
-    return _draw(ctx, self, _uniform(ctx.schema.arg("from", 0.0), ctx.schema.arg("to", 1.0), self.dtype))
-
-
-def _normal_(ctx, self, *args, **kwargs):
-    return _draw(ctx, self, _normal(ctx.schema.arg("mean", 0.0), ctx.schema.arg("std", 1.0), self.dtype))
-
-
-def _exponential_(ctx, self, *args, **kwargs):
-    lambd = ctx.schema.arg("lambd", 1.0)
-    return _draw(ctx, self, lambda bits, j0, j1: rng.uniform_open_closed(bits, self.dtype).log_().div_(-lambd))
-
-
-def _geometric_(ctx, self, *args, **kwargs):
-    log_q = math.log1p(-ctx.schema.arg("p"))
-    return _draw(ctx, self, lambda bits, j0, j1: _open_uniform(bits, self.dtype).log_().div_(log_q).ceil_())
-
-
-def _log_normal_(ctx, self, *args, **kwargs):
-    normal = _normal(ctx.schema.arg("mean", 1.0), ctx.schema.arg("std", 2.0), self.dtype)
-    return _draw(ctx, self, lambda bits, j0, j1: normal(bits, j0, j1).exp_())
-
-
-def _cauchy_(ctx, self, *args, **kwargs):
-    median, sigma = ctx.schema.arg("median", 0.0), ctx.schema.arg("sigma", 1.0)
-    return _draw(ctx, self, lambda bits, j0, j1: _open_uniform(bits, self.dtype).sub_(0.5).mul_(math.pi).tan_().mul_(sigma).add_(median))
-
-
-def _bernoulli_float_(ctx, self, *args, **kwargs):
-    return _draw(ctx, self, _keep_below(ctx.schema.arg("p", 0.5)))
-
-
-def _bernoulli_tensor_(ctx, self, p, *args, **kwargs):
-    return _draw(ctx, self, _below_tensor(_flat(p.expand_as(self))))  # compared per chunk, in float64
-
-
-def _bernoulli(ctx, p, *args, **kwargs):
-    return _bernoulli_tensor_(ctx, torch.empty_like(p, memory_format=torch.contiguous_format), p)
-
-
-def _bernoulli_p(ctx, self, *args, **kwargs):
-    return _draw(ctx, torch.empty_like(self, memory_format=torch.contiguous_format), _keep_below(ctx.schema.arg("p")))
-
-
-def _random_range(op, dtype: torch.dtype, schema: OpSchema) -> tuple[int, int]:
-    """(low, span) of random_ / randint_like, as torch defines them."""
-    if dtype.is_floating_point:
-        top = 2 ** (1 - round(math.log2(torch.finfo(dtype).eps)))  # every integer up to 2^digits is exact
-    elif dtype == torch.bool:
-        top = 1
-    else:
-        top = torch.iinfo(dtype).max
-    if op._overloadname == "default" and op._schema.name in ("aten::random_", "aten::random"):
-        return 0, top + 1
-    low = schema.arg("from", schema.arg("low", 0)) or 0
-    high = schema.arg("to", schema.arg("high"))
-    return low, (top + 1 - low) if high is None else high - low
-
-
-def _random_(ctx, self, *args, **kwargs):
-    return _draw(ctx, self, _integers(*_random_range(ctx.func, self.dtype, ctx.schema)))
-
-
-def _rand_like(ctx, self, *args, **kwargs):
-    out = _empty_out(ctx, self)
-    return _draw(ctx, out, _uniform(0.0, 1.0, out.dtype))
-
-
-def _randn_like(ctx, self, *args, **kwargs):
-    out = _empty_out(ctx, self)
-    return _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
-
-
-def _randint_like(ctx, self, *args, **kwargs):
-    out = _empty_out(ctx, self)
-    return _draw(ctx, out, _integers(*_random_range(ctx.func, out.dtype, ctx.schema)))
-
-
-def _normal_tensors(ctx, *args, **kwargs):
-    """normal(mean, std) with a tensor mean and/or std: mean + std * z, z drawn on the output's layout."""
-    tensors = [a for a in args + tuple(kwargs.values()) if isinstance(a, torch.Tensor)]
-    out = torch.empty(ctx.out_specs[0].local_shape(), dtype=ctx.out_specs[0].dtype, device=tensors[0].device)
-    _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
-    mean, std = ctx.schema.arg("mean"), ctx.schema.arg("std", 1.0)
-    local = iter(tensors)
-    mean = next(local) if not isinstance(mean, (int, float)) else mean
-    std = next(local) if not isinstance(std, (int, float)) else std
-    return out.mul_(std).add_(mean)
-
-
-def _functional(fill_in_place: Callable) -> Callable:
-    """uniform(self), random(self) ...: the in-place draw on a fresh tensor of self's shape."""
-
-    def algorithm(ctx, self, *args, **kwargs):
-        return fill_in_place(ctx, torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device), *args, **kwargs)
-
-    return algorithm
-
-
-def _empty_out(ctx, self: torch.Tensor) -> torch.Tensor:
-    return torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device)
-
-
-def _native_dropout(ctx, x, *args, **kwargs):
-    p, train = ctx.schema.arg("p"), ctx.schema.arg("train")
-    mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
-    if train is False:  # torch: the input and an all-true mask, no draw
-        return x.clone(), mask.fill_(True)
-    _draw(ctx, mask, _keep_below(1.0 - p), out_index=1)
-    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
-    return x * mask * scale, mask
-
-
 # ------------------------------------------------------------------ rules
 
 
@@ -306,28 +190,191 @@ def probability_rule(algorithm: Callable) -> Callable[[OpSchema], list[Row]]:
     return rule
 
 
+def _functional(fill_in_place: Callable) -> Callable:
+    """uniform(self), random(self) ...: the in-place draw on a fresh tensor of self's shape."""
+
+    def algorithm(ctx, self, *args, **kwargs):
+        return fill_in_place(ctx, torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device), *args, **kwargs)
+
+    return algorithm
+
+
+def fills(*ops: Any, functional: Sequence[Any] = (), pending_out: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator over a draw algorithm (ctx, self, ...): `ops` run it on every layout (fill_rule).
+
+    In-place ops (pending_out False) overwrite every value of self: a pending self is relabelled,
+    never resolved (registry.overwrites_self; CPU F.dropout on a Partial x reaches bernoulli_ on
+    empty_like(x), a Partial tensor of uninitialised memory). `functional`: the out-of-place twins (functionalised
+    graphs use them), the same draw into a fresh tensor.
+    """
+
+    def register_fill(algorithm: Callable) -> Callable:
+        strategy(*ops)(fill_rule(algorithm, pending_out=pending_out))
+        if not pending_out:
+            overwrites_self(*ops)
+        if functional:
+            strategy(*functional)(fill_rule(_functional(algorithm), pending_out=True))
+        return algorithm
+
+    return register_fill
+
+
+# ------------------------------------------------------------------ algorithms (ctx, local args...)
+
+
+@fills(aten.uniform_.default, functional=[aten.uniform.default])
+def _uniform_(ctx, self, *args, **kwargs):
+    return _draw(ctx, self, _uniform(ctx.schema.arg("from", 0.0), ctx.schema.arg("to", 1.0), self.dtype))
+
+
+@fills(aten.normal_.default, functional=[aten.normal_functional.default])
+def _normal_(ctx, self, *args, **kwargs):
+    return _draw(ctx, self, _normal(ctx.schema.arg("mean", 0.0), ctx.schema.arg("std", 1.0), self.dtype))
+
+
+@fills(aten.exponential_.default, functional=[aten.exponential.default])
+def _exponential_(ctx, self, *args, **kwargs):
+    lambd = ctx.schema.arg("lambd", 1.0)
+    return _draw(ctx, self, lambda bits, j0, j1: rng.uniform_open_closed(bits, self.dtype).log_().div_(-lambd))
+
+
+@fills(aten.geometric_.default, functional=[aten.geometric.default])
+def _geometric_(ctx, self, *args, **kwargs):
+    log_q = math.log1p(-ctx.schema.arg("p"))
+    return _draw(ctx, self, lambda bits, j0, j1: _open_uniform(bits, self.dtype).log_().div_(log_q).ceil_())
+
+
+@fills(aten.log_normal_.default, functional=[aten.log_normal.default])
+def _log_normal_(ctx, self, *args, **kwargs):
+    normal = _normal(ctx.schema.arg("mean", 1.0), ctx.schema.arg("std", 2.0), self.dtype)
+    return _draw(ctx, self, lambda bits, j0, j1: normal(bits, j0, j1).exp_())
+
+
+@fills(aten.cauchy_.default, functional=[aten.cauchy.default])
+def _cauchy_(ctx, self, *args, **kwargs):
+    median, sigma = ctx.schema.arg("median", 0.0), ctx.schema.arg("sigma", 1.0)
+    return _draw(ctx, self, lambda bits, j0, j1: _open_uniform(bits, self.dtype).sub_(0.5).mul_(math.pi).tan_().mul_(sigma).add_(median))
+
+
+@fills(aten.bernoulli_.float)
+def _bernoulli_float_(ctx, self, *args, **kwargs):
+    return _draw(ctx, self, _keep_below(ctx.schema.arg("p", 0.5)))
+
+
+def _bernoulli_tensor_(ctx, self, p, *args, **kwargs):
+    return _draw(ctx, self, _below_tensor(_flat(p.expand_as(self))))  # compared per chunk, in float64
+
+
+strategy(aten.bernoulli_.Tensor)(probability_rule(_bernoulli_tensor_))
+strategy(aten.bernoulli.Tensor)(probability_rule(_functional(_bernoulli_tensor_)))
+overwrites_self(aten.bernoulli_.Tensor)
+
+
+def _bernoulli(ctx, p, *args, **kwargs):
+    return _bernoulli_tensor_(ctx, torch.empty_like(p, memory_format=torch.contiguous_format), p)
+
+
+@strategy(aten.bernoulli.default)
 def _probabilities_rule(schema: OpSchema) -> list[Row]:
     """bernoulli(p): the output has p's shape and layout."""
     return [row(p, p, _bernoulli) for p in _layouts_of(schema)] + [row(R, R, _bernoulli)]
 
 
+@fills(aten.bernoulli.p, pending_out=True)
+def _bernoulli_p(ctx, self, *args, **kwargs):
+    return _draw(ctx, torch.empty_like(self, memory_format=torch.contiguous_format), _keep_below(ctx.schema.arg("p")))
+
+
+def _random_range(op, dtype: torch.dtype, schema: OpSchema) -> tuple[int, int]:
+    """(low, span) of random_ / randint_like, as torch defines them."""
+    if dtype.is_floating_point:
+        top = 2 ** (1 - round(math.log2(torch.finfo(dtype).eps)))  # every integer up to 2^digits is exact
+    elif dtype == torch.bool:
+        top = 1
+    else:
+        top = torch.iinfo(dtype).max
+    if op._overloadname == "default" and op._schema.name in ("aten::random_", "aten::random"):
+        return 0, top + 1
+    low = schema.arg("from", schema.arg("low", 0)) or 0
+    high = schema.arg("to", schema.arg("high"))
+    return low, (top + 1 - low) if high is None else high - low
+
+
+@fills(aten.random_.default, aten.random_.to, getattr(aten.random_, "from"),
+       functional=[aten.random.default, aten.random.to, getattr(aten.random, "from")])
+def _random_(ctx, self, *args, **kwargs):
+    return _draw(ctx, self, _integers(*_random_range(ctx.func, self.dtype, ctx.schema)))
+
+
+@fills(aten.rand_like.default, aten.rand_like.generator, pending_out=True)
+def _rand_like(ctx, self, *args, **kwargs):
+    out = _empty_out(ctx, self)
+    return _draw(ctx, out, _uniform(0.0, 1.0, out.dtype))
+
+
+@fills(aten.randn_like.default, aten.randn_like.generator, pending_out=True)
+def _randn_like(ctx, self, *args, **kwargs):
+    out = _empty_out(ctx, self)
+    return _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
+
+
+@fills(aten.randint_like.default, aten.randint_like.low_dtype, aten.randint_like.generator, aten.randint_like.low_generator_dtype,
+       pending_out=True)
+def _randint_like(ctx, self, *args, **kwargs):
+    out = _empty_out(ctx, self)
+    return _draw(ctx, out, _integers(*_random_range(ctx.func, out.dtype, ctx.schema)))
+
+
+def _normal_tensors(ctx, *args, **kwargs):
+    """normal(mean, std) with a tensor mean and/or std: mean + std * z, z drawn on the output's layout."""
+    tensors = [a for a in args + tuple(kwargs.values()) if isinstance(a, torch.Tensor)]
+    out = torch.empty(ctx.out_specs[0].local_shape(), dtype=ctx.out_specs[0].dtype, device=tensors[0].device)
+    _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
+    mean, std = ctx.schema.arg("mean"), ctx.schema.arg("std", 1.0)
+    local = iter(tensors)
+    mean = next(local) if not isinstance(mean, (int, float)) else mean
+    std = next(local) if not isinstance(std, (int, float)) else std
+    return out.mul_(std).add_(mean)
+
+
+@strategy(aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor)
 def _normal_tensors_rule(schema: OpSchema) -> list[Row]:
     """normal(mean, std) with tensor operands: pointwise rows (operands follow the output's shards)."""
     rows = [row(r.outputs, r.inputs, _normal_tensors) for r in _shard_rows(schema)]
     return rows + [row(R, [R] * len(schema.tensor_specs), _normal_tensors)]
 
 
+def _empty_out(ctx, self: torch.Tensor) -> torch.Tensor:
+    return torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device)
+
+
+def _native_dropout(ctx, x, *args, **kwargs):
+    p, train = ctx.schema.arg("p"), ctx.schema.arg("train")
+    mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    if train is False:  # torch: the input and an all-true mask, no draw
+        return x.clone(), mask.fill_(True)
+    _draw(ctx, mask, _keep_below(1.0 - p), out_index=1)
+    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+    return x * mask * scale, mask
+
+
+@strategy(aten.native_dropout.default)
+def _dropout_rule(schema: OpSchema) -> list[Row]:
+    rows = fill_rule(_native_dropout, n_out=2)(schema)
+    return rows + [row([p, R], p, _native_dropout) for p in LINEAR_PARTIALS]
+
+
+@strategy(
+    aten.multinomial.default, aten.poisson.default, aten.binomial.default, aten._standard_gamma.default,
+    aten._sample_dirichlet.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
+    aten.rrelu_with_noise_functional.default, aten.randint_like.Tensor, aten.randint_like.Tensor_generator,
+)
 def _refuse_rule(schema: OpSchema) -> list[Row]:
     raise ShardingError(
         f"{schema.name} on {list(schema.tensor_specs)}: this random op has no layout-invariant version in shardops, and "
         "running torch's would draw different values on each rank (the ranks share or diverge from torch's generator). "
         "Call it on dt.full_tensor() (every rank the same seed and generator state) and distribute the result."
     )
-
-
-def _dropout_rule(schema: OpSchema) -> list[Row]:
-    rows = fill_rule(_native_dropout, n_out=2)(schema)
-    return rows + [row([p, R], p, _native_dropout) for p in LINEAR_PARTIALS]
 
 
 # ------------------------------------------------------------------ torch-level entries
@@ -392,54 +439,13 @@ def sparse_(tensor, sparsity, std=0.01, generator=None):
     return _torch_sparse_(tensor, sparsity, std, generator=generator)
 
 
-# ------------------------------------------------------------------ registration
-
-register(fill_rule(_uniform_), aten.uniform_.default)
-register(fill_rule(_normal_), aten.normal_.default)
-register(fill_rule(_exponential_), aten.exponential_.default)
-register(fill_rule(_geometric_), aten.geometric_.default)
-register(fill_rule(_log_normal_), aten.log_normal_.default)
-register(fill_rule(_cauchy_), aten.cauchy_.default)
-register(fill_rule(_bernoulli_float_), aten.bernoulli_.float)
-register(fill_rule(_random_), aten.random_.default, aten.random_.to, getattr(aten.random_, "from"))
-register(probability_rule(_bernoulli_tensor_), aten.bernoulli_.Tensor)
-register(_probabilities_rule, aten.bernoulli.default)
-register(fill_rule(_bernoulli_p, pending_out=True), aten.bernoulli.p)
-register(fill_rule(_rand_like, pending_out=True), aten.rand_like.default, aten.rand_like.generator)
-register(fill_rule(_randn_like, pending_out=True), aten.randn_like.default, aten.randn_like.generator)
-# functional twins of the in-place fills (functionalised graphs use them)
-register(fill_rule(_functional(_uniform_), pending_out=True), aten.uniform.default)
-register(fill_rule(_functional(_normal_), pending_out=True), aten.normal_functional.default)
-register(fill_rule(_functional(_exponential_), pending_out=True), aten.exponential.default)
-register(fill_rule(_functional(_geometric_), pending_out=True), aten.geometric.default)
-register(fill_rule(_functional(_log_normal_), pending_out=True), aten.log_normal.default)
-register(fill_rule(_functional(_cauchy_), pending_out=True), aten.cauchy.default)
-register(fill_rule(_functional(_random_), pending_out=True), aten.random.default, aten.random.to, getattr(aten.random, "from"))
-register(probability_rule(_functional(_bernoulli_tensor_)), aten.bernoulli.Tensor)
-register(_normal_tensors_rule, aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor)
-register(
-    _refuse_rule, aten.multinomial.default, aten.poisson.default, aten.binomial.default, aten._standard_gamma.default,
-    aten._sample_dirichlet.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
-    aten.rrelu_with_noise_functional.default, aten.randint_like.Tensor, aten.randint_like.Tensor_generator,
-)
-register(
-    fill_rule(_randint_like, pending_out=True),
-    aten.randint_like.default, aten.randint_like.low_dtype, aten.randint_like.generator, aten.randint_like.low_generator_dtype,
-)
-register(_dropout_rule, aten.native_dropout.default)
-# every value overwritten: a pending self is relabelled, never resolved (CPU F.dropout on a Partial x
-# reaches bernoulli_ on empty_like(x), a Partial tensor of uninitialised memory)
-register_overwrites_self(
-    aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.geometric_.default, aten.log_normal_.default,
-    aten.cauchy_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.random_, aten.fill_.Scalar, aten.fill_.Tensor,
-    aten.zero_.default,
-)
 
 # torch-level entries (verify skips them with the random aten ops: their values are not torch's)
 RANDOM_ENTRIES = {getattr(torch.Tensor, m) for m in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")}
 RANDOM_ENTRIES |= {torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.constant_}  # these enter __torch_function__ themselves
 # nn.init.zeros_/ones_/constant_ reach zero_/fill_: they overwrite too, so a pending self needs no resolution
-for _entry in RANDOM_ENTRIES | {torch.Tensor.zero_, torch.Tensor.fill_}:
-    register_torch_entry(CallSignature(_fill_call, aliases={"self": "tensor"}), partial(_relabel_then_fill, _entry), call_default, _entry)
+overwrites_self(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
+for _entry in RANDOM_ENTRIES | {torch.Tensor.zero_, torch.Tensor.fill_}:  # each parse knows its callable: apply re-calls it
+    torch_level(_entry, signature=CallSignature(_fill_call, aliases={"self": "tensor"}), apply=call_default)(partial(_relabel_then_fill, _entry))
 torch.nn.init.trunc_normal_ = trunc_normal_  # torch's have no __torch_function__ entry to hook
 torch.nn.init.sparse_ = sparse_

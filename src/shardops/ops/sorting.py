@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from ..dispatch.registry import register, register_replicate_when, register_torch_entry
+from ..dispatch.registry import replicate_when, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..errors import ShardingError
@@ -149,6 +149,7 @@ def _topk_sharded(ctx, x, *args, **kwargs):
     return values, index.to(torch.int64)
 
 
+@strategy(aten.topk.default, algorithms=[LABEL_TOPK])
 def _topk_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     if spec.ndim == 0:
@@ -180,6 +181,7 @@ def _sort_sharded(ctx, x, *args, **kwargs):
     return tuple(o.index_select(dim, where) for o in out)
 
 
+@strategy(aten.sort.default, aten.sort.stable, algorithms=[LABEL_SORT])
 def _sort_rule(schema: OpSchema) -> list[Row]:
     spec = schema.self_spec
     if spec.ndim == 0:
@@ -193,6 +195,13 @@ def _sort_rule(schema: OpSchema) -> list[Row]:
         else:
             rows.append(row([p, p], p, _sort_sharded, comm=[("all_gather", nbytes)], label=LABEL_SORT))
     return rows
+
+
+@replicate_when(aten.sort.default, aten.sort.stable)
+def _sorts_a_sharded_dim(schema: OpSchema) -> bool:
+    """sort/argsort over a sharded dim: its only algorithm gathers that dim (strict mode asks so.allow_replicate)."""
+    spec = schema.self_spec
+    return spec.ndim > 0 and any(p.is_shard() and p.dim == schema.dim("dim") for p in spec.placements)
 
 
 # ------------------------------------------------------------------ backward: scatter to the owner
@@ -284,6 +293,11 @@ def _topk_call(self, k, dim=-1, largest=True, sorted=True, *, out=None): ...  # 
 def _sort_call(self, dim=-1, descending=False, *, stable=None, out=None): ...  # noqa: E704
 
 
+def _apply_select(x, op, args, kwargs, dim, result_type):
+    return result_type(_SelectAlongDim.apply(x, op, args, kwargs, dim))
+
+
+@torch_level(torch.topk, torch.Tensor.topk, signature=CallSignature(_topk_call, aliases={"input": "self"}), apply=_apply_select)
 def _parse_topk(b: dict, *_) -> tuple | None:
     """torch.topk / Tensor.topk on a DTensor: the planned op and a sharded backward (see the module docstring)."""
     x, k = b["self"], b["k"]
@@ -296,6 +310,7 @@ def _parse_topk(b: dict, *_) -> tuple | None:
     return x, aten.topk.default, (k, d, b["largest"], b["sorted"]), {}, d, torch.return_types.topk
 
 
+@torch_level(torch.sort, torch.Tensor.sort, signature=CallSignature(_sort_call, aliases={"input": "self"}), apply=_apply_select)
 def _parse_sort(b: dict, *_) -> tuple | None:
     """torch.sort / Tensor.sort on a DTensor (see the module docstring)."""
     x, stable = b["self"], b["stable"]
@@ -305,22 +320,3 @@ def _parse_sort(b: dict, *_) -> tuple | None:
     if stable is None:  # the overload torch itself picks
         return x, aten.sort.default, (d, b["descending"]), {}, d, torch.return_types.sort
     return x, aten.sort.stable, (), {"stable": stable, "dim": d, "descending": b["descending"]}, d, torch.return_types.sort
-
-
-def _apply_select(x, op, args, kwargs, dim, result_type):
-    return result_type(_SelectAlongDim.apply(x, op, args, kwargs, dim))
-
-
-register(_topk_rule, aten.topk.default)
-register(_sort_rule, aten.sort.default, aten.sort.stable)
-
-
-def _sorts_a_sharded_dim(schema: OpSchema) -> bool:
-    """sort/argsort over a sharded dim: its only algorithm gathers that dim (strict mode asks so.allow_replicate)."""
-    spec = schema.self_spec
-    return spec.ndim > 0 and any(p.is_shard() and p.dim == schema.dim("dim") for p in spec.placements)
-
-
-register_replicate_when(_sorts_a_sharded_dim, aten.sort.default, aten.sort.stable)
-register_torch_entry(CallSignature(_topk_call, aliases={"input": "self"}), _parse_topk, _apply_select, torch.topk, torch.Tensor.topk)
-register_torch_entry(CallSignature(_sort_call, aliases={"input": "self"}), _parse_sort, _apply_select, torch.sort, torch.Tensor.sort)
