@@ -454,6 +454,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, where: str, slack: torc
     if slack is None or not want.is_floating_point():
         torch.testing.assert_close(got, want, equal_nan=True, **tol, msg=lambda m: f"{where}: {m}")
         return
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
     assert torch.equal(got.isnan(), want.isnan()), f"{where}: NaN in other places than torch's"
     same = (got == want) | (got.isnan() & want.isnan())  # equal infinities too
     bound = tol["atol"] + tol["rtol"] * want.abs() + SPREAD_FACTOR * slack
