@@ -8,7 +8,6 @@ op's own, forward and backward.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -17,15 +16,11 @@ import torch
 import shardops as so
 from shardops import Replicate
 
+from parallel_harness import strict
 
-@contextlib.contextmanager
-def strict_mode(strict: bool = True):
-    """Strict mode for a whole so.run (set once, outside the rank threads, which share it)."""
-    so.set_strict(strict)
-    try:
-        yield
-    finally:
-        so.set_strict(False)
+
+# strict mode for a whole so.run (set once, outside the rank threads, which share it)
+strict_mode = strict
 
 
 @dataclass

@@ -41,6 +41,20 @@ def strict(enabled: bool = True):
         so.set_strict(False)
 
 
+def tied_gpt2_reference(seed: int):
+    """(args, tokens, targets, model): a one-layer GPT-2 (tied embeddings) after one single-device
+    backward of its cross-entropy on a batch drawn from `seed`; its wte.weight.grad is the reference."""
+    from shardops.models import GPT2, ModelArgs
+
+    args = ModelArgs(n_layers=1)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (2, 8), generator=g)
+    targets = torch.randint(0, args.vocab_size, (2, 8), generator=g)
+    model = GPT2(args)
+    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1)).backward()
+    return args, tokens, targets, model
+
+
 def relative_error(g: torch.Tensor, ref: torch.Tensor) -> float:
     """||g - ref|| / ||ref||, with a floor for gradients that are zero up to rounding
     (a key bias's gradient is exactly zero in exact arithmetic: softmax ignores a shift)."""

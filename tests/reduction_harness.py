@@ -191,6 +191,37 @@ class Grid:
                 chosen.append(rng.choice([d for d in self.cases if (d[1], layout_id(d[2])) == key]))
         return [pytest.param(*c, id=_case_id(*c)) for c in chosen]
 
+    def tests(self, prefix: str, *, per_op: int, seed: int) -> tuple[Callable, Callable]:
+        """A family's two tests: `{prefix}_sample` (the seeded sample, in the default suite) and
+        `{prefix}_grid` (every case, slow), each `check_case` on its case."""
+        params = "op,mesh,layout,shape"
+        sample = pytest.mark.parametrize(params, self.sample(per_op, seed))(_case_test(f"{prefix}_sample"))
+        grid = pytest.mark.parametrize(params, self.all())(_case_test(f"{prefix}_grid"))
+        return sample, pytest.mark.slow(grid)
+
+
+def _case_test(name: str) -> Callable:
+    def test(op, mesh, layout, shape):
+        check_case(op, MESHES[mesh], layout, shape)
+
+    test.__name__ = test.__qualname__ = name
+    return test
+
 
 def _case_id(op: Op, mesh_name: str, pl, shape_name: str) -> str:
     return f"{op.name}-mesh{mesh_name}-[{layout_id(pl)}]-{shape_name}"
+
+
+def check_bad_dim_refused(call: Callable[[Any], Any], match: str) -> None:
+    """`call` on a (4, 8) tensor sharded on dim 1 over 4 ranks raises a ShardingError matching
+    `match` on every rank, before any collective."""
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (4,))
+        x = so.distribute_tensor(torch.randn(4, 8), mesh, [Shard(1)])
+        with so.CommDebugMode() as comm:
+            with pytest.raises(so.ShardingError, match=match):
+                call(x)
+        return comm.get_total_counts()
+
+    assert so.run(body, 4) == [0] * 4

@@ -14,7 +14,6 @@ asserted from CommDebugMode stay the same).
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
 
 import shardops as so
 from shardops.dispatch import core
@@ -36,6 +35,7 @@ from test_dtensor import (  # noqa: F401,E402
 )
 
 EXAMPLES = 8
+pytestmark = props.pytestmark  # torch's warning for var's correction >= n, as in test_properties
 
 
 # test_properties' per-session record of which sharded algorithms ran; the examples here must not
@@ -60,54 +60,12 @@ def test_debug_checks_are_on():
     assert core._state["debug"]
 
 
-@given(props.redistribute_cases())
-@props.examples(EXAMPLES)
-def test_redistribute_debug(case):
-    props.check_property(case)
-
-
-@given(props.pointwise_cases())
-@props.examples(EXAMPLES)
-def test_pointwise_debug(case):
-    props.check_property(case)
-
-
-@given(props.view_cases())
-@props.examples(EXAMPLES)
-def test_views_debug(case):
-    props.check_property(case)
-
-
-@props._REDUCTIONS_SKIP
-@given(props.reduction_cases())
-@props.examples(EXAMPLES)
-def test_reductions_debug(case):
-    props.check_property(case)
-
-
-@props._SOFTMAX_SKIP
-@given(props.softmax_cases())
-@props.examples(EXAMPLES)
-def test_softmax_debug(case):
-    props.check_property(case)
-
-
-@props._LOSS_SKIP
-@given(props.loss_cases())
-@props.examples(EXAMPLES)
-def test_cross_entropy_debug(case):
-    props.check_property(case)
-
-
-@props._NORMALIZE_SKIP
-@given(props.normalization_cases())
-@props.examples(EXAMPLES)
-def test_layer_norm_debug(case):
-    props.check_property(case)
-
-
-@props._MOMENTS_SKIP
-@given(props.moment_cases())
-@props.examples(EXAMPLES)
-def test_moments_debug(case):
-    props.check_property(case)
+# the property families on EXAMPLES examples each (the cost model's choices only: none forced)
+test_redistribute_debug = props.property_test("test_redistribute_debug", props.redistribute_cases(), EXAMPLES, force=False)
+test_pointwise_debug = props.property_test("test_pointwise_debug", props.pointwise_cases(), EXAMPLES, force=False)
+test_views_debug = props.property_test("test_views_debug", props.view_cases(), EXAMPLES, force=False)
+test_reductions_debug = props.property_test("test_reductions_debug", props.reduction_cases(), EXAMPLES, skip=props._REDUCTIONS_SKIP, force=False)
+test_softmax_debug = props.property_test("test_softmax_debug", props.softmax_cases(), EXAMPLES, skip=props._SOFTMAX_SKIP, force=False)
+test_cross_entropy_debug = props.property_test("test_cross_entropy_debug", props.loss_cases(), EXAMPLES, skip=props._LOSS_SKIP, force=False)
+test_layer_norm_debug = props.property_test("test_layer_norm_debug", props.normalization_cases(), EXAMPLES, skip=props._NORMALIZE_SKIP, force=False)
+test_moments_debug = props.property_test("test_moments_debug", props.moment_cases(), EXAMPLES, skip=props._MOMENTS_SKIP, force=False)

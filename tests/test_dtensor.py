@@ -263,13 +263,9 @@ def test_fallback_warns_with_bytes_and_is_exact():
     assert out[0] == [4.0, 0.0, 1.0]
 
 
-def test_strict_mode_raises_on_op_without_strategy():
-    so.set_strict(True)
-    try:
-        with pytest.raises(so.ShardingError, match="no sharded strategy.*strict"):
-            so.run(_no_strategy, 2)
-    finally:
-        so.set_strict(False)
+def test_strict_mode_raises_on_op_without_strategy(strict):
+    with pytest.raises(so.ShardingError, match="no sharded strategy.*strict"):
+        so.run(_no_strategy, 2)
 
 
 def test_redistribute_backward_returns_gradient_to_source_layout():

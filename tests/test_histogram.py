@@ -6,7 +6,7 @@ import torch
 
 import shardops as so
 from shardops import Partial, Shard
-from reduction_harness import MESHES, Grid, Op, check_case
+from reduction_harness import Grid, Op, check_case
 
 OPS = [
     Op("histc_auto", lambda x: torch.histc(x, bins=10), partial_ok=False),
@@ -22,15 +22,7 @@ OPS = [
 GRID = Grid(OPS)
 
 
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.sample(per_op=8, seed=6))
-def test_histc_sample(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.all())
-def test_histc_grid(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
+test_histc_sample, test_histc_grid = GRID.tests("test_histc", per_op=8, seed=6)
 
 
 def test_histc_of_empty_tensor():

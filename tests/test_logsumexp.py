@@ -10,7 +10,7 @@ import torch
 import shardops as so
 from shardops import Replicate, Shard
 from algo_harness import latency_only_links, run_case  # noqa: F401  (fixture)
-from reduction_harness import MESHES, Grid, Op, check_case
+from reduction_harness import Grid, Op, check_bad_dim_refused
 
 f64, f32 = torch.float64, torch.float32
 INF = math.inf
@@ -28,15 +28,7 @@ OPS = [
 GRID = Grid(OPS)
 
 
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.sample(per_op=4, seed=8))
-def test_logsumexp_sample(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.all())
-def test_logsumexp_grid(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
+test_logsumexp_sample, test_logsumexp_grid = GRID.tests("test_logsumexp", per_op=4, seed=8)
 
 
 # ------------------------------------------------------------------ the merge: extreme rows, uneven and empty shards
@@ -116,12 +108,4 @@ def test_bytes_rounds_and_local_backward():
 
 @pytest.mark.parametrize("call", [lambda x: torch.logsumexp(x, 2), lambda x: x.logsumexp((0, -3))])
 def test_bad_dim_is_a_sharding_error(call):
-    def body():
-        mesh = so.init_device_mesh("cpu", (RANKS,))
-        x = so.distribute_tensor(torch.randn(4, 8), mesh, [Shard(1)])
-        with so.CommDebugMode() as comm:
-            with pytest.raises(so.ShardingError, match=r"logsumexp: dim .* out of range"):
-                call(x)
-        return comm.get_total_counts()
-
-    assert so.run(body, RANKS) == [0] * RANKS
+    check_bad_dim_refused(call, r"logsumexp: dim .* out of range")

@@ -8,7 +8,7 @@ import torch
 import shardops as so
 from shardops import Replicate, Shard
 from algo_harness import latency_only_links, run_case  # noqa: F401  (fixture)
-from reduction_harness import MESHES, Grid, Op, check_case
+from reduction_harness import Grid, Op, check_bad_dim_refused
 
 f64, f32 = torch.float64, torch.float32
 
@@ -43,15 +43,7 @@ OPS = [
 GRID = Grid(OPS)
 
 
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.sample(per_op=3, seed=6))
-def test_moments_sample(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.all())
-def test_moments_grid(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
+test_moments_sample, test_moments_grid = GRID.tests("test_moments", per_op=3, seed=6)
 
 
 # ------------------------------------------------------------------ the Chan merge itself: uneven, empty, nested
@@ -159,15 +151,7 @@ def test_backward_is_local():
 
 @pytest.mark.parametrize("call", [lambda x: x.var(-3), lambda x: torch.std_mean(x, 2), lambda x: torch.var(x, (0, 7), correction=0)])
 def test_bad_dim_is_a_sharding_error(call):
-    def body():
-        mesh = so.init_device_mesh("cpu", (RANKS,))
-        x = so.distribute_tensor(torch.randn(4, 8), mesh, [Shard(1)])
-        with so.CommDebugMode() as comm:
-            with pytest.raises(so.ShardingError, match=r"dim .* out of range"):
-                call(x)
-        return comm.get_total_counts()
-
-    assert so.run(body, RANKS) == [0] * RANKS
+    check_bad_dim_refused(call, r"dim .* out of range")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 import shardops as so
 from shardops import NormPartial, Partial, Replicate, Shard
 from algo_harness import bandwidth_only_links, run_case  # noqa: F401  (fixture)
-from reduction_harness import MESHES, Grid, Op, check_case
+from reduction_harness import Grid, Op, check_bad_dim_refused
 
 f64, f32 = torch.float64, torch.float32
 INF = math.inf
@@ -53,15 +53,7 @@ OPS = [
 GRID = Grid(OPS)
 
 
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.sample(per_op=2, seed=7))
-def test_norm_sample(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.all())
-def test_norm_grid(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
+test_norm_sample, test_norm_grid = GRID.tests("test_norm", per_op=2, seed=7)
 
 
 # ------------------------------------------------------------------ pending outputs, empty shards, nested meshes
@@ -301,15 +293,7 @@ def test_clip_grad_norm_one_collective_per_reducing_mesh_dim(foreach, p):
 
 @pytest.mark.parametrize("call", [lambda x: vector_norm(x, 2, 3), lambda x: x.norm(dim=(0, 4)), lambda x: torch.norm(x, 3, -3)])
 def test_bad_dim_is_a_sharding_error(call):
-    def body():
-        mesh = so.init_device_mesh("cpu", (4,))
-        x = so.distribute_tensor(torch.randn(4, 8), mesh, [Shard(1)])
-        with so.CommDebugMode() as comm:
-            with pytest.raises(so.ShardingError, match=r"dim .* out of range"):
-                call(x)
-        return comm.get_total_counts()
-
-    assert so.run(body, 4) == [0] * 4
+    check_bad_dim_refused(call, r"dim .* out of range")
 
 
 def test_norm_of_complex_is_pending_and_real():

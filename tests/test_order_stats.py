@@ -6,7 +6,7 @@ import torch
 
 import shardops as so
 from shardops import Shard
-from reduction_harness import MESHES, Grid, Op, check_case
+from reduction_harness import Grid, Op
 
 OPS = [
     Op("median", lambda x: x.median(), data="ties", grad=True),
@@ -28,15 +28,7 @@ OPS = [
 GRID = Grid(OPS)
 
 
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.sample(per_op=6, seed=5))
-def test_order_stat_sample(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.all())
-def test_order_stat_grid(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
+test_order_stat_sample, test_order_stat_grid = GRID.tests("test_order_stat", per_op=6, seed=5)
 
 
 def _comm(fn, full, placements, mesh_shape=(4,)):

@@ -25,7 +25,7 @@ from shardops.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from parallel_harness import check_training, has_strategies, reference_training, sharded_training, strict
+from parallel_harness import check_training, has_strategies, reference_training, sharded_training, strict, tied_gpt2_reference
 
 MESHES = [((4,), None), ((2, 2), "replicate"), ((2, 2), "shard")]
 MESH_IDS = ["tp4", "dp2xtp2-replicate", "dp2xtp2-shard"]
@@ -127,12 +127,7 @@ def test_src_data_rank_is_the_rank_within_the_tp_mesh(src_data_rank):
 @pytest.mark.parametrize("layouts", ["same", "different"])
 def test_tied_embeddings_stay_tied(layouts):
     """torch's parallelize_module unties them silently; here the gradient equals single-device."""
-    args = ModelArgs(n_layers=1)
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, args.vocab_size, (2, 8), generator=g)
-    targets = torch.randint(0, args.vocab_size, (2, 8), generator=g)
-    ref = GPT2(args)
-    F.cross_entropy(ref(tokens).flatten(0, 1), targets.flatten(0, 1)).backward()
+    args, tokens, targets, ref = tied_gpt2_reference(3)
     if layouts == "same":  # table Shard(0) for both (vocabulary parallel)
         plan = {"wte": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     else:  # embedding sharded on its hidden dim (Shard(1)), output projection on the vocabulary (Shard(0))

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import shardops as so
 from mp import run_gloo
-from parallel_harness import has_strategies, strict
+from parallel_harness import has_strategies, strict, tied_gpt2_reference
 
 
 class Double(nn.Module):
@@ -139,14 +139,9 @@ def _tied_gpt2(torch_parallel, torch_mesh, our_parallel, mesh):
     """GPT-2's tied embedding gradient after one backward, against single device, for each API."""
     import torch.nn.functional as F
 
-    from shardops.models import GPT2, ModelArgs, gpt2_plan
+    from shardops.models import GPT2, gpt2_plan
 
-    args = ModelArgs(n_layers=1)
-    g = torch.Generator().manual_seed(9)
-    tokens = torch.randint(0, args.vocab_size, (2, 8), generator=g)
-    targets = torch.randint(0, args.vocab_size, (2, 8), generator=g)
-    ref = GPT2(args)
-    F.cross_entropy(ref(tokens).flatten(0, 1), targets.flatten(0, 1)).backward()
+    args, tokens, targets, ref = tied_gpt2_reference(9)
     out = {}
     for name, api, m in (("torch", torch_parallel, torch_mesh), ("ours", our_parallel, mesh)):
         model = GPT2(args)

@@ -6,7 +6,7 @@ import torch
 
 import shardops as so
 from shardops import NormPartial, Partial, Replicate, Shard, StridedShard
-from reduction_harness import MESHES, Grid, Op, check_case
+from reduction_harness import Grid, Op, check_case
 
 f64, f32 = torch.float64, torch.float32
 
@@ -75,15 +75,7 @@ OPS = [
 GRID = Grid(OPS)
 
 
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.sample(per_op=5, seed=4))
-def test_reduction_sample(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.all())
-def test_reduction_grid(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
+test_reduction_sample, test_reduction_grid = GRID.tests("test_reduction", per_op=5, seed=4)
 
 
 # ------------------------------------------------------------------ 3-d tensors and strided shards

@@ -10,7 +10,7 @@ import torch
 import shardops as so
 from shardops import Partial, Replicate, Shard
 from algo_harness import latency_only_links, run_case  # noqa: F401  (fixture)
-from reduction_harness import MESHES, Grid, Op, assert_same, check_case, distribute, expected
+from reduction_harness import Grid, Op, assert_same, distribute, expected, check_bad_dim_refused
 
 f64, f32 = torch.float64, torch.float32
 
@@ -39,15 +39,7 @@ OPS = [
 GRID = Grid(OPS)
 
 
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.sample(per_op=4, seed=5))
-def test_scan_sample(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("op,mesh,layout,shape", GRID.all())
-def test_scan_grid(op, mesh, layout, shape):
-    check_case(op, MESHES[mesh], layout, shape)
+test_scan_sample, test_scan_grid = GRID.tests("test_scan", per_op=4, seed=5)
 
 
 # ------------------------------------------------------------------ the sharded algorithm itself
@@ -238,15 +230,7 @@ def test_backward_of_scan_moves_only_totals(wide, name, fn, per_row):
 
 @pytest.mark.parametrize("call", [lambda x: torch.cumsum(x, 2), lambda x: x.cummax(-3), lambda x: x.logcumsumexp(5)])
 def test_bad_dim_is_a_sharding_error_naming_the_op(call):
-    def body():
-        mesh = so.init_device_mesh("cpu", (4,))
-        x = so.distribute_tensor(torch.randn(4, 8), mesh, [Shard(1)])
-        with so.CommDebugMode() as comm:
-            with pytest.raises(so.ShardingError, match=r"(cumsum|cummax|logcumsumexp): dim .* out of range"):
-                call(x)
-        return comm.get_total_counts()
-
-    assert so.run(body, 4) == [0] * 4
+    check_bad_dim_refused(call, r"(cumsum|cummax|logcumsumexp): dim .* out of range")
 
 
 @pytest.mark.parametrize("name", ["cumsum", "cumprod"])

@@ -111,25 +111,40 @@ class FeedForward(nn.Module):
 
 
 class LlamaBlock(nn.Module):
+    """Pre-norm attention and feed-forward, each added to the residual stream.
+
+    A variant swaps the feed-forward: `ffn_attr` names the attribute that holds it (its state-dict
+    key and plan path: `feed_forward` here, `moe` in shardops.models_moe), `make_ffn` builds it."""
+
+    ffn_attr = "feed_forward"
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        setattr(self, self.ffn_attr, self.make_ffn(args))  # last: weights are drawn in registration order
+
+    def make_ffn(self, args: ModelArgs) -> nn.Module:
+        return FeedForward(args)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + getattr(self, self.ffn_attr)(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
+    """The LLaMA-style model; a variant sets `block` (its layers) and `default_args`."""
+
+    block: type[LlamaBlock] = LlamaBlock
+    default_args: type[ModelArgs] = ModelArgs
+
     def __init__(self, args: ModelArgs | None = None, seed: int = 0):
         super().__init__()
-        args = args or ModelArgs()
+        args = args or self.default_args()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block(args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len, args.rope_theta), persistent=False)
@@ -211,6 +226,26 @@ def _placements(api):
     return Replicate, Shard
 
 
+def _head(api, seq, loss_parallel: bool):
+    """The output projection, column-parallel over the vocabulary: logits Shard(-1) DTensors for
+    loss_parallel, else gathered (Replicate, local)."""
+    Replicate, Shard = _placements(api)
+    return api.ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
+
+
+def _attention(api, path: str, input_layouts: tuple, local_attention: bool) -> dict:
+    """Attention at `path`: inputs (the first in layout `input_layouts[0]`) replicated, q/k/v
+    column-parallel (heads split), the output projection row-parallel back to the first input's layout."""
+    Replicate, _ = _placements(api)
+    seq = input_layouts[0]
+    desired = tuple(Replicate() if layout is not None else None for layout in input_layouts)
+    return {
+        path: api.PrepareModuleInput(input_layouts=input_layouts, desired_input_layouts=desired),
+        **{f"{path}.{w}": api.ColwiseParallel(use_local_output=local_attention) for w in ("wq", "wk", "wv")},
+        f"{path}.wo": api.RowwiseParallel(output_layouts=seq),
+    }
+
+
 def llama_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True, local_attention: bool = True, api=None) -> dict:
     """Tensor-parallel plan for `Llama`: vocabulary-parallel embedding and output, column/row-parallel
     attention and MLP, sequence-parallel norms. `local_attention=False` keeps q/k/v as DTensors,
@@ -220,14 +255,9 @@ def llama_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True, lo
     seq = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "tok_embeddings": api.RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": api.ColwiseParallel(
-            input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
-        ),
-        "layers.*.attention": api.PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
-        "layers.*.attention.wq": api.ColwiseParallel(use_local_output=local_attention),
-        "layers.*.attention.wk": api.ColwiseParallel(use_local_output=local_attention),
-        "layers.*.attention.wv": api.ColwiseParallel(use_local_output=local_attention),
-        "layers.*.attention.wo": api.RowwiseParallel(output_layouts=seq),
+        "output": _head(api, seq, loss_parallel),
+        # the blocks' second input, freqs_cis, is a plain tensor: left as it is
+        **_attention(api, "layers.*.attention", (seq, None), local_attention),
         "layers.*.feed_forward": api.PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
         "layers.*.feed_forward.w1": api.ColwiseParallel(),
         "layers.*.feed_forward.w2": api.RowwiseParallel(output_layouts=seq),
@@ -248,14 +278,8 @@ def gpt2_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True, loc
     plan = {
         "wte": api.RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "wpe": api.RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "lm_head": api.ColwiseParallel(
-            input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
-        ),
-        "h.*.attn": api.PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "h.*.attn.wq": api.ColwiseParallel(use_local_output=local_attention),
-        "h.*.attn.wk": api.ColwiseParallel(use_local_output=local_attention),
-        "h.*.attn.wv": api.ColwiseParallel(use_local_output=local_attention),
-        "h.*.attn.wo": api.RowwiseParallel(output_layouts=seq),
+        "lm_head": _head(api, seq, loss_parallel),
+        **_attention(api, "h.*.attn", (seq,), local_attention),
         "h.*.mlp": api.PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
         "h.*.mlp.c_fc": api.ColwiseParallel(),
         "h.*.mlp.c_proj": api.RowwiseParallel(output_layouts=seq),

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .models import Attention, ModelArgs, _init, precompute_freqs_cis
+from .models import Llama, LlamaBlock, ModelArgs
 
 __all__ = ["GroupedExperts", "LlamaMoE", "MoE", "MoEArgs", "TopKRouter", "llama_moe_plan", "llama_moe_tp_plan"]
 
@@ -89,37 +89,18 @@ class MoE(nn.Module):
         return self.experts(tokens, ids, weights).reshape(shape)
 
 
-class LlamaMoEBlock(nn.Module):
-    def __init__(self, args: MoEArgs):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe = MoE(args)
+class LlamaMoEBlock(LlamaBlock):
+    """A LLaMA block whose feed-forward is a mixture of experts, held as `moe`."""
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
-        return h + self.moe(self.ffn_norm(h))
+    ffn_attr = "moe"
+
+    def make_ffn(self, args: MoEArgs) -> nn.Module:
+        return MoE(args)
 
 
-class LlamaMoE(nn.Module):
-    def __init__(self, args: MoEArgs | None = None, seed: int = 0):
-        super().__init__()
-        args = args or MoEArgs()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): LlamaMoEBlock(args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len, args.rope_theta), persistent=False)
-        _init(self, seed)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        freqs_cis = self.freqs_cis[: tokens.shape[1]]
-        for layer in self.layers.values():
-            h = layer(h, freqs_cis)
-        return self.output(self.norm(h))
+class LlamaMoE(Llama):
+    block = LlamaMoEBlock
+    default_args = MoEArgs
 
 
 def llama_moe_plan(**expert_parallel) -> dict:
