@@ -154,3 +154,22 @@ def check_training(results, reference, tol: float = 1e-4) -> None:
         # AdamW read it; clip_grad_norm_'s total norm adds at most one collective per mesh dim
         assert all(c <= p + 2 for c, p in zip(step_comms, pending)), (step_comms, pending)
         assert reread_comms == [0] * len(reread_comms)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, so.DTensor) else t
+
+
+def count_step(model, feed, loss_of):
+    """Bytes this rank sends in forward + loss + backward + resolving every gradient; the values."""
+    with so.CommDebugMode() as fwd:
+        loss = loss_of(model(feed))
+    with so.CommDebugMode() as bwd:
+        loss.backward()
+    with so.CommDebugMode() as sync, torch.no_grad():
+        for p in model.parameters():
+            if isinstance(p.grad, so.DTensor):
+                p.grad.to_local()
+    sent = fwd.get_total_bytes() + bwd.get_total_bytes() + sync.get_total_bytes()
+    with torch.no_grad():
+        return sent, _full(loss.detach()), {n: _full(p.grad) for n, p in model.named_parameters()}

@@ -10,13 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
-from shardops import DTensor
 from shardops.autoparallel import language_model_loss
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 from shardops.parallel import data_parallel, loss_parallel, parallelize_module
 from shardops.world import in_threads_world
 
-from parallel_harness import strict
+from parallel_harness import count_step, strict
 
 ARGS = ModelArgs()
 HAND = {Llama: llama_plan, GPT2: gpt2_plan}
@@ -33,30 +32,11 @@ def _reference(model, tokens):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _count_step(model, feed, loss_of):
-    """Bytes this rank sends in forward + loss + backward + resolving every gradient; the values."""
-    with so.CommDebugMode() as fwd:
-        loss = loss_of(model(feed))
-    with so.CommDebugMode() as bwd:
-        loss.backward()
-    with so.CommDebugMode() as sync, torch.no_grad():
-        for p in model.parameters():
-            if isinstance(p.grad, DTensor):
-                p.grad.to_local()
-    sent = fwd.get_total_bytes() + bwd.get_total_bytes() + sync.get_total_bytes()
-    with torch.no_grad():
-        return sent, _full(loss.detach()), {n: _full(p.grad) for n, p in model.named_parameters()}
-
-
 def _auto_step(plan, make, tokens):
     def main():
         model = plan.apply(make())
         with strict():
-            return _count_step(model, tokens, lambda out: language_model_loss(out, tokens))
+            return count_step(model, tokens, lambda out: language_model_loss(out, tokens))
 
     return so.run(main, plan.mesh_shape[0] * (plan.mesh_shape[1] if len(plan.mesh_shape) > 1 else 1))
 
@@ -81,7 +61,7 @@ def _hand_step(make, hand_plan, mesh_shape, tokens):
                 return F.cross_entropy(out[:, :-1].flatten(0, 1), feed[:, 1:].flatten())
 
         with strict():
-            return _count_step(model, feed, loss_of)
+            return count_step(model, feed, loss_of)
 
     return so.run(main, mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1))
 
@@ -254,7 +234,7 @@ def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
     def main():
         model = plan.apply(copy.deepcopy(net))
         with strict():
-            return _count_step(model, x, lambda out: loss_fn(out, x))
+            return count_step(model, x, lambda out: loss_fn(out, x))
 
     for sent, _, grads in so.run(main, 4):
         assert sent == plan.predicted_bytes

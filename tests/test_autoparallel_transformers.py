@@ -14,11 +14,10 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")  # a dev dependency (pyproject's dev extra)
 
 import shardops as so  # noqa: E402
-from shardops import DTensor  # noqa: E402
 from shardops.autoparallel import language_model_loss  # noqa: E402
 from shardops.parallel import data_parallel, from_transformers, loss_parallel  # noqa: E402
 
-from parallel_harness import strict  # noqa: E402
+from parallel_harness import count_step, strict  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8, head_dim=4)
 
@@ -28,25 +27,6 @@ def build(kv_heads: int) -> torch.nn.Module:
     config = transformers.LlamaConfig(**TINY, num_key_value_heads=kv_heads)
     config._attn_implementation = "eager"
     return transformers.AutoModelForCausalLM.from_config(config).float()
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _count_step(model, feed, loss_of):
-    """Bytes this rank sends in forward + loss + backward + resolving every gradient; the values."""
-    with so.CommDebugMode() as fwd:
-        loss = loss_of(model(feed))
-    with so.CommDebugMode() as bwd:
-        loss.backward()
-    with so.CommDebugMode() as sync, torch.no_grad():
-        for p in model.parameters():
-            if isinstance(p.grad, DTensor):
-                p.grad.to_local()
-    sent = fwd.get_total_bytes() + bwd.get_total_bytes() + sync.get_total_bytes()
-    with torch.no_grad():
-        return sent, _full(loss.detach()), {n: _full(p.grad) for n, p in model.named_parameters()}
 
 
 def _check_values(results, model, tokens, local_loss=False):
@@ -89,7 +69,7 @@ def _hand_step(kv_heads, mesh_shape, tokens):
                 return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), feed[:, 1:].flatten())
 
         with strict():
-            return _count_step(model, feed, loss_of)
+            return count_step(model, feed, loss_of)
 
     return so.run(main, _world(mesh_shape), timeout=600)
 
@@ -107,7 +87,7 @@ def test_transformers_llama_measured_equals_predicted_and_no_worse_than_its_own_
     def main():
         model = plan.apply(build(kv_heads))
         with strict():
-            return _count_step(model, tokens, lambda out: language_model_loss(out, tokens))
+            return count_step(model, tokens, lambda out: language_model_loss(out, tokens))
 
     auto = so.run(main, _world(mesh_shape), timeout=600)
     _check_values(auto, build(kv_heads), tokens)
