@@ -244,3 +244,52 @@ def test_compile_benchmark_section_renders_its_rows_and_failures():
     assert "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes |" in table and "failed: RuntimeError: boom" in table
     assert "compile" in run.BENCHMARKS
     assert "### torch.compile" in run.render_report({"compile": result}, "shardops bench --quick", run.machine_info(), {}, None)
+
+
+class _GraphOps:
+    """An aot_eager backend that notes the ops of every forward and backward graph it compiles."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+
+    def __call__(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def note(g, _inputs):
+            self.ops += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(g.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=note, bw_compiler=note)
+
+
+def _collectives_in_the_graphs(mesh_shape):
+    reference = _mlp()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    m, _ = _parallel_mlp(reference, mesh_shape)
+    _, eager_grads, eager_counts, eager_bytes = _step(m, x)
+    backend = _GraphOps()
+    compiled = torch.compile(m, backend=backend)
+    y, grads, counts, nbytes = _step(m, x, compiled)
+    y2, grads2, counts2, nbytes2 = _step(m, x, compiled)
+    collectives = [op for op in backend.ops if "c10d" in op or op.startswith("shardops")]
+    same = all(torch.allclose(_full(g), _full(eager_grads[n]), atol=1e-5) for n, g in grads2.items())
+    return {"collectives": collectives, "bytes": [(counts, nbytes), (counts2, nbytes2), (eager_counts, eager_bytes)], "same_grads": same}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
+def test_gloo_graphs_use_torch_functional_collectives(mesh_shape):
+    """Under torch.distributed the traced collectives are torch's own (_c10d_functional), each with
+    its wait and shardops' byte counter; the counter makes a compiled step count what eager counts."""
+    for r, out in enumerate(run_gloo(_collectives_in_the_graphs, 4, mesh_shape, timeout=600)):
+        ops = out["collectives"]
+        assert ops, f"rank {r}: no collective in the graphs"
+        assert not [op for op in ops if op.startswith("shardops.") and op != "shardops.count.default"], f"rank {r}: {ops}"
+        issued = [op for op in ops if op.startswith("_c10d_functional.") and "wait_tensor" not in op]
+        waits = [op for op in ops if "wait_tensor" in op]
+        counts = [op for op in ops if op == "shardops.count.default"]
+        assert len(issued) == len(waits) == len(counts), f"rank {r}: {ops}"
+        compiled, compiled_again, eager = out["bytes"]
+        assert compiled == compiled_again == eager, f"rank {r}: {out['bytes']}"
+        assert sum(eager[0].values()) == len(issued), f"rank {r}: eager sends {eager[0]}, the graphs hold {issued}"
+        assert out["same_grads"], f"rank {r}"
