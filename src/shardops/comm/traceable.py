@@ -190,14 +190,22 @@ def _(t, src_index, mesh, dims):
 # without reduce_scatter) stays a shardops:: custom op, which runs the eager code.
 
 
-@torch.library.custom_op("shardops::count", mutates_args=())
+# A plain library kernel, not a torch.library.custom_op: it is called once per collective of
+# every compiled step, and custom_op's Python autograd wrapper costs ~10x the call itself.
+_COUNT_LIB = torch.library.Library("shardops", "FRAGMENT")
+_COUNT_LIB.define("count(Tensor t, str kind, int num_bytes, int wire_bytes) -> ()")
+
+
 def _count(t: torch.Tensor, kind: str, num_bytes: int, wire_bytes: int) -> None:
     from .base import record
 
     record(kind, num_bytes, wire_bytes)
 
 
-@_count.register_fake
+_COUNT_LIB.impl("count", _count, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("shardops::count")
 def _(t, kind, num_bytes, wire_bytes):
     return None
 
