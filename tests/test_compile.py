@@ -237,11 +237,11 @@ def test_compile_benchmark_section_renders_its_rows_and_failures():
     from benchmarks.compile import format_compile_table
 
     result = {"size": "tiny", "world_size": 4, "steps": 2, "rows": [
-        {"model": "gpt2", "system": "shardops", "eager_ms": 20.0, "compiled_ms": 10.0, "first_compiled_s": 3.0, "same_loss": True},
+        {"model": "gpt2", "system": "shardops", "eager_ms": 20.0, "compiled_ms": 10.0, "first_compiled_s": 3.0, "same_loss": True, "graphs": 1, "breaks": 0},
         {"model": "gpt2", "system": "DTensor", "error": "RuntimeError: boom"},
     ]}
     table = format_compile_table(result)
-    assert "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes |" in table and "failed: RuntimeError: boom" in table
+    assert "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes | 1, 0 |" in table and "failed: RuntimeError: boom" in table
     assert "compile" in run.BENCHMARKS
     assert "### torch.compile" in run.render_report({"compile": result}, "shardops bench --quick", run.machine_info(), {}, None)
 
@@ -293,3 +293,27 @@ def test_gloo_graphs_use_torch_functional_collectives(mesh_shape):
         assert compiled == compiled_again == eager, f"rank {r}: {out['bytes']}"
         assert sum(eager[0].values()) == len(issued), f"rank {r}: eager sends {eager[0]}, the graphs hold {issued}"
         assert out["same_grads"], f"rank {r}"
+
+
+def _model_graphs(model_name: str) -> tuple[int, int, list[str]]:
+    from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
+
+    Model, make_plan = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}[model_name]
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, hidden_dim=64, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Model(args)
+    parallelize_module(model, so.init_device_mesh("cpu", (2,)), make_plan(loss_parallel=False))
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(model)(tokens)
+    return explained.graph_count, explained.graph_break_count, [str(b.reason)[:300] for b in explained.break_reasons]
+
+
+def _both_models_graphs():
+    return {name: _model_graphs(name) for name in ("llama", "gpt2")}
+
+
+def test_llama_and_gpt2_forwards_compile_to_one_graph_under_gloo():
+    """The tensor-parallel LLaMA- and GPT-2-style models (their plans, 2 gloo ranks): one graph, no break."""
+    for r, models in enumerate(run_gloo(_both_models_graphs, 2, timeout=900)):
+        for name, (graphs, breaks, reasons) in models.items():
+            assert (graphs, breaks) == (1, 0), f"rank {r}, {name}: {graphs} graphs, {breaks} breaks: {reasons}"
