@@ -257,7 +257,9 @@ class _GraphOps:
         from torch._functorch.aot_autograd import aot_module_simplified
 
         def note(g, _inputs):
-            self.ops += [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
+            for n in g.graph.nodes:
+                if n.op == "call_function":  # an effectful op (shardops::count) is wrapped in with_effects(token, op, ...)
+                    self.ops.append(str(n.args[1]) if "with_effects" in str(n.target) else str(n.target))
             return make_boxed_func(g.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=note, bw_compiler=note)
@@ -295,7 +297,7 @@ def test_gloo_graphs_use_torch_functional_collectives(mesh_shape):
         assert out["same_grads"], f"rank {r}"
 
 
-def _model_graphs(model_name: str) -> tuple[int, int, list[str]]:
+def _model_graphs(model_name: str) -> tuple[int, int, list[str], bool]:
     from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 
     Model, make_plan = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}[model_name]
@@ -305,15 +307,27 @@ def _model_graphs(model_name: str) -> tuple[int, int, list[str]]:
     parallelize_module(model, so.init_device_mesh("cpu", (2,)), make_plan(loss_parallel=False))
     tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(0))
     explained = torch._dynamo.explain(model)(tokens)
-    return explained.graph_count, explained.graph_break_count, [str(b.reason)[:300] for b in explained.break_reasons]
+    torch._dynamo.reset()
+    targets = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(1))
+    logs = []
+    for run in (model, torch.compile(model, backend="aot_eager")):  # a training step: forward, loss, backward
+        with so.CommDebugMode() as comm:
+            out = run(tokens)
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten(0, 1)).backward()
+        logs.append(comm.log)
+    reasons = [str(b.reason)[:300] for b in explained.break_reasons]
+    return explained.graph_count, explained.graph_break_count, reasons, logs[0] == logs[1]
 
 
 def _both_models_graphs():
     return {name: _model_graphs(name) for name in ("llama", "gpt2")}
 
 
-def test_llama_and_gpt2_forwards_compile_to_one_graph_under_gloo():
-    """The tensor-parallel LLaMA- and GPT-2-style models (their plans, 2 gloo ranks): one graph, no break."""
+def test_llama_and_gpt2_compile_to_one_graph_and_send_what_eager_sends_under_gloo():
+    """The tensor-parallel LLaMA- and GPT-2-style models (their plans, 2 gloo ranks): the forward is one
+    graph with no break, and a compiled training step issues eager's collectives, in eager's order and
+    sizes (a forward collective's counter once moved into the backward, which then ran it again)."""
     for r, models in enumerate(run_gloo(_both_models_graphs, 2, timeout=900)):
-        for name, (graphs, breaks, reasons) in models.items():
+        for name, (graphs, breaks, reasons, same_collectives) in models.items():
             assert (graphs, breaks) == (1, 0), f"rank {r}, {name}: {graphs} graphs, {breaks} breaks: {reasons}"
+            assert same_collectives, f"rank {r}, {name}: the compiled step's collectives differ from eager's"

@@ -211,10 +211,15 @@ def _(t, kind, num_bytes, wire_bytes):
 
 
 def _keep_counts() -> None:
-    """`shardops::count` returns nothing: without this, dead-code elimination (FX, inductor) drops it."""
-    from torch.fx.node import has_side_effect
+    """`shardops::count` returns nothing and must run once per collective: an ordered effect.
 
-    has_side_effect(torch.ops.shardops.count.default)
+    As an effect, AOTAutograd keeps it in the graph that issues its collective (a forward count
+    never moves into the backward, where it would make the partitioner run the forward's
+    collective again just to feed it) and inductor neither drops nor reorders it.
+    """
+    from torch._library.effects import EffectType
+
+    torch.library._register_effectful_op("shardops::count", EffectType.ORDERED)
 
 
 _keep_counts()
