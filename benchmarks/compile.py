@@ -8,7 +8,8 @@ loss_parallel off so both sides take the same plain cross-entropy) and data. Per
 eager step time, compiled step time (backend inductor), and the first compiled step
 (which compiles). A step is forward + cross-entropy + backward; a timed step starts
 after a barrier and its time is the slowest rank's; the figure is the median over steps.
-The compiled and eager losses are compared on every rank (the `same loss` column).
+The compiled and eager losses are compared on every rank (the `same loss` column), and
+`torch._dynamo.explain` counts the forward's graphs and graph breaks per side.
 """
 from __future__ import annotations
 
@@ -76,10 +77,13 @@ def _rank(system: str, model_name: str, size: dict[str, Any], steps: int) -> dic
         return float(loss.detach())
 
     eager_first, eager, eager_loss = _timed(lambda: step(model), steps)
+    explained = torch._dynamo.explain(model)(tokens)  # graphs and breaks of the forward (dynamo only, no inductor)
+    torch._dynamo.reset()  # the timed compile starts from nothing
     compiled_model = torch.compile(model, backend="inductor")
     compile_first, compiled, compiled_loss = _timed(lambda: step(compiled_model), steps)
     return {
         "eager": eager, "compiled": compiled, "first_compiled": compile_first,
+        "graphs": explained.graph_count, "breaks": explained.graph_break_count,
         "same_loss": abs(eager_loss - compiled_loss) <= 1e-4 * max(1.0, abs(eager_loss)),
     }
 
@@ -102,24 +106,40 @@ def measure_compile(size: str = "quick", models: tuple[str, ...] = ("llama", "gp
                 "compiled_ms": 1e3 * statistics.median(slowest("compiled")),
                 "first_compiled_s": max(r["first_compiled"] for r in ranks),
                 "same_loss": all(r["same_loss"] for r in ranks),
+                "graphs": max(r["graphs"] for r in ranks), "breaks": max(r["breaks"] for r in ranks),
             })
     return {"size": size, "world_size": world_size, "steps": steps, "rows": rows}
 
 
 def format_compile_table(result: dict[str, Any]) -> str:
     lines = [
-        "| model | system | eager step (ms) | compiled step (ms) | compiled ÷ eager | first compiled step (s) | same loss |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| model | system | eager step (ms) | compiled step (ms) | compiled ÷ eager | first compiled step (s) | same loss | forward graphs, breaks |",
+        "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['system']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['model']} | {r['system']} | failed: {r['error']} | | | | | |")
             continue
         lines.append(
             f"| {r['model']} | {r['system']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-            f"{r['compiled_ms'] / r['eager_ms']:.2f}× | {r['first_compiled_s']:.1f} | {'yes' if r['same_loss'] else '**no**'} |"
+            f"{r['compiled_ms'] / r['eager_ms']:.2f}× | {r['first_compiled_s']:.1f} | {'yes' if r['same_loss'] else '**no**'} | {_graphs(r)} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _side_by_side(result["rows"]))
+
+
+def _side_by_side(rows: list[dict[str, Any]]) -> list[str]:
+    """Per model: shardops' compiled step over torch DTensor's (the issue's target: <= 1)."""
+    timed = {(r["model"], r["system"]): r for r in rows if "error" not in r}
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ours, theirs = timed.get((model, "shardops")), timed.get((model, "DTensor"))
+        if ours and theirs:
+            out.append(f"\n{model}: shardops compiled ÷ DTensor compiled = {ours['compiled_ms'] / theirs['compiled_ms']:.2f}×")
+    return out
+
+
+def _graphs(row: dict[str, Any]) -> str:
+    return f"{row['graphs']}, {row['breaks']}" if "graphs" in row else "n/a"
 
 
 def compile_caption(result: dict[str, Any]) -> str:
@@ -127,7 +147,8 @@ def compile_caption(result: dict[str, Any]) -> str:
     return (
         f"{result['world_size']} gloo processes, tensor parallel; dim {s['dim']}, {s['n_layers']} layers, seq {s['max_seq_len']}, "
         f"batch {s['batch']}; step = forward + cross-entropy + backward; median of {result['steps']} steps (slowest rank); "
-        "compiled = torch.compile(model, backend=\"inductor\")."
+        "compiled = torch.compile(model, backend=\"inductor\"); "
+        "graphs and breaks: torch._dynamo.explain of the model's forward (slowest rank's count)."
     )
 
 

@@ -162,8 +162,10 @@ def _gloo_rank(mesh_shape, backend):
     m, mesh = _parallel_mlp(reference, mesh_shape)
     eager_y, eager_grads, eager_counts, eager_bytes = _step(m, x)
     explained = torch._dynamo.explain(copy.deepcopy(m))(x) if len(mesh_shape) == 1 else None
-    compiled = torch.compile(m, backend=backend)
+    graph_ops = _GraphOps()  # aot_eager, noting each graph's ops
+    compiled = torch.compile(m, backend=graph_ops if backend == "aot_eager" else backend)
     y, grads, counts, nbytes = _step(m, x, compiled)
+    y2, grads2, counts2, nbytes2 = _step(m, x, compiled)
     same_grads = all(
         grads[n] is not None and grads[n].placements == eager_grads[n].placements and torch.allclose(_full(grads[n]), _full(eager_grads[n]), atol=1e-5)
         for n in grads
@@ -173,12 +175,24 @@ def _gloo_rank(mesh_shape, backend):
         "values": torch.allclose(_full(y), _full(eager_y), atol=1e-5) and y.requires_grad,
         "grads": same_grads,
         "bytes": ((counts, nbytes), (eager_counts, eager_bytes)),
+        "bytes_again": (counts2, nbytes2),
+        "collectives": [op for op in graph_ops.ops if "c10d" in op or op.startswith("shardops")],
     }
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
 def test_compiled_parallel_mlp_under_gloo(mesh_shape):
+    """Also: under torch.distributed the traced collectives are torch's own (_c10d_functional), each
+    with its wait and shardops' byte counter, which makes a compiled step count what eager counts."""
     for r, out in enumerate(run_gloo(_gloo_rank, 4, mesh_shape, "aot_eager", timeout=600)):
+        ops = out["collectives"]
+        assert not [op for op in ops if op.startswith("shardops.") and op != "shardops.count.default"], f"rank {r}: {ops}"
+        issued = [op for op in ops if op.startswith("_c10d_functional.") and "wait_tensor" not in op]
+        waits = [op for op in ops if "wait_tensor" in op]
+        counters = [op for op in ops if op == "shardops.count.default"]
+        assert issued and len(issued) == len(waits) == len(counters), f"rank {r}: {ops}"
+        assert sum(out["bytes"][1][0].values()) == len(issued), f"rank {r}: eager sends {out['bytes'][1]}, the graphs hold {issued}"
+        assert out["bytes_again"] == out["bytes"][1], f"rank {r}: second compiled step {out['bytes_again']}"
         if out["graphs"] is not None:
             assert out["graphs"] == (1, 0), f"rank {r}: (graphs, breaks) = {out['graphs']}"
         assert out["values"] and out["grads"], f"rank {r}: {out}"
@@ -237,10 +251,65 @@ def test_compile_benchmark_section_renders_its_rows_and_failures():
     from benchmarks.compile import format_compile_table
 
     result = {"size": "tiny", "world_size": 4, "steps": 2, "rows": [
-        {"model": "gpt2", "system": "shardops", "eager_ms": 20.0, "compiled_ms": 10.0, "first_compiled_s": 3.0, "same_loss": True},
+        {"model": "gpt2", "system": "shardops", "eager_ms": 20.0, "compiled_ms": 10.0, "first_compiled_s": 3.0, "same_loss": True, "graphs": 1, "breaks": 0},
         {"model": "gpt2", "system": "DTensor", "error": "RuntimeError: boom"},
     ]}
     table = format_compile_table(result)
-    assert "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes |" in table and "failed: RuntimeError: boom" in table
+    assert "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes | 1, 0 |" in table and "failed: RuntimeError: boom" in table
     assert "compile" in run.BENCHMARKS
     assert "### torch.compile" in run.render_report({"compile": result}, "shardops bench --quick", run.machine_info(), {}, None)
+
+
+class _GraphOps:
+    """An aot_eager backend that notes the ops of every forward and backward graph it compiles."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+
+    def __call__(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def note(g, _inputs):
+            for n in g.graph.nodes:
+                if n.op == "call_function":  # an effectful op (shardops::count) is wrapped in with_effects(token, op, ...)
+                    self.ops.append(str(n.args[1]) if "with_effects" in str(n.target) else str(n.target))
+            return make_boxed_func(g.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=note, bw_compiler=note)
+
+
+def _model_graphs(model_name: str) -> tuple[int, int, list[str], bool]:
+    from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
+
+    Model, make_plan = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}[model_name]
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, hidden_dim=64, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Model(args)
+    parallelize_module(model, so.init_device_mesh("cpu", (2,)), make_plan(loss_parallel=False))
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(model)(tokens)
+    torch._dynamo.reset()
+    targets = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(1))
+    logs = []
+    for run in (model, torch.compile(model, backend="aot_eager")):  # a training step: forward, loss, backward
+        with so.CommDebugMode() as comm:
+            out = run(tokens)
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten(0, 1)).backward()
+        logs.append(comm.log)
+    reasons = [str(b.reason)[:300] for b in explained.break_reasons]
+    return explained.graph_count, explained.graph_break_count, reasons, logs[0] == logs[1]
+
+
+def _both_models_graphs():
+    return {name: _model_graphs(name) for name in ("llama", "gpt2")}
+
+
+def test_llama_and_gpt2_compile_to_one_graph_and_send_what_eager_sends_under_gloo():
+    """The tensor-parallel LLaMA- and GPT-2-style models (their plans, 2 gloo ranks): the forward is one
+    graph with no break, and a compiled training step issues eager's collectives, in eager's order and
+    sizes (a forward collective's counter once moved into the backward, which then ran it again)."""
+    for r, models in enumerate(run_gloo(_both_models_graphs, 2, timeout=900)):
+        for name, (graphs, breaks, reasons, same_collectives) in models.items():
+            assert (graphs, breaks) == (1, 0), f"rank {r}, {name}: {graphs} graphs, {breaks} breaks: {reasons}"
+            assert same_collectives, f"rank {r}, {name}: the compiled step's collectives differ from eager's"

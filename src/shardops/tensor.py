@@ -33,7 +33,7 @@ _NO_KWARGS: dict = {}
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout")
+    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout", "_compile_meta")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -54,6 +54,7 @@ class DTensor(torch.Tensor):
         r._local_tensor = local
         r._spec = spec
         r._pending_layout = None
+        r._compile_meta = None
         if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see wrapper_meta)
             mirror_lazy_bits(r, local)
         return r
@@ -153,8 +154,17 @@ class DTensor(torch.Tensor):
 
     # -- torch.compile: a traceable wrapper subclass (comm/traceable.py says how collectives trace)
     def __tensor_flatten__(self):
-        """The local tensor is the traced inner tensor; the spec is a trace-time constant that dynamo guards on."""
-        return ["_local_tensor"], CompileMeta(self._spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()))
+        """The local tensor is the traced inner tensor; the spec is a trace-time constant that dynamo guards on.
+
+        Called for every DTensor input of a compiled graph on every call (dynamo's guard, then
+        AOTAutograd's unwrapping): the metadata is kept while spec and requires_grad stay, so a
+        parameter pays for its coordinate once and the guard compares one object with itself.
+        """
+        meta = self._compile_meta
+        if meta is None or meta.spec is not self._spec or meta.requires_grad != self.requires_grad:
+            meta = CompileMeta(self._spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()))
+            self._compile_meta = meta
+        return ["_local_tensor"], meta
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta: "CompileMeta", outer_size, outer_stride) -> "DTensor":
@@ -198,7 +208,7 @@ class CompileMeta:
         return (self.spec, self.requires_grad, self.coordinate)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CompileMeta) and self._parts() == other._parts()
+        return self is other or (isinstance(other, CompileMeta) and self._parts() == other._parts())
 
     def __hash__(self) -> int:
         return hash(self._parts())

@@ -149,7 +149,7 @@ class Communicator:
         if group.size == 1:
             return t
         if type(t) is not torch.Tensor and _traced(t):
-            return _traceable().all_reduce(t, op, group)
+            return _traceable().all_reduce(self, t, op, group)
         record("all_reduce", nbytes(t))
         return self._all_reduce(t.contiguous(), op, group)
 
@@ -163,7 +163,7 @@ class Communicator:
         if group.size == 1:
             return [t]
         if type(t) is not torch.Tensor and _traced(t):
-            return _traceable().all_gather(t, group, shapes)
+            return _traceable().all_gather(self, t, group, shapes)
         record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
         return self._all_gather(t.contiguous(), group, shapes)
 
@@ -175,7 +175,7 @@ class Communicator:
         if group.size == 1:
             return chunks[0]
         if type(chunks[0]) is not torch.Tensor and _traced(chunks[0]):
-            return _traceable().reduce_scatter(chunks, op, group)
+            return _traceable().reduce_scatter(self, chunks, op, group)
         record("reduce_scatter", sum(nbytes(c) for c in chunks), self._reduce_scatter_wire_bytes(chunks, op))
         return self._reduce_scatter([c.contiguous() for c in chunks], op, group)
 
@@ -187,7 +187,7 @@ class Communicator:
         if group.size == 1:
             return [chunks[0]]
         if type(chunks[0]) is not torch.Tensor and _traced(chunks[0]):
-            return _traceable().all_to_all(chunks, group, recv_shapes)
+            return _traceable().all_to_all(self, chunks, group, recv_shapes)
         record("all_to_all", sum(nbytes(c) for i, c in enumerate(chunks) if i != me))
         return self._all_to_all([c.contiguous() for c in chunks], group, [tuple(s) for s in recv_shapes])
 
@@ -196,7 +196,7 @@ class Communicator:
         if group.size == 1:
             return t
         if type(t) is not torch.Tensor and _traced(t):
-            return _traceable().broadcast(t, src_index, group)
+            return _traceable().broadcast(self, t, src_index, group)
         record("broadcast", nbytes(t) if group.index(self.rank) == src_index else 0)
         return self._broadcast(t.contiguous(), src_index, group)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import itertools
+import math
 import sys
 import threading
 import time
@@ -176,32 +177,168 @@ def _(t, src_index, mesh, dims):
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
+# ------------------------------------------------------------------ torch.distributed: torch's functional collectives
+#
+# Under torch.distributed a traced collective is one of torch's functional collectives
+# (`_c10d_functional`: all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+# all_to_all_single, each followed by its wait_tensor). They are C++ ops that inductor knows:
+# no Python runs per call, and inductor may move a wait past independent compute. Each one is
+# followed by `shardops::count`, which records the call's bytes where eager records them (a
+# CommDebugMode counts a compiled step as it counts an eager one); it runs no collective.
+# What the functional collectives cannot express the way eager does it (bool, complex and
+# non-native reductions, which eager ships as bytes or reduces locally; broadcast; an old gloo
+# without reduce_scatter) stays a shardops:: custom op, which runs the eager code.
+
+
+# A plain library kernel, not a torch.library.custom_op: it is called once per collective of
+# every compiled step, and custom_op's Python autograd wrapper costs ~10x the call itself.
+_COUNT_LIB = torch.library.Library("shardops", "FRAGMENT")
+_COUNT_LIB.define("count(Tensor t, str kind, int num_bytes, int wire_bytes) -> ()")
+
+
+def _count(t: torch.Tensor, kind: str, num_bytes: int, wire_bytes: int) -> None:
+    from .base import record
+
+    record(kind, num_bytes, wire_bytes)
+
+
+_COUNT_LIB.impl("count", _count, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("shardops::count")
+def _(t, kind, num_bytes, wire_bytes):
+    return None
+
+
+def _keep_counts() -> None:
+    """`shardops::count` returns nothing and must run once per collective: an ordered effect.
+
+    As an effect, AOTAutograd keeps it in the graph that issues its collective (a forward count
+    never moves into the backward, where it would make the partitioner run the forward's
+    collective again just to feed it) and inductor neither drops nor reorders it.
+    """
+    from torch._library.effects import EffectType
+
+    torch.library._register_effectful_op("shardops::count", EffectType.ORDERED)
+
+
+_keep_counts()
+_FUNCTIONAL_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}  # avg: a sum, divided after (as eager)
+
+
+def _functional(comm, group, dtype: torch.dtype, op: str | None = None):
+    """(group name, torch group ranks by shardops index) when torch's functional collectives do what eager does; else None."""
+    from .base import natively_reducible
+    from .torch_dist import TorchDistCommunicator
+
+    if not isinstance(comm, TorchDistCommunicator) or dtype == torch.bool or dtype.is_complex:
+        return None
+    if op is not None and not natively_reducible(dtype, op):
+        return None
+    resolved = comm._resolve(group)
+    return resolved.pg.group_name, resolved.pg_index
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def _finish_avg(t: torch.Tensor, op: str, n: int) -> torch.Tensor:
+    if op != "avg":
+        return t
+    return t / n if t.is_floating_point() else t // n
+
+
+def _in_pg_order(items: list, pg_index: Sequence[int]) -> list:
+    out = [None] * len(items)
+    for i, item in enumerate(items):
+        out[pg_index[i]] = item
+    return out
+
+
+def _functional_all_reduce(t: torch.Tensor, op: str, group, name: str) -> torch.Tensor:
+    out = _wait(torch.ops._c10d_functional.all_reduce(t.contiguous(), _FUNCTIONAL_OPS[op], name))
+    torch.ops.shardops.count(out, "all_reduce", t.numel() * t.element_size(), t.numel() * t.element_size())
+    return _finish_avg(out, op, group.size)
+
+
+def _functional_all_gather(comm, t: torch.Tensor, group, shapes, name: str, pg_index) -> list[torch.Tensor]:
+    numels = [math.prod(s) for s in shapes]
+    width = max(numels)
+    flat = t.reshape(-1)
+    if flat.numel() < width:  # uneven: every member pads to the largest (the eager wire format)
+        flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
+    out = _wait(torch.ops._c10d_functional.all_gather_into_tensor(flat.contiguous(), group.size, name))
+    torch.ops.shardops.count(out, "all_gather", t.numel() * t.element_size(), comm._all_gather_wire_bytes(t, shapes))
+    rows = out.view(group.size, width)
+    return [rows[pg_index[i], : numels[i]].reshape(shapes[i]) for i in range(group.size)]
+
+
+def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, group, name: str, pg_index) -> torch.Tensor:
+    numels = [c.numel() for c in chunks]
+    width = max(numels)
+    rows = [c.reshape(-1) if c.numel() == width else torch.cat([c.reshape(-1), c.new_zeros(width - c.numel())]) for c in chunks]
+    wire = torch.cat(_in_pg_order(rows, pg_index))
+    out = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(wire, _FUNCTIONAL_OPS[op], group.size, name))
+    num_bytes = sum(c.numel() * c.element_size() for c in chunks)
+    torch.ops.shardops.count(out, "reduce_scatter", num_bytes, comm._reduce_scatter_wire_bytes(chunks, op))
+    mine = chunks[group.index(comm.rank)]  # rank-specific: the coordinate guard keeps it right (module doc)
+    return _finish_avg(out[: mine.numel()].reshape(mine.shape), op, group.size)
+
+
+def _functional_all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_shapes, name: str, pg_index) -> list[torch.Tensor]:
+    me = group.index(comm.rank)
+    send = torch.cat(_in_pg_order([c.reshape(-1) for c in chunks], pg_index))
+    recv_numels = [math.prod(s) for s in recv_shapes]
+    out = _wait(torch.ops._c10d_functional.all_to_all_single(
+        send, _in_pg_order(recv_numels, pg_index), _in_pg_order([c.numel() for c in chunks], pg_index), name
+    ))
+    num_bytes = sum(c.numel() * c.element_size() for i, c in enumerate(chunks) if i != me)
+    torch.ops.shardops.count(out, "all_to_all", num_bytes, num_bytes)
+    pieces = list(torch.split(out, _in_pg_order(recv_numels, pg_index)))
+    return [pieces[pg_index[i]].reshape(recv_shapes[i]) for i in range(group.size)]
+
+
 # ------------------------------------------------------------------ what Communicator calls while tracing
 
 
-def all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+def all_reduce(comm, t: torch.Tensor, op: str, group) -> torch.Tensor:
+    functional = _functional(comm, group, t.dtype, op)
+    if functional is not None:
+        return _functional_all_reduce(t, op, group, functional[0])
     mid, dims = _group_key(group)
     return torch.ops.shardops.all_reduce(t, op, mid, dims)
 
 
-def all_gather(t: torch.Tensor, group, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def all_gather(comm, t: torch.Tensor, group, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    functional = _functional(comm, group, t.dtype)
+    if functional is not None:
+        return _functional_all_gather(comm, t, group, [tuple(s) for s in shapes], *functional)
     mid, dims = _group_key(group)
     flat, ndim = _flat(shapes)
     return list(torch.ops.shardops.all_gather(t, mid, dims, flat, ndim))
 
 
-def reduce_scatter(chunks: Sequence[torch.Tensor], op: str, group) -> torch.Tensor:
+def reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, group) -> torch.Tensor:
+    dtypes = {c.dtype for c in chunks}
+    functional = _functional(comm, group, chunks[0].dtype, op) if len(dtypes) == 1 and getattr(comm, "_reduce_scatter_ok", True) else None
+    if functional is not None:
+        return _functional_reduce_scatter(comm, chunks, op, group, *functional)
     mid, dims = _group_key(group)
     return torch.ops.shardops.reduce_scatter(list(chunks), op, mid, dims)
 
 
-def all_to_all(chunks: Sequence[torch.Tensor], group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    dtypes = {c.dtype for c in chunks}
+    functional = _functional(comm, group, chunks[0].dtype) if len(dtypes) == 1 else None
+    if functional is not None:
+        return _functional_all_to_all(comm, chunks, group, [tuple(s) for s in recv_shapes], *functional)
     mid, dims = _group_key(group)
     flat, ndim = _flat(recv_shapes)
     return list(torch.ops.shardops.all_to_all(list(chunks), mid, dims, flat, ndim))
 
 
-def broadcast(t: torch.Tensor, src_index: int, group) -> torch.Tensor:
+def broadcast(comm, t: torch.Tensor, src_index: int, group) -> torch.Tensor:
     mid, dims = _group_key(group)
     return torch.ops.shardops.broadcast(t, src_index, mid, dims)
 
