@@ -23,7 +23,8 @@ Written to the output dir (default `bench_out/`): `report.md` (every table),
 `README_SNIPPET.md` (the same, with the command and the machine, to paste into
 the README), `results.json` (every figure) and `bytes_per_case.png` (needs the
 `plot` extra: `pip install 'shardops[plot]'`; skipped with a message without it);
-the report also goes to `docs/benchmarks.md` (dated, with the machine; `--docs ''` skips it).
+a whole run's report also goes to `docs/benchmarks.md` (dated, with the machine; `--docs ''`
+skips it; a partial run, `--only`/`--cases`, writes it only where `--docs PATH` says).
 
 A benchmark that crashes is reported as such and the others still run; the
 exit code is 1 then, 0 otherwise (a missed target is a result, not a failure).
@@ -626,6 +627,18 @@ def write_outputs(out_dir: Path, results: dict[str, Any], command: str, machine:
     return paths
 
 
+def _docs_path(args: argparse.Namespace) -> Path | None:
+    """A partial run (--only a subset, --cases) would replace the whole docs page with a few
+    sections, so it writes docs only where --docs names a path."""
+    if args.docs is not None:
+        return Path(args.docs) if args.docs else None
+    partial = set(args.only) != set(BENCHMARKS) or bool(args.cases)
+    if partial:
+        print(f"[bench] a partial run: {DOCS_PATH.relative_to(ROOT)} left as it is (--docs PATH writes it)", file=sys.stderr)
+        return None
+    return DOCS_PATH
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardops bench", description="shardops vs torch.distributed.tensor, side by side.")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (< 3 min on 2 cores)")
@@ -633,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), help="run only these benchmarks")
     parser.add_argument("--cases", nargs="+", help="comm benchmark: only these cases (default: all)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the bytes chart")
-    parser.add_argument("--docs", default=str(DOCS_PATH), help=f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)}; '' for none)")
+    parser.add_argument("--docs", default=None, help=f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)} for a whole run, none for --only/--cases; '' for none)")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
     given = list(sys.argv[1:] if argv is None else argv)
@@ -641,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     start = time.perf_counter()
     results, timings = run_benchmarks(args.only, config, args.cases)
-    docs = Path(args.docs) if args.docs else None
+    docs = _docs_path(args)
     paths = write_outputs(Path(args.out), results, command, machine, timings, plot=not args.no_plot, docs=docs)
     print(paths["report"].read_text())
     print(f"[bench] wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - start:.0f} s", file=sys.stderr)

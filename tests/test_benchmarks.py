@@ -285,6 +285,16 @@ def test_a_crashing_benchmark_is_reported_and_the_rest_still_run(monkeypatch, tm
     assert "planner exploded" in report and "| sum | (4,) |" in report
 
 
+def test_a_partial_run_leaves_the_docs_page_alone(monkeypatch, tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("the whole run's page")
+    monkeypatch.setattr(run, "DOCS_PATH", docs)
+    monkeypatch.setattr(run, "ROOT", tmp_path)
+    code = run.main(["--quick", "--only", "comm", "--cases", "sum", "--no-plot", "--out", str(tmp_path / "out")])
+    assert code == 0 and docs.read_text() == "the whole run's page"
+    assert (tmp_path / "out" / "report.md").exists()
+
+
 def test_no_matplotlib_means_no_chart_and_a_message(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
     rows = [{"case": "sum", "mesh": (4,), "lower_bound_bytes": 32, "shardops": _side(), "DTensor": _side()}]
