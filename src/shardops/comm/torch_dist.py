@@ -126,6 +126,10 @@ class TorchDistCommunicator(Communicator):
             self._groups[cache_key] = resolved
         return resolved
 
+    def functional_group(self, group: Group) -> tuple[str, tuple[int, ...]]:
+        resolved = self._resolve(group)
+        return resolved.pg.group_name, resolved.pg_index
+
     def _find_process_group(self, group: Group) -> Any:
         if group.key:
             mesh, dims = group.key

@@ -41,6 +41,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ShardingError
+from .counting import natively_reducible, record
 
 # ------------------------------------------------------------------ is this tensor being traced?
 
@@ -197,8 +198,6 @@ _COUNT_LIB.define("count(Tensor t, str kind, int num_bytes, int wire_bytes) -> (
 
 
 def _count(t: torch.Tensor, kind: str, num_bytes: int, wire_bytes: int) -> None:
-    from .base import record
-
     record(kind, num_bytes, wire_bytes)
 
 
@@ -228,15 +227,9 @@ _FUNCTIONAL_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "prod
 
 def _functional(comm, group, dtype: torch.dtype, op: str | None = None):
     """(group name, torch group ranks by shardops index) when torch's functional collectives do what eager does; else None."""
-    from .base import natively_reducible
-    from .torch_dist import TorchDistCommunicator
-
-    if not isinstance(comm, TorchDistCommunicator) or dtype == torch.bool or dtype.is_complex:
+    if dtype == torch.bool or dtype.is_complex or (op is not None and not natively_reducible(dtype, op)):
         return None
-    if op is not None and not natively_reducible(dtype, op):
-        return None
-    resolved = comm._resolve(group)
-    return resolved.pg.group_name, resolved.pg_index
+    return comm.functional_group(group)  # None outside torch.distributed
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
