@@ -1,6 +1,6 @@
 """torch.compile: training-step time of the LLaMA- and GPT-2-style models, shardops vs torch DTensor.
 
-    python -m benchmarks.compile [--size tiny|quick|full] [--models llama gpt2] [--steps N]
+    python -m benchmarks.compile [--size tiny|quick|full] [--models llama gpt2] [--steps N] [--systems DTensor shardops]
 
 Each side runs as `world_size` gloo processes on 127.0.0.1 (tensor parallel over all
 of them), the same model, plan (shardops.models' plans, written once for both APIs,
@@ -88,12 +88,15 @@ def _rank(system: str, model_name: str, size: dict[str, Any], steps: int) -> dic
     }
 
 
-def measure_compile(size: str = "quick", models: tuple[str, ...] = ("llama", "gpt2"), steps: int = 5, world_size: int = 4) -> dict[str, Any]:
+def measure_compile(
+    size: str = "quick", models: tuple[str, ...] = ("llama", "gpt2"), steps: int = 5, world_size: int = 4,
+    systems: tuple[str, ...] = SYSTEMS,
+) -> dict[str, Any]:
     from shardops.training import launch
 
     rows = []
     for model_name in models:
-        for system in SYSTEMS:
+        for system in systems:  # the order may be swapped between runs: the machine's load drifts within one
             try:
                 ranks = launch.run_gloo(_rank, world_size, system, model_name, SIZES[size], steps, timeout=3600)
             except Exception as e:  # noqa: BLE001 - one side failing is a result to show
@@ -158,8 +161,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=["llama", "gpt2"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--systems", nargs="*", choices=SYSTEMS, default=list(SYSTEMS), help="which sides, in this order (alternate it between runs)")
     a = parser.parse_args(argv)
-    result = measure_compile(a.size, tuple(a.models), a.steps, a.world_size)
+    result = measure_compile(a.size, tuple(a.models), a.steps, a.world_size, tuple(a.systems))
     print(compile_caption(result))
     print(format_compile_table(result))
     return 0

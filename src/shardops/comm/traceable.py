@@ -249,6 +249,19 @@ def _in_pg_order(items: list, pg_index: Sequence[int]) -> list:
     return out
 
 
+def _packed(chunks: Sequence[torch.Tensor], pg_index: Sequence[int]) -> torch.Tensor:
+    """The chunks as one flat contiguous buffer in the group's order, each padded to the largest (the eager wire format).
+
+    Equal shapes (the common, even case) are stacked: one copy, even when the chunks are
+    strided slices of one tensor (`reshape(-1)` of a slice would copy it once more before the cat).
+    """
+    ordered = _in_pg_order(list(chunks), pg_index)
+    if len({c.shape for c in chunks}) == 1:
+        return torch.stack(ordered).view(-1)
+    width = max(c.numel() for c in chunks)
+    return torch.cat([c.reshape(-1) if c.numel() == width else torch.cat([c.reshape(-1), c.new_zeros(width - c.numel())]) for c in ordered])
+
+
 def _functional_all_reduce(t: torch.Tensor, op: str, group, name: str) -> torch.Tensor:
     out = _wait(torch.ops._c10d_functional.all_reduce(t.contiguous(), _FUNCTIONAL_OPS[op], name))
     torch.ops.shardops.count(out, "all_reduce", t.numel() * t.element_size(), t.numel() * t.element_size())
@@ -268,10 +281,7 @@ def _functional_all_gather(comm, t: torch.Tensor, group, shapes, name: str, pg_i
 
 
 def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, group, name: str, pg_index) -> torch.Tensor:
-    numels = [c.numel() for c in chunks]
-    width = max(numels)
-    rows = [c.reshape(-1) if c.numel() == width else torch.cat([c.reshape(-1), c.new_zeros(width - c.numel())]) for c in chunks]
-    wire = torch.cat(_in_pg_order(rows, pg_index))
+    wire = _packed(chunks, pg_index)
     out = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(wire, _FUNCTIONAL_OPS[op], group.size, name))
     num_bytes = sum(c.numel() * c.element_size() for c in chunks)
     torch.ops.shardops.count(out, "reduce_scatter", num_bytes, comm._reduce_scatter_wire_bytes(chunks, op))
@@ -281,7 +291,7 @@ def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, gr
 
 def _functional_all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_shapes, name: str, pg_index) -> list[torch.Tensor]:
     me = group.index(comm.rank)
-    send = torch.cat(_in_pg_order([c.reshape(-1) for c in chunks], pg_index))
+    send = _packed(chunks, pg_index) if len({c.shape for c in chunks}) == 1 else torch.cat(_in_pg_order([c.reshape(-1) for c in chunks], pg_index))
     recv_numels = [math.prod(s) for s in recv_shapes]
     out = _wait(torch.ops._c10d_functional.all_to_all_single(
         send, _in_pg_order(recv_numels, pg_index), _in_pg_order([c.numel() for c in chunks], pg_index), name
