@@ -87,6 +87,7 @@ def _same_pricing_from_metadata(plan, model, mesh_shape, example, **kwargs):
         if a.error is None:
             assert (a.bytes_per_part, a.rounds_per_part, a.memory_per_rank) == (b.bytes_per_part, b.rounds_per_part, b.memory_per_rank), run_.candidate
     assert dry.candidate == plan.candidate and dry.predicted_bytes == plan.predicted_bytes
+    return dry
 
 
 # each model on each mesh; two of the four behind -m slow (each model and each mesh stays in the default run)
@@ -153,7 +154,8 @@ def test_uneven_shards_priced_from_metadata_equal_the_threads_world():
     make = lambda: GPT2(args, seed=0)  # noqa: E731  (tied embedding and head)
     tokens = _tokens(4, 8, args.vocab_size)
     plan = so.autoparallel(make(), (4,), (tokens,))
-    _same_pricing_from_metadata(plan, make(), (4,), (tokens,))
+    dry = _same_pricing_from_metadata(plan, make(), (4,), (tokens,))
+    assert dry.predicted_bytes == plan.predicted_bytes > 0
 
 
 def test_a_meta_model_on_a_4096_rank_mesh_is_planned_from_metadata_alone():
