@@ -352,31 +352,15 @@ def _apply_scan(named_tuple: bool):
 SCAN_SIGNATURE = CallSignature(_scan_call, aliases={"input": "self"})
 
 
-@torch_level(torch.cumsum, torch.Tensor.cumsum, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
-@torch_level(aten.cumsum.default, apply=_apply_scan(False))
-def _parse_cumsum(b: dict, *_) -> tuple | None:
-    return _parse_scan("cumsum", b)
+def _register_scan(name: str) -> None:
+    """torch.<name>, Tensor.<name> (named tuples for cummax/cummin) and aten.<name> called directly."""
+
+    def parse(b: dict, *_) -> tuple | None:
+        return _parse_scan(name, b)
+
+    torch_level(getattr(aten, name).default, apply=_apply_scan(False))(parse)
+    torch_level(getattr(torch, name), getattr(torch.Tensor, name), signature=SCAN_SIGNATURE, apply=_apply_scan(True))(parse)
 
 
-@torch_level(torch.cumprod, torch.Tensor.cumprod, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
-@torch_level(aten.cumprod.default, apply=_apply_scan(False))
-def _parse_cumprod(b: dict, *_) -> tuple | None:
-    return _parse_scan("cumprod", b)
-
-
-@torch_level(torch.logcumsumexp, torch.Tensor.logcumsumexp, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
-@torch_level(aten.logcumsumexp.default, apply=_apply_scan(False))
-def _parse_logcumsumexp(b: dict, *_) -> tuple | None:
-    return _parse_scan("logcumsumexp", b)
-
-
-@torch_level(torch.cummax, torch.Tensor.cummax, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
-@torch_level(aten.cummax.default, apply=_apply_scan(False))
-def _parse_cummax(b: dict, *_) -> tuple | None:
-    return _parse_scan("cummax", b)
-
-
-@torch_level(torch.cummin, torch.Tensor.cummin, signature=SCAN_SIGNATURE, apply=_apply_scan(True))
-@torch_level(aten.cummin.default, apply=_apply_scan(False))
-def _parse_cummin(b: dict, *_) -> tuple | None:
-    return _parse_scan("cummin", b)
+for _scan in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"):
+    _register_scan(_scan)
