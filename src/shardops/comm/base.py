@@ -157,9 +157,10 @@ class Communicator:
     def _reduce_scatter(self, chunks, op, group):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def functional_group(self, group: Group) -> tuple[str, tuple[int, ...]] | None:
+    def functional_group(self, group: Group, kind: str = "all_reduce") -> tuple[str, tuple[int, ...]] | None:
         """(torch process group name, torch group rank of each shardops member) where torch's functional
-        collectives can carry `group` in a compiled graph; None where they cannot (no torch process group)."""
+        collective `kind` can carry `group` in a compiled graph; None where it cannot (no torch process
+        group, or a backend without that collective)."""
         return None
 
     def _all_to_all(self, chunks, group, recv_shapes):  # pragma: no cover - abstract

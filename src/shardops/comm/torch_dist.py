@@ -126,7 +126,9 @@ class TorchDistCommunicator(Communicator):
             self._groups[cache_key] = resolved
         return resolved
 
-    def functional_group(self, group: Group) -> tuple[str, tuple[int, ...]]:
+    def functional_group(self, group: Group, kind: str = "all_reduce") -> tuple[str, tuple[int, ...]] | None:
+        if kind == "reduce_scatter" and not self._reduce_scatter_ok:
+            return None  # an old gloo without reduce_scatter: eager's all_reduce fallback, as a shardops:: op
         resolved = self._resolve(group)
         return resolved.pg.group_name, resolved.pg_index
 

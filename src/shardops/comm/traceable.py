@@ -225,11 +225,11 @@ _keep_counts()
 _FUNCTIONAL_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}  # avg: a sum, divided after (as eager)
 
 
-def _functional(comm, group, dtype: torch.dtype, op: str | None = None):
-    """(group name, torch group ranks by shardops index) when torch's functional collectives do what eager does; else None."""
+def _functional(comm, group, kind: str, dtype: torch.dtype, op: str | None = None):
+    """(group name, torch group ranks by shardops index) when torch's functional collective `kind` does what eager does; else None."""
     if dtype == torch.bool or dtype.is_complex or (op is not None and not natively_reducible(dtype, op)):
         return None
-    return comm.functional_group(group)  # None outside torch.distributed
+    return comm.functional_group(group, kind)  # None outside torch.distributed
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -306,7 +306,7 @@ def _functional_all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_sha
 
 
 def all_reduce(comm, t: torch.Tensor, op: str, group) -> torch.Tensor:
-    functional = _functional(comm, group, t.dtype, op)
+    functional = _functional(comm, group, "all_reduce", t.dtype, op)
     if functional is not None:
         return _functional_all_reduce(t, op, group, functional[0])
     mid, dims = _group_key(group)
@@ -314,7 +314,7 @@ def all_reduce(comm, t: torch.Tensor, op: str, group) -> torch.Tensor:
 
 
 def all_gather(comm, t: torch.Tensor, group, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    functional = _functional(comm, group, t.dtype)
+    functional = _functional(comm, group, "all_gather", t.dtype)
     if functional is not None:
         return _functional_all_gather(comm, t, group, [tuple(s) for s in shapes], *functional)
     mid, dims = _group_key(group)
@@ -324,7 +324,7 @@ def all_gather(comm, t: torch.Tensor, group, shapes: Sequence[Sequence[int]]) ->
 
 def reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, group) -> torch.Tensor:
     dtypes = {c.dtype for c in chunks}
-    functional = _functional(comm, group, chunks[0].dtype, op) if len(dtypes) == 1 and getattr(comm, "_reduce_scatter_ok", True) else None
+    functional = _functional(comm, group, "reduce_scatter", chunks[0].dtype, op) if len(dtypes) == 1 else None
     if functional is not None:
         return _functional_reduce_scatter(comm, chunks, op, group, *functional)
     mid, dims = _group_key(group)
@@ -333,7 +333,7 @@ def reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, group) -> torc
 
 def all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     dtypes = {c.dtype for c in chunks}
-    functional = _functional(comm, group, chunks[0].dtype) if len(dtypes) == 1 else None
+    functional = _functional(comm, group, "all_to_all", chunks[0].dtype) if len(dtypes) == 1 else None
     if functional is not None:
         return _functional_all_to_all(comm, chunks, group, [tuple(s) for s in recv_shapes], *functional)
     mid, dims = _group_key(group)
