@@ -111,6 +111,87 @@ def test_compiled_parallel_mlp_equals_eager_and_torch(mesh_shape):
         assert out["compiled"] == [out["eager"], out["eager"]], f"rank {r}: compiled {out['compiled']} vs eager {out['eager']}"
 
 
+def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3) -> dict:
+    """`steps` training steps of the parallel MLP, eager and as one compiled `train_step` (forward, loss,
+    backward, clip_grad_norm_, AdamW's foreach step): each step's loss and collectives, the final parameters."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    for mode in ("eager", "compiled"):
+        m, _ = _parallel_mlp(reference, mesh_shape)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
+
+        def train_step():
+            opt.zero_grad()
+            y = m(x)
+            loss = (y * y).sum()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            return loss.detach()
+
+        run = torch.compile(train_step, backend=backend) if mode == "compiled" else train_step
+        out[mode] = []
+        for _ in range(steps):
+            with so.CommDebugMode() as comm:
+                loss = run()
+            out[mode].append((float(_full(loss)), comm.get_comm_counts(), comm.get_total_bytes()))
+        out[mode + "_params"] = {n: _full(p).detach() for n, p in m.named_parameters()}
+    return out
+
+
+def _single_device_training(reference: nn.Module, steps: int = 3) -> tuple[list[float], dict]:
+    m = copy.deepcopy(reference)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        y = m(x)
+        loss = (y * y).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in m.named_parameters()}
+
+
+def _check_training(out: dict, rank: int, mesh_shape, same_bytes: bool) -> None:
+    losses = lambda mode: [s[0] for s in out[mode]]  # noqa: E731
+    assert losses("compiled") == pytest.approx(losses("eager"), rel=1e-5), f"rank {rank}: {out}"
+    for name, p in out["eager_params"].items():
+        assert torch.allclose(out["compiled_params"][name], p, atol=1e-5), f"rank {rank}: {name} after compiled training differs from eager"
+    if len(mesh_shape) == 1:  # tensor parallel only: the same training as one device
+        ref_losses, ref_params = _single_device_training(_mlp())
+        assert losses("eager") == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}: eager {losses('eager')} vs one device {ref_losses}"
+        for name, p in ref_params.items():
+            assert torch.allclose(out["eager_params"][name], p, atol=1e-5), f"rank {rank}: {name} vs one device"
+    if same_bytes:
+        assert [s[1:] for s in out["compiled"]] == [s[1:] for s in out["eager"]], f"rank {rank}: compiled {out['compiled']} vs eager {out['eager']}"
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
+def test_compiled_train_step_with_optimizer_equals_eager(mesh_shape):
+    """torch.compile(train_step): the optimizer's step (clip_grad_norm_, AdamW) runs compiled on the DTensor
+    parameters after backward's graph break, with eager's values. Bytes are eager's on (4,). With
+    data parallel a gradient backward left as a pending sum enters the compiled step as that sum
+    and is reduced where it is read, as torch's DTensor does (eager reduces it once, on its first
+    read): same values, more bytes (docs/compile.md)."""
+    torch._dynamo.reset()
+    reference = _mlp()
+    for r, out in enumerate(so.run(lambda: _train_rank(reference, mesh_shape, "aot_eager"), 4)):
+        _check_training(out, r, mesh_shape, same_bytes=len(mesh_shape) == 1)
+
+
+def _gloo_train_rank(mesh_shape):
+    return _train_rank(_mlp(), mesh_shape, "aot_eager")
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
+def test_compiled_train_step_with_optimizer_under_gloo(mesh_shape):
+    for r, out in enumerate(run_gloo(_gloo_train_rank, 4, mesh_shape, timeout=600)):
+        _check_training(out, r, mesh_shape, same_bytes=len(mesh_shape) == 1)
+
+
 def test_sharded_parameter_gradient_is_never_silently_none():
     """A plain layer after the sharded ones: backward succeeds either way, so only the grads tell."""
     torch._dynamo.reset()

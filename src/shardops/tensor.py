@@ -536,20 +536,21 @@ def _keep_grad_layout(leaf: DTensor) -> None:
     """
     if getattr(leaf, "_grad_hook", False):
         return
-
-    def move_back(t: DTensor) -> None:
-        g = t.grad
-        if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
-            return
-        # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays
-        target = tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
-        if g._spec.placements != target:
-            g = t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
-        wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
-        g._pending_layout = wanted if g._spec.placements != wanted else None
-
-    leaf.register_post_accumulate_grad_hook(move_back)
+    leaf.register_post_accumulate_grad_hook(_move_grad_back)
     leaf._grad_hook = True
+
+
+@traceable.eager_only  # runs in the autograd engine, also under a backward called from compiled code
+def _move_grad_back(t: DTensor) -> None:
+    g = t.grad
+    if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
+        return
+    # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays
+    target = tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
+    if g._spec.placements != target:
+        g = t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
+    wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
+    g._pending_layout = wanted if g._spec.placements != wanted else None
 
 
 # ------------------------------------------------------------------ construction
@@ -682,4 +683,9 @@ def _default_mesh() -> DeviceMesh:
 traceable.trace_opaque(DTensor._make)
 traceable.trace_opaque(distribute_tensor)
 traceable.eager_only(dispatch)
+# Dynamo inlines __torch_function__ where it traces user code; never compile it as a frame of its own
+# (entered from eager code under dynamo's frame hook, e.g. an optimizer step after a graph break, the
+# frame would be traced with _dynamo_tracing() true and call itself at run time without end).
+traceable.eager_only(DTensor.__torch_function__.__func__)
+traceable.eager_only(DTensor.__tensor_unflatten__)  # AOTAutograd's run-time wrappers call it from eager code
 traceable.setup(DeviceMesh, (Shard, StridedShard, Replicate, Partial, NormPartial), (TensorSpec, TensorMeta))  # torch.compile support: meshes and placements as constants; dynamo's marks when it loads
