@@ -2,12 +2,13 @@
 
     python -m benchmarks.compile [--size tiny|quick|full] [--models llama gpt2] [--steps N] [--systems DTensor shardops]
 
-Each side runs as `world_size` gloo processes on 127.0.0.1 (tensor parallel over all
-of them), the same model, plan (shardops.models' plans, written once for both APIs,
-loss_parallel off so both sides take the same plain cross-entropy) and data. Per side:
-eager step time, compiled step time (backend inductor), and the first compiled step
-(which compiles). A step is forward + cross-entropy + backward; a timed step starts
-after a barrier and its time is the slowest rank's; the figure is the median over steps.
+Both sides run in the same `world_size` gloo processes on 127.0.0.1 (tensor parallel
+over all of them), with the same model weights, plan (shardops.models' plans, written
+once for both APIs, loss_parallel off so both take the same plain cross-entropy) and
+data, taking turns step by step (so both see the same machine load). Per side: eager
+step time, compiled step time (backend inductor), and the first compiled step (which
+compiles). A step is forward + cross-entropy + backward; a timed step starts after a
+barrier and its time is the slowest rank's; the figure is the median over steps.
 The compiled and eager losses are compared on every rank (the `same loss` column), and
 `torch._dynamo.explain` counts the forward's graphs and graph breaks per side.
 """
@@ -30,28 +31,32 @@ SIZES = {
 SYSTEMS = ("shardops", "DTensor")
 
 
-def _timed(fn, steps: int) -> tuple[float, list[float], float]:
-    """(first call's seconds, later calls' seconds, last loss); every call starts after a barrier."""
+def _interleaved(steps_by_system: dict[str, Any], steps: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each system's step `steps` times, the systems taking turns (order flipped every round), each call after a barrier.
+
+    Taking turns in the same processes puts both sides under the same load: on a shared machine
+    the load drifts by more than the gap between the systems within the minutes a run takes.
+    Returns (seconds per call by system, last loss by system).
+    """
     import torch.distributed as dist
 
-    times, loss = [], 0.0
-    for _ in range(steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        loss = fn()
-        times.append(time.perf_counter() - start)
-    return times[0], times[1:], loss
+    times: dict[str, list[float]] = {name: [] for name in steps_by_system}
+    losses: dict[str, float] = {}
+    order = list(steps_by_system)
+    for i in range(steps):
+        for name in order if i % 2 == 0 else order[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            losses[name] = steps_by_system[name]()
+            times[name].append(time.perf_counter() - start)
+    return times, losses
 
 
-def _rank(system: str, model_name: str, size: dict[str, Any], steps: int) -> dict[str, Any]:
-    from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
+def _build(system: str, model_name: str, args, world: int):
+    from shardops.models import GPT2, Llama, gpt2_plan, llama_plan
 
     Model, make_plan = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}[model_name]
-    args = ModelArgs(**{k: v for k, v in size.items() if k != "batch"})
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab_size, (size["batch"], args.max_seq_len), generator=g)
-    targets = torch.randint(0, args.vocab_size, (size["batch"], args.max_seq_len), generator=g)
-    world = torch.distributed.get_world_size()
+    torch.manual_seed(0)  # the same weights on both sides
     model = Model(args)
     if system == "shardops":
         import shardops as so
@@ -66,8 +71,21 @@ def _rank(system: str, model_name: str, size: dict[str, Any], steps: int) -> dic
     api.parallelize_module(model, mesh, make_plan(loss_parallel=False, api=api))
     if model_name == "gpt2" and system == "DTensor":
         model.lm_head.weight = model.wte.weight  # torch's parallelize_module unties it (as torch_side does)
+    return model
 
-    def step(run) -> float:
+
+def _rank(systems: tuple[str, ...], model_name: str, size: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Both systems' models in the same gloo processes: eager steps taking turns, then compiled steps taking turns."""
+    from shardops.models import ModelArgs
+
+    args = ModelArgs(**{k: v for k, v in size.items() if k != "batch"})
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (size["batch"], args.max_seq_len), generator=g)
+    targets = torch.randint(0, args.vocab_size, (size["batch"], args.max_seq_len), generator=g)
+    world = torch.distributed.get_world_size()
+    models = {system: _build(system, model_name, args, world) for system in systems}
+
+    def step(model, run) -> float:
         for p in model.parameters():
             p.grad = None
         out = run(tokens)
@@ -76,15 +94,27 @@ def _rank(system: str, model_name: str, size: dict[str, Any], steps: int) -> dic
         loss.backward()
         return float(loss.detach())
 
-    eager_first, eager, eager_loss = _timed(lambda: step(model), steps)
-    explained = torch._dynamo.explain(model)(tokens)  # graphs and breaks of the forward (dynamo only, no inductor)
-    torch._dynamo.reset()  # the timed compile starts from nothing
-    compiled_model = torch.compile(model, backend="inductor")
-    compile_first, compiled, compiled_loss = _timed(lambda: step(compiled_model), steps)
+    eager_steps = {name: (lambda m=m: step(m, m)) for name, m in models.items()}
+    _interleaved(eager_steps, 1)  # warm-up
+    eager, eager_loss = _interleaved(eager_steps, steps)
+    explained = {name: torch._dynamo.explain(m)(tokens) for name, m in models.items()}  # forward's graphs and breaks
+    torch._dynamo.reset()  # the timed compiles start from nothing
+    compiled_models = {name: torch.compile(m, backend="inductor") for name, m in models.items()}
+    first = {}
+    for name, m in models.items():  # the first compiled step compiles: timed one side at a time
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        step(m, compiled_models[name])
+        first[name] = time.perf_counter() - start
+    compiled, compiled_loss = _interleaved({name: (lambda m=m, c=c: step(m, c)) for (name, m), c in zip(models.items(), compiled_models.values())}, steps)
     return {
-        "eager": eager, "compiled": compiled, "first_compiled": compile_first,
-        "graphs": explained.graph_count, "breaks": explained.graph_break_count,
-        "same_loss": abs(eager_loss - compiled_loss) <= 1e-4 * max(1.0, abs(eager_loss)),
+        name: {
+            "eager": eager[name], "compiled": compiled[name], "first_compiled": first[name],
+            "graphs": explained[name].graph_count, "breaks": explained[name].graph_break_count,
+            "same_loss": abs(eager_loss[name] - compiled_loss[name]) <= 1e-4 * max(1.0, abs(eager_loss[name])),
+            "loss": compiled_loss[name],
+        }
+        for name in models
     }
 
 
@@ -96,20 +126,21 @@ def measure_compile(
 
     rows = []
     for model_name in models:
-        for system in systems:  # the order may be swapped between runs: the machine's load drifts within one
-            try:
-                ranks = launch.run_gloo(_rank, world_size, system, model_name, SIZES[size], steps, timeout=3600)
-            except Exception as e:  # noqa: BLE001 - one side failing is a result to show
-                rows.append({"model": model_name, "system": system, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                continue
-            slowest = lambda key: [max(r[key][i] for r in ranks) for i in range(steps)]  # noqa: E731
+        try:
+            ranks = launch.run_gloo(_rank, world_size, tuple(systems), model_name, SIZES[size], steps, timeout=3600)
+        except Exception as e:  # noqa: BLE001 - a failing run is a result to show
+            rows += [{"model": model_name, "system": system, "error": f"{type(e).__name__}: {str(e)[:300]}"} for system in systems]
+            continue
+        for system in systems:
+            slowest = lambda key: [max(r[system][key][i] for r in ranks) for i in range(steps)]  # noqa: E731
             rows.append({
                 "model": model_name, "system": system,
                 "eager_ms": 1e3 * statistics.median(slowest("eager")),
                 "compiled_ms": 1e3 * statistics.median(slowest("compiled")),
-                "first_compiled_s": max(r["first_compiled"] for r in ranks),
-                "same_loss": all(r["same_loss"] for r in ranks),
-                "graphs": max(r["graphs"] for r in ranks), "breaks": max(r["breaks"] for r in ranks),
+                "first_compiled_s": max(r[system]["first_compiled"] for r in ranks),
+                "same_loss": all(r[system]["same_loss"] for r in ranks),
+                "graphs": max(r[system]["graphs"] for r in ranks), "breaks": max(r[system]["breaks"] for r in ranks),
+                "compiled_steps_ms": [round(1e3 * t, 1) for t in slowest("compiled")],
             })
     return {"size": size, "world_size": world_size, "steps": steps, "rows": rows}
 
@@ -137,7 +168,12 @@ def _side_by_side(rows: list[dict[str, Any]]) -> list[str]:
     for model in dict.fromkeys(r["model"] for r in rows):
         ours, theirs = timed.get((model, "shardops")), timed.get((model, "DTensor"))
         if ours and theirs:
-            out.append(f"\n{model}: shardops compiled ÷ DTensor compiled = {ours['compiled_ms'] / theirs['compiled_ms']:.2f}×")
+            line = f"\n{model}: shardops compiled ÷ DTensor compiled = {ours['compiled_ms'] / theirs['compiled_ms']:.3f}×"
+            pairs = list(zip(ours.get("compiled_steps_ms", []), theirs.get("compiled_steps_ms", [])))
+            if pairs:  # the sides took turns: step i of one ran next to step i of the other
+                ratios = sorted(a / b for a, b in pairs)
+                line += f" (step by step: median {statistics.median(ratios):.3f}×, {ratios[0]:.3f}–{ratios[-1]:.3f}×, shardops faster in {sum(r < 1 for r in ratios)} of {len(ratios)})"
+            out.append(line)
     return out
 
 
@@ -161,7 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=["llama", "gpt2"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--systems", nargs="*", choices=SYSTEMS, default=list(SYSTEMS), help="which sides, in this order (alternate it between runs)")
+    parser.add_argument("--systems", nargs="*", choices=SYSTEMS, default=list(SYSTEMS), help="which sides (they take turns step by step)")
     a = parser.parse_args(argv)
     result = measure_compile(a.size, tuple(a.models), a.steps, a.world_size, tuple(a.systems))
     print(compile_caption(result))
