@@ -252,6 +252,7 @@ def _torchrun_main() -> int:
         if dist.get_rank() == 0:
             print_table(rows, f"torch.distributed gloo, {dist.get_world_size()} processes", time.perf_counter() - start)
             print("all outputs and gradients match single-device torch" if ok.item() else "MISMATCH: see the table")
+        dist.barrier()  # every rank past its last collective before any tears gloo down
         return 0 if ok.item() else 1
     finally:
         dist.destroy_process_group()
