@@ -35,9 +35,9 @@ class _GraphCounter:
         return aot_eager(gm, example_inputs)
 
 
-def _mlp(seed: int = 0) -> nn.Module:
+def _mlp(seed: int = 0, hidden: int = 16) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 8))
 
 
 def _parallel_mlp(reference: nn.Module, mesh_shape) -> tuple[nn.Module, so.DeviceMesh]:
@@ -211,32 +211,67 @@ def test_sharded_parameter_gradient_is_never_silently_none():
         assert all(grads.values()), grads
 
 
-def _threads_world_graph_counts() -> list[int]:
+def _threads_world_graph_counts(world_size: int = 4, user_limit: int | None = None) -> dict:
+    """Graphs each rank of a `world_size` threads world compiles over two steps, and dynamo's
+    recompile limits in the caller before, in the ranks after compiling, in the caller after.
+    `user_limit`: the caller sets dynamo's recompile_limit first, as a torchrun script would."""
+    from torch._dynamo import config
+
     torch._dynamo.reset()
-    counters = [_GraphCounter() for _ in range(4)]
+    if user_limit is not None:
+        config.recompile_limit = user_limit
+    counters = [_GraphCounter() for _ in range(world_size)]
+    limits = lambda: [config.recompile_limit, config.accumulated_recompile_limit]  # noqa: E731
+    reference = _mlp(hidden=2 * world_size)
+    before = limits()
 
     def rank():
-        m, mesh = _parallel_mlp(_mlp(), (4,))
+        m, mesh = _parallel_mlp(reference, (world_size,))
         compiled = torch.compile(m, backend=counters[mesh.get_rank()], fullgraph=True)
         compiled(torch.randn(8, 8)).sum().backward()
         compiled(torch.randn(8, 8)).sum().backward()
+        return limits()
 
-    so.run(rank, 4)
-    return [c.graphs for c in counters]
+    in_ranks = so.run(rank, world_size)
+    return {"graphs": [c.graphs for c in counters], "limits": [before, in_ranks, limits()]}
 
 
-def test_parallel_mlp_compiles_to_one_graph_in_the_threads_world():
-    """Each rank traces once (its coordinate is part of the guard), one graph each, none again on
-    the second step. Counted in a fresh process: dynamo's state is process-wide, and what earlier
-    tests of a whole-suite run leave behind (global config, other frames) can add a recompile."""
+def _in_fresh_process(call: str):
+    """Evaluate `call` (an expression over this module) in a new Python: dynamo's state is
+    process-wide, and what earlier tests of a whole-suite run leave behind (global config,
+    other frames) can add a recompile."""
+    import json
     import subprocess
     import sys
 
-    program = "import test_compile, json; print(json.dumps(test_compile._threads_world_graph_counts()))"
+    program = f"import test_compile, json; print(json.dumps(test_compile.{call}))"
     here = os.path.dirname(os.path.abspath(__file__))
     done = subprocess.run([sys.executable, "-c", program], cwd=here, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[1, 1, 1, 1]", done.stdout[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_parallel_mlp_compiles_to_one_graph_in_the_threads_world():
+    """Each rank traces once (its coordinate is part of the guard), one graph each, none again on the second step."""
+    assert _in_fresh_process("_threads_world_graph_counts(4)")["graphs"] == [1, 1, 1, 1]
+
+
+def test_threads_world_over_eight_ranks_compiles_on_every_rank():
+    """The ranks share dynamo's cache, one entry each: with dynamo's default limit of 8 entries a
+    frame, ranks 8 and 9 of a 10-rank world silently ran eager (0 graphs). Each rank thread's
+    limits are its caller's times the ranks; the caller's own stay as they were."""
+    out = _in_fresh_process("_threads_world_graph_counts(10)")
+    assert out["graphs"] == [1] * 10, out
+    before, in_ranks, after = out["limits"]
+    assert in_ranks == [[10 * before[0], 10 * before[1]]] * 10 and after == before, out
+
+
+def test_rank_threads_see_the_callers_compile_config():
+    """torch.compile's config values are per thread; a rank thread starts from its caller's, as a
+    torchrun process runs with its script's settings (the rank threads used to see torch's defaults)."""
+    out = _in_fresh_process("_threads_world_graph_counts(2, user_limit=3)")
+    before, in_ranks, after = out["limits"]
+    assert before[0] == 3 and in_ranks == [[6, 2 * before[1]]] * 2 and after == before, out
 
 
 def _gloo_rank(mesh_shape, backend):

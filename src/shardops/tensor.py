@@ -160,6 +160,7 @@ class DTensor(torch.Tensor):
         AOTAutograd's unwrapping): the metadata is kept while spec and requires_grad stay, so a
         parameter pays for its coordinate once and the guard compares one object with itself.
         """
+        traceable.scale_limits_in_rank_thread()
         meta = self._compile_meta
         if meta is None or meta.spec is not self._spec or meta.requires_grad != self.requires_grad:
             meta = CompileMeta(self._spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()))
@@ -205,7 +206,9 @@ class CompileMeta:
         self.spec, self.requires_grad, self.coordinate = spec, requires_grad, coordinate
 
     def _parts(self) -> tuple:
-        return (self.spec, self.requires_grad, self.coordinate)
+        # coordinate first: in a threads world a rank's guard walks the other ranks' entries, and
+        # the comparison stops at the first part that differs
+        return (self.coordinate, self.requires_grad, self.spec)
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, CompileMeta) and self._parts() == other._parts())

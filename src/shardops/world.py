@@ -8,12 +8,14 @@ thread also has its own default random state, as each process has under torchrun
 """
 from __future__ import annotations
 
+import contextvars
 import threading
 from contextlib import ExitStack
 from typing import Any, Callable, ContextManager
 
 import torch
 
+from .comm import traceable
 from .comm.base import Communicator
 from .comm.threads import DEFAULT_TIMEOUT, ThreadsWorld
 from .errors import CollectiveError, ShardingError
@@ -78,6 +80,7 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
 
     def body(rank: int) -> None:
         _local.comm = world.communicator(rank)
+        traceable.enter_rank_thread(world_size)
         try:
             with torch.set_grad_enabled(grad_enabled), ExitStack() as contexts:
                 for context in RANK_THREAD_CONTEXTS:
@@ -90,7 +93,11 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
             _local.comm = None
             world.rank_done(rank)
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"shardops-rank{r}", daemon=True) for r in range(world_size)]
+    # Each rank thread runs in a copy of the caller's context, as a process runs its script's
+    # settings: torch.compile's config (dynamo, inductor: per-thread context variables) and any
+    # other context variable the caller set are the rank's too.
+    contexts = [contextvars.copy_context() for _ in range(world_size)]
+    threads = [threading.Thread(target=contexts[r].run, args=(body, r), name=f"shardops-rank{r}", daemon=True) for r in range(world_size)]
     try:
         for t in threads:
             t.start()

@@ -388,6 +388,41 @@ def watch_compiles() -> None:
     on_compile_end(_on_end)
 
 
+# ------------------------------------------------------------------ threads world: a recompile budget per rank
+#
+# The rank threads share dynamo's code cache, and each rank needs its own entry per compiled frame
+# (its coordinate is guarded: module doc). Under torchrun every process has dynamo's limits to
+# itself; in a threads world of n ranks each rank thread's limits are scaled by n, so a rank is
+# not sent back to eager because the other ranks filled the cache (a 10-rank world: ranks 8 and
+# 9 ran eager), and a frame that recompiles too often still hits the limit as in a process.
+# Dynamo's config values are per thread (context variables); a rank thread runs in a copy of its
+# caller's context (world.run), so the scaled value is the caller's, and it ends with the thread.
+
+_LIMITS = ("recompile_limit", "accumulated_recompile_limit")
+_rank_thread = threading.local()
+
+
+def enter_rank_thread(world_size: int) -> None:
+    """Called first in each rank thread of a threads world (world.run)."""
+    _rank_thread.unscaled = world_size if world_size > 1 else 0
+
+
+def scale_limits_in_rank_thread() -> None:
+    """Once per rank thread, when dynamo first looks at one of its DTensors.
+
+    Called from DTensor.__tensor_flatten__: dynamo's guards flatten a DTensor input to compare its
+    metadata with a cache entry's, in the calling rank thread, before deciding to compile again
+    and checking the limit; a frame with no DTensor is never compiled once per rank.
+    """
+    ranks = getattr(_rank_thread, "unscaled", 0)
+    if ranks:
+        _rank_thread.unscaled = 0
+        from torch._dynamo import config
+
+        for name in _LIMITS:
+            setattr(config, name, getattr(config, name) * ranks)  # this thread's context only
+
+
 # ------------------------------------------------------------------ dynamo: what it must not trace into
 
 _OPAQUE: list = []  # functions dynamo records as one call; AOTAutograd traces into them
