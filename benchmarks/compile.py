@@ -7,7 +7,7 @@ over all of them), with the same model weights, plan (shardops.models' plans, wr
 once for both APIs, loss_parallel off so both take the same plain cross-entropy) and
 data, taking turns step by step (so both see the same machine load). Per side: eager
 step time, compiled step time (backend inductor), and the first compiled step (which
-compiles). A step is forward + cross-entropy + backward; a timed step starts after a
+compiles, from empty inductor caches). A step is forward + cross-entropy + backward; a timed step starts after a
 barrier and its time is the slowest rank's; the figure is the median over steps.
 The compiled and eager losses are compared on every rank (the `same loss` column), and
 `torch._dynamo.explain` counts the forward's graphs and graph breaks per side.
@@ -76,6 +76,8 @@ def _build(system: str, model_name: str, args, world: int):
 
 def _rank(systems: tuple[str, ...], model_name: str, size: dict[str, Any], steps: int) -> dict[str, Any]:
     """Both systems' models in the same gloo processes: eager steps taking turns, then compiled steps taking turns."""
+    from torch._inductor.utils import fresh_cache
+
     from shardops.models import ModelArgs
 
     args = ModelArgs(**{k: v for k, v in size.items() if k != "batch"})
@@ -100,12 +102,17 @@ def _rank(systems: tuple[str, ...], model_name: str, size: dict[str, Any], steps
     explained = {name: torch._dynamo.explain(m)(tokens) for name, m in models.items()}  # forward's graphs and breaks
     torch._dynamo.reset()  # the timed compiles start from nothing
     compiled_models = {name: torch.compile(m, backend="inductor") for name, m in models.items()}
+    with fresh_cache():  # inductor's one-time start (imports, toolchain checks) is paid here, by neither side
+        torch.compile(lambda x: torch.nn.functional.gelu(x @ x).sum(), backend="inductor")(torch.ones(4, 4, requires_grad=True)).backward()
     first = {}
     for name, m in models.items():  # the first compiled step compiles: timed one side at a time
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        step(m, compiled_models[name])
-        first[name] = time.perf_counter() - start
+        # from empty caches (on disk and in memory): else the side compiled second reuses the
+        # kernels the first side compiled, and earlier runs' kernels on disk serve both
+        with fresh_cache():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            step(m, compiled_models[name])
+            first[name] = time.perf_counter() - start
     compiled, compiled_loss = _interleaved({name: (lambda m=m, c=c: step(m, c)) for (name, m), c in zip(models.items(), compiled_models.values())}, steps)
     return {
         name: {
