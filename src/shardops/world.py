@@ -70,6 +70,7 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     rank waiting in a shardops collective is released with an error at once. After
     a failure, a rank busy outside shardops is waited for at most `timeout` seconds
     more; then it is left behind (a daemon thread that raises at its next collective).
+    Each rank thread starts with the caller's grad mode and a copy of its context variables.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ShardingError(f"run: world_size must be a positive int, got {world_size!r}")
