@@ -59,6 +59,34 @@ def refuse_while_tracing(what: str, why: str) -> None:
         raise ShardingError(f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region (torch.compiler.disable).")
 
 
+class untraced:
+    """Plain tensor math on metadata while tracing: routing maps computed from shapes and placements.
+
+    Under torch.compile the ops of a sharded algorithm run on fake tensors, and so would the small
+    index tensors it builds from metadata (which rows move where): a `nonzero` or a size read of one
+    is then data-dependent and breaks the graph. Inside, tensors are real again and nothing is
+    recorded; what the graph needs of them goes in as constants (`graph_constant`). Eager: no-op.
+    """
+
+    def __enter__(self) -> "untraced":
+        self._modes = None
+        if tracing():
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            self._modes = _disable_current_modes()
+            self._modes.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._modes is not None:
+            self._modes.__exit__(*exc)
+
+
+def graph_constant(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """Python ints (planned under `untraced`) as an int64 tensor beside `like`: a constant of the graph that traces it."""
+    return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
 def is_traced_tensor(t: torch.Tensor) -> bool:
     """A fake (or functionalized fake) tensor: we are tracing, not running. Eager tensors are never fake."""
     from torch._subclasses.fake_tensor import is_fake
@@ -209,19 +237,28 @@ def _(t, kind, num_bytes, wire_bytes):
     return None
 
 
-def _keep_counts() -> None:
-    """`shardops::count` returns nothing and must run once per collective: an ordered effect.
+def _keep_in_order() -> None:
+    """The `shardops::` collectives and `shardops::count` are ordered effects (torch's effect tokens).
 
-    As an effect, AOTAutograd keeps it in the graph that issues its collective (a forward count
-    never moves into the backward, where it would make the partitioner run the forward's
-    collective again just to feed it) and inductor neither drops nor reorders it.
+    A collective is a meeting of every rank of its group, so each rank must run every one of
+    them, in program order, whatever its own graph makes of it. As pure ops they were not: a
+    rank whose algorithm does not read a collective's result (the first shard of a sharded
+    cumsum needs no prefix) had it removed as dead code, and the other ranks waited in it, or
+    met that rank's next collective of the same shape with the wrong data; a rank could also
+    have two identical ones merged, or independent ones reordered. `shardops::count` returns
+    nothing and must run once per collective: as an effect AOTAutograd keeps it in the graph
+    that issues its collective (a forward count never moves into the backward, where it would
+    make the partitioner run the forward's collective again just to feed it) and inductor
+    neither drops nor reorders it. (Under torch.distributed the count reads the output of
+    torch's functional collective, which keeps that collective too.)
     """
     from torch._library.effects import EffectType
 
-    torch.library._register_effectful_op("shardops::count", EffectType.ORDERED)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "count"):
+        torch.library._register_effectful_op(f"shardops::{op}", EffectType.ORDERED)
 
 
-_keep_counts()
+_keep_in_order()
 _FUNCTIONAL_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}  # avg: a sum, divided after (as eager)
 
 

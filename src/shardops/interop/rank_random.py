@@ -46,6 +46,9 @@ _swap_lock = threading.Lock()
 class RankGenerator(TorchDispatchMode):
     """Hands `generator` to the random ops of the thread whose mode stack holds this mode."""
 
+    # higher-order operators pass here too (torch's HOPs have no rule for this mode): see _route_for
+    supports_higher_order_operators = True
+
     def __init__(self, generator: torch.Generator):
         super().__init__()
         self.generator = generator
@@ -104,6 +107,8 @@ def _plain_cpu(args: tuple, kwargs: dict) -> bool:
 
 
 def _route_for(func: Any) -> Route | None:
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        return None  # a compiled graph's with_effects(token, shardops::all_gather, ...): its op draws nothing
     names = [a.name for a in func._schema.arguments]
     if "generator" in names:
         return _fill_generator(names.index("generator"))
