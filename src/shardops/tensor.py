@@ -179,6 +179,19 @@ class DTensor(torch.Tensor):
             spec = TensorSpec(spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), spec.dtype))
         return DTensor._make(inner_tensors["_local_tensor"], spec, meta.requires_grad)
 
+    def __coerce_tangent_metadata__(self) -> "DTensor":
+        """The layout a compiled backward expects the gradient of this forward output in.
+
+        A gradient of a pending value (Partial, NormPartial) is Replicate on those dims, as in eager;
+        without this AOTAutograd guesses the output's own layout, and a Replicate gradient cannot be
+        moved to a NormPartial (a compiled vector_norm's backward failed). Metadata only: the
+        local tensor has the same shape in either layout, so nothing moves.
+        """
+        target = without_partials(self._spec.placements)
+        if target == self._spec.placements:
+            return self
+        return DTensor._make(self._local_tensor, self._spec.with_placements(target), self.requires_grad)
+
     def __coerce_same_metadata_as_tangent__(self, expected: "CompileMeta", expected_type=None) -> "DTensor | None":
         """A compiled backward guessed the incoming gradient's layout (the forward output's); move it there."""
         if expected_type is not None and expected_type is not DTensor:
