@@ -25,10 +25,11 @@ index_put) with the index sharded: each rank adds its part into a pending sum.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from ..comm.traceable import graph_constant, untraced
 from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
@@ -69,7 +70,7 @@ def reindex_along(
     dim: int,
     src: tuple[int, int, Sequence[Placement]],
     dst: tuple[int, int, Sequence[Placement]],
-    source_of: torch.Tensor,
+    source_of: torch.Tensor | Callable[[], torch.Tensor],
     fill: Any = 0,
 ) -> torch.Tensor:
     """This rank's shard of `out` along `dim`, where out[j] = in[source_of[j]] (fill where source_of[j] < 0).
@@ -78,7 +79,45 @@ def reindex_along(
     that dim. Every rank computes every member's needs from the replicated map, so the
     only collective is one all_to_all of the rows that change owner; a row a rank holds
     itself is never sent. No collective at all when nothing changes owner.
+
+    `source_of`: the map, or a function that builds it from metadata (flip, roll, pad, slices):
+    then the route is planned on plain tensors even while torch.compile traces, and the graph
+    holds it as constants. A map computed from data (index_select's index) is data-dependent.
     """
+    with untraced():  # the route is metadata: plain tensors, Python ints out (a traced map stays traced)
+        route = _reindex_route(mesh, src, dst, source_of() if callable(source_of) else source_of)
+    index = lambda rows: graph_constant(rows, local)  # noqa: E731
+    out_shape = list(local.shape)
+    out_shape[dim] = route.out_len
+    out = torch.full(out_shape, fill, dtype=local.dtype, device=local.device) if route.out_len else local.new_empty(out_shape)
+    if route.group is None or not route.moving:
+        picked = local.index_select(dim, index(route.send_rows[route.me]))
+        return out.index_copy_(dim, index(route.recv_slots[route.me]), picked)
+    chunks = [local.index_select(dim, index(rows)) for rows in route.send_rows]
+    recv_shapes = []
+    for slots in route.recv_slots:
+        shape = list(local.shape)
+        shape[dim] = len(slots)
+        recv_shapes.append(shape)
+    received = mesh.comm.all_to_all(chunks, route.group, recv_shapes)
+    for part, at in zip(received, route.recv_slots):
+        if at:
+            out.index_copy_(dim, index(at), part.to(out.dtype))
+    return out
+
+
+class _Route(NamedTuple):
+    """Who sends which rows to whom along one dim (reindex_along), as this rank sees it."""
+
+    group: Any
+    me: int
+    out_len: int
+    moving: bool  # does any row change owner (else: no collective)
+    send_rows: list[list[int]]  # per member: the local rows this rank sends it (its own: the rows it keeps)
+    recv_slots: list[list[int]]  # per member: the output slots the rows this rank receives from it fill
+
+
+def _reindex_route(mesh, src, dst, source_of: torch.Tensor) -> _Route:
     (n_in, in_dim, in_pl), (n_out, out_dim, out_pl) = src, dst
     group_dims = sorted(_sharding_mesh_dims(in_pl, in_dim) | _sharding_mesh_dims(out_pl, out_dim))
     coord = mesh.get_coordinate()
@@ -107,26 +146,13 @@ def reindex_along(
 
     all_needs = [needs(m) for m in range(len(members))]
     slots, rows, sender = all_needs[me]
-    out_shape = list(local.shape)
-    out_shape[dim] = int(_positions(n_out, out_dim, out_pl, mesh, coord).numel())
-    out = torch.full(out_shape, fill, dtype=local.dtype, device=local.device) if out_shape[dim] else local.new_empty(out_shape)
+    out_len = int(_positions(n_out, out_dim, out_pl, mesh, coord).numel())
     moving = any(bool((s != m).any()) for m, (_, _, s) in enumerate(all_needs))
-    if not moving:
-        picked = local.index_select(dim, local_index[rows].to(local.device))
-        return out.index_copy_(dim, slots.to(local.device), picked)
-    chunks, recv_shapes = [], []
-    for m, (_, m_rows, m_sender) in enumerate(all_needs):
-        mine = m_rows[m_sender == me]
-        chunks.append(local.index_select(dim, local_index[mine].to(local.device)))
-        shape = list(local.shape)
-        shape[dim] = int((sender == m).sum())
-        recv_shapes.append(shape)
-    received = mesh.comm.all_to_all(chunks, group, recv_shapes)
-    for m, part in enumerate(received):
-        at = slots[sender == m]
-        if at.numel():
-            out.index_copy_(dim, at.to(local.device), part.to(out.dtype))
-    return out
+    if not moving:  # every member keeps what it has: only this rank's own rows matter
+        send = [local_index[rows].tolist() if m == me else [] for m in range(len(members))]
+        return _Route(group, me, out_len, False, send, [slots.tolist() if m == me else [] for m in range(len(members))])
+    send = [local_index[m_rows[m_sender == me]].tolist() for _, m_rows, m_sender in all_needs]
+    return _Route(group, me, out_len, True, send, [slots[sender == m].tolist() for m in range(len(members))])
 
 
 def _axis(spec: TensorSpec, dim: int, length: int | None = None) -> tuple[int, int, tuple[Placement, ...]]:
@@ -195,7 +221,7 @@ def _flip_algorithm(ctx, x: torch.Tensor, dims, *args, **kwargs) -> torch.Tensor
     for d in _flip_dims(ctx.schema):
         if _sharded_here(ctx, d):
             n = spec.shape[d]
-            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), torch.arange(n - 1, -1, -1))
+            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: torch.arange(n - 1, -1, -1))
         else:
             left.append(d)
     return x.flip(left) if left else x
@@ -221,8 +247,7 @@ def _roll_algorithm(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     for d, s in _roll_pairs(ctx.schema):
         if _sharded_here(ctx, d):
             n = spec.shape[d]
-            source = (torch.arange(n) - s) % max(n, 1)
-            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), source)
+            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: (torch.arange(n) - s) % max(n, 1))
         else:
             shifts.append(s)
             dims.append(d)
@@ -255,7 +280,7 @@ def _repeat_algorithm(ctx, x: torch.Tensor, repeats, *args, **kwargs) -> torch.T
     for d in repeated:
         if _sharded_here(ctx, d, d + lead):
             n, r = spec.shape[d], repeats[d + lead]
-            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d + lead), torch.arange(n * r) % max(n, 1))
+            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d + lead), lambda: torch.arange(n * r) % max(n, 1))
             local_repeats[d + lead] = 1
     return x.repeat(local_repeats)
 
@@ -278,15 +303,18 @@ def _pad_pairs(schema: OpSchema) -> dict[int, tuple[int, int]]:
     return {nd - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2) if (pad[2 * i], pad[2 * i + 1]) != (0, 0)}
 
 
+def _pad_source(n: int, left: int, right: int) -> torch.Tensor:
+    source = torch.arange(n + left + right) - left
+    return torch.where((source >= 0) & (source < n), source, -1)
+
+
 def _pad_algorithm(ctx, x: torch.Tensor, pad, value=0, *args, **kwargs) -> torch.Tensor:
     spec = ctx.in_specs[0]
     local_pad = list(pad)
     for d, (left, right) in _pad_pairs(ctx.schema).items():
         if _sharded_here(ctx, d):
             n = spec.shape[d]
-            source = torch.arange(n + left + right) - left
-            source = torch.where((source >= 0) & (source < n), source, -1)
-            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), source, fill=value)
+            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: _pad_source(n, left, right), fill=value)
             i = spec.ndim - 1 - d
             local_pad[2 * i] = local_pad[2 * i + 1] = 0
     return aten.constant_pad_nd.default(x, local_pad, value) if any(local_pad) else x.clone()
@@ -314,11 +342,14 @@ def _slice_backward_algorithm(ctx, grad: torch.Tensor, input_sizes, dim, start, 
         return aten.slice_backward.default(grad, list(out_spec.local_shape()), dim, start, end, step)
     n = out_spec.shape[dim]
     start, end = _clamp_slice(start, end, n)
+    gspec = ctx.in_specs[0]
+    return reindex_along(grad, out_spec.mesh, dim, _axis(gspec, dim), _axis(out_spec, dim), lambda: _slice_backward_source(n, start, end, step), fill=0)
+
+
+def _slice_backward_source(n: int, start: int, end: int, step: int) -> torch.Tensor:
     j = torch.arange(n)
     hit = (j >= start) & (j < end) & ((j - start) % step == 0)
-    source = torch.where(hit, (j - start) // step, -1)
-    gspec = ctx.in_specs[0]
-    return reindex_along(grad, out_spec.mesh, dim, _axis(gspec, dim), _axis(out_spec, dim), source, fill=0)
+    return torch.where(hit, (j - start) // step, -1)
 
 
 def _clamp_slice(start, end, n: int) -> tuple[int, int]:
@@ -678,8 +709,7 @@ def _slice_move(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     spec, out_spec = ctx.in_specs[0], ctx.out_specs[0]
     dim, start, step = _slice_args(ctx.schema)
     n_out = out_spec.shape[dim]
-    source = start + step * torch.arange(n_out)
-    return reindex_along(x, spec.mesh, dim, _axis(spec, dim), _axis(out_spec, dim), source)
+    return reindex_along(x, spec.mesh, dim, _axis(spec, dim), _axis(out_spec, dim), lambda: start + step * torch.arange(n_out))
 
 
 def _slice_args(schema: OpSchema) -> tuple[int, int, int]:

@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from ..comm.traceable import is_traced_tensor
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
 from ..planner.rows import Row, row
@@ -137,7 +138,7 @@ def target_weights(t: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor | N
 
 
 def check_targets(op_name: str, t: torch.Tensor, num_classes: int, ignore_index: int) -> None:
-    if t.is_meta:  # metadata-only pricing (autoparallel's dry world): there are no values to check
+    if t.is_meta or is_traced_tensor(t):  # metadata-only pricing (autoparallel's dry world), torch.compile: no values to check
         return
     bad = (t != ignore_index) & ((t < 0) | (t >= num_classes))
     if bool(bad.any()):

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from ..comm.traceable import is_traced_tensor
 from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
@@ -241,7 +242,8 @@ def _cumprod_backward(g: torch.Tensor, x: torch.Tensor, y: torch.Tensor, line: S
     gpos = local_pos + line.start
     dx = torch.where(gpos < k, suffix / x, torch.zeros_like(x))
     owns_k = (zero_at[line.me] == k) & (k != big)
-    if n and bool(owns_k.any()):
+    # eager skips the scatter when no row's first zero is here; a traced graph cannot read that
+    if n and (is_traced_tensor(owns_k) or bool(owns_k.any())):
         later = torch.zeros_like(A[0])
         for m in reversed(after):
             later = A[m] + P[m] * later
