@@ -16,7 +16,6 @@ import torch.nn as nn
 
 import shardops as so
 from shardops.parallel import ColwiseParallel, RowwiseParallel, data_parallel, parallelize_module
-from shardops.world import in_threads_world
 
 from mp import run_gloo
 
@@ -329,6 +328,84 @@ def test_compiled_parallel_mlp_with_inductor():
         assert out["compiled"] == [out["eager"], out["eager"]], f"rank {r}"
 
 
+COLUMNS = 15  # uneven over 2 ranks: 8 and 7
+
+# op -> (function of a [4, COLUMNS] tensor, the dim its DTensor is sharded on): ops with a sharded
+# algorithm over that dim (collectives inside), forward and backward
+SHARDED_ALGORITHMS = {
+    "cumsum": (lambda x: torch.cumsum(x, 1), 1),
+    "cumprod": (lambda x: torch.cumprod(x, 1), 1),
+    "logcumsumexp": (lambda x: torch.logcumsumexp(x, 1), 1),
+    "cummax": (lambda x: torch.cummax(x, 1).values, 1),
+    "rms_norm": (lambda x: torch.nn.functional.rms_norm(x, (COLUMNS,)), 1),
+    "layer_norm": (lambda x: torch.nn.functional.layer_norm(x, (COLUMNS,)), 1),
+    "logsumexp": (lambda x: torch.logsumexp(x, 1), 1),
+    "var": (lambda x: x.var(1), 1),
+    "std_mean": (lambda x: torch.std_mean(x, 1)[0], 1),
+    "vector_norm": (lambda x: torch.linalg.vector_norm(x, dim=1), 1),
+    "vector_norm_all": (lambda x: torch.linalg.vector_norm(x), 1),
+    "topk": (lambda x: torch.topk(x, 3, dim=1).values, 1),
+    "sort": (lambda x: torch.sort(x, dim=1).values, 1),
+    "max_dim": (lambda x: torch.max(x, 1).values, 1),
+    "amax": (lambda x: torch.amax(x, 1), 1),
+    "median": (lambda x: torch.median(x, 1).values, 1),
+    "softmax": (lambda x: torch.softmax(x, 1), 1),
+    "log_softmax": (lambda x: torch.log_softmax(x, 1), 1),
+    "sum": (lambda x: x.sum(1), 1),
+    "mean": (lambda x: x.mean(), 1),
+    "cross_entropy": (lambda x: torch.nn.functional.cross_entropy(x, torch.arange(4) * 3), 1),
+    "flip": (lambda x: torch.flip(x, (1,)), 1),
+    "roll": (lambda x: torch.roll(x, 3, 1), 1),
+    "row_parallel_matmul": (lambda x: x @ torch.ones(COLUMNS, 5), 1),
+    "causal_attention": (lambda x: torch.nn.functional.scaled_dot_product_attention(*[x.view(1, 1, 4, COLUMNS)] * 3, is_causal=True).view(4, COLUMNS), 0),
+}
+
+
+def _sharded_algorithm_differences() -> dict[str, list[str]]:
+    """Each op compiled whole (fullgraph) against eager shardops and single-device torch: values,
+    input gradient, and bytes (the compiled step sends no more than eager)."""
+    mesh = so.init_device_mesh("cpu", (2,))
+    x0 = torch.randn(4, COLUMNS, generator=torch.Generator().manual_seed(0)) + 0.1
+    out = {}
+    for name, (f, dim) in SHARDED_ALGORITHMS.items():
+        reference = x0.clone().requires_grad_()
+        want = f(reference)
+        (want * want).sum().backward()
+        runs = {}
+        for mode, run in (("eager", f), ("compiled", torch.compile(f, backend="aot_eager", fullgraph=True))):
+            x = so.distribute_tensor(x0, mesh, [so.Shard(dim)]).requires_grad_()
+            try:
+                with so.CommDebugMode() as comm:
+                    y = run(x)
+                    (y * y).sum().backward()
+                runs[mode] = (_full(y).detach(), x.grad.full_tensor(), comm.get_total_bytes())
+            except Exception as e:  # noqa: BLE001 - the failure is the finding
+                runs[mode] = f"{type(e).__name__}: {str(e)[:300]}"
+        wrong = [f"{mode}: {r}" for mode, r in runs.items() if isinstance(r, str)]
+        if not wrong:
+            for mode, (y, grad, _) in runs.items():
+                if not (torch.allclose(y, want, atol=1e-5) and torch.allclose(grad, reference.grad, atol=1e-4)):
+                    wrong.append(f"{mode}: values or gradient differ from single-device torch")
+            if runs["compiled"][2] > runs["eager"][2]:
+                wrong.append(f"compiled sends {runs['compiled'][2]} B, eager {runs['eager'][2]} B")
+        out[name] = wrong
+    return out
+
+
+@pytest.mark.parametrize("world", ["threads", "gloo"])
+def test_sharded_algorithms_compile_whole_with_eager_values_and_bytes(world):
+    """Over uneven shards. Found on the way: in the threads world a rank whose algorithm did not read
+    a collective's result (the first shard of a cumsum needs no prefix) had it removed as dead code:
+    ranks met in the wrong collectives (an error, or a wrong gradient); a vector_norm's compiled
+    backward failed (its gradient was expected as a NormPartial); var, cumprod, flip, roll and
+    cross_entropy read tensors at trace time (graph breaks); amax and sum sent more than eager."""
+    torch._dynamo.reset()
+    results = so.run(_sharded_algorithm_differences, 2) if world == "threads" else run_gloo(_sharded_algorithm_differences, 2, timeout=600)
+    for r, ops in enumerate(results):
+        wrong = {name: w for name, w in ops.items() if w}
+        assert not wrong, f"rank {r}: {wrong}"
+
+
 def test_random_ops_on_dtensors_refuse_to_compile():
     """A compiled dropout would replay one frozen draw counter every step: a clear error instead."""
     torch._dynamo.reset()
@@ -430,14 +507,8 @@ def _model_step(model: nn.Module, run, tokens: torch.Tensor, targets: torch.Tens
 def _compiled_model_differences(model_name: str, mesh_shape) -> list[str]:
     """Where this rank's compiled training steps (the first compiles, the second reuses) differ from eager's.
 
-    Collectives: the compiled step sends nothing eager does not. In the threads world it may send
-    less: its collectives are pure custom ops, and AOTAutograd merges two identical ones (GPT-2's
-    backward all-gathers the same sequence-sharded gradient for wte and for wpe; eager sends both,
-    as torch's DTensor does). Under torch.distributed each is followed by an effectful counter and
-    stays, so there it must equal eager's.
+    Collectives: eager's, in eager's order and sizes.
     """
-    from collections import Counter
-
     model, vocab = _model(model_name, mesh_shape)
     g = torch.Generator().manual_seed(0)
     tokens, targets = (torch.randint(0, vocab, (4, 16), generator=g) for _ in range(2))
@@ -454,8 +525,7 @@ def _compiled_model_differences(model_name: str, mesh_shape) -> list[str]:
                 wrong.append(f"step {step}: {name}.grad is None after a compiled backward")
             elif layout != want_layout or not torch.allclose(grad, want, atol=1e-5):
                 wrong.append(f"step {step}: {name}.grad {layout} differs from eager's {want_layout}")
-        extra = Counter(got["log"]) - Counter(eager["log"])
-        if extra or (not in_threads_world() and got["log"] != eager["log"]):
+        if got["log"] != eager["log"]:
             wrong.append(f"step {step}: collectives {got['log']} vs eager {eager['log']}")
     return wrong
 
