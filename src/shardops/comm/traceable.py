@@ -82,8 +82,11 @@ class untraced:
             self._modes.__exit__(*exc)
 
 
-def graph_constant(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    """Python ints (planned under `untraced`) as an int64 tensor beside `like`: a constant of the graph that traces it."""
+def graph_constant(values: "Sequence[int] | torch.Tensor", like: torch.Tensor) -> torch.Tensor:
+    """Indices planned under `untraced` as an int64 tensor beside `like`: Python ints while tracing
+    (a constant of the graph), a plain tensor in eager (no round trip through Python)."""
+    if isinstance(values, torch.Tensor):
+        return values.to(like.device)
     return torch.tensor(values, dtype=torch.long, device=like.device)
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..comm.traceable import graph_constant, untraced
+from ..comm.traceable import graph_constant, tracing, untraced
 from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
@@ -101,7 +101,7 @@ def reindex_along(
         recv_shapes.append(shape)
     received = mesh.comm.all_to_all(chunks, route.group, recv_shapes)
     for part, at in zip(received, route.recv_slots):
-        if at:
+        if len(at):
             out.index_copy_(dim, index(at), part.to(out.dtype))
     return out
 
@@ -113,8 +113,9 @@ class _Route(NamedTuple):
     me: int
     out_len: int
     moving: bool  # does any row change owner (else: no collective)
-    send_rows: list[list[int]]  # per member: the local rows this rank sends it (its own: the rows it keeps)
-    recv_slots: list[list[int]]  # per member: the output slots the rows this rank receives from it fill
+    # index lists: Python ints while torch.compile traces (graph constants), else int64 tensors
+    send_rows: list  # per member: the local rows this rank sends it (its own: the rows it keeps)
+    recv_slots: list  # per member: the output slots the rows this rank receives from it fill
 
 
 def _reindex_route(mesh, src, dst, source_of: torch.Tensor) -> _Route:
@@ -148,11 +149,12 @@ def _reindex_route(mesh, src, dst, source_of: torch.Tensor) -> _Route:
     slots, rows, sender = all_needs[me]
     out_len = int(_positions(n_out, out_dim, out_pl, mesh, coord).numel())
     moving = any(bool((s != m).any()) for m, (_, _, s) in enumerate(all_needs))
+    keep = (lambda t: t.tolist()) if tracing() else (lambda t: t)  # noqa: E731
     if not moving:  # every member keeps what it has: only this rank's own rows matter
-        send = [local_index[rows].tolist() if m == me else [] for m in range(len(members))]
-        return _Route(group, me, out_len, False, send, [slots.tolist() if m == me else [] for m in range(len(members))])
-    send = [local_index[m_rows[m_sender == me]].tolist() for _, m_rows, m_sender in all_needs]
-    return _Route(group, me, out_len, True, send, [slots[sender == m].tolist() for m in range(len(members))])
+        send = [keep(local_index[rows] if m == me else rows[:0]) for m in range(len(members))]
+        return _Route(group, me, out_len, False, send, [keep(slots if m == me else slots[:0]) for m in range(len(members))])
+    send = [keep(local_index[m_rows[m_sender == me]]) for _, m_rows, m_sender in all_needs]
+    return _Route(group, me, out_len, True, send, [keep(slots[sender == m]) for m in range(len(members))])
 
 
 def _axis(spec: TensorSpec, dim: int, length: int | None = None) -> tuple[int, int, tuple[Placement, ...]]:
