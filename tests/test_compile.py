@@ -111,9 +111,11 @@ def test_compiled_parallel_mlp_equals_eager_and_torch(mesh_shape):
         assert out["compiled"] == [out["eager"], out["eager"]], f"rank {r}: compiled {out['compiled']} vs eager {out['eager']}"
 
 
-def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3) -> dict:
-    """`steps` training steps of the parallel MLP, eager and as one compiled `train_step` (forward, loss,
-    backward, clip_grad_norm_, AdamW's foreach step): each step's loss and collectives, the final parameters."""
+def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, compiled_part: str = "step") -> dict:
+    """`steps` training steps of the parallel MLP, eager and compiled (forward, loss, backward,
+    clip_grad_norm_, AdamW's foreach step): each step's loss and collectives, the final parameters.
+    compiled_part: "step" compiles the whole train_step, "accumulating" the whole step with two
+    backwards (micro-batches of 4)."""
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     out: dict = {}
     for mode in ("eager", "compiled"):
@@ -122,12 +124,15 @@ def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3) 
 
         def train_step():
             opt.zero_grad()
-            y = m(x)
-            loss = (y * y).sum()
-            loss.backward()
+            total = 0.0
+            for batch in (x.split(4) if compiled_part == "accumulating" else (x,)):
+                y = m(batch)
+                loss = (y * y).sum()
+                loss.backward()
+                total = total + loss.detach()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
-            return loss.detach()
+            return total
 
         run = torch.compile(train_step, backend=backend) if mode == "compiled" else train_step
         out[mode] = []
@@ -180,7 +185,23 @@ def test_compiled_train_step_with_optimizer_equals_eager(mesh_shape):
     torch._dynamo.reset()
     reference = _mlp()
     for r, out in enumerate(so.run(lambda: _train_rank(reference, mesh_shape, "aot_eager"), 4)):
-        wrong = _training_differences(out, mesh_shape, same_bytes=len(mesh_shape) == 1)
+        wrong = _training_differences(out, mesh_shape, same_bytes=True)
+        assert not wrong, f"rank {r}: {wrong}"
+
+
+def test_data_parallel_gradient_accumulation_in_a_compiled_step():
+    """Data parallel leaves a replicated weight's gradient as a pending sum, reduced once by its first
+    eager read. Compiled code cannot change an input's layout, so a backward called from a compiled
+    function reduces it as it is accumulated (as DDP does): with two micro-batches each backward
+    reduces its own. Values are eager's; bytes more than eager's but less than twice (reducing
+    at every read, as before, sent 3x eager's on one batch)."""
+    torch._dynamo.reset()
+    reference = _mlp()
+    for r, out in enumerate(so.run(lambda: _train_rank(reference, (2, 2), "aot_eager", compiled_part="accumulating"), 4)):
+        wrong = _training_differences(out, (2, 2), same_bytes=False)
+        steps, eager = out["compiled"], out["eager"]
+        if any(s[1:] != steps[0][1:] or not e[2] < s[2] < 2 * e[2] for s, e in zip(steps, eager)):
+            wrong.append(f"collectives: compiled {steps} vs eager {eager}")
         assert not wrong, f"rank {r}: {wrong}"
 
 
@@ -191,7 +212,7 @@ def _gloo_train_rank(mesh_shape):
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
 def test_compiled_train_step_with_optimizer_under_gloo(mesh_shape):
     for r, out in enumerate(run_gloo(_gloo_train_rank, 4, mesh_shape, timeout=600)):
-        wrong = _training_differences(out, mesh_shape, same_bytes=len(mesh_shape) == 1)
+        wrong = _training_differences(out, mesh_shape, same_bytes=True)
         assert not wrong, f"rank {r}: {wrong}"
 
 

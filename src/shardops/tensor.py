@@ -549,15 +549,27 @@ def _keep_grad_layout(leaf: DTensor) -> None:
     to the leaf's layout in place, so later reads pay nothing. torch re-reduces a
     Partial gradient on every read. In-place writes to the pending gradient
     (gradient accumulation, zero_) keep it pending.
+
+    Compiled code that reads the gradient cannot change its layout (a graph's input
+    keeps its placements), so it would reduce the pending sum at every read, as torch
+    does. A backward called from a compiled function (dynamo's frame hook on: its
+    `loss.backward()`) therefore reduces the gradient when it is accumulated, as
+    DDP does: one reduction per step, as eager. (A compiled `optimizer.step` after an
+    eager backward still reads the pending sum; see docs/compile.md.)
     """
     if getattr(leaf, "_grad_hook", False):
         return
-    leaf.register_post_accumulate_grad_hook(_move_grad_back)
+    leaf.register_post_accumulate_grad_hook(_on_grad_accumulated)
     leaf._grad_hook = True
 
 
+@traceable.eager_frame  # the frame hook stays on here: it tells whether a compiled function called backward
+def _on_grad_accumulated(t: DTensor) -> None:
+    _move_grad_back(t, traceable.under_compiled_frame())
+
+
 @traceable.eager_only  # runs in the autograd engine, also under a backward called from compiled code
-def _move_grad_back(t: DTensor) -> None:
+def _move_grad_back(t: DTensor, compiled_caller: bool) -> None:
     g = t.grad
     if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
         return
@@ -566,6 +578,10 @@ def _move_grad_back(t: DTensor) -> None:
     if g._spec.placements != target:
         g = t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
     wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
+    if g._spec.placements != wanted and compiled_caller:
+        # compiled code will read it: a graph cannot change its input's layout, so it would reduce
+        # the pending sum at every read (clip_grad_norm_, then the optimizer); reduce it now, once
+        g = t.grad = DTensor._make(g._redistribute_local(wanted), g._spec.with_placements(wanted))
     g._pending_layout = wanted if g._spec.placements != wanted else None
 
 

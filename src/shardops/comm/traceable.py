@@ -53,6 +53,13 @@ def tracing() -> bool:
     return TracingContext.try_get() is not None
 
 
+def under_compiled_frame() -> bool:
+    """True in eager code that a compiled function runs after a graph break (its `loss.backward()`,
+    the hooks that backward calls): dynamo's frame hook is on for this thread. The code after the
+    break is compiled too, so what this code leaves behind becomes a compiled graph's input."""
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
+
+
 def refuse_while_tracing(what: str, why: str) -> None:
     """Raise at compile time for something a compiled graph would get silently wrong."""
     if tracing():
@@ -493,7 +500,7 @@ def _mark(fn) -> None:
     skip_code(fn.__code__)
 
 
-_EAGER_ONLY: list = []  # shardops' dispatch: eager code that dynamo must never compile as frames
+_EAGER_ONLY: list = []  # (fn, recursive): shardops' dispatch, eager code that dynamo must never compile as frames
 
 
 def eager_only(fn):
@@ -504,24 +511,35 @@ def eager_only(fn):
     its own and break again at each data-dependent check. Tracing enters dispatch through the
     DTensor's flatten protocol instead, which this does not touch.
     """
-    _EAGER_ONLY.append(fn)
+    _EAGER_ONLY.append((fn, True))
     if "torch._dynamo" in sys.modules and not _hook.pending:
-        _skip_recursively(fn)
+        _skip(fn)
     return fn
 
 
-def _skip_recursively(fn) -> None:
+def eager_frame(fn):
+    """Dynamo never compiles `fn`'s own frame, but keeps its frame hook on for what `fn` calls
+    (each callee decides for itself): `fn` can still tell that compiled code called it
+    (under_compiled_frame), which an eager_only function cannot (its hook is off)."""
+    _EAGER_ONLY.append((fn, False))
+    if "torch._dynamo" in sys.modules and not _hook.pending:
+        _skip(fn, recursive=False)
+    return fn
+
+
+def _skip(fn, recursive: bool = True) -> None:
     from torch._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    inner = FrameAction.SKIP if recursive else FrameAction.DEFAULT
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, inner))
 
 
 def _install() -> None:
     for fn in _OPAQUE:
         _mark(fn)
-    for fn in _EAGER_ONLY:
-        _skip_recursively(fn)
+    for fn, recursive in _EAGER_ONLY:
+        _skip(fn, recursive)
     _wrap_metadata_objects()
     watch_compiles()
 
@@ -559,6 +577,7 @@ class _AfterDynamoImport(importlib.abc.MetaPathFinder):
 
 
 _hook = _AfterDynamoImport()
+eager_frame(under_compiled_frame)  # its own frame must not turn the hook off (nor be compiled)
 
 
 def _register_constants() -> None:

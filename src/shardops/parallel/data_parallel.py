@@ -30,7 +30,10 @@ apply to them too.
   for them: a weight's gradient comes back pending (Partial(sum) over dp), and its
   first read (the optimizer step, or clip_grad_norm_) resolves it with one
   all_reduce over dp, once per step however often the optimizer reads it (over dp
-  and tp together for a sequence-parallel norm weight).
+  and tp together for a sequence-parallel norm weight). Where compiled code reads
+  it (a compiled train step or optimizer step), backward makes that all_reduce as it
+  accumulates the gradient, as DDP does: a graph cannot change its input's layout
+  (docs/compile.md).
 - mode="shard" (FSDP-style): each parameter is stored sharded over dp on a dim the
   plan does not shard, so the optimizer state is sharded too and the step is local.
   Forward: one all_gather over dp per parameter and module use (a compute view,
