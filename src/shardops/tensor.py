@@ -573,15 +573,13 @@ def _move_grad_back(t: DTensor, compiled_caller: bool) -> None:
     g = t.grad
     if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
         return
-    # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays
-    target = tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
+    wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
+    # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays, unless
+    # compiled code will read it: a graph cannot change its input's layout and would reduce the
+    # pending sum at every read (clip_grad_norm_, then the optimizer), so it is reduced now, once
+    target = wanted if compiled_caller else tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
     if g._spec.placements != target:
         g = t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
-    wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
-    if g._spec.placements != wanted and compiled_caller:
-        # compiled code will read it: a graph cannot change its input's layout, so it would reduce
-        # the pending sum at every read (clip_grad_norm_, then the optimizer); reduce it now, once
-        g = t.grad = DTensor._make(g._redistribute_local(wanted), g._spec.with_placements(wanted))
     g._pending_layout = wanted if g._spec.placements != wanted else None
 
 
