@@ -74,3 +74,28 @@ def test_redistribute_rejects_wrong_placement_count():
 
     with pytest.raises(so.ShardingError, match="one placement per mesh dim"):
         so.run(body, 4)
+
+
+def _two_branches_share_one_gradient():
+    """y = a.redistribute(S(0)) + b.redistribute(S(0)): autograd hands y's one gradient to both
+    redistribute backwards (GPT-2's token + position embeddings); 7 rows over 4 ranks (uneven, one empty)."""
+    mesh = so.init_device_mesh("cpu", (4,))
+    g = torch.Generator().manual_seed(0)
+    full_a, full_b, weight = (torch.randn(3, 5, generator=g) for _ in range(3))
+    a, b = (so.distribute_tensor(t, mesh, [so.Replicate()]).requires_grad_() for t in (full_a, full_b))
+    y = a.redistribute(placements=[so.Shard(0)]) + b.redistribute(placements=[so.Shard(0)])
+    loss = (y * weight).sum()
+    with so.CommDebugMode() as comm:
+        loss.backward()
+    a_grad, b_grad = a.grad.full_tensor().clone(), b.grad.full_tensor().clone()
+    a.grad.to_local().mul_(2)  # the two gradients are never aliases of one another
+    return comm.get_comm_counts(), comm.get_total_bytes(), weight, a_grad, b_grad, b.grad.full_tensor().clone()
+
+
+def test_one_gradient_reaching_two_redistribute_backwards_is_moved_once():
+    for counts, nbytes, weight, a_grad, b_grad, b_grad_after in so.run(_two_branches_share_one_gradient, 4):
+        ref_a, ref_b = (torch.zeros(3, 5, requires_grad=True) for _ in range(2))
+        ((ref_a + ref_b) * weight).sum().backward()  # single-device torch
+        assert torch.allclose(a_grad, ref_a.grad) and torch.allclose(b_grad, ref_b.grad)
+        assert torch.equal(b_grad_after, b_grad)
+        assert counts.get("all_gather") == 1, counts  # torch's DTensor gathers the same gradient twice

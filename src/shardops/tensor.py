@@ -472,7 +472,7 @@ class _FromLocal(torch.autograd.Function):
         if not isinstance(grad, DTensor):
             return grad, None
         # The gradient goes back to the source layout; a Partial source gets a Replicate gradient.
-        local = grad._redistribute_local(without_partials(spec.placements))
+        local = _gradient_in_layout(grad, without_partials(spec.placements))
         # The scale follows the forward placements, Partial included: a Partial summand over a dp
         # dim is one of N distinct contributions, like a Shard piece (see dp_grad_scale).
         scale = dp_grad_scale(spec.mesh, spec.placements)
@@ -533,8 +533,32 @@ class _Redistribute(torch.autograd.Function):
         target = without_partials(src.placements)
         if not isinstance(grad, DTensor):
             return grad, None
-        local = grad._redistribute_local(target)
+        local = _gradient_in_layout(grad, target)
         return DTensor._make(local, TensorSpec(src.mesh, target, grad._spec.meta)), None
+
+
+def _gradient_in_layout(grad: DTensor, target: tuple[Placement, ...]) -> torch.Tensor:
+    """`grad`'s local tensor moved to `target`, sent once however many backwards ask for it.
+
+    Autograd hands one gradient to every branch of a sum: GPT-2's token and position embeddings
+    are both reduce-scattered to the sequence-sharded residual, so both backwards all-gather the
+    same gradient (torch's DTensor sends it twice). The first move is kept on the local tensor;
+    a later request for the same move of the unchanged gradient gets a copy of it (a local copy,
+    never an alias that a consumer's in-place accumulation could change under the other).
+    """
+    local = grad._local_tensor
+    if grad._pending_layout is not None or tuple(target) == grad._spec.placements:
+        return grad._redistribute_local(target)
+    key = (grad._spec.key, tuple(target))
+    moves = getattr(local, "_shardops_moves", None)
+    hit = moves.get(key) if moves is not None else None
+    if hit is not None and hit[0] == local._version and hit[2] == hit[1]._version:
+        return hit[1].clone()
+    moved = grad._redistribute_local(target)
+    if moves is None:
+        moves = local._shardops_moves = {}
+    moves[key] = (local._version, moved, moved._version)
+    return moved
 
 
 def _keep_grad_layout(leaf: DTensor) -> None:
