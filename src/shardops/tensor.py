@@ -542,9 +542,10 @@ def _gradient_in_layout(grad: DTensor, target: tuple[Placement, ...]) -> torch.T
 
     Autograd hands one gradient to every branch of a sum: GPT-2's token and position embeddings
     are both reduce-scattered to the sequence-sharded residual, so both backwards all-gather the
-    same gradient (torch's DTensor sends it twice). The first move is kept on the local tensor;
-    a later request for the same move of the unchanged gradient gets a copy of it (a local copy,
-    never an alias that a consumer's in-place accumulation could change under the other).
+    same gradient (torch's DTensor sends it twice in eager). The first move is kept on the local
+    tensor, so it lives as long as the gradient (a weak reference was dead by the second ask); a
+    later request for the same move of the unchanged gradient gets a copy of it (a local copy,
+    never an alias that one consumer's in-place accumulation could change under the other).
     """
     local = grad._local_tensor
     if grad._pending_layout is not None or tuple(target) == grad._spec.placements:
