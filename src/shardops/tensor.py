@@ -441,8 +441,23 @@ class _ToLocal(torch.autograd.Function):
             return _local_grad_from_dtensor(grad, gspec), None
         scale = dp_grad_scale(spec.mesh, placements)
         if scale != 1:  # a rank-local loss's gradient: averaged over the data-parallel ranks, as DDP does
-            grad = grad / scale
+            grad = _averaged_once(grad, scale)
         return DTensor._make(grad.contiguous() if not grad.is_contiguous() else grad, gspec), None
+
+
+def _averaged_once(grad: torch.Tensor, scale: int) -> torch.Tensor:
+    """`grad / scale`, one tensor for every to_local backward that autograd hands this gradient.
+
+    Without data parallel, two branches of a sum wrap the one gradient autograd gives them, and
+    a later move of it is sent once (`_gradient_in_layout`); a division per branch would make two
+    equal gradients that each pay for the move (GPT-2's embeddings under data parallel).
+    """
+    kept = getattr(grad, "_shardops_averaged", None)
+    if kept is not None and kept[0] == scale and kept[1] == grad._version and kept[3] == kept[2]._version:
+        return kept[2]
+    out = grad / scale
+    grad._shardops_averaged = (scale, grad._version, out, out._version)
+    return out
 
 
 def _local_grad_from_dtensor(grad: DTensor, gspec: TensorSpec) -> DTensor:
