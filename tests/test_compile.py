@@ -113,14 +113,22 @@ def test_compiled_parallel_mlp_equals_eager_and_torch(mesh_shape):
 
 def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, compiled_part: str = "step") -> dict:
     """`steps` training steps of the parallel MLP, eager and compiled (forward, loss, backward,
-    clip_grad_norm_, AdamW's foreach step): each step's loss and collectives, the final parameters.
+    clip_grad_norm_, AdamW's foreach step): each step's loss, collectives and (clipped) gradients,
+    the final parameters.
     compiled_part: "step" compiles the whole train_step, "accumulating" the whole step with two
-    backwards (micro-batches of 4)."""
+    backwards (micro-batches of 4), "update" only clip_grad_norm_ + the optimizer's step after an
+    eager backward."""
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     out: dict = {}
     for mode in ("eager", "compiled"):
         m, _ = _parallel_mlp(reference, mesh_shape)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
+
+        def update():
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+
+        compiled_update = torch.compile(update, backend=backend) if mode == "compiled" and compiled_part == "update" else update
 
         def train_step():
             opt.zero_grad()
@@ -130,16 +138,16 @@ def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, 
                 loss = (y * y).sum()
                 loss.backward()
                 total = total + loss.detach()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
+            compiled_update()
             return total
 
-        run = torch.compile(train_step, backend=backend) if mode == "compiled" else train_step
-        out[mode] = []
+        run = torch.compile(train_step, backend=backend) if mode == "compiled" and compiled_part != "update" else train_step
+        out[mode], out[mode + "_grads"] = [], []
         for _ in range(steps):
             with so.CommDebugMode() as comm:
                 loss = run()
             out[mode].append((float(_full(loss)), comm.get_comm_counts(), comm.get_total_bytes()))
+            out[mode + "_grads"].append({n: _full(p.grad).detach() for n, p in m.named_parameters()})
         out[mode + "_params"] = {n: _full(p).detach() for n, p in m.named_parameters()}
     return out
 
@@ -166,6 +174,8 @@ def _training_differences(out: dict, mesh_shape, same_bytes: bool) -> list[str]:
     close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))  # noqa: E731
     wrong = [f"losses: compiled {losses('compiled')} vs eager {losses('eager')}"] if not all(map(close, losses("compiled"), losses("eager"))) else []
     wrong += [f"{n} after compiled training" for n, p in out["eager_params"].items() if not torch.allclose(out["compiled_params"][n], p, atol=1e-5)]
+    for step, (compiled, eager) in enumerate(zip(out["compiled_grads"], out["eager_grads"])):
+        wrong += [f"{n}.grad after compiled step {step}" for n, g in eager.items() if not torch.allclose(compiled[n], g, atol=1e-5)]
     if len(mesh_shape) == 1:  # tensor parallel only: the same training as one device
         ref_losses, ref_params = _single_device_training(_mlp())
         wrong += [f"losses: eager {losses('eager')} vs one device {ref_losses}"] if not all(map(close, losses("eager"), ref_losses)) else []
@@ -205,8 +215,38 @@ def test_data_parallel_gradient_accumulation_in_a_compiled_step():
         assert not wrong, f"rank {r}: {wrong}"
 
 
-def _gloo_train_rank(mesh_shape):
-    return _train_rank(_mlp(), mesh_shape, "aot_eager")
+def _eager_backward_compiled_update_differences(out: dict) -> list[str]:
+    """Values as eager's every step; bytes eager's from the second step (module doc of the test below)."""
+    wrong = _training_differences(out, (2, 2), same_bytes=False)
+    steps, eager = [s[1:] for s in out["compiled"]], [s[1:] for s in out["eager"]]
+    if steps[1:] != eager[1:] or not steps[0][1] >= eager[0][1]:
+        wrong.append(f"collectives: compiled {out['compiled']} vs eager {out['eager']}")
+    return wrong
+
+
+def test_eager_backward_then_compiled_clip_and_optimizer_step_sends_eager_bytes():
+    """Backward in eager, clip_grad_norm_ + AdamW compiled, data parallel on (2,2). Backward leaves a
+    replicated weight's gradient as a pending sum; a compiled graph cannot change its input's layout,
+    so the first compiled update reduces it at every read (and again in the optimizer's own graph,
+    after torch's graph break). AOTAutograd's trace tells each weight that compiled code reads its
+    gradient, and its later backwards reduce it as they accumulate it (as DDP does): from the second
+    step on, eager's bytes (graphs recompiled once for the reduced gradients). Losses, parameters and
+    gradients are eager's at every step."""
+    torch._dynamo.reset()
+    reference = _mlp()
+    for r, out in enumerate(so.run(lambda: _train_rank(reference, (2, 2), "aot_eager", compiled_part="update"), 4)):
+        wrong = _eager_backward_compiled_update_differences(out)
+        assert not wrong, f"rank {r}: {wrong}"
+
+
+def _gloo_train_rank(mesh_shape, compiled_part="step"):
+    return _train_rank(_mlp(), mesh_shape, "aot_eager", compiled_part=compiled_part)
+
+
+def test_eager_backward_then_compiled_clip_and_optimizer_step_under_gloo():
+    for r, out in enumerate(run_gloo(_gloo_train_rank, 4, (2, 2), "update", timeout=600)):
+        wrong = _eager_backward_compiled_update_differences(out)
+        assert not wrong, f"rank {r}: {wrong}"
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])

@@ -1,6 +1,7 @@
 """DTensor: a torch.Tensor wrapper whose data is this rank's shard of a global tensor."""
 from __future__ import annotations
 
+import weakref
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -33,7 +34,7 @@ _NO_KWARGS: dict = {}
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout", "_compile_meta")
+    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout", "_grad_of", "_reduce_grad_at_accumulation", "_compile_meta")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -54,6 +55,7 @@ class DTensor(torch.Tensor):
         r._local_tensor = local
         r._spec = spec
         r._pending_layout = None
+        r._grad_of = None
         r._compile_meta = None
         if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see wrapper_meta)
             mirror_lazy_bits(r, local)
@@ -70,11 +72,27 @@ class DTensor(torch.Tensor):
 
     def _resolve_pending(self) -> None:
         """Move a leaf's gradient to the leaf's layout, once, on its first read (see _keep_grad_layout)."""
+        if type(self._local_tensor) is not torch.Tensor and traceable.is_traced_tensor(self._local_tensor):
+            self._note_compiled_read()
+            return
         target, self._pending_layout = self._pending_layout, None
         if target is not None and target != self._spec.placements:
             # a fresh local tensor, not copy_: a Partial->Shard or Shard->Replicate move changes the local shape
             self._local_tensor = execute(self._local_tensor, self._spec, plan(self._spec, target))
             self._set_spec(self._spec.with_placements(target))
+
+    def _note_compiled_read(self) -> None:
+        """A compiled graph reads this pending gradient: it stays pending in the graph, and the leaf's
+        later backwards reduce it as they accumulate it (see _keep_grad_layout).
+
+        A graph cannot change its input's layout, so it reduces the pending sum at each read, and a
+        graph break (torch's optimizer step is a graph of its own, after clipping's) hands the sum on
+        unreduced. Marked only from AOTAutograd's trace, which reads what the graph will read:
+        dynamo's fake copy of a parameter flattens its gradient even where nothing reads it.
+        """
+        owner = self._grad_of() if self._grad_of is not None else None
+        if owner is not None and traceable.is_functional_tensor(self._local_tensor):
+            owner._reduce_grad_at_accumulation = True
 
     @property
     def _key(self) -> int:
@@ -162,8 +180,10 @@ class DTensor(torch.Tensor):
         """
         traceable.scale_limits_in_rank_thread()
         meta = self._compile_meta
-        if meta is None or meta.spec is not self._spec or meta.requires_grad != self.requires_grad:
-            meta = CompileMeta(self._spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()))
+        pending = self._pending_layout
+        if meta is None or meta.spec is not self._spec or meta.requires_grad != self.requires_grad or meta.pending is not pending:
+            owner = self._grad_of if pending is not None else None
+            meta = CompileMeta(self._spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()), pending, owner)
             self._compile_meta = meta
         return ["_local_tensor"], meta
 
@@ -177,7 +197,13 @@ class DTensor(torch.Tensor):
                     "compile with dynamic=False"
                 )
             spec = TensorSpec(spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), spec.dtype))
-        return DTensor._make(inner_tensors["_local_tensor"], spec, meta.requires_grad)
+        local = inner_tensors["_local_tensor"]
+        out = DTensor._make(local, spec, meta.requires_grad)
+        if meta.pending is not None and traceable.is_traced_tensor(local):
+            # a traced copy of a leaf's pending gradient: its reads tell which leaves compiled code reads
+            # (never a run-time rebuild: a real tensor made from a graph's output is not a leaf's gradient)
+            out._pending_layout, out._grad_of = meta.pending, meta.owner
+        return out
 
     def __coerce_tangent_metadata__(self) -> "DTensor":
         """The layout a compiled backward expects the gradient of this forward output in.
@@ -211,17 +237,29 @@ class CompileMeta:
     """What torch.compile keeps of a DTensor besides its local tensor: the spec (mesh, placements,
     global shape) and this rank's mesh coordinate. Dynamo guards on equality, so a graph traced on
     one layout, or on one rank of a threads world (offsets and uneven sizes are baked in), is never
-    reused for another. Immutable: dynamo's deepcopy of guard metadata returns it as is."""
+    reused for another. Immutable: dynamo's deepcopy of guard metadata returns it as is.
 
-    __slots__ = ("spec", "requires_grad", "coordinate")
+    A leaf's pending gradient also carries its pending layout (guarded too) and a weak reference
+    to its leaf (not guarded: one graph serves every step's new gradient), so that tracing can
+    tell the leaf that compiled code reads its gradient (DTensor._note_compiled_read)."""
 
-    def __init__(self, spec: TensorSpec, requires_grad: bool, coordinate: tuple[int, ...]) -> None:
+    __slots__ = ("spec", "requires_grad", "coordinate", "pending", "owner")
+
+    def __init__(
+        self,
+        spec: TensorSpec,
+        requires_grad: bool,
+        coordinate: tuple[int, ...],
+        pending: tuple[Placement, ...] | None = None,
+        owner: "weakref.ref[DTensor] | None" = None,
+    ) -> None:
         self.spec, self.requires_grad, self.coordinate = spec, requires_grad, coordinate
+        self.pending, self.owner = pending, owner
 
     def _parts(self) -> tuple:
         # coordinate first: in a threads world a rank's guard walks the other ranks' entries, and
         # the comparison stops at the first part that differs
-        return (self.coordinate, self.requires_grad, self.spec)
+        return (self.coordinate, self.requires_grad, self.spec, self.pending)
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, CompileMeta) and self._parts() == other._parts())
@@ -233,7 +271,7 @@ class CompileMeta:
         return self
 
     def __repr__(self) -> str:
-        return f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate})"
+        return f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate}, pending={self.pending})"
 
 
 # ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
@@ -592,10 +630,14 @@ def _keep_grad_layout(leaf: DTensor) -> None:
 
     Compiled code that reads the gradient cannot change its layout (a graph's input
     keeps its placements), so it would reduce the pending sum at every read, as torch
-    does. A backward called from a compiled function (dynamo's frame hook on: its
-    `loss.backward()`) therefore reduces the gradient when it is accumulated, as
-    DDP does: one reduction per step, as eager. (A compiled `optimizer.step` after an
-    eager backward still reads the pending sum; see docs/compile.md.)
+    does, and again in each graph after a break (torch's optimizer step is a graph of
+    its own). So the gradient is reduced when it is accumulated, as DDP does (one
+    reduction per step, as eager), where compiled code will read it: a backward called
+    from a compiled function (dynamo's frame hook on: its `loss.backward()`), and every
+    backward of a leaf whose pending gradient a compiled graph has read (AOTAutograd's
+    trace marks it, DTensor._note_compiled_read): after an eager backward, the first
+    compiled `clip_grad_norm_`/`optimizer.step` still reads the pending sums, the later
+    ones get them reduced (docs/compile.md).
     """
     if getattr(leaf, "_grad_hook", False):
         return
@@ -605,11 +647,11 @@ def _keep_grad_layout(leaf: DTensor) -> None:
 
 @traceable.eager_frame  # the frame hook stays on here: it tells whether a compiled function called backward
 def _on_grad_accumulated(t: DTensor) -> None:
-    _move_grad_back(t, traceable.under_compiled_frame())
+    _move_grad_back(t, traceable.under_compiled_frame() or getattr(t, "_reduce_grad_at_accumulation", False))
 
 
 @traceable.eager_only  # runs in the autograd engine, also under a backward called from compiled code
-def _move_grad_back(t: DTensor, compiled_caller: bool) -> None:
+def _move_grad_back(t: DTensor, compiled_reader: bool) -> None:
     g = t.grad
     if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
         return
@@ -617,10 +659,12 @@ def _move_grad_back(t: DTensor, compiled_caller: bool) -> None:
     # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays, unless
     # compiled code will read it: a graph cannot change its input's layout and would reduce the
     # pending sum at every read (clip_grad_norm_, then the optimizer), so it is reduced now, once
-    target = wanted if compiled_caller else tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
+    target = wanted if compiled_reader else tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
     if g._spec.placements != target:
         g = t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
     g._pending_layout = wanted if g._spec.placements != wanted else None
+    if g._pending_layout is not None:
+        g._grad_of = weakref.ref(t)  # a compiled graph that reads it marks t (DTensor._note_compiled_read)
 
 
 # ------------------------------------------------------------------ construction

@@ -104,6 +104,14 @@ def is_traced_tensor(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
+def is_functional_tensor(t: torch.Tensor) -> bool:
+    """A tensor of AOTAutograd's functionalized trace: what the compiled graph will compute
+    (dynamo's own fake tensors only propagate shapes, and may read what no graph reads)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, FunctionalTensor)
+
+
 # ------------------------------------------------------------------ meshes by id
 
 _MESH_IDS: dict[tuple, int] = {}
