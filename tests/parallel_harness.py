@@ -173,3 +173,19 @@ def count_step(model, feed, loss_of):
     sent = fwd.get_total_bytes() + bwd.get_total_bytes() + sync.get_total_bytes()
     with torch.no_grad():
         return sent, _full(loss.detach()), {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+def tiny_model(model_name: str, mesh_shape) -> tuple[torch.nn.Module, int]:
+    """The LLaMA- or GPT-2-style model on its tensor-parallel plan (on a 2-d mesh data-parallel over
+    the other dim), and its vocabulary size."""
+    from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
+
+    Model, make_plan = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}[model_name]
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, hidden_dim=64, max_seq_len=16)
+    mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",) if len(mesh_shape) == 1 else ("dp", "tp"))
+    torch.manual_seed(0)
+    model = Model(args)
+    parallelize_module(model, mesh["tp"], make_plan(loss_parallel=False))
+    if len(mesh_shape) == 2:
+        data_parallel(model, mesh)
+    return model, args.vocab_size

@@ -18,6 +18,7 @@ import shardops as so
 from shardops.parallel import ColwiseParallel, RowwiseParallel, data_parallel, parallelize_module
 
 from mp import run_gloo
+from parallel_harness import tiny_model
 
 MESHES = [(4,), (2, 2)]
 
@@ -537,22 +538,6 @@ class _GraphOps:
         return aot_module_simplified(gm, example_inputs, fw_compiler=note, bw_compiler=note)
 
 
-def _model(model_name: str, mesh_shape) -> tuple[nn.Module, int]:
-    """The LLaMA- or GPT-2-style model on its tensor-parallel plan (on a 2-d mesh data-parallel over
-    the other dim), and its vocabulary size."""
-    from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
-
-    Model, make_plan = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}[model_name]
-    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, hidden_dim=64, max_seq_len=16)
-    mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",) if len(mesh_shape) == 1 else ("dp", "tp"))
-    torch.manual_seed(0)
-    model = Model(args)
-    parallelize_module(model, mesh["tp"], make_plan(loss_parallel=False))
-    if len(mesh_shape) == 2:
-        data_parallel(model, mesh)
-    return model, args.vocab_size
-
-
 def _model_step(model: nn.Module, run, tokens: torch.Tensor, targets: torch.Tensor) -> dict:
     """One training step's loss, every gradient (global value and layout) and the collectives it sent."""
     for p in model.parameters():
@@ -570,7 +555,7 @@ def _compiled_model_differences(model_name: str, mesh_shape) -> list[str]:
 
     Collectives: eager's, in eager's order and sizes.
     """
-    model, vocab = _model(model_name, mesh_shape)
+    model, vocab = tiny_model(model_name, mesh_shape)
     g = torch.Generator().manual_seed(0)
     tokens, targets = (torch.randint(0, vocab, (4, 16), generator=g) for _ in range(2))
     eager = _model_step(model, model, tokens, targets)

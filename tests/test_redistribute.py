@@ -104,21 +104,14 @@ def test_one_gradient_reaching_two_redistribute_backwards_is_moved_once():
 def _gpt2_backward_counts(mesh_shape):
     import torch.nn.functional as F
 
-    from shardops.models import GPT2, ModelArgs, gpt2_plan
-    from shardops.parallel import data_parallel, parallelize_module
+    from parallel_harness import tiny_model
 
-    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, hidden_dim=64, max_seq_len=16)
-    mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",) if len(mesh_shape) == 1 else ("dp", "tp"))
-    torch.manual_seed(0)
-    model = GPT2(args)
-    parallelize_module(model, mesh["tp"], gpt2_plan(loss_parallel=False))
-    if len(mesh_shape) == 2:
-        data_parallel(model, mesh)
-    tokens, targets = (torch.randint(0, args.vocab_size, (4, 16), generator=torch.Generator().manual_seed(s)) for s in (0, 1))
+    model, vocab = tiny_model("gpt2", mesh_shape)
+    tokens, targets = (torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(s)) for s in (0, 1))
     loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1))
     with so.CommDebugMode() as comm:
         loss.backward()
-    return comm.get_comm_counts(), args.n_layers
+    return comm.get_comm_counts(), model.args.n_layers
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
