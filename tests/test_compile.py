@@ -8,6 +8,7 @@ checked against single-device torch in test_parallel.py; here the reference for
 the values is also single-device torch, computed in the test.
 """
 import copy
+import functools
 import os
 
 import pytest
@@ -423,7 +424,7 @@ SHARDED_ALGORITHMS = {
 }
 
 
-def _sharded_algorithm_differences() -> dict[str, list[str]]:
+def _sharded_algorithm_differences(backend: str = "aot_eager") -> dict[str, list[str]]:
     """Each op compiled whole (fullgraph) against eager shardops and single-device torch: values,
     input gradient, and bytes (the compiled step sends no more than eager)."""
     mesh = so.init_device_mesh("cpu", (2,))
@@ -434,7 +435,7 @@ def _sharded_algorithm_differences() -> dict[str, list[str]]:
         want = f(reference)
         (want * want).sum().backward()
         runs = {}
-        for mode, run in (("eager", f), ("compiled", torch.compile(f, backend="aot_eager", fullgraph=True))):
+        for mode, run in (("eager", f), ("compiled", torch.compile(f, backend=backend, fullgraph=True))):
             x = so.distribute_tensor(x0, mesh, [so.Shard(dim)]).requires_grad_()
             try:
                 with so.CommDebugMode() as comm:
@@ -461,9 +462,22 @@ def test_sharded_algorithms_compile_whole_with_eager_values_and_bytes(world):
     ranks met in the wrong collectives (an error, or a wrong gradient); a vector_norm's compiled
     backward failed (its gradient was expected as a NormPartial); var, cumprod, flip, roll and
     cross_entropy read tensors at trace time (graph breaks); amax and sum sent more than eager."""
+    _assert_sharded_algorithms_compile(world, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["threads", "gloo"])
+def test_sharded_algorithms_compile_whole_with_inductor(world):
+    """Inductor schedules each rank's graph itself, and over uneven shards the ranks' graphs differ
+    (the first shard of a scan reads no prefix): every rank must still issue the same collectives
+    in the same order."""
+    _assert_sharded_algorithms_compile(world, "inductor")
+
+
+def _assert_sharded_algorithms_compile(world: str, backend: str) -> None:
     torch._dynamo.reset()
-    results = so.run(_sharded_algorithm_differences, 2) if world == "threads" else run_gloo(_sharded_algorithm_differences, 2, timeout=600)
-    for r, ops in enumerate(results):
+    run = so.run if world == "threads" else functools.partial(run_gloo, timeout=600)
+    for r, ops in enumerate(run(_sharded_algorithm_differences, 2, backend)):
         wrong = {name: w for name, w in ops.items() if w}
         assert not wrong, f"rank {r}: {wrong}"
 
