@@ -55,7 +55,6 @@ class DTensor(torch.Tensor):
         r._local_tensor = local
         r._spec = spec
         r._pending_layout = None
-        r._grad_of = None
         r._compile_meta = None
         if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see wrapper_meta)
             mirror_lazy_bits(r, local)
@@ -90,7 +89,8 @@ class DTensor(torch.Tensor):
         unreduced. Marked only from AOTAutograd's trace, which reads what the graph will read:
         dynamo's fake copy of a parameter flattens its gradient even where nothing reads it.
         """
-        owner = self._grad_of() if self._grad_of is not None else None
+        ref = getattr(self, "_grad_of", None)  # set on leaves' pending gradients only (not in _make: the hot path)
+        owner = ref() if ref is not None else None
         if owner is not None and traceable.is_functional_tensor(self._local_tensor):
             owner._reduce_grad_at_accumulation = True
 
@@ -182,7 +182,7 @@ class DTensor(torch.Tensor):
         meta = self._compile_meta
         pending = self._pending_layout
         if meta is None or meta.spec is not self._spec or meta.requires_grad != self.requires_grad or meta.pending is not pending:
-            owner = self._grad_of if pending is not None else None
+            owner = getattr(self, "_grad_of", None) if pending is not None else None
             meta = CompileMeta(self._spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()), pending, owner)
             self._compile_meta = meta
         return ["_local_tensor"], meta
@@ -490,12 +490,23 @@ def _averaged_once(grad: torch.Tensor, scale: int) -> torch.Tensor:
     a later move of it is sent once (`_gradient_in_layout`); a division per branch would make two
     equal gradients that each pay for the move (GPT-2's embeddings under data parallel).
     """
-    kept = getattr(grad, "_shardops_averaged", None)
-    if kept is not None and kept[0] == scale and kept[1] == grad._version and kept[3] == kept[2]._version:
-        return kept[2]
-    out = grad / scale
-    grad._shardops_averaged = (scale, grad._version, out, out._version)
-    return out
+    return _derived_once(grad, ("average", scale), lambda: grad / scale)[0]
+
+
+def _derived_once(source: torch.Tensor, key: Any, derive: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """`derive()`, kept on `source` under `key` while neither changes in place; (value, whether it was kept).
+
+    Kept with a strong reference, living as long as the source (a weak one was dead by the second ask).
+    """
+    kept = getattr(source, "_shardops_derived", None)
+    hit = kept.get(key) if kept is not None else None
+    if hit is not None and hit[0] == source._version and hit[2] == hit[1]._version:
+        return hit[1], True
+    value = derive()
+    if kept is None:
+        kept = source._shardops_derived = {}
+    kept[key] = (source._version, value, value._version)
+    return value, False
 
 
 def _local_grad_from_dtensor(grad: DTensor, gspec: TensorSpec) -> DTensor:
@@ -595,24 +606,14 @@ def _gradient_in_layout(grad: DTensor, target: tuple[Placement, ...]) -> torch.T
 
     Autograd hands one gradient to every branch of a sum: GPT-2's token and position embeddings
     are both reduce-scattered to the sequence-sharded residual, so both backwards all-gather the
-    same gradient (torch's DTensor sends it twice in eager). The first move is kept on the local
-    tensor, so it lives as long as the gradient (a weak reference was dead by the second ask); a
-    later request for the same move of the unchanged gradient gets a copy of it (a local copy,
-    never an alias that one consumer's in-place accumulation could change under the other).
+    same gradient (torch's DTensor sends it twice in eager). A later request for the same move of
+    the unchanged gradient gets a copy of the first (a local copy, never an alias that one
+    consumer's in-place accumulation could change under the other).
     """
-    local = grad._local_tensor
     if grad._pending_layout is not None or tuple(target) == grad._spec.placements:
         return grad._redistribute_local(target)
-    key = (grad._spec.key, tuple(target))
-    moves = getattr(local, "_shardops_moves", None)
-    hit = moves.get(key) if moves is not None else None
-    if hit is not None and hit[0] == local._version and hit[2] == hit[1]._version:
-        return hit[1].clone()
-    moved = grad._redistribute_local(target)
-    if moves is None:
-        moves = local._shardops_moves = {}
-    moves[key] = (local._version, moved, moved._version)
-    return moved
+    moved, kept = _derived_once(grad._local_tensor, (grad._spec.key, tuple(target)), lambda: grad._redistribute_local(target))
+    return moved.clone() if kept else moved
 
 
 def _keep_grad_layout(leaf: DTensor) -> None:
