@@ -112,16 +112,6 @@ def program_meshes() -> dict:
     by_hand_groups = {"hand0": by_hand.group(0), "hand1": by_hand.group(1)}
     out.update(_run_groups(by_hand_groups, every_dtype=()))
     out["by_hand", "groups"] = {tag: g.ranks for tag, g in by_hand_groups.items()}
-    # The path for backends without reduce_scatter (older gloo): one all_reduce of every chunk.
-    comm, group = current_comm(), init_device_mesh("cpu", (4,)).group(0)
-    comm._reduce_scatter_ok = False  # only TorchDistCommunicator reads it
-    with CommDebugMode() as mode:
-        for dtype in FEW_DTYPES:
-            for op in ("sum", "avg", "product") if dtype.is_complex else OPS:
-                chunks = [_data((i % 3, 2), dtype, op, i) for i in range(4)]
-                out["rs_fallback", dtype, op] = comm.reduce_scatter(chunks, op, group)
-    comm._reduce_scatter_ok = True
-    out["rs_fallback", "comm"] = (mode.get_comm_counts(), mode.get_total_bytes(), mode.get_rounds())
     return out
 
 

@@ -17,8 +17,8 @@ transport for the same calls, padding included. c10d's single-tensor all_gather
 and reduce_scatter need equal sizes, so on uneven shards shardops pads there:
 
     all_gather      the largest member's shard (this rank's shard, zero-padded)
-    reduce_scatter  group size x the largest chunk (a dtype/op gloo cannot reduce, e.g.
-                    int16: gathered whole at equal sizes, so every chunk unpadded)
+    reduce_scatter  group size x the largest chunk (also where it is an all_to_all:
+                    gloo, and the dtype/op pairs no backend reduces, e.g. int16)
     others          as the logical figure
 
 The threads world moves Python objects and pads nothing; it reports the same
@@ -143,8 +143,6 @@ class Communicator:
         return max(math.prod(s) for s in shapes) * t.element_size()
 
     def _reduce_scatter_wire_bytes(self, chunks: Sequence[torch.Tensor], op: str) -> int:
-        if not natively_reducible(chunks[0].dtype, op):  # gathered whole and reduced locally: equal sizes
-            return sum(nbytes(c) for c in chunks)
         return len(chunks) * max(c.numel() for c in chunks) * chunks[0].element_size()
 
     # -- world-specific
@@ -156,6 +154,10 @@ class Communicator:
 
     def _reduce_scatter(self, chunks, op, group):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def exchanges_reduce_scatter(self, group: Group, device: torch.device) -> bool:
+        """Whether a reduce_scatter over `group` is an all_to_all and a local reduction (a gloo group: torch_dist)."""
+        return False
 
     def functional_group(self, group: Group, kind: str = "all_reduce") -> tuple[str, tuple[int, ...]] | None:
         """(torch process group name, torch group rank of each shardops member) where torch's functional

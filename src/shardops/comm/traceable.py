@@ -41,6 +41,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ShardingError
+from ..placements import reduce_values
 from .counting import natively_reducible, record
 
 # ------------------------------------------------------------------ is this tensor being traced?
@@ -337,11 +338,17 @@ def _functional_all_gather(comm, t: torch.Tensor, group, shapes, name: str, pg_i
 
 def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, group, name: str, pg_index) -> torch.Tensor:
     wire = _packed(chunks, pg_index)
-    out = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(wire, _FUNCTIONAL_OPS[op], group.size, name))
+    n = group.size
+    if comm.exchanges_reduce_scatter(group, wire.device):  # gloo: an all_to_all and a local reduction (torch_dist)
+        width = wire.numel() // n
+        rows = _wait(torch.ops._c10d_functional.all_to_all_single(wire, [width] * n, [width] * n, name)).view(n, width)
+        out = reduce_values([rows[pg_index[i]] for i in range(n)], "sum" if op == "avg" else op)
+    else:
+        out = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(wire, _FUNCTIONAL_OPS[op], n, name))
     num_bytes = sum(c.numel() * c.element_size() for c in chunks)
     torch.ops.shardops.count(out, "reduce_scatter", num_bytes, comm._reduce_scatter_wire_bytes(chunks, op))
     mine = chunks[group.index(comm.rank)]  # rank-specific: the coordinate guard keeps it right (module doc)
-    return _finish_avg(out[: mine.numel()].reshape(mine.shape), op, group.size)
+    return _finish_avg(out[: mine.numel()].reshape(mine.shape), op, n)
 
 
 def _functional_all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_shapes, name: str, pg_index) -> list[torch.Tensor]:
