@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import shardops as so
+from shardops import Replicate, Shard
 from shardops.parallel import ColwiseParallel, RowwiseParallel, data_parallel, parallelize_module
 
 from mp import run_gloo
@@ -190,10 +191,10 @@ def _training_differences(out: dict, mesh_shape, same_bytes: bool) -> list[str]:
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
 def test_compiled_train_step_with_optimizer_equals_eager(mesh_shape):
     """torch.compile(train_step): the optimizer's step (clip_grad_norm_, AdamW) runs compiled on the DTensor
-    parameters after backward's graph break, with eager's values. Bytes are eager's on (4,). With
-    data parallel a gradient backward left as a pending sum enters the compiled step as that sum
-    and is reduced where it is read, as torch's DTensor does (eager reduces it once, on its first
-    read): same values, more bytes (docs/compile.md)."""
+    parameters after backward's graph break, with eager's values and eager's bytes at every step. With
+    data parallel, backward leaves a replicated weight's gradient as a pending sum; the compiled
+    update is traced with the reduced layout and the sum is reduced as the graph is called, once,
+    as eager's first read does (docs/compile.md)."""
     torch._dynamo.reset()
     reference = _mlp()
     for r, out in enumerate(so.run(lambda: _train_rank(reference, mesh_shape, "aot_eager"), 4)):
@@ -202,42 +203,28 @@ def test_compiled_train_step_with_optimizer_equals_eager(mesh_shape):
 
 
 def test_data_parallel_gradient_accumulation_in_a_compiled_step():
-    """Data parallel leaves a replicated weight's gradient as a pending sum, reduced once by its first
-    eager read. Compiled code cannot change an input's layout, so a backward called from a compiled
-    function reduces it as it is accumulated (as DDP does): with two micro-batches each backward
-    reduces its own. Values are eager's; bytes more than eager's but less than twice (reducing
-    at every read, as before, sent 3x eager's on one batch)."""
+    """Two micro-batches' backwards accumulate into one pending sum per replicated weight (a
+    backward called from compiled code is eager code); the compiled update reduces it once, as
+    eager does: eager's values and eager's bytes at every step (DDP without no_sync sends a
+    reduction per backward)."""
     torch._dynamo.reset()
     reference = _mlp()
     for r, out in enumerate(so.run(lambda: _train_rank(reference, (2, 2), "aot_eager", compiled_part="accumulating"), 4)):
-        wrong = _training_differences(out, (2, 2), same_bytes=False)
-        steps, eager = out["compiled"], out["eager"]
-        if any(s[1:] != steps[0][1:] or not e[2] < s[2] < 2 * e[2] for s, e in zip(steps, eager)):
-            wrong.append(f"collectives: compiled {steps} vs eager {eager}")
+        wrong = _training_differences(out, (2, 2), same_bytes=True)
         assert not wrong, f"rank {r}: {wrong}"
-
-
-def _eager_backward_compiled_update_differences(out: dict) -> list[str]:
-    """Values as eager's every step; bytes eager's from the second step (module doc of the test below)."""
-    wrong = _training_differences(out, (2, 2), same_bytes=False)
-    steps, eager = [s[1:] for s in out["compiled"]], [s[1:] for s in out["eager"]]
-    if steps[1:] != eager[1:] or not steps[0][1] >= eager[0][1]:
-        wrong.append(f"collectives: compiled {out['compiled']} vs eager {out['eager']}")
-    return wrong
 
 
 def test_eager_backward_then_compiled_clip_and_optimizer_step_sends_eager_bytes():
     """Backward in eager, clip_grad_norm_ + AdamW compiled, data parallel on (2,2). Backward leaves a
-    replicated weight's gradient as a pending sum; a compiled graph cannot change its input's layout,
-    so the first compiled update reduces it at every read (and again in the optimizer's own graph,
-    after torch's graph break). AOTAutograd's trace tells each weight that compiled code reads its
-    gradient, and its later backwards reduce it as they accumulate it (as DDP does): from the second
-    step on, eager's bytes (graphs recompiled once for the reduced gradients). Losses, parameters and
-    gradients are eager's at every step."""
+    replicated weight's gradient as a pending sum. Neither compiled graph reduces it (a graph could
+    not change its input's layout, and torch's graph break at optimizer.step would hand the second
+    graph the sum again): the first graph's call reduces it in place before the graph runs, and the
+    optimizer's graph gets it reduced. Losses, parameters, gradients and bytes are eager's at every
+    step, the first included."""
     torch._dynamo.reset()
     reference = _mlp()
     for r, out in enumerate(so.run(lambda: _train_rank(reference, (2, 2), "aot_eager", compiled_part="update"), 4)):
-        wrong = _eager_backward_compiled_update_differences(out)
+        wrong = _training_differences(out, (2, 2), same_bytes=True)
         assert not wrong, f"rank {r}: {wrong}"
 
 
@@ -245,9 +232,61 @@ def _gloo_train_rank(mesh_shape, compiled_part="step"):
     return _train_rank(_mlp(), mesh_shape, "aot_eager", compiled_part=compiled_part)
 
 
-def test_eager_backward_then_compiled_clip_and_optimizer_step_under_gloo():
-    for r, out in enumerate(run_gloo(_gloo_train_rank, 4, (2, 2), "update", timeout=600)):
-        wrong = _eager_backward_compiled_update_differences(out)
+def _shard_pending_training(mesh, backend: str | None, steps: int = 3) -> tuple[list, torch.Tensor]:
+    """A replicated (5, 3) weight times a row-sharded input (uneven over 4 ranks, one empty): the
+    planner slices the weight inside the op, so its gradient comes back Shard(0), pending as shards
+    (a move that changes the local shape). clip_grad_norm_ + AdamW, compiled with `backend` or eager:
+    each step's pending layout and collectives, and the final weight."""
+    torch.manual_seed(0)
+    w = so.distribute_tensor(torch.randn(5, 3), mesh, [Replicate()]).requires_grad_()
+    opt = torch.optim.AdamW([w], lr=1e-2, foreach=True)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_([w], 1.0)
+        opt.step()
+
+    run = torch.compile(update, backend=backend) if backend else update
+    steps_seen = []
+    for step in range(steps):
+        opt.zero_grad()
+        x = so.distribute_tensor(torch.randn(5, 3, generator=torch.Generator().manual_seed(step)), mesh, [Shard(0)])
+        ((w * x) ** 2).sum().backward()
+        pending = (w.grad.placements, w.grad._pending_layout)
+        with so.CommDebugMode() as comm:
+            run()
+        steps_seen.append((pending, comm.get_comm_counts(), comm.get_total_bytes()))
+    return steps_seen, w.full_tensor().detach()
+
+
+def test_gradient_pending_as_shards_reaches_compiled_code_with_eager_bytes():
+    """A pending move that changes the local shape (Shard(0) -> Replicate, uneven): compiled code is
+    traced with the gathered gradient and the gather runs once as the graph is called. Eager's
+    collectives at every step; the weight is single-device torch's."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 3).requires_grad_()
+    opt = torch.optim.AdamW([w], lr=1e-2, foreach=True)
+    for step in range(3):
+        opt.zero_grad()
+        ((w * torch.randn(5, 3, generator=torch.Generator().manual_seed(step))) ** 2).sum().backward()
+        torch.nn.utils.clip_grad_norm_([w], 1.0)
+        opt.step()
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (4,))
+        return _shard_pending_training(mesh, None), _shard_pending_training(mesh, "aot_eager")
+
+    for r, ((eager, eager_w), (compiled, compiled_w)) in enumerate(so.run(rank, 4)):
+        assert eager[0][0] == ((Shard(0),), (Replicate(),)), eager  # the case this test is about
+        assert compiled == eager, f"rank {r}: compiled {compiled} vs eager {eager}"
+        assert torch.allclose(compiled_w, w.detach(), atol=1e-6) and torch.allclose(eager_w, w.detach(), atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled_part", ["update", "accumulating"])
+def test_pending_gradients_reach_compiled_code_with_eager_bytes_under_gloo(compiled_part):
+    """The two tests above in 4 gloo processes."""
+    for r, out in enumerate(run_gloo(_gloo_train_rank, 4, (2, 2), compiled_part, timeout=600)):
+        wrong = _training_differences(out, (2, 2), same_bytes=True)
         assert not wrong, f"rank {r}: {wrong}"
 
 

@@ -1,7 +1,7 @@
 """DTensor: a torch.Tensor wrapper whose data is this rank's shard of a global tensor."""
 from __future__ import annotations
 
-import weakref
+import sys
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -34,7 +34,7 @@ _NO_KWARGS: dict = {}
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout", "_grad_of", "_reduce_grad_at_accumulation", "_compile_meta")
+    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout", "_compile_meta")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -71,28 +71,11 @@ class DTensor(torch.Tensor):
 
     def _resolve_pending(self) -> None:
         """Move a leaf's gradient to the leaf's layout, once, on its first read (see _keep_grad_layout)."""
-        if type(self._local_tensor) is not torch.Tensor and traceable.is_traced_tensor(self._local_tensor):
-            self._note_compiled_read()
-            return
         target, self._pending_layout = self._pending_layout, None
         if target is not None and target != self._spec.placements:
             # a fresh local tensor, not copy_: a Partial->Shard or Shard->Replicate move changes the local shape
             self._local_tensor = execute(self._local_tensor, self._spec, plan(self._spec, target))
             self._set_spec(self._spec.with_placements(target))
-
-    def _note_compiled_read(self) -> None:
-        """A compiled graph reads this pending gradient: it stays pending in the graph, and the leaf's
-        later backwards reduce it as they accumulate it (see _keep_grad_layout).
-
-        A graph cannot change its input's layout, so it reduces the pending sum at each read, and a
-        graph break (torch's optimizer step is a graph of its own, after clipping's) hands the sum on
-        unreduced. Marked only from AOTAutograd's trace, which reads what the graph will read:
-        dynamo's fake copy of a parameter flattens its gradient even where nothing reads it.
-        """
-        ref = getattr(self, "_grad_of", None)  # set on leaves' pending gradients only (not in _make: the hot path)
-        owner = ref() if ref is not None else None
-        if owner is not None and traceable.is_functional_tensor(self._local_tensor):
-            owner._reduce_grad_at_accumulation = True
 
     @property
     def _key(self) -> int:
@@ -181,11 +164,33 @@ class DTensor(torch.Tensor):
         traceable.scale_limits_in_rank_thread()
         meta = self._compile_meta
         pending = self._pending_layout
-        if meta is None or meta.spec is not self._spec or meta.requires_grad != self.requires_grad or meta.pending is not pending:
-            owner = getattr(self, "_grad_of", None) if pending is not None else None
-            meta = CompileMeta(self._spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()), pending, owner)
+        if meta is not None and meta.resolves and meta.spec is self._spec:
+            return ["_resolved_local"], meta  # the traced copy of a pending gradient, named as the real one
+        if meta is None or meta.source is not self._spec or meta.requires_grad != self.requires_grad or meta.resolves != (pending is not None):
+            spec = self._spec if pending is None else self._spec.with_placements(pending)
+            meta = CompileMeta(spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()), pending is not None, self._spec)
             self._compile_meta = meta
-        return ["_local_tensor"], meta
+        return (["_resolved_local"] if meta.resolves else ["_local_tensor"]), meta
+
+    @property
+    def _resolved_local(self) -> torch.Tensor:
+        """A pending gradient's local tensor in its leaf's layout: what a compiled graph takes.
+
+        A graph cannot change its input's layout, so it is traced with the layout the gradient
+        will have, and the pending sum is reduced before the graph runs, once, in place, as
+        eager's first read does: AOTAutograd's unwrapping reads this at every call, at the same
+        point of every rank's program. The other readers only look at the metadata and must not
+        communicate: dynamo's fake copy (inside its compile lock, which a threads world's other
+        ranks wait for) and its guards (a rank's guards run on other ranks' cache entries too);
+        they get the local tensor, or a tensor of the resolved local shape standing in for it.
+        """
+        if self._pending_layout is None:
+            return self._local_tensor
+        if traceable.unwrapping_for_graph(sys._getframe(1)):
+            _resolve_pending_at_run(self)
+            return self._local_tensor
+        local, shape = self._local_tensor, self._spec.with_placements(self._pending_layout).local_shape()
+        return local if tuple(local.shape) == shape else traceable.stand_in(shape, local)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta: "CompileMeta", outer_size, outer_stride) -> "DTensor":
@@ -197,12 +202,10 @@ class DTensor(torch.Tensor):
                     "compile with dynamic=False"
                 )
             spec = TensorSpec(spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), spec.dtype))
-        local = inner_tensors["_local_tensor"]
-        out = DTensor._make(local, spec, meta.requires_grad)
-        if meta.pending is not None and traceable.is_traced_tensor(local):
-            # a traced copy of a leaf's pending gradient: its reads tell which leaves compiled code reads
-            # (never a run-time rebuild: a real tensor made from a graph's output is not a leaf's gradient)
-            out._pending_layout, out._grad_of = meta.pending, meta.owner
+        if not meta.resolves:
+            return DTensor._make(inner_tensors["_local_tensor"], spec, meta.requires_grad)
+        out = DTensor._make(inner_tensors["_resolved_local"], spec, meta.requires_grad)
+        out._compile_meta = meta  # flattens as the real one did (dynamo pairs the real and fake inner names)
         return out
 
     def __coerce_tangent_metadata__(self) -> "DTensor":
@@ -228,6 +231,12 @@ class DTensor(torch.Tensor):
         return DTensor._make(self._redistribute_local(target), self._spec.with_placements(target))
 
 
+@traceable.eager_only
+def _resolve_pending_at_run(dt: DTensor) -> None:
+    """The move a compiled graph's input needs, run eagerly (dynamo's frame hook stays off)."""
+    dt._resolve_pending()
+
+
 # shardops.remesh moves a copy's data between two meshes over the seam (so it imports this
 # module); it installs itself here when shardops is imported.
 CROSS_MESH_COPY: list[Callable[[Any, Any], Any]] = []
@@ -239,27 +248,27 @@ class CompileMeta:
     one layout, or on one rank of a threads world (offsets and uneven sizes are baked in), is never
     reused for another. Immutable: dynamo's deepcopy of guard metadata returns it as is.
 
-    A leaf's pending gradient also carries its pending layout (guarded too) and a weak reference
-    to its leaf (not guarded: one graph serves every step's new gradient), so that tracing can
-    tell the leaf that compiled code reads its gradient (DTensor._note_compiled_read)."""
+    A leaf's pending gradient is described in the layout it will have (`resolves`, guarded too:
+    its inner tensor is read through DTensor._resolved_local, which reduces the pending sum as
+    the graph is called). `source` is the spec it was made from, not guarded."""
 
-    __slots__ = ("spec", "requires_grad", "coordinate", "pending", "owner")
+    __slots__ = ("spec", "requires_grad", "coordinate", "resolves", "source")
 
     def __init__(
         self,
         spec: TensorSpec,
         requires_grad: bool,
         coordinate: tuple[int, ...],
-        pending: tuple[Placement, ...] | None = None,
-        owner: "weakref.ref[DTensor] | None" = None,
+        resolves: bool = False,
+        source: TensorSpec | None = None,
     ) -> None:
         self.spec, self.requires_grad, self.coordinate = spec, requires_grad, coordinate
-        self.pending, self.owner = pending, owner
+        self.resolves, self.source = resolves, source if source is not None else spec
 
     def _parts(self) -> tuple:
         # coordinate first: in a threads world a rank's guard walks the other ranks' entries, and
         # the comparison stops at the first part that differs
-        return (self.coordinate, self.requires_grad, self.spec, self.pending)
+        return (self.coordinate, self.requires_grad, self.spec, self.resolves)
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, CompileMeta) and self._parts() == other._parts())
@@ -271,7 +280,7 @@ class CompileMeta:
         return self
 
     def __repr__(self) -> str:
-        return f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate}, pending={self.pending})"
+        return f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate}, resolves={self.resolves})"
 
 
 # ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
@@ -629,16 +638,9 @@ def _keep_grad_layout(leaf: DTensor) -> None:
     Partial gradient on every read. In-place writes to the pending gradient
     (gradient accumulation, zero_) keep it pending.
 
-    Compiled code that reads the gradient cannot change its layout (a graph's input
-    keeps its placements), so it would reduce the pending sum at every read, as torch
-    does, and again in each graph after a break (torch's optimizer step is a graph of
-    its own). So the gradient is reduced when it is accumulated, as DDP does (one
-    reduction per step, as eager), where compiled code will read it: a backward called
-    from a compiled function (dynamo's frame hook on: its `loss.backward()`), and every
-    backward of a leaf whose pending gradient a compiled graph has read (AOTAutograd's
-    trace marks it, DTensor._note_compiled_read): after an eager backward, the first
-    compiled `clip_grad_norm_`/`optimizer.step` still reads the pending sums, the later
-    ones get them reduced (docs/compile.md).
+    Compiled code reads it as well: a graph is traced with the leaf's layout and its
+    pending sum is reduced as the graph is called (DTensor._resolved_local), once, as
+    eager's first read does.
     """
     if getattr(leaf, "_grad_hook", False):
         return
@@ -646,26 +648,17 @@ def _keep_grad_layout(leaf: DTensor) -> None:
     leaf._grad_hook = True
 
 
-@traceable.eager_frame  # the frame hook stays on here: it tells whether a compiled function called backward
-def _on_grad_accumulated(t: DTensor) -> None:
-    _move_grad_back(t, traceable.under_compiled_frame() or getattr(t, "_reduce_grad_at_accumulation", False))
-
-
 @traceable.eager_only  # runs in the autograd engine, also under a backward called from compiled code
-def _move_grad_back(t: DTensor, compiled_reader: bool) -> None:
+def _on_grad_accumulated(t: DTensor) -> None:
     g = t.grad
     if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
         return
     wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
-    # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays, unless
-    # compiled code will read it: a graph cannot change its input's layout and would reduce the
-    # pending sum at every read (clip_grad_norm_, then the optimizer), so it is reduced now, once
-    target = wanted if compiled_reader else tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
+    # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays
+    target = tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
     if g._spec.placements != target:
         g = t.grad = DTensor._make(g._redistribute_local(target), g._spec.with_placements(target))
     g._pending_layout = wanted if g._spec.placements != wanted else None
-    if g._pending_layout is not None:
-        g._grad_of = weakref.ref(t)  # a compiled graph that reads it marks t (DTensor._note_compiled_read)
 
 
 # ------------------------------------------------------------------ construction

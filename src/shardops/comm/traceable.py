@@ -33,9 +33,11 @@ import importlib.abc
 import importlib.machinery
 import itertools
 import math
+import os
 import sys
 import threading
 import time
+import types
 from typing import Sequence
 
 import torch
@@ -54,11 +56,24 @@ def tracing() -> bool:
     return TracingContext.try_get() is not None
 
 
-def under_compiled_frame() -> bool:
-    """True in eager code that a compiled function runs after a graph break (its `loss.backward()`,
-    the hooks that backward calls): dynamo's frame hook is on for this thread. The code after the
-    break is compiled too, so what this code leaves behind becomes a compiled graph's input."""
-    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
+_AOT_AUTOGRAD_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch") + os.sep
+
+
+def unwrapping_for_graph(caller: types.FrameType) -> bool:
+    """True where AOTAutograd's run-time wrapper unwraps a compiled graph's subclass inputs
+    (`caller` reads an inner tensor named by __tensor_flatten__; its own loop, or the code it
+    generates for it, both under torch/_functorch). Not while tracing (dynamo's and AOTAutograd's
+    fake copies) and not in dynamo's guards (C++ reading the attribute for the caller of the
+    compiled function)."""
+    return not tracing() and caller.f_code.co_filename.startswith(_AOT_AUTOGRAD_DIR)
+
+
+def stand_in(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised real tensor of `shape`, for readers that only look at metadata."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 def refuse_while_tracing(what: str, why: str) -> None:
@@ -103,14 +118,6 @@ def is_traced_tensor(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(t)
-
-
-def is_functional_tensor(t: torch.Tensor) -> bool:
-    """A tensor of AOTAutograd's functionalized trace: what the compiled graph will compute
-    (dynamo's own fake tensors only propagate shapes, and may read what no graph reads)."""
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return isinstance(t, FunctionalTensor)
 
 
 # ------------------------------------------------------------------ meshes by id
@@ -532,16 +539,6 @@ def eager_only(fn):
     return fn
 
 
-def eager_frame(fn):
-    """Dynamo never compiles `fn`'s own frame, but keeps its frame hook on for what `fn` calls
-    (each callee decides for itself): `fn` can still tell that compiled code called it
-    (under_compiled_frame), which an eager_only function cannot (its hook is off)."""
-    _EAGER_ONLY.append((fn, False))
-    if "torch._dynamo" in sys.modules and not _hook.pending:
-        _skip(fn, recursive=False)
-    return fn
-
-
 def _skip(fn, recursive: bool = True) -> None:
     from torch._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
@@ -592,7 +589,6 @@ class _AfterDynamoImport(importlib.abc.MetaPathFinder):
 
 
 _hook = _AfterDynamoImport()
-eager_frame(under_compiled_frame)  # its own frame must not turn the hook off (nor be compiled)
 
 
 def _register_constants() -> None:
