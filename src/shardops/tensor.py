@@ -653,7 +653,7 @@ def _on_grad_accumulated(t: DTensor) -> None:
     g = t.grad
     if not isinstance(g, DTensor) or g._spec.mesh != t._spec.mesh:
         return
-    wanted = tuple(Replicate() if p.is_partial() else p for p in t._spec.placements)
+    wanted = without_partials(t._spec.placements)
     # sharded mesh dims come back as the leaf has them; elsewhere the cheapest layout stays
     target = tuple(p if p.is_shard() else q for p, q in zip(t._spec.placements, g._spec.placements))
     if g._spec.placements != target:

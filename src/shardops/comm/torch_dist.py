@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from .base import Communicator, Group, natively_reducible as _natively_reducible, reduce_stack
+from .wire import pack_padded
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -71,6 +72,10 @@ class _TorchGroup:
             by_device = dict(part.split(":", 1) for part in full.split(",") if ":" in part)
             name = self._backends[device.type] = by_device.get(device.type, full).lower()
         return name
+
+    def exchanges_reduce_scatter(self, device: torch.device) -> bool:
+        """gloo's reduce_scatter is an all_reduce of the whole buffer: there it is an exchange (_reduce_scatter_by_exchange)."""
+        return self.backend_for(device) == "gloo"
 
     def to_pg_order(self, items: Sequence[Any]) -> list[Any]:
         """`items` in shardops group order -> the same items in torch group-rank order."""
@@ -181,7 +186,7 @@ class TorchDistCommunicator(Communicator):
             ) from e
 
     def exchanges_reduce_scatter(self, group: Group, device: torch.device) -> bool:
-        return self._resolve(group).backend_for(device) == "gloo"
+        return self._resolve(group).exchanges_reduce_scatter(device)
 
     # ------------------------------------------------------------ collectives
 
@@ -203,17 +208,12 @@ class TorchDistCommunicator(Communicator):
         g = self._resolve(group)
         me = group.index(self.rank)
         dtype = _common_dtype(chunks, "reduce_scatter")
-        if g.backend_for(chunks[me].device) == "gloo" or not _natively_reducible(dtype, op):
+        if g.exchanges_reduce_scatter(chunks[me].device) or not _natively_reducible(dtype, op):
             return _reduce_scatter_by_exchange(chunks, op, g, me)
-        numels = [c.numel() for c in chunks]
-        width = max(numels)
-        padded = torch.zeros((group.size, width), dtype=dtype, device=chunks[me].device)
-        for i, c in enumerate(chunks):
-            padded[g.pg_index[i], : numels[i]] = c.reshape(-1)
-        wire, finish = _to_wire(padded.reshape(-1), op, group.size)
-        out = wire.new_empty((width, *wire.shape[1:]))  # complex travels as (width, 2) reals
+        wire, finish = _to_wire(pack_padded(chunks, g.pg_index), op, group.size)
+        out = wire.new_empty((wire.shape[0] // group.size, *wire.shape[1:]))  # complex travels as (width, 2) reals
         _c10d("reduce_scatter", g, _reduce_scatter_single, out, wire, op=_wire_op(dtype, op))
-        return finish(out)[: numels[me]].reshape(chunks[me].shape)
+        return finish(out)[: chunks[me].numel()].reshape(chunks[me].shape)
 
     def _all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple]) -> list[torch.Tensor]:
         g = self._resolve(group)
@@ -270,16 +270,13 @@ def _reduce_scatter_by_exchange(chunks: Sequence[torch.Tensor], op: str, g: _Tor
     other backends use it for what they cannot reduce (int16, complex product, ...).
     Chunks are padded to the largest, as the native reduce_scatter's wire is.
     """
-    size = chunks[me].element_size()
-    width = max(c.numel() for c in chunks) * size
-    send = torch.zeros((len(chunks), width), dtype=torch.uint8, device=chunks[me].device)
-    for i, c in enumerate(chunks):
-        send[g.pg_index[i], : c.numel() * size] = _bytes_of(c)
+    mine, n = chunks[me], len(chunks)
+    send = _bytes_of(pack_padded(chunks, g.pg_index))
     recv = torch.empty_like(send)
     _c10d("reduce_scatter", g, dist.all_to_all_single, recv, send)
-    mine = chunks[me]
-    rows = g.from_pg_order(list(recv.unbind(0)))
-    return reduce_stack([_from_bytes(row[: mine.numel() * size], mine.dtype, mine.shape) for row in rows], op)
+    rows = g.from_pg_order(list(recv.view(n, recv.numel() // n).unbind(0)))
+    size = mine.numel() * mine.element_size()
+    return reduce_stack([_from_bytes(row[:size], mine.dtype, mine.shape) for row in rows], op)
 
 
 def _c10d(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

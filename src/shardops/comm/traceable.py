@@ -44,6 +44,7 @@ import torch
 
 from ..errors import ShardingError
 from ..placements import reduce_values
+from .wire import pack_padded
 from .counting import natively_reducible, record
 
 # ------------------------------------------------------------------ is this tensor being traced?
@@ -312,19 +313,6 @@ def _in_pg_order(items: list, pg_index: Sequence[int]) -> list:
     return out
 
 
-def _packed(chunks: Sequence[torch.Tensor], pg_index: Sequence[int]) -> torch.Tensor:
-    """The chunks as one flat contiguous buffer in the group's order, each padded to the largest (the eager wire format).
-
-    Equal shapes (the common, even case) are stacked: one copy, even when the chunks are
-    strided slices of one tensor (`reshape(-1)` of a slice would copy it once more before the cat).
-    """
-    ordered = _in_pg_order(list(chunks), pg_index)
-    if len({c.shape for c in chunks}) == 1:
-        return torch.stack(ordered).view(-1)
-    width = max(c.numel() for c in chunks)
-    return torch.cat([c.reshape(-1) if c.numel() == width else torch.cat([c.reshape(-1), c.new_zeros(width - c.numel())]) for c in ordered])
-
-
 def _functional_all_reduce(t: torch.Tensor, op: str, group, name: str) -> torch.Tensor:
     out = _wait(torch.ops._c10d_functional.all_reduce(t.contiguous(), _FUNCTIONAL_OPS[op], name))
     torch.ops.shardops.count(out, "all_reduce", t.numel() * t.element_size(), t.numel() * t.element_size())
@@ -344,7 +332,7 @@ def _functional_all_gather(comm, t: torch.Tensor, group, shapes, name: str, pg_i
 
 
 def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, group, name: str, pg_index) -> torch.Tensor:
-    wire = _packed(chunks, pg_index)
+    wire = pack_padded(chunks, pg_index)
     n = group.size
     if comm.exchanges_reduce_scatter(group, wire.device):  # gloo: an all_to_all and a local reduction (torch_dist)
         width = wire.numel() // n
@@ -360,7 +348,7 @@ def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, gr
 
 def _functional_all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_shapes, name: str, pg_index) -> list[torch.Tensor]:
     me = group.index(comm.rank)
-    send = _packed(chunks, pg_index) if len({c.shape for c in chunks}) == 1 else torch.cat(_in_pg_order([c.reshape(-1) for c in chunks], pg_index))
+    send = pack_padded(chunks, pg_index) if len({c.shape for c in chunks}) == 1 else torch.cat(_in_pg_order([c.reshape(-1) for c in chunks], pg_index))
     recv_numels = [math.prod(s) for s in recv_shapes]
     out = _wait(torch.ops._c10d_functional.all_to_all_single(
         send, _in_pg_order(recv_numels, pg_index), _in_pg_order([c.numel() for c in chunks], pg_index), name
