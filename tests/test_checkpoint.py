@@ -442,3 +442,82 @@ def test_torch_save_of_parameters_and_optimizer_state():
 
     for same_params, same_state in so.run(main, 4):
         assert same_params and same_state
+
+
+# ------------------------------------------------------------------ edges users hit first (issue 42 items 5-7)
+
+
+def test_save_to_a_path_with_a_trailing_slash(tmp_path):
+    g = _global("slash", (7, 5), torch.float32)
+    path = str(tmp_path / "ck") + os.sep
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2,))
+        ckpt.save({"w": so.distribute_tensor(g, mesh, [Shard(0)])}, path)
+        ckpt.save({"w": so.distribute_tensor(g + 1, mesh, [Shard(0)])}, path)  # replaces the first
+        w = so.distribute_tensor(torch.zeros(7, 5), mesh, [Shard(1)])
+        ckpt.load({"w": w}, path)
+        return w.full_tensor()
+
+    for got in so.run(main, 2):
+        assert torch.equal(got, g + 1)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no staging or set-aside directory left behind
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(".")  and n != ".metadata"]
+
+
+def test_torch_dcp_save_inside_so_run_raises_on_every_rank_and_points_to_shardops(tmp_path):
+    """torch's dcp.save sees no process group in the threads world: each rank thread would write
+    as a lone rank 0 over the others' files. Every rank raises before anything is written."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ck")
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (4,))
+        x = so.distribute_tensor(torch.arange(40.0).reshape(10, 4), mesh, [Shard(0)])
+        try:
+            dcp.save({"x": x}, checkpoint_id=path)
+        except BaseException as e:  # torch wraps it in its CheckpointException (a BaseException)
+            return str(e)
+        return None
+
+    messages = so.run(main, 4)
+    assert all(m is not None and "shardops.checkpoint.save" in m and "so.run" in m for m in messages), messages
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
+def test_torch_dcp_load_inside_so_run_reads_what_shardops_saved(tmp_path):
+    """torch's dcp.load (no process group: each rank reads alone) works in the threads world."""
+    import torch.distributed.checkpoint as dcp
+
+    g = _global("dcp_load", (10, 4), torch.float32)
+    path = str(tmp_path / "ck")
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (4,))
+        ckpt.save({"x": so.distribute_tensor(g, mesh, [Shard(0)])}, path)
+        y = so.distribute_tensor(torch.zeros(10, 4), mesh, [Shard(1)])
+        dcp.load({"x": y}, checkpoint_id=path)
+        return y.full_tensor()
+
+    for got in so.run(main, 4):
+        assert torch.equal(got, g)
+
+
+def test_torch_load_of_a_file_saved_on_a_larger_world_raises_at_once(tmp_path):
+    import time
+
+    def save():
+        mesh = so.init_device_mesh("cpu", (4,))
+        w = so.distribute_tensor(_global("uneven", (7, 5), torch.float32), mesh, [Shard(0)])
+        torch.save({"w": w}, tmp_path / f"rank{mesh.get_rank()}.pt")
+
+    def load():
+        rank = so.init_device_mesh("cpu", (2,)).get_rank()
+        torch.load(tmp_path / f"rank{rank}.pt")["w"].full_tensor()
+
+    so.run(save, 4)
+    start = time.monotonic()
+    with pytest.raises(so.ShardingError, match=r"DeviceMesh\('cpu', \[0, 1, 2, 3\]\).*world of 2 ranks.*\[2, 3\]"):
+        so.run(load, 2, timeout=20)
+    assert time.monotonic() - start < 5

@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from ..errors import ShardingError
+from .chunks import coordinated_save
 from .exchange import agree, agree_local, broadcast_object
 from .planner import CheckedLoadPlanner
 from .reader import DEFAULT_BUFFER_BYTES, RangedFileSystemReader
@@ -152,9 +153,17 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _directory(path: str | os.PathLike) -> str:
+    """`path` without a trailing separator: the staging and set-aside names are its siblings."""
+    path = os.path.normpath(os.fspath(path))
+    if os.path.basename(path) in ("", ".", ".."):
+        path = os.path.abspath(path)  # "." or "..": siblings need a real name
+    return path
+
+
 def checkpoint_dir(path: str | os.PathLike) -> str:
     """The directory to read for `path`: itself, or the previous checkpoint a crash mid-commit left aside."""
-    path = os.fspath(path)
+    path = _directory(path)
     if os.path.exists(os.path.join(path, ".metadata")):
         return path
     aside = sorted(glob.glob(glob.escape(path) + _REPLACED + "*"), key=os.path.getmtime)
@@ -193,7 +202,7 @@ def save_state_dict(state_dict: dict[str, Any], directory: str) -> None:
 
     def local_plan():
         _resolve_pending_tensors(state_dict)
-        with _PLANNING:
+        with _PLANNING, coordinated_save():
             writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
             planner.set_up_planner(state_dict, writer.storage_meta(), coordinator)
             return writer.prepare_local_plan(planner.create_local_plan())
@@ -237,7 +246,7 @@ def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: in
 
 def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Save `state` to the directory `path` in torch's DCP format, atomically (see module doc)."""
-    path = os.fspath(path)
+    path = _directory(path)
     state_dict = _save_view(state)
     staging = broadcast_object(f"{path}{_SAVING}{uuid.uuid4().hex[:12]}" if current_comm().rank == 0 else None)
     try:
