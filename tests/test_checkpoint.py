@@ -22,6 +22,7 @@ try:
 except ImportError:  # tests/ is not a package
     from checkpoint_harness import ARGS, full, shardops_model, shardops_step, train_and_checkpoint
 
+from shardops.checkpoint.blocksums import SUMS_FILE
 from shardops.models import ModelArgs
 
 
@@ -233,6 +234,9 @@ def test_a_checkpoint_missing_shards_fails_loudly(tmp_path):
     md.state_dict_metadata["t.even"].chunks.pop(2)  # as if a rank's shard had never been written
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(md, f)
+    with pytest.raises(so.ShardingError, match=r"\.metadata fail their CRC-32 block check"):
+        _load_on(path, (4,))  # an edited .metadata no longer matches its block checksums
+    os.remove(os.path.join(path, SUMS_FILE))  # as a checkpoint without them (torch's own): the coverage check
     with pytest.raises(so.ShardingError, match=r"'t\.even'.*covers"):
         _load_on(path, (4,))
 
@@ -300,6 +304,127 @@ def test_a_corrupted_storage_file_fails_its_checksum(tmp_path, shape, verify):
 
     with pytest.raises(so.ShardingError, match="CRC-32"):
         so.run(main, 4)
+
+
+def _load_uneven_on_three_columns(path: str, **kwargs) -> torch.Tensor:
+    def main():
+        mesh = so.init_device_mesh("cpu", (3,))
+        w = _empty_like_layout(mesh, "uneven", [Shard(1)])
+        ckpt.load({"t": {"uneven": w}}, path, **kwargs)
+        return w.full_tensor()
+
+    return so.run(main, 3)[0]
+
+
+def test_a_corrupted_byte_fails_a_load_onto_another_layout_that_reads_part_of_its_box(tmp_path):
+    """(3,) Shard(1) reads two columns of the (2, 2) shard holding the flipped element: a part
+    of the saved box, which its archive's whole-box CRC cannot check; the block sums do."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    assert torch.equal(_load_uneven_on_three_columns(path), _global("uneven", (7, 5), torch.float32))
+    _flip_first_data_byte(path, "t.uneven")
+    with pytest.raises(so.ShardingError, match="CRC-32"):
+        _load_uneven_on_three_columns(path)
+
+
+def test_a_checkpoint_without_block_sums_loads_and_checks_each_box_it_reads_from(tmp_path):
+    """torch's dcp.save (or an older shardops) writes no block sums: the default load checks
+    the archive CRC-32 of every box it reads from, whole or in part."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    os.remove(os.path.join(path, SUMS_FILE))
+    assert torch.equal(_load_uneven_on_three_columns(path), _global("uneven", (7, 5), torch.float32))
+    _flip_first_data_byte(path, "t.uneven")
+    with pytest.raises(so.ShardingError, match="CRC-32"):
+        _load_uneven_on_three_columns(path)
+    _load_uneven_on_three_columns(path, verify="read")  # parts of boxes unchecked, as asked (no raise)
+
+
+# The fuzz's checkpoint: an uneven tensor, a replicated one and a Python value, saved on (2, 2)
+# with small blocks (64 B: a read leaves the blocks of the archive entries it skips unchecked);
+# loaded onto three layouts: the saved one, (3,) Shard(1), and (4,) Shard(0) without "rep" (whose
+# bytes that load never reads, so flips there must leave its values exact).
+FUZZ_LAYOUTS = [((2, 2), [Shard(0), Shard(1)], True), ((3,), [Shard(1)], True), ((4,), [Shard(0)], False)]
+
+
+def _fuzz_expected() -> dict:
+    return {"uneven": _global("uneven", (7, 5), torch.float32), "rep": _global("rep", (3,), torch.float64)}
+
+
+def _fuzz_save(path: str, monkeypatch) -> None:
+    from shardops.checkpoint import blocksums
+
+    monkeypatch.setattr(blocksums, "BLOCK_BYTES", 64)
+    expected = _fuzz_expected()
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2, 2))
+        state = {"uneven": so.distribute_tensor(expected["uneven"], mesh, [Shard(0), Shard(1)]),
+                 "rep": so.distribute_tensor(expected["rep"], mesh, [Replicate(), Replicate()]), "step": 11}
+        ckpt.save(state, path)
+
+    so.run(main, 4)
+
+
+def _fuzz_load(path: str, mesh_shape: tuple[int, ...], placements: list, with_rep: bool) -> dict:
+    import math
+
+    def main():
+        mesh = so.init_device_mesh("cpu", mesh_shape)
+        state = {"uneven": so.distribute_tensor(torch.zeros(7, 5), mesh, placements), "step": 0}
+        if with_rep:
+            state["rep"] = so.distribute_tensor(torch.zeros(3, dtype=torch.float64), mesh, [Replicate()] * mesh.ndim)
+        ckpt.load(state, path)
+        return {k: v.full_tensor() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    return so.run(main, math.prod(mesh_shape), timeout=30)
+
+
+def _fuzz(path: str, every: int) -> tuple[int, int]:
+    """Flip every `every`-th byte of every file, one at a time; each load raises or is exact."""
+    expected = _fuzz_expected()
+    raised = exact = 0
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        for offset in range(0, os.path.getsize(file), every):
+            with open(file, "r+b") as f:
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            try:
+                for shape, placements, with_rep in FUZZ_LAYOUTS:
+                    try:
+                        results = _fuzz_load(path, shape, placements, with_rep)
+                    except so.ShardingError:
+                        raised += 1
+                        continue
+                    for r in results:
+                        assert r["step"] == 11, (name, offset, shape)
+                        for key in r.keys() - {"step"}:
+                            assert torch.equal(r[key], expected[key]), (name, offset, shape, key)
+                    exact += 1
+            finally:
+                with open(file, "r+b") as f:
+                    f.seek(offset)
+                    f.write(byte)
+    return raised, exact
+
+
+def test_corrupted_byte_fuzz_subset_every_load_raises_or_is_exact(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    _fuzz_save(path, monkeypatch)
+    raised, exact = _fuzz(path, 97 * 7)
+    assert raised > 0 and exact > 0
+
+
+@pytest.mark.slow
+def test_corrupted_byte_fuzz_every_97th_byte_every_load_raises_or_is_exact(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    _fuzz_save(path, monkeypatch)
+    raised, exact = _fuzz(path, 97)
+    print(f"fuzz: {raised} loads raised, {exact} exact")
+    assert raised > 0 and exact > 0
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -462,7 +587,7 @@ def test_save_to_a_path_with_a_trailing_slash(tmp_path):
     for got in so.run(main, 2):
         assert torch.equal(got, g + 1)
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no staging or set-aside directory left behind
-    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(".")  and n != ".metadata"]
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(".") and n not in (".metadata", SUMS_FILE)]
 
 
 def test_torch_dcp_save_inside_so_run_raises_on_every_rank_and_points_to_shardops(tmp_path):

@@ -11,9 +11,11 @@ communicator (`exchange`), so it works inside `so.run` as under torchrun.
 
 Saving is atomic: the ranks write into a fresh sibling directory, and only after every
 rank has written and the metadata is on disk does rank 0 swap it into `path`; a rank
-dying mid-save leaves the previous checkpoint at `path` untouched. Loading reads only
-the byte ranges each rank needs (`reader.RangedFileSystemReader`) and fails on any
-mismatch or any element left unloaded (`planner.CheckedLoadPlanner`).
+dying mid-save leaves the previous checkpoint at `path` untouched. Each file's block
+checksums go into a side file torch's readers ignore (`blocksums`). Loading reads only
+the byte ranges each rank needs (`reader.RangedFileSystemReader`), checks every byte it
+reads against those checksums, and fails on any mismatch or any element left unloaded
+(`planner.CheckedLoadPlanner`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from ..errors import ShardingError
+from . import blocksums
+from .blocksums import FileSums, sum_file, write_sums
 from .chunks import coordinated_save
 from .exchange import agree, agree_local, broadcast_object
 from .planner import CheckedLoadPlanner
@@ -216,11 +220,28 @@ def save_state_dict(state_dict: dict[str, Any], directory: str) -> None:
         return writer.prepare_global_plan(plans), metadata
 
     plans, metadata = agree("checkpoint save (global plan)", global_plan)[0]  # every rank has the coordinator's
-    results = agree("checkpoint save (writing)", lambda: writer.write_data(planner.finish_plan(plans[rank]), planner).wait())
-    agree_local("checkpoint save (metadata)", lambda: writer.finish(metadata, results) if coordinator else None)
+    block = blocksums.BLOCK_BYTES
+    written = agree("checkpoint save (writing)", lambda: _write_and_sum(writer, planner, plans[rank], directory, block))
+    results = [r for r, _ in written]
+    sums = {name: s for _, per_rank in written for name, s in per_rank.items()}
+    agree_local("checkpoint save (metadata)", lambda: _finish(writer, metadata, results, sums, directory, block) if coordinator else None)
 
 
-def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = "read") -> RangedFileSystemReader:
+def _write_and_sum(writer: FileSystemWriter, planner: DefaultSavePlanner, plan: Any, directory: str, block: int) -> tuple[list[Any], dict[str, FileSums]]:
+    """This rank's write results and the block sums of the files it wrote."""
+    results = writer.write_data(planner.finish_plan(plan), planner).wait()
+    files = sorted({r.storage_data.relative_path for r in results})
+    return results, {name: sum_file(os.path.join(directory, name), block) for name in files}
+
+
+def _finish(writer: FileSystemWriter, metadata: Any, results: list[Any], sums: dict[str, FileSums], directory: str, block: int) -> None:
+    """The coordinator's last step: torch's .metadata, then the block sums of every file (itself included)."""
+    writer.finish(metadata, results)
+    sums = {**sums, ".metadata": sum_file(os.path.join(directory, ".metadata"), block)}
+    write_sums(directory, sums, block)
+
+
+def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True) -> RangedFileSystemReader:
     """DCP's load steps into `state_dict` (in place), every rank of the current world taking part."""
     rank = current_comm().rank
     coordinator = rank == 0
@@ -260,12 +281,13 @@ def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
         shutil.rmtree(replaced, ignore_errors=True)  # the other ranks are already on their way
 
 
-def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = "read") -> None:
+def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True) -> None:
     """Load the checkpoint at `path` into `state` in place: tensors are filled, stateful objects get
     `load_state_dict`, plain values are replaced in `state` (and inside nested dicts).
 
-    `buffer_bytes` bounds each rank's read buffer; `verify` picks the checksum checks
-    (see `reader`: "read" checks every saved box read whole, True every box read from)."""
+    `buffer_bytes` bounds each rank's read buffer; `verify` picks the checksum checks (see
+    `reader`): by default every byte read is checked against the checkpoint's block checksums
+    (or, for a checkpoint saved without them, each saved box read from against its archive's)."""
     directory = checkpoint_dir(path)
     targets = _load_view(state)
     load_state_dict(targets, directory, buffer_bytes, verify)
