@@ -646,3 +646,71 @@ def test_torch_load_of_a_file_saved_on_a_larger_world_raises_at_once(tmp_path):
     with pytest.raises(so.ShardingError, match=r"DeviceMesh\('cpu', \[0, 1, 2, 3\]\).*world of 2 ranks.*\[2, 3\]"):
         so.run(load, 2, timeout=20)
     assert time.monotonic() - start < 5
+
+
+# ------------------------------------------------------------------ load_state_dict across meshes over other ranks (issue 42 item 9)
+
+
+def _tp_model(mesh) -> torch.nn.Module:
+    """Two linears (uneven sizes: 10 rows over 4 ranks, 7 columns over 2 or 4) with a TP plan on `mesh`, or plain if None."""
+    from shardops.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7))
+    if mesh is not None:
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def _zeroed(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+@pytest.mark.parametrize("direction", ["world_to_tp_submesh", "tp_submesh_to_world", "tp_submesh_to_dp_submesh"])
+def test_load_state_dict_between_meshes_over_different_ranks(direction):
+    """A TP model on (4,) into one on mesh["tp"] of (2, 2) and back, and from the tp sub-meshes
+    ({0,1} and {2,3}) to the dp ones ({0,2} and {1,3}): every value equals the single-device model's."""
+    expected = _tp_model(None).state_dict()
+
+    def main():
+        flat = so.init_device_mesh("cpu", (4,))
+        grid = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        src_mesh, dst_mesh = {
+            "world_to_tp_submesh": (flat, grid["tp"]),
+            "tp_submesh_to_world": (grid["tp"], flat),
+            "tp_submesh_to_dp_submesh": (grid["tp"], grid["dp"]),
+        }[direction]
+        src, dst = _tp_model(src_mesh), _zeroed(_tp_model(dst_mesh))
+        with so.CommDebugMode() as comm:
+            dst.load_state_dict(src.state_dict())
+        return {n: full(t) for n, t in dst.state_dict().items()}, comm.get_comm_counts()
+
+    for result, counts in so.run(main, 4):
+        for name, value in expected.items():
+            assert torch.equal(result[name], value), name
+        assert counts.get("all_to_all") == len(expected)  # the pieces move in one all_to_all per tensor
+
+
+def test_copy_between_meshes_over_different_ranks_with_pending_and_replicated_sources():
+    g = _global("cross", (9, 5), torch.float32)
+
+    def main():
+        grid = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        flat = so.init_device_mesh("cpu", (4,))
+        rank = flat.get_rank()
+        # a pending sum on the tp sub-mesh: each of its two ranks holds a part of g
+        part = g * 0.25 if grid["tp"].get_local_rank() == 0 else g * 0.75
+        pending = so.DTensor.from_local(part, grid["tp"], [Partial()])
+        dst = so.distribute_tensor(torch.zeros(9, 5), flat, [Shard(1)])
+        dst.copy_(pending)
+        rep = so.distribute_tensor(g, grid["dp"], [Replicate()])
+        dst2 = so.distribute_tensor(torch.zeros(9, 5), flat, [Shard(0)])
+        dst2.copy_(rep)
+        return rank, dst.full_tensor(), dst2.full_tensor()
+
+    for rank, got, got2 in so.run(main, 4):
+        assert torch.allclose(got, g, rtol=0, atol=1e-6), rank
+        assert torch.equal(got2, g), rank
