@@ -115,7 +115,10 @@ class BlockSums:
             f.seek(0)
             got = 0
             while got < f.size:
-                got += f.readinto(memoryview(out)[got:])
+                n = f.readinto(memoryview(out)[got:])
+                if not n:
+                    raise ShardingError(f"checkpoint: {f.path} ends at byte {got}, before its saved size {f.size}; the file is truncated")
+                got += n
         return bytes(out)
 
 
