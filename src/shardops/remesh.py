@@ -17,6 +17,7 @@ world must take part, as in `load_state_dict`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Sequence
 
 import torch
@@ -60,9 +61,17 @@ class Layout:
         """The rank's coordinates on the sharding mesh dims: ranks with the same block hold the same data."""
         return tuple(c for c, p in zip(self.coordinate(rank), self.placements) if p.is_shard())
 
+    @cached_property
+    def holders(self) -> dict[tuple[int, ...], list[int]]:
+        """The ranks holding each block (several along Replicate mesh dims)."""
+        out: dict[tuple[int, ...], list[int]] = {}
+        for r in self.ranks:
+            out.setdefault(self.block(r), []).append(r)
+        return out
+
     def holder(self, block: tuple[int, ...], reader: int) -> int:
         """The rank of this mesh that sends `block` to `reader`: the reader itself if it holds it."""
-        holders = [r for r in self.ranks if self.block(r) == block]
+        holders = self.holders[block]
         return reader if reader in holders else holders[reader % len(holders)]
 
 
@@ -106,13 +115,10 @@ def _put(dst: torch.Tensor, idx: Sequence[range | list[int]], piece: torch.Tenso
     view.index_put_(tuple(index), piece.to(view.dtype))
 
 
-def _source_for(reader: int, layouts: dict[int, tuple[Layout, Layout]]) -> Layout:
-    """The copy of the source `reader` reads from: its own if it holds one, else one by a fixed rule."""
-    own = layouts[reader][0]
-    if own.coordinate(reader) is not None:
-        return own
+def _sources(layouts: dict[int, tuple[Layout, Layout]]) -> dict[int, Layout]:
+    """The copy of the source each rank reads from: its own if it holds one, else one by a fixed rule."""
     copies = sorted({src for src, _ in layouts.values()}, key=repr)  # each one a whole copy of the source
-    return copies[reader % len(copies)]
+    return {r: own if own.coordinate(r) is not None else copies[r % len(copies)] for r, (own, _) in layouts.items()}
 
 
 def _gather_layouts(src: Layout, dst: Layout, shape: tuple[int, ...], comm: Any) -> dict[int, tuple[Layout, Layout]]:
@@ -164,12 +170,13 @@ def _exchange(comm: Any, ranks: list[int], layouts: dict[int, tuple[Layout, Layo
     my_src = layouts[me][0]
     mine_src = my_src.positions(shape, me)
     mine_dst = layouts[me][1].positions(shape, me)
-    my_source = _source_for(me, layouts) if mine_dst is not None else None
+    sources = _sources(layouts)
+    my_source = sources[me] if mine_dst is not None else None
     sends, recv_shapes, recv_places = [], [], []
     for r in ranks:
         # what I send to r: the part of my source block r needs, if r reads that block from me
         needs = layouts[r][1].positions(shape, r)
-        if mine_src is not None and needs is not None and _source_for(r, layouts) == my_src and my_src.holder(my_src.block(me), r) == me:
+        if mine_src is not None and needs is not None and sources[r] == my_src and my_src.holder(my_src.block(me), r) == me:
             piece = src_local
             for d, (_, in_src, _) in enumerate(_common(s, n) for s, n in zip(mine_src, needs)):
                 piece = _take(piece, d, in_src)
