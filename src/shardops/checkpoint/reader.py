@@ -22,6 +22,7 @@ import io
 import itertools
 import math
 import os
+import pickle
 import zlib
 from torch.futures import Future
 from typing import IO, Any, Sequence
@@ -55,7 +56,10 @@ class RangedFileSystemReader(FileSystemReader):
         self.sums = BlockSums.read(directory) if self.verify else None
         if self.sums is not None:
             self.sums.read_whole(directory, ".metadata")  # raises on a corrupted byte before unpickling
-        return super().read_metadata(*args, **kwargs)
+        try:
+            return super().read_metadata(*args, **kwargs)
+        except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError, KeyError) as e:
+            raise ShardingError(f"checkpoint: {os.path.join(directory, '.metadata')} cannot be read ({type(e).__name__}: {e}); the file is corrupted") from e
 
     def _open(self, relative_path: str) -> Any:
         if self.sums is not None:
@@ -78,7 +82,7 @@ class RangedFileSystemReader(FileSystemReader):
                 for req in sorted(items, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[req.storage_index]
                     if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(_read_exact(stream, info.offset, info.length, relative_path)))
+                        _load_bytes(planner, req, _read_exact(stream, info.offset, info.length, relative_path), relative_path)
                         self.bytes_read += info.length
                         continue
                     if info.transform_descriptors:
@@ -101,6 +105,16 @@ class RangedFileSystemReader(FileSystemReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+
+def _load_bytes(planner: LoadPlanner, req: Any, data: bytearray, relative_path: str) -> None:
+    """A saved Python object (torch.save'd by DCP, no checksum of its own without block sums)."""
+    try:
+        planner.load_bytes(req, io.BytesIO(data))
+    except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, AttributeError, ImportError, IndexError, KeyError) as e:
+        if isinstance(e, ShardingError):
+            raise
+        raise ShardingError(f"checkpoint: the saved object {req.storage_index.fqn!r} in {relative_path} cannot be read ({type(e).__name__}: {e}); the file is corrupted") from e
 
 
 def check_crc(stream: IO[bytes], saved: SavedTensor, buf: bytearray, what: str) -> None:
