@@ -22,6 +22,7 @@ try:
 except ImportError:  # tests/ is not a package
     from checkpoint_harness import ARGS, full, shardops_model, shardops_step, train_and_checkpoint
 
+from shardops.checkpoint.blocksums import SUMS_FILE
 from shardops.models import ModelArgs
 
 
@@ -233,6 +234,9 @@ def test_a_checkpoint_missing_shards_fails_loudly(tmp_path):
     md.state_dict_metadata["t.even"].chunks.pop(2)  # as if a rank's shard had never been written
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(md, f)
+    with pytest.raises(so.ShardingError, match=r"\.metadata fail their CRC-32 block check"):
+        _load_on(path, (4,))  # an edited .metadata no longer matches its block checksums
+    os.remove(os.path.join(path, SUMS_FILE))  # as a checkpoint without them (torch's own): the coverage check
     with pytest.raises(so.ShardingError, match=r"'t\.even'.*covers"):
         _load_on(path, (4,))
 
@@ -300,6 +304,141 @@ def test_a_corrupted_storage_file_fails_its_checksum(tmp_path, shape, verify):
 
     with pytest.raises(so.ShardingError, match="CRC-32"):
         so.run(main, 4)
+
+
+def _load_uneven_on_three_columns(path: str, **kwargs) -> torch.Tensor:
+    def main():
+        mesh = so.init_device_mesh("cpu", (3,))
+        w = _empty_like_layout(mesh, "uneven", [Shard(1)])
+        ckpt.load({"t": {"uneven": w}}, path, **kwargs)
+        return w.full_tensor()
+
+    return so.run(main, 3)[0]
+
+
+def test_a_corrupted_byte_fails_a_load_onto_another_layout_that_reads_part_of_its_box(tmp_path):
+    """(3,) Shard(1) reads two columns of the (2, 2) shard holding the flipped element: a part
+    of the saved box, which its archive's whole-box CRC cannot check; the block sums do."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    assert torch.equal(_load_uneven_on_three_columns(path), _global("uneven", (7, 5), torch.float32))
+    _flip_first_data_byte(path, "t.uneven")
+    with pytest.raises(so.ShardingError, match="CRC-32"):
+        _load_uneven_on_three_columns(path)
+
+
+def test_a_checkpoint_without_block_sums_loads_and_checks_each_box_it_reads_from(tmp_path):
+    """torch's dcp.save (or an older shardops) writes no block sums: the default load checks
+    the archive CRC-32 of every box it reads from, whole or in part."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    os.remove(os.path.join(path, SUMS_FILE))
+    assert torch.equal(_load_uneven_on_three_columns(path), _global("uneven", (7, 5), torch.float32))
+    _flip_first_data_byte(path, "t.uneven")
+    with pytest.raises(so.ShardingError, match="CRC-32"):
+        _load_uneven_on_three_columns(path)
+    _load_uneven_on_three_columns(path, verify="read")  # parts of boxes unchecked, as asked (no raise)
+
+
+# The fuzz's checkpoint: an uneven tensor, a replicated one and a Python value, saved on (2, 2)
+# with small blocks (64 B: a read leaves the blocks of the archive entries it skips unchecked);
+# loaded onto three layouts: the saved one, (3,) Shard(1), and (4,) Shard(0) without "rep" (whose
+# bytes that load never reads, so flips there must leave its values exact).
+FUZZ_LAYOUTS = [((2, 2), [Shard(0), Shard(1)], True), ((3,), [Shard(1)], True), ((4,), [Shard(0)], False)]
+
+
+def _fuzz_expected() -> dict:
+    return {"uneven": _global("uneven", (7, 5), torch.float32), "rep": _global("rep", (3,), torch.float64)}
+
+
+def _fuzz_save(path: str, monkeypatch) -> None:
+    from shardops.checkpoint import blocksums
+
+    monkeypatch.setattr(blocksums, "BLOCK_BYTES", 64)
+    expected = _fuzz_expected()
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2, 2))
+        state = {"uneven": so.distribute_tensor(expected["uneven"], mesh, [Shard(0), Shard(1)]),
+                 "rep": so.distribute_tensor(expected["rep"], mesh, [Replicate(), Replicate()]), "step": 11}
+        ckpt.save(state, path)
+
+    so.run(main, 4)
+
+
+def _fuzz_load(path: str, mesh_shape: tuple[int, ...], placements: list, with_rep: bool) -> dict:
+    import math
+
+    def main():
+        mesh = so.init_device_mesh("cpu", mesh_shape)
+        state = {"uneven": so.distribute_tensor(torch.zeros(7, 5), mesh, placements), "step": 0}
+        if with_rep:
+            state["rep"] = so.distribute_tensor(torch.zeros(3, dtype=torch.float64), mesh, [Replicate()] * mesh.ndim)
+        ckpt.load(state, path)
+        return {k: v.full_tensor() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    return so.run(main, math.prod(mesh_shape), timeout=30)
+
+
+def _fuzz(path: str, every: int) -> tuple[int, int]:
+    """Flip every `every`-th byte of every file, one at a time; each load raises or is exact."""
+    expected = _fuzz_expected()
+    raised = exact = 0
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        for offset in range(0, os.path.getsize(file), every):
+            with open(file, "r+b") as f:
+                f.seek(offset)
+                byte = f.read(1)
+                f.seek(offset)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            try:
+                for shape, placements, with_rep in FUZZ_LAYOUTS:
+                    try:
+                        results = _fuzz_load(path, shape, placements, with_rep)
+                    except so.ShardingError:
+                        raised += 1
+                        continue
+                    for r in results:
+                        assert r["step"] == 11, (name, offset, shape)
+                        for key in r.keys() - {"step"}:
+                            assert torch.equal(r[key], expected[key]), (name, offset, shape, key)
+                    exact += 1
+            finally:
+                with open(file, "r+b") as f:
+                    f.seek(offset)
+                    f.write(byte)
+    return raised, exact
+
+
+def test_corrupted_byte_fuzz_subset_every_load_raises_or_is_exact(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    _fuzz_save(path, monkeypatch)
+    raised, exact = _fuzz(path, 97 * 7)
+    assert raised > 0 and exact > 0
+
+
+@pytest.mark.slow
+def test_corrupted_byte_fuzz_every_97th_byte_every_load_raises_or_is_exact(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    _fuzz_save(path, monkeypatch)
+    raised, exact = _fuzz(path, 97)
+    print(f"fuzz: {raised} loads raised, {exact} exact")
+    assert raised > 0 and exact > 0
+
+
+@pytest.mark.slow
+def test_corrupted_byte_fuzz_without_block_sums_raises_sharding_errors_or_is_exact(tmp_path, monkeypatch):
+    """A checkpoint without block sums (torch's dcp.save, older shardops) has the archives' whole-box
+    CRC-32s and their structure: the default load raises a ShardingError or is exact at every one of
+    these offsets (147 raised, 192 exact when written). Its saved Python objects carry no checksum
+    there, so a flip inside one can go unnoticed in general; none of these offsets lands in one."""
+    path = str(tmp_path / "ckpt")
+    _fuzz_save(path, monkeypatch)
+    os.remove(os.path.join(path, SUMS_FILE))
+    raised, exact = _fuzz(path, 97)
+    print(f"fuzz without block sums: {raised} loads raised, {exact} exact")
+    assert raised > 0 and exact > 0
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -442,3 +581,150 @@ def test_torch_save_of_parameters_and_optimizer_state():
 
     for same_params, same_state in so.run(main, 4):
         assert same_params and same_state
+
+
+# ------------------------------------------------------------------ edges users hit first (issue 42 items 5-7)
+
+
+def test_save_to_a_path_with_a_trailing_slash(tmp_path):
+    g = _global("slash", (7, 5), torch.float32)
+    path = str(tmp_path / "ck") + os.sep
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2,))
+        ckpt.save({"w": so.distribute_tensor(g, mesh, [Shard(0)])}, path)
+        ckpt.save({"w": so.distribute_tensor(g + 1, mesh, [Shard(0)])}, path)  # replaces the first
+        w = so.distribute_tensor(torch.zeros(7, 5), mesh, [Shard(1)])
+        ckpt.load({"w": w}, path)
+        return w.full_tensor()
+
+    for got in so.run(main, 2):
+        assert torch.equal(got, g + 1)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no staging or set-aside directory left behind
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.startswith(".") and n not in (".metadata", SUMS_FILE)]
+
+
+def test_torch_dcp_save_inside_so_run_raises_on_every_rank_and_points_to_shardops(tmp_path):
+    """torch's dcp.save sees no process group in the threads world: each rank thread would write
+    as a lone rank 0 over the others' files. Every rank raises before anything is written."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ck")
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (4,))
+        x = so.distribute_tensor(torch.arange(40.0).reshape(10, 4), mesh, [Shard(0)])
+        try:
+            dcp.save({"x": x}, checkpoint_id=path)
+        except BaseException as e:  # torch wraps it in its CheckpointException (a BaseException)
+            return str(e)
+        return None
+
+    messages = so.run(main, 4)
+    assert all(m is not None and "shardops.checkpoint.save" in m and "so.run" in m for m in messages), messages
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
+def test_torch_dcp_load_inside_so_run_reads_what_shardops_saved(tmp_path):
+    """torch's dcp.load (no process group: each rank reads alone) works in the threads world."""
+    import torch.distributed.checkpoint as dcp
+
+    g = _global("dcp_load", (10, 4), torch.float32)
+    path = str(tmp_path / "ck")
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (4,))
+        ckpt.save({"x": so.distribute_tensor(g, mesh, [Shard(0)])}, path)
+        y = so.distribute_tensor(torch.zeros(10, 4), mesh, [Shard(1)])
+        dcp.load({"x": y}, checkpoint_id=path)
+        return y.full_tensor()
+
+    for got in so.run(main, 4):
+        assert torch.equal(got, g)
+
+
+def test_torch_load_of_a_file_saved_on_a_larger_world_raises_at_once(tmp_path):
+    import time
+
+    def save():
+        mesh = so.init_device_mesh("cpu", (4,))
+        w = so.distribute_tensor(_global("uneven", (7, 5), torch.float32), mesh, [Shard(0)])
+        torch.save({"w": w}, tmp_path / f"rank{mesh.get_rank()}.pt")
+
+    def load():
+        rank = so.init_device_mesh("cpu", (2,)).get_rank()
+        torch.load(tmp_path / f"rank{rank}.pt")["w"].full_tensor()
+
+    so.run(save, 4)
+    start = time.monotonic()
+    with pytest.raises(so.ShardingError, match=r"DeviceMesh\('cpu', \[0, 1, 2, 3\]\).*world of 2 ranks.*\[2, 3\]"):
+        so.run(load, 2, timeout=20)
+    assert time.monotonic() - start < 5
+
+
+# ------------------------------------------------------------------ load_state_dict across meshes over other ranks (issue 42 item 9)
+
+
+def _tp_model(mesh) -> torch.nn.Module:
+    """Two linears (uneven sizes: 10 rows over 4 ranks, 7 columns over 2 or 4) with a TP plan on `mesh`, or plain if None."""
+    from shardops.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7))
+    if mesh is not None:
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def _zeroed(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+@pytest.mark.parametrize("direction", ["world_to_tp_submesh", "tp_submesh_to_world", "tp_submesh_to_dp_submesh"])
+def test_load_state_dict_between_meshes_over_different_ranks(direction):
+    """A TP model on (4,) into one on mesh["tp"] of (2, 2) and back, and from the tp sub-meshes
+    ({0,1} and {2,3}) to the dp ones ({0,2} and {1,3}): every value equals the single-device model's."""
+    expected = _tp_model(None).state_dict()
+
+    def main():
+        flat = so.init_device_mesh("cpu", (4,))
+        grid = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        src_mesh, dst_mesh = {
+            "world_to_tp_submesh": (flat, grid["tp"]),
+            "tp_submesh_to_world": (grid["tp"], flat),
+            "tp_submesh_to_dp_submesh": (grid["tp"], grid["dp"]),
+        }[direction]
+        src, dst = _tp_model(src_mesh), _zeroed(_tp_model(dst_mesh))
+        with so.CommDebugMode() as comm:
+            dst.load_state_dict(src.state_dict())
+        return {n: full(t) for n, t in dst.state_dict().items()}, comm.get_comm_counts()
+
+    for result, counts in so.run(main, 4):
+        for name, value in expected.items():
+            assert torch.equal(result[name], value), name
+        assert counts.get("all_to_all") == len(expected)  # the pieces move in one all_to_all per tensor
+
+
+def test_copy_between_meshes_over_different_ranks_with_pending_and_replicated_sources():
+    g = _global("cross", (9, 5), torch.float32)
+
+    def main():
+        grid = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        flat = so.init_device_mesh("cpu", (4,))
+        rank = flat.get_rank()
+        # a pending sum on the tp sub-mesh: each of its two ranks holds a part of g
+        part = g * 0.25 if grid["tp"].get_local_rank() == 0 else g * 0.75
+        pending = so.DTensor.from_local(part, grid["tp"], [Partial()])
+        dst = so.distribute_tensor(torch.zeros(9, 5), flat, [Shard(1)])
+        dst.copy_(pending)
+        rep = so.distribute_tensor(g, grid["dp"], [Replicate()])
+        dst2 = so.distribute_tensor(torch.zeros(9, 5), flat, [Shard(0)])
+        dst2.copy_(rep)
+        return rank, dst.full_tensor(), dst2.full_tensor()
+
+    for rank, got, got2 in so.run(main, 4):
+        assert torch.allclose(got, g, rtol=0, atol=1e-6), rank
+        assert torch.equal(got2, g), rank

@@ -81,8 +81,31 @@ def _checks(tmp: str) -> dict:
     loaded = torch.load(path)
     out["pickle_equal"] = all(torch.equal(full(loaded[n]), full(p)) and loaded[n].placements == p.placements for n, p in sm.state_dict().items())
     out["fsdp"] = _fully_shard_both_ways(tmp)
+    out["across_rank_sets"] = _load_state_dict_across_rank_sets()
     out["memory"] = _resharding_load_memory(os.path.join(tmp, "big"))
     return out
+
+
+def _load_state_dict_across_rank_sets() -> bool:
+    """A TP model on (4,) into one on mesh["tp"] of (2, 2) (rank sets {0,1} and {2,3}): single-device values."""
+    import shardops as so
+    from shardops.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def model(mesh):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(7, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7))
+        if mesh is not None:
+            parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return m
+
+    expected = model(None).state_dict()
+    src = model(so.init_device_mesh("cpu", (4,)))
+    dst = model(so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"])
+    with torch.no_grad():
+        for p in dst.parameters():
+            p.zero_()
+    dst.load_state_dict(src.state_dict())
+    return all(torch.equal(full(t), expected[n]) for n, t in dst.state_dict().items())
 
 
 def _fully_shard_both_ways(tmp: str) -> tuple[bool, bool]:
@@ -218,6 +241,7 @@ def test_torch_and_shardops_checkpoints_load_into_each_other(tmp_path):
     assert r0["to_torch_save_equal"]
     assert all(r["pickle_equal"] for r in results)
     assert all(r["fsdp"] == (True, True) for r in results)  # torch fully_shard checkpoints, both ways
+    assert all(r["across_rank_sets"] for r in results)
     for r in results:  # peak extra memory per rank <= its shard + a 16 MiB read buffer
         m = r["memory"]
         assert m["equal"]

@@ -11,9 +11,11 @@ communicator (`exchange`), so it works inside `so.run` as under torchrun.
 
 Saving is atomic: the ranks write into a fresh sibling directory, and only after every
 rank has written and the metadata is on disk does rank 0 swap it into `path`; a rank
-dying mid-save leaves the previous checkpoint at `path` untouched. Loading reads only
-the byte ranges each rank needs (`reader.RangedFileSystemReader`) and fails on any
-mismatch or any element left unloaded (`planner.CheckedLoadPlanner`).
+dying mid-save leaves the previous checkpoint at `path` untouched. Each file's block
+checksums go into a side file torch's readers ignore (`blocksums`). Loading reads only
+the byte ranges each rank needs (`reader.RangedFileSystemReader`), checks every byte it
+reads against those checksums, and fails on any mismatch or any element left unloaded
+(`planner.CheckedLoadPlanner`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from ..errors import ShardingError
+from . import blocksums
+from .blocksums import FileSums, sum_file, write_sums
+from .chunks import coordinated_save
 from .exchange import agree, agree_local, broadcast_object
 from .planner import CheckedLoadPlanner
 from .reader import DEFAULT_BUFFER_BYTES, RangedFileSystemReader
@@ -152,9 +157,17 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _directory(path: str | os.PathLike) -> str:
+    """`path` without a trailing separator: the staging and set-aside names are its siblings."""
+    path = os.path.normpath(os.fspath(path))
+    if os.path.basename(path) in ("", ".", ".."):
+        path = os.path.abspath(path)  # "." or "..": siblings need a real name
+    return path
+
+
 def checkpoint_dir(path: str | os.PathLike) -> str:
     """The directory to read for `path`: itself, or the previous checkpoint a crash mid-commit left aside."""
-    path = os.fspath(path)
+    path = _directory(path)
     if os.path.exists(os.path.join(path, ".metadata")):
         return path
     aside = sorted(glob.glob(glob.escape(path) + _REPLACED + "*"), key=os.path.getmtime)
@@ -193,7 +206,7 @@ def save_state_dict(state_dict: dict[str, Any], directory: str) -> None:
 
     def local_plan():
         _resolve_pending_tensors(state_dict)
-        with _PLANNING:
+        with _PLANNING, coordinated_save():
             writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
             planner.set_up_planner(state_dict, writer.storage_meta(), coordinator)
             return writer.prepare_local_plan(planner.create_local_plan())
@@ -207,11 +220,28 @@ def save_state_dict(state_dict: dict[str, Any], directory: str) -> None:
         return writer.prepare_global_plan(plans), metadata
 
     plans, metadata = agree("checkpoint save (global plan)", global_plan)[0]  # every rank has the coordinator's
-    results = agree("checkpoint save (writing)", lambda: writer.write_data(planner.finish_plan(plans[rank]), planner).wait())
-    agree_local("checkpoint save (metadata)", lambda: writer.finish(metadata, results) if coordinator else None)
+    block = blocksums.BLOCK_BYTES
+    written = agree("checkpoint save (writing)", lambda: _write_and_sum(writer, planner, plans[rank], directory, block))
+    results = [r for r, _ in written]
+    sums = {name: s for _, per_rank in written for name, s in per_rank.items()}
+    agree_local("checkpoint save (metadata)", lambda: _finish(writer, metadata, results, sums, directory, block) if coordinator else None)
 
 
-def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = "read") -> RangedFileSystemReader:
+def _write_and_sum(writer: FileSystemWriter, planner: DefaultSavePlanner, plan: Any, directory: str, block: int) -> tuple[list[Any], dict[str, FileSums]]:
+    """This rank's write results and the block sums of the files it wrote."""
+    results = writer.write_data(planner.finish_plan(plan), planner).wait()
+    files = sorted({r.storage_data.relative_path for r in results})
+    return results, {name: sum_file(os.path.join(directory, name), block) for name in files}
+
+
+def _finish(writer: FileSystemWriter, metadata: Any, results: list[Any], sums: dict[str, FileSums], directory: str, block: int) -> None:
+    """The coordinator's last step: torch's .metadata, then the block sums of every file (itself included)."""
+    writer.finish(metadata, results)
+    sums = {**sums, ".metadata": sum_file(os.path.join(directory, ".metadata"), block)}
+    write_sums(directory, sums, block)
+
+
+def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True) -> RangedFileSystemReader:
     """DCP's load steps into `state_dict` (in place), every rank of the current world taking part."""
     rank = current_comm().rank
     coordinator = rank == 0
@@ -237,7 +267,7 @@ def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: in
 
 def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     """Save `state` to the directory `path` in torch's DCP format, atomically (see module doc)."""
-    path = os.fspath(path)
+    path = _directory(path)
     state_dict = _save_view(state)
     staging = broadcast_object(f"{path}{_SAVING}{uuid.uuid4().hex[:12]}" if current_comm().rank == 0 else None)
     try:
@@ -251,12 +281,13 @@ def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
         shutil.rmtree(replaced, ignore_errors=True)  # the other ranks are already on their way
 
 
-def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = "read") -> None:
+def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True) -> None:
     """Load the checkpoint at `path` into `state` in place: tensors are filled, stateful objects get
     `load_state_dict`, plain values are replaced in `state` (and inside nested dicts).
 
-    `buffer_bytes` bounds each rank's read buffer; `verify` picks the checksum checks
-    (see `reader`: "read" checks every saved box read whole, True every box read from)."""
+    `buffer_bytes` bounds each rank's read buffer; `verify` picks the checksum checks (see
+    `reader`): by default every byte read is checked against the checkpoint's block checksums
+    (or, for a checkpoint saved without them, each saved box read from against its archive's)."""
     directory = checkpoint_dir(path)
     targets = _load_view(state)
     load_state_dict(targets, directory, buffer_bytes, verify)

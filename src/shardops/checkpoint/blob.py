@@ -125,7 +125,7 @@ def read_saved_tensor(f: IO[bytes], offset: int, length: int) -> SavedTensor:
         prefix = names[0].split("/")[0]
         record = _HeaderUnpickler(io.BytesIO(archive.read(f"{prefix}/data.pkl"))).load()
         byteorder = archive.read(f"{prefix}/byteorder").decode() if f"{prefix}/byteorder" in names else "little"
-    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, struct.error) as e:
+    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, struct.error, ValueError, IndexError) as e:  # ValueError: bad names
         raise ShardingError(f"checkpoint: the saved item at bytes {offset}..{offset + length} is not a readable torch.save archive ({e}); the file is truncated or corrupted") from e
     if not (isinstance(record, tuple) and record and record[0] == "tensor"):
         raise ShardingError("checkpoint: a saved item is not a plain tensor")

@@ -12,6 +12,8 @@ These functions back the DTensor hooks DCP's planner calls (`__create_write_item
 from __future__ import annotations
 
 import itertools
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -19,7 +21,33 @@ import torch
 
 from ..errors import ShardingError
 from ..placements import dim_positions, without_partials
+from ..world import current_comm, in_threads_world
 from ..wrapping import local_of, relayout, spec_of
+
+_coordinated = threading.local()  # set while shardops.checkpoint's own save plans, on this rank thread
+
+
+@contextmanager
+def coordinated_save() -> Any:
+    """Marks a save whose ranks shardops coordinates (see `check_torch_save_can_coordinate`)."""
+    _coordinated.active = True
+    try:
+        yield
+    finally:
+        _coordinated.active = False
+
+
+def check_torch_save_can_coordinate(fqn: str) -> None:
+    """torch's `dcp.save` inside `so.run` sees no process group: every rank thread acts as a lone
+    rank 0 and they overwrite each other's files. Raise on every rank before anything is written."""
+    if getattr(_coordinated, "active", False) or not in_threads_world() or current_comm().world_size == 1:
+        return
+    raise ShardingError(
+        f"torch.distributed.checkpoint.save of {fqn!r} inside so.run: torch's DCP coordinates ranks through a process group, "
+        f"which the threads world ({current_comm().world_size} rank threads) does not have, so the ranks would overwrite each "
+        "other's files; use shardops.checkpoint.save(state, path) (the same DCP files, readable by torch's dcp.load), "
+        "or run under torchrun"
+    )
 
 
 @dataclass(frozen=True)
@@ -91,6 +119,7 @@ def create_write_items(dt: Any, fqn: str) -> list[Any]:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+    check_torch_save_can_coordinate(fqn)
     resolve_pending(dt, f"checkpoint save of {fqn!r}")
     local = local_of(dt)
     properties = TensorProperties.create_from_tensor(local)

@@ -19,6 +19,7 @@ from ..errors import ShardingError
 from ..mesh import DeviceMesh, rebuild_mesh
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
 from ..spec import TensorMeta, TensorSpec
+from ..world import current_comm, in_threads_world
 from ..wrapping import local_of, resolve_pending_gradient, spec_of, wrap
 
 
@@ -32,6 +33,7 @@ def rebuild_dtensor(
         raise ShardingError("torch.load: a shardops DTensor record without a mesh and placements")
     if len(placements) != mesh.ndim:
         raise ShardingError(f"torch.load: {len(placements)} placements {list(placements)} for a {mesh.ndim}-d mesh")
+    _check_mesh_fits_world(mesh)
     meta = TensorMeta(tuple(int(s) for s in shape), tuple(int(s) for s in stride), local.dtype)
     dt = wrap(local, TensorSpec(mesh, tuple(placements), meta))
     if requires_grad:
@@ -39,6 +41,20 @@ def rebuild_dtensor(
     if is_param:
         dt._is_param = True  # what nn.Parameter(subclass) marks: isinstance(dt, nn.Parameter) again
     return dt
+
+
+def _check_mesh_fits_world(mesh: DeviceMesh) -> None:
+    """A shard saved on a mesh with ranks this world lacks would wait forever at its first collective."""
+    if not (in_threads_world() or (torch.distributed.is_available() and torch.distributed.is_initialized())):
+        return  # loaded outside any world: it attaches (and is checked by its collectives) where it is used
+    world_size = current_comm().world_size
+    missing = sorted(r for r in mesh.mesh.flatten().tolist() if not 0 <= r < world_size)
+    if missing:
+        raise ShardingError(
+            f"torch.load: a DTensor saved on {mesh} ({mesh.size()} ranks) is loaded in a world of {world_size} ranks, which lacks "
+            f"rank(s) {missing}; load each rank's file in a world of the size it was saved from, or save with "
+            "shardops.checkpoint.save and load with shardops.checkpoint.load, which reshards onto any mesh"
+        )
 
 
 def reduce_dtensor(dt: Any) -> tuple:

@@ -7,11 +7,14 @@ shard still materialises all of it. This reader parses each box's archive header
 into the destination view, through one reusable buffer of at most `buffer_bytes`.
 Peak extra memory per rank: that buffer (plus the archive directories, a few KB).
 
-Checksums: each saved box's archive records the CRC-32 of its bytes. `verify="read"`
-(the default) checks it for every box this rank reads whole (a resume onto the same
-layout reads everything whole); `verify=True` checks every box it reads from, streaming
-the box through the same buffer (more I/O, no more memory); `verify=False` checks none.
-A truncated file is always an error (a read past its end).
+Checksums (`verify`, default True): a checkpoint saved by `shardops.checkpoint.save` carries
+block checksums (`blocksums`): every byte this reader reads, the `.metadata` included, is
+checked against the CRC-32 of its block, so a load onto any layout fails on a corrupted
+byte it would use. A checkpoint without them (saved by torch's `dcp.save`, or by an older
+shardops) has only the CRC-32 each saved box's archive records: verify=True checks it for
+every box read from (streaming the whole box through the same buffer: more I/O, no more
+memory), `verify="read"` only for boxes read whole (a resume onto the same layout reads
+everything whole). `verify=False` checks nothing. A truncated file is always an error.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import io
 import itertools
 import math
 import os
+import pickle
 import zlib
 from torch.futures import Future
 from typing import IO, Any, Sequence
@@ -29,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import ShardingError
 from .blob import SavedTensor, read_saved_tensor
+from .blocksums import BlockSums
 
 DEFAULT_BUFFER_BYTES = 8 << 20
 
@@ -36,7 +41,7 @@ DEFAULT_BUFFER_BYTES = 8 << 20
 class RangedFileSystemReader(FileSystemReader):
     """`FileSystemReader` whose tensor reads fetch only the requested byte ranges (see module doc)."""
 
-    def __init__(self, path: str | os.PathLike, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = "read") -> None:
+    def __init__(self, path: str | os.PathLike, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True) -> None:
         super().__init__(path)
         if verify not in (True, False, "read"):
             raise ShardingError(f"checkpoint load: verify must be True, False or 'read', got {verify!r}")
@@ -44,6 +49,26 @@ class RangedFileSystemReader(FileSystemReader):
         self.verify = verify
         self.largest_buffer = 0  # bytes of the largest read buffer this reader allocated
         self.bytes_read = 0
+        self.sums: BlockSums | None = None  # the checkpoint's block checksums, if it has them
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        directory = os.fspath(self.path)
+        self.sums = BlockSums.read(directory) if self.verify else None
+        if self.sums is not None:
+            self.sums.read_whole(directory, ".metadata")  # raises on a corrupted byte before unpickling
+        try:
+            return super().read_metadata(*args, **kwargs)
+        except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError, KeyError) as e:
+            raise ShardingError(f"checkpoint: {os.path.join(directory, '.metadata')} cannot be read ({type(e).__name__}: {e}); the file is corrupted") from e
+
+    def _open(self, relative_path: str) -> Any:
+        if self.sums is not None:
+            return self.sums.open(os.fspath(self.path), relative_path)
+        return open(os.path.join(self.path, relative_path), "rb")
+
+    def _check_box(self, whole: bool) -> bool:
+        """Whether to check a box's archive CRC-32 (block sums, where present, check every read instead)."""
+        return self.sums is None and (self.verify is True or (self.verify == "read" and whole))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: dict[str, list[Any]] = {}
@@ -51,13 +76,13 @@ class RangedFileSystemReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         buf = bytearray(0)
         for relative_path, items in per_file.items():
-            with open(os.path.join(self.path, relative_path), "rb") as stream:
+            with self._open(relative_path) as stream:
                 headers: dict[tuple[int, int], SavedTensor] = {}
                 verified: set[tuple[int, int]] = set()
                 for req in sorted(items, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[req.storage_index]
                     if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(_read_exact(stream, info.offset, info.length, relative_path)))
+                        _load_bytes(planner, req, _read_exact(stream, info.offset, info.length, relative_path), relative_path)
                         self.bytes_read += info.length
                         continue
                     if info.transform_descriptors:
@@ -73,13 +98,23 @@ class RangedFileSystemReader(FileSystemReader):
                         self.largest_buffer = max(self.largest_buffer, need)
                     self.bytes_read += copy_box(stream, saved, list(req.storage_offsets), list(req.lengths), target, buf, relative_path)
                     whole = not any(req.storage_offsets) and tuple(req.lengths) == saved.shape
-                    if key not in verified and (self.verify is True or (self.verify == "read" and whole)):
+                    if key not in verified and self._check_box(whole):
                         check_crc(stream, saved, buf, f"{relative_path} ({req.storage_index.fqn!r} at {tuple(req.storage_index.offset or ())})")
                         verified.add(key)
                     planner.commit_tensor(req, target)
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+
+def _load_bytes(planner: LoadPlanner, req: Any, data: bytearray, relative_path: str) -> None:
+    """A saved Python object (torch.save'd by DCP, no checksum of its own without block sums)."""
+    try:
+        planner.load_bytes(req, io.BytesIO(data))
+    except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, AttributeError, ImportError, IndexError, KeyError) as e:
+        if isinstance(e, ShardingError):
+            raise
+        raise ShardingError(f"checkpoint: the saved object {req.storage_index.fqn!r} in {relative_path} cannot be read ({type(e).__name__}: {e}); the file is corrupted") from e
 
 
 def check_crc(stream: IO[bytes], saved: SavedTensor, buf: bytearray, what: str) -> None:
