@@ -42,7 +42,13 @@ Wrap = Callable[[Callable], Callable]  # torch's function -> its replacement
 
 _default_state_wrappers: dict[str, Wrap] = {}
 _init_replacements: dict[str, Wrap] = {}
-_thread = threading.local()
+
+
+class _ThreadDefault(threading.local):
+    generator: torch.Generator | None = None  # a class default: reading it in other threads raises nothing
+
+
+_thread = _ThreadDefault()
 _default_cdata: int | None = None
 
 
@@ -88,7 +94,7 @@ def _resolve_default_cdata() -> None:
 
 
 def _rank_default_generator(module: types.ModuleType) -> torch.Generator:
-    generator = getattr(_thread, "generator", None)
+    generator = _thread.generator
     return generator if generator is not None else module.__dict__["default_generator"]
 
 
