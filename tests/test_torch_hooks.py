@@ -57,11 +57,14 @@ def test_importing_shardops_changes_nothing_in_torch_and_install_changes_only_it
 before = snapshot()
 import shardops as so
 imported = snapshot()
-so.run(lambda: None, 2)  # installs the hooks (shardops._torch.install)
-print(json.dumps({"import": changes(before, imported), "install": changes(before, snapshot())}))
+so.DeviceMesh("cpu", [0])  # the first mesh (init_device_mesh's, a DTensor's) installs the hooks
+meshed = snapshot()
+so.run(lambda: None, 2)  # and so.run would: installed once, nothing more changes
+print(json.dumps({"import": changes(before, imported), "install": changes(before, meshed), "run": changes(meshed, snapshot())}))
 """
     )
     assert result["import"] == []
+    assert result["run"] == []
     # The same comparison sees the hooks once installed (the check can fail): only these, and
     # torch.default_generator still reads as torch's own object outside so.run's rank threads.
     assert result["install"] == sorted(
