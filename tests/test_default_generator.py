@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, random_split
 
 import shardops as so
+from shardops import Shard
 
 SEED = 1234
 WORLD = 2
@@ -26,6 +27,7 @@ def _draws(rank: int) -> dict:
     out["rand"] = torch.rand(4, generator=torch.default_generator)
     out["bernoulli_"] = torch.ones(8).bernoulli_(0.5, generator=torch.default_generator)
     out["normal_"] = torch.empty(3).normal_(generator=torch.default_generator)
+    out["torch.random.default_generator"] = torch.rand(2, generator=torch.random.default_generator)  # a reference taken at import
     out["sampler"] = list(RandomSampler(range(10), generator=torch.default_generator))
     out["loader, generator=default"] = [b.tolist() for b in DataLoader(range(10), batch_size=4, shuffle=True, generator=torch.default_generator)]
 
@@ -47,9 +49,16 @@ def _draws(rank: int) -> dict:
     return out
 
 
-def _rank_draws() -> dict:
+def _rank_draws(with_dtensor: bool = False) -> dict:
     """One rank's draws (module level: the gloo processes run it too)."""
-    return _draws(so.init_device_mesh("cpu", (WORLD,)).get_rank())
+    mesh = so.init_device_mesh("cpu", (WORLD,))
+    out = _draws(mesh.get_rank())
+    if with_dtensor:  # a DTensor draw keyed by the default generator given explicitly, by either reference
+        torch.manual_seed(SEED + 20 + mesh.get_rank())  # after _draws' seed(): a random seed
+        x = so.distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
+        out["DTensor uniform_"] = x.uniform_(generator=torch.default_generator).full_tensor()
+        out["DTensor normal_, earlier reference"] = x.normal_(generator=torch.random.default_generator).full_tensor()
+    return out
 
 
 def _assert_same(got: dict, expected: dict, rank: int) -> None:
@@ -96,7 +105,7 @@ def test_the_same_seed_gives_every_rank_the_same_split():
 def test_threads_world_equals_separate_processes():
     from mp import run_gloo
 
-    threads = so.run(_rank_draws, WORLD)
-    processes = run_gloo(_rank_draws, WORLD, timeout=300)
+    threads = so.run(_rank_draws, WORLD, True)
+    processes = run_gloo(_rank_draws, WORLD, True, timeout=300)
     for rank, (ours, theirs) in enumerate(zip(threads, processes)):
         _assert_same(ours, theirs, rank)
