@@ -102,9 +102,12 @@ def _set_default_generator(module: types.ModuleType, value: torch.Generator) -> 
     module.__dict__["default_generator"] = value
 
 
-def _install_default_generator() -> None:
+def _check_default_generator() -> None:
     _resolve_default_cdata()
     require(DEFAULT_GENERATOR, torch, "default_generator", "torch")
+
+
+def _install_default_generator() -> None:
     module_class = type(torch)
     if getattr(module_class, "_shardops_rank_default_generator", False):
         return
@@ -154,8 +157,9 @@ def _check_dispatch_stack() -> None:
 # ------------------------------------------------------------------ install
 
 
-def _replace(hook: Hook, modules: tuple[types.ModuleType, ...], names: tuple[str, ...], name: str, wrap: Wrap) -> None:
-    original = require(hook, modules[0], name, names[0])
+def _replace(hook: Hook, modules: tuple[types.ModuleType, ...], name: str, wrap: Wrap) -> None:
+    """modules[i].name = wrap(modules[0].name), once (a replacement is marked)."""
+    original = require(hook, modules[0], name, modules[0].__name__)
     if getattr(original, "_shardops_wrapped", False):
         return  # installed already
     replacement = wrap(original)
@@ -176,9 +180,9 @@ def install() -> None:
     """Every hook above; each checks for what it needs before any changes torch. Idempotent."""
     _check_dispatch_stack()
     _check_replacements()
-    _resolve_default_cdata()
+    _check_default_generator()
     for name, wrap in _default_state_wrappers.items():
-        _replace(DEFAULT_STATE, (torch.random, torch), ("torch.random", "torch"), name, wrap)
+        _replace(DEFAULT_STATE, (torch.random, torch), name, wrap)
     for name, wrap in _init_replacements.items():
-        _replace(NN_INIT, (torch.nn.init,), ("torch.nn.init",), name, wrap)
+        _replace(NN_INIT, (torch.nn.init,), name, wrap)
     _install_default_generator()
