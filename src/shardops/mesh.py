@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import _torch
 from .comm.base import Communicator, Group
 from .errors import ShardingError
 from .world import current_comm
@@ -25,6 +26,7 @@ class DeviceMesh:
         *,
         _torch_mesh: Any = None,
     ) -> None:
+        _torch.install()  # every DTensor has a mesh: torch's hooks are in place before the first one
         ranks = torch.as_tensor(mesh, dtype=torch.int64)
         if ranks.ndim == 0:
             ranks = ranks.reshape(1)

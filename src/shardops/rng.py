@@ -12,7 +12,7 @@ the same ops in the same order, so their counters agree.
 
 State: (seed, counter), one per rank: per process under torchrun, per rank thread
 inside `shardops.run` (each rank thread also has its own default torch generator,
-interop/rank_random.py). `torch.manual_seed(s)` (wrapped at import) seeds the rank's
+interop/rank_random.py). `torch.manual_seed(s)` (wrapped by shardops._torch.install()) seeds the rank's
 torch generator and sets seed = s, restarting the counter, so re-seeding with the
 same value restarts the sequence, as in torch; a re-seed the wrapper does not see
 (Generator.manual_seed, torch.seed) is followed at the next draw. `torch.get_rng_state()` /
@@ -21,7 +21,8 @@ activation checkpointing recomputes the same dropout masks. A new process (and a
 thread, like one) starts from a random seed, so a rank's first DTensor draw takes the
 mesh's first rank's (seed, counter), as torch DTensor takes rank 0's RNG state at its
 first random op. A draw given an explicit `torch.Generator` takes its key from that
-generator instead (one 64-bit draw), so it follows the generator's own seeding.
+generator instead (one 64-bit draw), so it follows the generator's own seeding; torch's default
+generator given explicitly is, in a rank thread, that rank's generator.
 
 Elements are produced in chunks of CHUNK, so a draw's temporaries stay small
 whatever the shard size.
@@ -37,6 +38,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .placements import Placement, dim_positions
+from ._torch import random as torch_random
 from .world import rank_generator
 
 MASK64 = (1 << 64) - 1
@@ -141,6 +143,8 @@ def next_key(generator: torch.Generator | None = None) -> int:
     """The 64-bit key of one draw (one op call); advances the counter or the given generator."""
     _refuse_while_tracing()
     if generator is not None:
+        if rank_generator() is not None and torch_random.is_process_default_generator(generator):
+            generator = rank_generator()  # a reference to torch's default taken before (random_split's default)
         return int(torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=generator)) & MASK64
     st = current_state()
     key = splitmix64(splitmix64(st.seed) ^ st.counter)
@@ -156,8 +160,6 @@ def next_key(generator: torch.Generator | None = None) -> int:
 def _wrap(original: Callable, replacement: Callable) -> Callable:
     replacement.__doc__ = original.__doc__
     replacement.__name__ = original.__name__
-    replacement.__wrapped__ = original  # type: ignore[attr-defined]
-    replacement._shardops_wrapped = True  # type: ignore[attr-defined]
     return replacement
 
 
@@ -231,14 +233,8 @@ _WRAPPERS = {
 }
 
 
-def install_seed_hook() -> None:
-    """Wrap torch's default-state functions (torch.X and torch.random.X alike); idempotent."""
-    for name, wrap in _WRAPPERS.items():
-        original = getattr(torch.random, name)
-        if not getattr(original, "_shardops_wrapped", False):
-            wrapped = wrap(original)
-            setattr(torch, name, wrapped)
-            setattr(torch.random, name, wrapped)
+for _name, _wrapper in _WRAPPERS.items():  # put in place by shardops._torch.install(), not by this import
+    torch_random.wrap_default_state_function(_name, _wrapper)
 
 
 # ------------------------------------------------------------------ global element indices
@@ -390,6 +386,3 @@ def fill(
     if target is not local:
         local.copy_(target)
     return local
-
-
-install_seed_hook()

@@ -15,6 +15,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from . import _torch
 from .comm import traceable
 from .comm.base import Communicator
 from .comm.threads import DEFAULT_TIMEOUT, ThreadsWorld
@@ -74,6 +75,7 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ShardingError(f"run: world_size must be a positive int, got {world_size!r}")
+    _torch.install()  # torch's random state per rank thread (shardops._torch)
     world = ThreadsWorld(world_size, timeout)
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
@@ -128,6 +130,7 @@ def run_dry(fn: Callable[..., Any], comm: Communicator, *args: Any, **kwargs: An
     """Run `fn(*args, **kwargs)` as the one rank of `comm`, a dry world's communicator (comm/dry.py):
     its collectives are counted and move nothing, so its tensors must be meta. One thread, no
     other ranks: a world of thousands of ranks costs what one rank's metadata costs."""
+    _torch.install()
     out: dict[str, Any] = {}
     grad_enabled = torch.is_grad_enabled()
 

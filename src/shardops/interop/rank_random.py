@@ -17,9 +17,13 @@ aten op on plain CPU tensors whose generator is None:
 - the rest (native_dropout) run with torch's default generator holding the rank's
   state for the call, under a lock.
 
-An explicit generator is left alone, and so are DTensor and other tensor-subclass
-operands (DTensor draws are counter-based, see rng.py) and non-CPU devices. This is
-the one module that uses torch's dispatch-mode stack and op schemas for this.
+An explicit generator is left alone, except torch's default one: in a rank thread,
+`torch.default_generator` reads as the rank's generator, and a reference to torch's own
+taken before (random_split's default argument) is handed the rank's generator here, as
+a process's script would draw from its own. DTensor and other tensor-subclass operands
+are left alone (DTensor draws are counter-based, see rng.py), and so are non-CPU devices.
+The torch internals used for this (the thread's dispatch-mode stack, the default
+generator's identity) live in shardops._torch.random.
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._torch import random as torch_random
 from ..tensor import DTensor
 from ..world import RANK_THREAD_CONTEXTS, set_rank_generator
 
@@ -43,7 +47,7 @@ _DTENSOR_ONLY = (DTensor,)
 _swap_lock = threading.Lock()
 
 
-class RankGenerator(TorchDispatchMode):
+class RankGenerator(torch_random.dispatch_mode_base()):  # type: ignore[misc]
     """Hands `generator` to the random ops of the thread whose mode stack holds this mode."""
 
     # higher-order operators pass here too (torch's HOPs have no rule for this mode): see _route_for
@@ -77,16 +81,16 @@ def rank_random_state() -> Iterator[torch.Generator]:
     """The calling thread's own default random state while inside: a fresh generator, as a new process has."""
     generator = torch.Generator()
     generator.seed()  # a new process's default generator starts from a non-deterministic seed
-    mode = RankGenerator(generator)
-    # Straight onto the C++ (thread-local) stack: a mode's __enter__ also flips process-wide Python
-    # flags, which threads entering and leaving in any order would leave set after the run.
-    torch._C._push_on_torch_dispatch_stack(mode)
+    # onto this thread's own stack only (see shardops._torch.random)
+    torch_random.push_dispatch_mode(RankGenerator(generator))
     set_rank_generator(generator)
+    torch_random.set_thread_default_generator(generator)
     try:
         yield generator
     finally:
+        torch_random.set_thread_default_generator(None)
         set_rank_generator(None)
-        torch._C._pop_torch_dispatch_stack(None)
+        torch_random.pop_dispatch_mode()
 
 
 def _plain_cpu(args: tuple, kwargs: dict) -> bool:
@@ -107,7 +111,7 @@ def _plain_cpu(args: tuple, kwargs: dict) -> bool:
 
 
 def _route_for(func: Any) -> Route | None:
-    if isinstance(func, torch._ops.HigherOrderOperator):
+    if torch_random.is_higher_order_operator(func):
         return None  # a compiled graph's with_effects(token, shardops::all_gather, ...): its op draws nothing
     names = [a.name for a in func._schema.arguments]
     if "generator" in names:
@@ -123,14 +127,18 @@ def _route_for(func: Any) -> Route | None:
 def _fill_generator(position: int) -> Route:
     def route(gen: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
         if position < len(args):
-            if args[position] is not None:
-                return func(*args, **kwargs)
-            args = (*args[:position], gen, *args[position + 1 :])
-        elif kwargs.get("generator") is None:
+            if _is_default(args[position]):
+                args = (*args[:position], gen, *args[position + 1 :])
+        elif _is_default(kwargs.get("generator")):
             kwargs = {**kwargs, "generator": gen}
         return func(*args, **kwargs)
 
     return route
+
+
+def _is_default(generator: torch.Generator | None) -> bool:
+    """No generator, or torch's default one by a reference taken before this thread was a rank."""
+    return generator is None or torch_random.is_process_default_generator(generator)
 
 
 def _generator_sibling(func: Any, names: list[str]) -> Any:
@@ -149,7 +157,7 @@ def _generator_sibling(func: Any, names: list[str]) -> Any:
 
 def _with_default_generator_swapped(gen: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     """An op that only reads torch's default generator: lend it the rank's state for this one call."""
-    default = torch.default_generator
+    default = torch_random.process_default_generator()  # torch.default_generator reads as `gen` here
     with _swap_lock:
         saved = default.get_state()
         default.set_state(gen.get_state())

@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import rng
+from .._torch import random as torch_random
 from ..dispatch import core
 from ..dispatch.registry import call_default, overwrites_self, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
@@ -396,17 +397,21 @@ def _relabel_then_fill(func: Callable, b: dict, args: tuple, kwargs: dict) -> tu
     return func, args, kwargs
 
 
-_torch_trunc_normal_ = torch.nn.init.trunc_normal_
+def _trunc_normal_over(original: Callable) -> Callable:
+    def trunc_normal_(tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0, generator=None):
+        """nn.init.trunc_normal_: on a DTensor one inverse-CDF pass (0 bytes); otherwise torch's."""
+        from ..tensor import DTensor
+
+        if not isinstance(tensor, DTensor):
+            return original(tensor, mean, std, a, b, generator=generator)
+        return _dtensor_trunc_normal_(tensor, mean, std, a, b, generator)
+
+    return trunc_normal_
 
 
-def trunc_normal_(tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0, generator=None):
-    """nn.init.trunc_normal_: on a DTensor one inverse-CDF pass (0 bytes); otherwise torch's."""
-    from ..tensor import DTensor
-
-    if not isinstance(tensor, DTensor):
-        return _torch_trunc_normal_(tensor, mean, std, a, b, generator=generator)
+def _dtensor_trunc_normal_(tensor, mean: float, std: float, a: float, b: float, generator) -> Any:
     if mean < a - 2 * std or mean > b + 2 * std:
-        warnings.warn("mean is more than 2 std from [a, b] in nn.init.trunc_normal_. The distribution of values may be incorrect.", stacklevel=2)
+        warnings.warn("mean is more than 2 std from [a, b] in nn.init.trunc_normal_. The distribution of values may be incorrect.", stacklevel=3)
     _relabel_pending(tensor)
     cdf = lambda x: (1.0 + math.erf((x - mean) / (std * math.sqrt(2.0)))) / 2.0  # noqa: E731
     lo, hi = cdf(a), cdf(b)
@@ -423,21 +428,20 @@ def trunc_normal_(tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, 
     return tensor
 
 
-_torch_sparse_ = torch.nn.init.sparse_
+def _sparse_over(original: Callable) -> Callable:
+    def sparse_(tensor, sparsity, std=0.01, generator=None):
+        """nn.init.sparse_: refused on a DTensor (torch.randperm from torch's generator would differ per rank)."""
+        from ..tensor import DTensor
 
+        if isinstance(tensor, DTensor):
+            raise ShardingError(
+                f"nn.init.sparse_ on a DTensor {spec_of(tensor)!r}: it picks its zeros with torch.randperm, which draws from "
+                "torch's generator and has no layout-invariant version; initialise a plain tensor on every rank (same seed) "
+                "and distribute_tensor it."
+            )
+        return original(tensor, sparsity, std, generator=generator)
 
-def sparse_(tensor, sparsity, std=0.01, generator=None):
-    """nn.init.sparse_: refused on a DTensor (torch.randperm from torch's generator would differ per rank)."""
-    from ..tensor import DTensor
-
-    if isinstance(tensor, DTensor):
-        raise ShardingError(
-            f"nn.init.sparse_ on a DTensor {spec_of(tensor)!r}: it picks its zeros with torch.randperm, which draws from "
-            "torch's generator and has no layout-invariant version; initialise a plain tensor on every rank (same seed) "
-            "and distribute_tensor it."
-        )
-    return _torch_sparse_(tensor, sparsity, std, generator=generator)
-
+    return sparse_
 
 
 # torch-level entries (verify skips them with the random aten ops: their values are not torch's)
@@ -447,5 +451,6 @@ RANDOM_ENTRIES |= {torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.
 overwrites_self(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
 for _entry in RANDOM_ENTRIES | {torch.Tensor.zero_, torch.Tensor.fill_}:  # each parse knows its callable: apply re-calls it
     torch_level(_entry, signature=CallSignature(_fill_call, aliases={"self": "tensor"}), apply=call_default)(partial(_relabel_then_fill, _entry))
-torch.nn.init.trunc_normal_ = trunc_normal_  # torch's have no __torch_function__ entry to hook
-torch.nn.init.sparse_ = sparse_
+# torch's have no __torch_function__ entry to hook: shardops._torch.install() replaces them
+torch_random.replace_init_function("trunc_normal_", _trunc_normal_over)
+torch_random.replace_init_function("sparse_", _sparse_over)
