@@ -10,7 +10,7 @@ TVENV := .venv-torch-$(TORCH)
 TSTAMP := $(TVENV)/.installed
 TORCH_SENSITIVE := tests/test_compile.py tests/test_rank_random.py tests/test_random.py \
 	tests/test_checkpoint.py tests/test_checkpoint_gloo.py tests/test_parallel.py \
-	tests/test_resume.py tests/test_transformers.py tests/test_torch_seam.py
+	tests/test_resume.py tests/test_transformers.py tests/test_torch_hooks.py tests/test_default_generator.py
 
 .PHONY: demo test test-torch bench verify clean
 
