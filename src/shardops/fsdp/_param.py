@@ -209,7 +209,7 @@ def _composed_spec(data: DataMesh, tp: TensorSpec, shard_dim: int, meta: TensorM
     """The layout over the data mesh's dims and the tp mesh's dims together (2-D FSDP + TP)."""
     dp_mesh, tp_mesh = data.mesh, tp.mesh
     root = dp_mesh.root_mesh
-    if root is None or tp_mesh.root_mesh is not root or not root.mesh_dim_names:
+    if root is None or tp_mesh.root_mesh != root or not root.mesh_dim_names:
         raise ShardingError(
             f"fully_shard: a parameter is a DTensor on {tp_mesh} but the data mesh is {dp_mesh}; slice both from one "
             "mesh by name (mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, mesh['tp'], plan); "

@@ -1,0 +1,323 @@
+"""shardops.fsdp: fully_shard (FSDP2) and replicate (composable DDP) against single-device torch.
+
+The models are tiny and run in the threads world (one gloo test at the end). Every reference
+is single-device training computed here from the same initial weights on the global batch;
+each data-parallel rank trains on its slice of that batch with a rank-local mean loss.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardops as so
+from shardops import DTensor, Shard, StridedShard
+from shardops.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, replicate
+from shardops.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+TOL = 1e-5
+DIM, HIDDEN, OUT, BATCH, STEPS = 8, 20, 3, 8, 3  # HIDDEN=20 over 4 ranks: uneven dim-0 shards in w1
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.w1 = nn.Linear(DIM, HIDDEN)
+        self.w2 = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(F.relu(self.w1(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, blocks: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.out = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _model(seed: int = 0) -> Model:
+    torch.manual_seed(seed)
+    return Model()
+
+
+def _data(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(steps)]
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+def _reference(steps: int = STEPS, lr: float = 1e-2) -> dict:
+    """Single-device AdamW on the global batch: every step's loss, the first step's gradients, the final parameters."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-5)
+    losses, grads = [], None
+    for x, y in _data(steps):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _batch_slice(mesh: so.DeviceMesh, dp_dim: str | None, x: torch.Tensor) -> torch.Tensor:
+    dp_mesh = mesh[dp_dim] if dp_dim else mesh
+    n, r = dp_mesh.size(), dp_mesh.get_local_rank()
+    per = x.shape[0] // n
+    return x[r * per : (r + 1) * per]
+
+
+def _train(model: nn.Module, mesh: so.DeviceMesh, dp_dim: str | None, steps: int = STEPS, lr: float = 1e-2) -> dict:
+    """Each rank's run: losses averaged over dp (the global batch's loss), first gradients, final parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-5)
+    dp_size = (mesh[dp_dim] if dp_dim else mesh).size()
+    losses, grads = [], None
+    for x, y in _data(steps):
+        opt.zero_grad()
+        loss = _loss(model, _batch_slice(mesh, dp_dim, x), _batch_slice(mesh, dp_dim, y))
+        loss.backward()
+        losses.append(loss.detach())
+        if grads is None:
+            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+        opt.step()
+    group = mesh.group(mesh.mesh_dim_names.index(dp_dim) if dp_dim else 0)
+    local_losses = mesh.comm.all_gather(torch.stack(losses), group)
+    return {
+        "losses": (sum(local_losses) / dp_size).tolist(),
+        "grads": grads,
+        "params": {n: _full(p).detach() for n, p in model.named_parameters()},
+    }
+
+
+def _check(ours: dict, ref: dict) -> None:
+    assert ours["losses"] == pytest.approx(ref["losses"], rel=TOL, abs=TOL)
+    assert set(ours["grads"]) == set(ref["grads"])
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(ours["grads"][name], g, rtol=TOL, atol=TOL, msg=name)
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(ours["params"][name], p, rtol=TOL, atol=TOL, msg=name)
+
+
+def _shard_blocks(model: Model, **kwargs) -> Model:
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _tp_plan(model: Model, tp_mesh: so.DeviceMesh) -> None:
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+
+# ------------------------------------------------------------------ equal to single-device training
+
+
+def _fsdp_rank(reshard_after_forward):
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = _shard_blocks(_model(), mesh=mesh, reshard_after_forward=reshard_after_forward)
+    assert isinstance(model, FSDPModule) and type(model).__name__ == "FSDPModel"
+    return _train(model, mesh, "dp")
+
+
+@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
+def test_fully_shard_trains_as_single_device(strict, reshard_after_forward):
+    ref = _reference()
+    for ours in so.run(_fsdp_rank, 4, reshard_after_forward):
+        _check(ours, ref)
+
+
+def _fsdp_tp_rank():
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    _tp_plan(model, mesh["tp"])
+    model = _shard_blocks(model, mesh=mesh["dp"])
+    w1 = model.blocks[0].w1.weight
+    # stored on the (dp, tp) mesh: FSDP's dim-0 chunks of the tp shard (strided), tp's Shard(0)
+    layout = (w1.device_mesh.mesh_dim_names, w1.placements, model.blocks[0].w2.weight.placements, model.blocks[0].norm.weight.placements)
+    return _train(model, mesh, "dp"), layout
+
+
+def test_fully_shard_with_tensor_parallel_trains_as_single_device(strict):
+    ref = _reference()
+    for ours, layout in so.run(_fsdp_tp_rank, 4):
+        _check(ours, ref)
+        assert layout == (("dp", "tp"), (StridedShard(0, 2), Shard(0)), (Shard(0), Shard(1)), (Shard(0),))
+
+
+# ------------------------------------------------------------------ collectives per step, exact
+
+
+def _unit_params(model: Model) -> dict[str, list[torch.Tensor]]:
+    """The units' original parameters (before sharding), by unit: each block, then the root's own."""
+    units = {f"blocks.{i}": list(b.parameters()) for i, b in enumerate(model.blocks)}
+    units["root"] = list(model.inp.parameters()) + list(model.out.parameters())
+    return units
+
+
+def _gather_bytes(params: list[torch.Tensor], d: int, member: int, itemsize: int = 4) -> int:
+    """This member's own dim-0 chunks (torch.chunk's cut), unpadded."""
+    return sum(torch.chunk(torch.empty(p.shape), d)[member].numel() if member < len(torch.chunk(torch.empty(p.shape), d)) else 0 for p in params) * itemsize
+
+
+def _padded_bytes(params: list[torch.Tensor], d: int, itemsize: int = 4) -> int:
+    """FSDP2's padded per-rank shard: ceil(dim0 / d) rows of every parameter."""
+    return sum(math.ceil(p.shape[0] / d) * (p.numel() // p.shape[0]) for p in params) * itemsize
+
+
+def _counting_rank(reshard_after_forward, param_dtype):
+    mesh = so.init_device_mesh("cpu", (4,))
+    model = _model()
+    units = _unit_params(model)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    model = _shard_blocks(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = (_batch_slice(mesh, None, t) for t in _data(1)[0])
+    with so.CommDebugMode() as fwd:
+        loss = _loss(model, x, y)
+    with so.CommDebugMode() as bwd:
+        loss.backward()
+    with so.CommDebugMode() as step:
+        opt.step()
+    return mesh.get_rank(), units, (fwd.log, fwd.get_wire_bytes()), (bwd.log, bwd.get_wire_bytes()), step.get_total_counts()
+
+
+@pytest.mark.parametrize("reshard_after_forward", [None, True, False])
+def test_collectives_per_step_exact(strict, reshard_after_forward):
+    """Per unit: one all_gather in forward, one in backward when it resharded (the root keeps its
+    parameters by default), one reduce_scatter during backward; bytes from the units' sizes."""
+    for rank, units, (fwd, fwd_wire), (bwd, bwd_wire), step_counts in so.run(_counting_rank, 4, reshard_after_forward, None):
+        d = 4
+        order = ["root", "blocks.0", "blocks.1"]  # forward order of the units' gathers
+        assert fwd == [("all_gather", _gather_bytes(units[u], d, rank)) for u in order]
+        assert fwd_wire == sum(_padded_bytes(units[u], d) for u in order)
+        regather = {"root": reshard_after_forward is True, "blocks.0": reshard_after_forward is not False, "blocks.1": reshard_after_forward is not False}
+        expected = []
+        for u in ["blocks.1", "blocks.0"]:  # backward: gather (if resharded), then its reduce_scatter, unit by unit
+            if regather[u]:
+                expected.append(("all_gather", _gather_bytes(units[u], d, rank)))
+            expected.append(("reduce_scatter", sum(p.numel() for p in units[u]) * 4))
+        # the root's inputs are data: its reduce_scatter runs at the end of backward, before backward() returns
+        # (its backward gather, if any, comes first, when its outputs' gradient arrives)
+        root = [("reduce_scatter", sum(p.numel() for p in units["root"]) * 4)]
+        if regather["root"]:
+            expected.insert(0, ("all_gather", _gather_bytes(units["root"], d, rank)))
+        assert bwd == expected + root
+        padded_rs = sum(d * _padded_bytes(units[u], d) for u in order)
+        assert bwd_wire == padded_rs + sum(_padded_bytes(units[u], d) for u in order if regather[u])
+        assert step_counts == 0  # nothing left for the optimizer step
+
+
+def test_mixed_precision_gathers_half_the_bytes(strict):
+    full = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, None)}
+    half = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, torch.bfloat16)}
+    for rank in range(4):
+        (f32_fwd, _), (f32_bwd, _) = full[rank]
+        (bf16_fwd, _), (bf16_bwd, _) = half[rank]
+        assert [(k, n // 2) for k, n in f32_fwd] == bf16_fwd
+        # gathers halve, reductions stay float32 (reduce_dtype)
+        assert [(k, n // 2 if k == "all_gather" else n) for k, n in f32_bwd] == bf16_bwd
+
+
+def _mp_rank():
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _shard_blocks(_model(), mesh=mesh, mp_policy=mp)
+    out = _train(model, mesh, "dp")
+    return out, model.blocks[0].w1.weight.dtype, model.blocks[0].w1.weight.grad.dtype
+
+
+def test_mixed_precision_trains_close_to_float32(strict):
+    ref = _reference()
+    for ours, param_dtype, grad_dtype in so.run(_mp_rank, 4):
+        assert param_dtype == grad_dtype == torch.float32  # the sharded parameters keep their dtype
+        assert ours["losses"] == pytest.approx(ref["losses"], rel=2e-2, abs=2e-2)
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(ours["grads"][name], g, rtol=5e-2, atol=2e-2, msg=name)
+
+
+# ------------------------------------------------------------------ gradient accumulation without sync
+
+
+def _accumulation_rank(k):
+    mesh = so.init_device_mesh("cpu", (4,))
+    model = _shard_blocks(_model(), mesh=mesh)
+    x, y = (_batch_slice(mesh, None, t) for t in _data(1)[0])
+    micro = x.shape[0] // k
+    sent = []
+    for i in range(k):
+        last = i == k - 1
+        model.set_requires_gradient_sync(last)
+        with so.CommDebugMode() as comm:
+            loss = _loss(model, x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / k
+            loss.backward()
+        sent.append(comm.get_comm_counts().get("reduce_scatter", 0))
+        if not last:
+            assert all(p.grad is None for p in model.parameters())  # nothing reduced yet
+    return sent, {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_unsynced_micro_batches_accumulate_to_the_big_batch_gradient(strict):
+    ref = _reference(steps=1)["grads"]
+    for sent, grads in so.run(_accumulation_rank, 4, 2):
+        assert sent == [0, 3]  # no reduction for the unsynced micro-batch; one per unit for the synced one
+        for name, g in ref.items():
+            torch.testing.assert_close(grads[name], g, rtol=TOL, atol=TOL, msg=name)
+
+
+# ------------------------------------------------------------------ replicate (composable DDP)
+
+
+def _replicate_rank(bucket_cap_mb):
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = replicate(_model(seed=mesh.get_rank()), device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)  # rank 0's weights win
+    x, y = (_batch_slice(mesh, "dp", t) for t in _data(1)[0])
+    with so.CommDebugMode() as bwd:
+        _loss(model, x, y).backward()
+    return bwd.log, _train(model, mesh, "dp")
+
+
+@pytest.mark.parametrize("cap", ["25MB", "half", "1B"])
+def test_replicate_trains_as_single_device_with_bucketed_all_reduces(strict, cap):
+    """⌈Ψ·4 B / cap⌉ all_reduces during backward (a 1-byte cap: one per parameter), Ψ·4 bytes."""
+    params = list(_model().parameters())
+    psi_bytes = sum(p.numel() for p in params) * 4
+    cap_mb, buckets = {"25MB": (25, 1), "half": (psi_bytes / 2 / 2**20, 2), "1B": (1 / 2**20, len(params))}[cap]
+    ref = _reference()
+    for log, ours in so.run(_replicate_rank, 4, cap_mb):
+        assert [k for k, _ in log] == ["all_reduce"] * buckets
+        assert sum(n for _, n in log) == psi_bytes
+        _check(ours, ref)
+
+
+def test_replicate_syncs_parameters_from_the_first_rank(strict):
+    def rank():
+        mesh = so.init_device_mesh("cpu", (4,))
+        model = replicate(_model(seed=mesh.get_rank()), device_mesh=mesh)
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    first, *others = so.run(rank, 4)
+    expected = dict(_model(seed=0).named_parameters())
+    for params in [first, *others]:
+        for name, p in params.items():
+            torch.testing.assert_close(p, expected[name].detach())
