@@ -321,3 +321,125 @@ def test_replicate_syncs_parameters_from_the_first_rank(strict):
     for params in [first, *others]:
         for name, p in params.items():
             torch.testing.assert_close(p, expected[name].detach())
+
+
+# ------------------------------------------------------------------ models whose ops have no DTensor rule: activations stay local
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention reads self.out_proj.weight directly, not through the child's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(DIM, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 16), nn.ReLU(), nn.Linear(16, DIM))
+        self.head = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(x, x, x, need_weights=False)[0]
+        return self.head(h + self.mlp(h)).mean(1)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(DIM, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x)).mean(1)
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 4, 3, stride=2)
+        self.head = nn.Linear(4 * 3 * 3, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.conv1(x)), 1)
+        return self.head(F.relu(self.conv2(h)).flatten(1))
+
+
+MODELS = {"attention": (Attention, (6, DIM)), "encoder": (Encoder, (6, DIM)), "cnn": (CNN, (2, 7, 7))}
+
+
+def _inputs(kind: str, steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(BATCH, *MODELS[kind][1], generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(steps)]
+
+
+def _single(kind: str) -> dict:
+    torch.manual_seed(0)
+    model = MODELS[kind][0]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    for x, y in _inputs(kind):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _local_activations_rank(kind: str, how: str, mesh_shape: tuple[int, ...]):
+    names = ("dp", "tp")[: len(mesh_shape)]
+    mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = MODELS[kind][0]()
+    if len(mesh_shape) == 2:  # the MLP tensor-parallel, the attention outside the plan
+        parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if how == "fully_shard":
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        replicate(model, device_mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    kinds = set()
+    for x, y in _inputs(kind):
+        opt.zero_grad()
+        with so.CommDebugMode() as comm:
+            F.mse_loss(model(_batch_slice(mesh, "dp", x)), _batch_slice(mesh, "dp", y)).backward()
+        kinds |= {k for k, _ in comm.log}
+        opt.step()
+    return kinds, {n: _full(p).detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("how", ["fully_shard", "replicate"])
+@pytest.mark.parametrize("kind, mesh_shape", [("attention", (4,)), ("attention", (2, 2)), ("encoder", (4,)), ("cnn", (4,))])
+def test_activations_stay_local(strict, kind, mesh_shape, how):
+    """Only the parameters' collectives run (0 activation bytes: no op of the model meets a
+    DTensor, so conv and attention need no DTensor rule); training equals single-device."""
+    if how == "replicate" and len(mesh_shape) == 2:
+        pytest.skip("torch's composable DDP is pure data parallelism")
+    ref = _single(kind)
+    allowed = {"all_gather", "reduce_scatter"} if how == "fully_shard" else {"all_reduce"}
+    if len(mesh_shape) == 2:
+        allowed |= {"all_reduce"}  # the row-parallel layer's own tp all_reduce
+    for kinds, params in so.run(_local_activations_rank, 4, kind, how, mesh_shape):
+        assert kinds <= allowed
+        for name, p in ref.items():
+            torch.testing.assert_close(params[name], p, rtol=TOL, atol=TOL, msg=name)
+
+
+# ------------------------------------------------------------------ torch.distributed (gloo) world
+
+
+def _gloo_rank():
+    so.set_strict(True)
+    pure = _fsdp_rank(None)
+    _, _, fwd, bwd, _ = _counting_rank(None, None)
+    dp_tp, layout = _fsdp_tp_rank()
+    return pure, fwd, bwd, dp_tp, layout
+
+
+def test_fully_shard_in_gloo_processes():
+    """The same programs in 4 gloo processes: training equals single-device, and the collective
+    log (logical and wire bytes) equals the threads world's."""
+    from mp import run_gloo
+
+    ref = _reference()
+    threads = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, None)}
+    for rank, (pure, fwd, bwd, dp_tp, layout) in enumerate(run_gloo(_gloo_rank, 4, timeout=300)):
+        _check(pure, ref)
+        _check(dp_tp, ref)
+        assert (fwd, bwd) == threads[rank]
+        assert layout[1] == (StridedShard(0, 2), Shard(0))
