@@ -443,3 +443,29 @@ def test_fully_shard_in_gloo_processes():
         _check(dp_tp, ref)
         assert (fwd, bwd) == threads[rank]
         assert layout[1] == (StridedShard(0, 2), Shard(0))
+
+
+# ------------------------------------------------------------------ state dicts
+
+
+def _state_dict_rank(path: str):
+    mesh = so.init_device_mesh("cpu", (4,))
+    model = _shard_blocks(_model(), mesh=mesh)
+    sd = model.state_dict()
+    layouts = {k: (type(v).__name__, v.placements) for k, v in sd.items()}
+    _train(model, mesh, None, steps=1)
+    so.checkpoint.save({"model": model}, path)
+    trained = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    fresh = _shard_blocks(_model(seed=5), mesh=mesh)
+    so.checkpoint.load({"model": fresh}, path)
+    loaded = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
+    return layouts, trained, loaded
+
+
+def test_state_dict_is_sharded_under_the_original_names(tmp_path):
+    names = set(_model().state_dict())
+    for layouts, trained, loaded in so.run(_state_dict_rank, 4, str(tmp_path / "ckpt")):
+        assert set(layouts) == names
+        assert set(layouts.values()) == {("DTensor", (Shard(0),))}
+        for k in names:
+            torch.testing.assert_close(loaded[k], trained[k], rtol=0, atol=0)
