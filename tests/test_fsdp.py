@@ -82,8 +82,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _batch_slice(mesh: so.DeviceMesh, dp_dim: str | None, x: torch.Tensor) -> torch.Tensor:
-    dp_mesh = mesh[dp_dim] if dp_dim else mesh
-    n, r = dp_mesh.size(), dp_mesh.get_local_rank()
+    n, r = (mesh[dp_dim].size(), mesh[dp_dim].get_local_rank()) if dp_dim else (mesh.size(), mesh.get_rank())
     per = x.shape[0] // n
     return x[r * per : (r + 1) * per]
 
@@ -101,7 +100,7 @@ def _train(model: nn.Module, mesh: so.DeviceMesh, dp_dim: str | None, steps: int
         if grads is None:
             grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         opt.step()
-    group = mesh.group(mesh.mesh_dim_names.index(dp_dim) if dp_dim else 0)
+    group = mesh.group(mesh.mesh_dim_names.index(dp_dim) if dp_dim else tuple(range(mesh.ndim)))
     local_losses = mesh.comm.all_gather(torch.stack(losses), group)
     return {
         "losses": (sum(local_losses) / dp_size).tolist(),
@@ -163,6 +162,26 @@ def test_fully_shard_with_tensor_parallel_trains_as_single_device(strict):
     for ours, layout in so.run(_fsdp_tp_rank, 4):
         _check(ours, ref)
         assert layout == (("dp", "tp"), (StridedShard(0, 2), Shard(0)), (Shard(0), Shard(1)), (Shard(0),))
+
+
+def _hsdp_rank():
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _shard_blocks(_model(), mesh=mesh)
+    x, y = (_batch_slice(mesh, None, t) for t in _data(1)[0])
+    with so.CommDebugMode() as comm:
+        _loss(model, x, y).backward()
+    model.zero_grad()
+    return comm.get_comm_counts(), model.blocks[0].w1.weight.placements, _train(model, mesh, None)
+
+
+def test_hsdp_trains_as_single_device(strict):
+    """HSDP: sharded over the mesh's last dim, replicated over its first; per unit one gather over
+    the shard dim, one reduce_scatter over it and one all_reduce over the replicate dim."""
+    ref = _reference()
+    for counts, placements, ours in so.run(_hsdp_rank, 4):
+        assert placements == (so.Replicate(), Shard(0))
+        assert counts == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}
+        _check(ours, ref)
 
 
 # ------------------------------------------------------------------ collectives per step, exact
