@@ -107,9 +107,10 @@ def post_backward(unit: FSDPUnit) -> None:
     if not unit.pending_backward:
         return
     unit.pending_backward = False
-    unit.reduce_gradients()
+    grads = unit.take_gradients()
     if unit.reshard_after_backward:
-        unit.reshard()
+        unit.reshard()  # first: the unsharded parameters' memory is free before the reduction's buffers
+    unit.reduce_gradients(grads)
 
 
 class _PostBackward(torch.autograd.Function):

@@ -80,19 +80,27 @@ class FSDPUnit:
         self.is_unsharded = False
 
     # -- gradients
-    def reduce_gradients(self) -> None:
-        """The unit's post-backward: reduce-scatter its gradients (or keep them, unsynced)."""
+    def take_gradients(self) -> list[tuple[FSDPParam, torch.Tensor]]:
+        """The unsharded gradients to reduce, taken off the unsharded parameters (reduce_dtype).
+        Unsynced: they are kept (accumulated) instead, and nothing is returned."""
         dtype = self.reduce_dtype
         if not self.requires_gradient_sync:
             for p in self.params:
                 p.accumulate(dtype)
-            return
-        grads = [(p, g) for p in self.params if (g := p.take_unsharded_grad(dtype)) is not None]
+            return []
+        return [(p, g) for p in self.params if (g := p.take_unsharded_grad(dtype)) is not None]
+
+    def reduce_gradients(self, grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
+        """One reduce_scatter of `grads` (emptied as soon as they are packed: their memory goes
+        before the collective's), then under HSDP one all_reduce over the replicate dim."""
         if not grads:
             return
         chunks = [torch.cat([p.grad_chunk(g, r) for p, g in grads]) for r in range(self.data.shard_size)]
+        params = [p for p, _ in grads]
+        grads.clear()
         comm = self.data.mesh.comm
         out = comm.reduce_scatter(chunks, "sum", self.data.shard_group)
+        del chunks
         if self.data.replicate_group is not None:
             out = comm.all_reduce(out, "sum", self.data.replicate_group)
         factor = self.divide_factor if self.divide_factor is not None else float(self.data.size)
@@ -100,7 +108,7 @@ class FSDPUnit:
             out = out / factor
         me = self.data.shard_rank
         offset = 0
-        for p, _ in grads:
+        for p in params:
             n = p.member_numels[me]
             p.set_sharded_grad(out[offset : offset + n])
             offset += n
