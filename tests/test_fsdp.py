@@ -613,3 +613,45 @@ def test_peak_memory_per_rank_within_fsdp_bound_and_torch(capsys):
             print(f"\npeak tracked bytes per rank: shardops {ours}, torch fully_shard {theirs} (Ψ/d {psi // 4}, unit {unit})")
         assert ours <= theirs
         assert ours <= psi // 4 + 4 * unit
+
+
+# ------------------------------------------------------------------ defaults and user errors
+
+
+def _defaults_and_errors_rank():
+    mesh = so.init_device_mesh("cpu", (4,))
+    default = _shard_blocks(_model())  # mesh=None: every rank
+    errors = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+        except so.ShardingError as e:
+            errors[name] = str(e)
+
+    expect("twice", lambda: fully_shard(default.blocks[0], mesh=mesh))
+    expect("replicate a fully_shard model", lambda: replicate(default))
+    expect("reshard to a smaller world", lambda: fully_shard(_model(), mesh=mesh, reshard_after_forward=2))
+    mixed = _model()
+    mixed.out.double()
+    expect("mixed dtypes", lambda: fully_shard(mixed, mesh=mesh))
+    expect("unknown keyword", lambda: replicate(_model(), bucket_cap=3))
+    tied = _model()
+    tied.blocks[1].w1.weight = tied.blocks[0].w1.weight
+    fully_shard(tied.blocks[0], mesh=mesh)
+    expect("shared between units", lambda: fully_shard(tied.blocks[1], mesh=mesh))
+    layout = (default.blocks[0].w1.weight.device_mesh.shape, default.blocks[0].w1.weight.placements)
+    return layout, errors, _train(default, mesh, None, steps=1)
+
+
+def test_defaults_and_user_errors(strict):
+    ref = _reference(steps=1)
+    for layout, errors, ours in so.run(_defaults_and_errors_rank, 4):
+        assert layout == ((4,), (Shard(0),))
+        _check(ours, ref)
+        assert set(errors) == {"twice", "replicate a fully_shard model", "reshard to a smaller world", "mixed dtypes", "unknown keyword", "shared between units"}
+        assert "already fully sharded" in errors["twice"]
+        assert "reshard_after_forward=2" in errors["reshard to a smaller world"]
+        assert "torch.float64" in errors["mixed dtypes"] and "param_dtype" in errors["mixed dtypes"]
+        assert "bucket_cap" in errors["unknown keyword"]
+        assert "tied weights" in errors["shared between units"]

@@ -28,6 +28,9 @@ from ..tensor import DTensor
 from ..wrapping import local_of, shard_in, spec_of, wrap
 
 
+SHARDED_MARK = "_shardops_fsdp_sharded"  # set on the sharded parameters fully_shard makes
+
+
 @dataclass(frozen=True)
 class DataMesh:
     """fully_shard's mesh: 1-D (shard) or 2-D (replicate, shard) for HSDP."""
@@ -69,6 +72,16 @@ class FSDPParam:
     """A parameter's two forms and the moves between them (the unit issues the collectives)."""
 
     def __init__(self, param: nn.Parameter, occurrences: list[tuple[nn.Module, str]], data: DataMesh, shard_dim: int, param_dtype: torch.dtype | None) -> None:
+        if param.ndim == 0:
+            raise ShardingError(
+                f"fully_shard: a 0-d parameter ({occurrences[0][1]} of {type(occurrences[0][0]).__name__}) cannot be sharded on a dim; "
+                "pass it in ignored_params, or make it 1-d"
+            )
+        if getattr(param, SHARDED_MARK, False):
+            raise ShardingError(
+                f"fully_shard: {occurrences[0][1]} of {type(occurrences[0][0]).__name__} is already sharded by another unit "
+                "(a parameter shared between units, e.g. tied weights): put the modules that share it in one unit"
+            )
         self.occurrences = occurrences
         self.data = data
         self.requires_grad = param.requires_grad
@@ -77,18 +90,19 @@ class FSDPParam:
         self.global_shape = tuple(param.shape)
         self.tp_spec: TensorSpec | None = spec_of(param) if isinstance(param, DTensor) else None
         full = (local_of(param) if isinstance(param, DTensor) else param).detach()
-        if not -full.ndim <= shard_dim < max(full.ndim, 1):
-            raise ShardingError(f"fully_shard: Shard({shard_dim}) for a parameter of shape {tuple(param.shape)}")
-        self.shard_dim = shard_dim % max(full.ndim, 1)
+        if not -full.ndim <= shard_dim < full.ndim:
+            raise ShardingError(f"fully_shard: Shard({shard_dim}) for a parameter of shape {tuple(param.shape)}; use a dim in [{-full.ndim}, {full.ndim})")
+        self.shard_dim = shard_dim % full.ndim
         self.unsharded_shape = tuple(full.shape)
-        rows = self.unsharded_shape[self.shard_dim] if full.ndim else 1
+        rows = self.unsharded_shape[self.shard_dim]
         self.member_slices = [chunk_slice(rows, data.shard_size, r) for r in range(data.shard_size)]
         rest = math.prod(self.unsharded_shape) // rows if rows else 0
         self.member_numels = [length * rest for _, length in self.member_slices]
         start, length = self.member_slices[data.shard_rank]
-        local = full.reshape(-1) if full.ndim == 0 else full
-        local = local.narrow(self.shard_dim, start, length).clone(memory_format=torch.contiguous_format)
+        local = full.narrow(self.shard_dim, start, length).clone(memory_format=torch.contiguous_format)
         self.sharded = nn.Parameter(wrap(local, self._sharded_spec(param)), requires_grad=param.requires_grad)
+        for t in (self.sharded, param):  # the original too: a module outside this unit may still hold it (tied weights)
+            setattr(t, SHARDED_MARK, True)
         self.unsharded: nn.Parameter | None = None
         self._buffer: torch.Tensor | None = None
         self.accumulated: torch.Tensor | None = None  # unsynced micro-batches' gradient (reduce dtype)
@@ -101,18 +115,14 @@ class FSDPParam:
         else:
             spec = _composed_spec(self.data, self.tp_spec, self.shard_dim, meta)
         local_shape = spec.local_shape()
-        expected = list(self.unsharded_shape)
-        if expected:
-            expected[self.shard_dim] = self.member_slices[self.data.shard_rank][1]
-        if tuple(local_shape) != tuple(expected):
-            raise ShardingError(f"fully_shard: internal error: layout {spec!r} gives this rank {local_shape}, FSDP's shard is {tuple(expected)}")
+        if tuple(local_shape) != self.local_shard_shape:
+            raise ShardingError(f"fully_shard: internal error: layout {spec!r} gives this rank {local_shape}, FSDP's shard is {self.local_shard_shape}")
         return spec
 
     @property
     def local_shard_shape(self) -> tuple[int, ...]:
         shape = list(self.unsharded_shape)
-        if shape:
-            shape[self.shard_dim] = self.member_slices[self.data.shard_rank][1]
+        shape[self.shard_dim] = self.member_slices[self.data.shard_rank][1]
         return tuple(shape)
 
     def refresh_sharded(self) -> None:
@@ -149,9 +159,6 @@ class FSDPParam:
     def write_member(self, buffer: torch.Tensor, member: int, piece: torch.Tensor) -> None:
         start, length = self.member_slices[member]
         shape = list(self.unsharded_shape)
-        if not shape:
-            buffer.copy_(piece.reshape(()))
-            return
         shape[self.shard_dim] = length
         buffer.narrow(self.shard_dim, start, length).copy_(piece.view(shape))
 
@@ -184,8 +191,6 @@ class FSDPParam:
 
     def grad_chunk(self, grad: torch.Tensor, member: int) -> torch.Tensor:
         start, length = self.member_slices[member]
-        if grad.ndim == 0:
-            return grad.reshape(-1)
         return grad.narrow(self.shard_dim, start, length).reshape(-1)
 
     def set_sharded_grad(self, flat: torch.Tensor) -> None:

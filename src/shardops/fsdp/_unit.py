@@ -105,7 +105,7 @@ class FSDPUnit:
             out = comm.all_reduce(out, "sum", self.data.replicate_group)
         factor = self.divide_factor if self.divide_factor is not None else float(self.data.size)
         if factor != 1:
-            out = out / factor
+            out.div_(factor)  # the collective's own fresh result
         me = self.data.shard_rank
         offset = 0
         for p in params:

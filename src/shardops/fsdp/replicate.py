@@ -69,7 +69,7 @@ class ReplicateState:
         grads = [_local_grad(p) for p in bucket.params]
         flat = torch.cat([g.reshape(-1) if g is not None else _local_zeros(p) for p, g in zip(bucket.params, grads)])
         total = self.mesh.comm.all_reduce(flat, "sum", self.group)
-        total = total / self.group.size
+        total.div_(self.group.size)  # a fresh tensor from the collective: divided in place, no second bucket
         offset = 0
         for p, g in zip(bucket.params, grads):
             n = _local_numel(p)
@@ -136,14 +136,14 @@ def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = N
     ignored = {id(p) for m in (ignored_modules or ()) for p in m.parameters()}
     params = [p for p in module.parameters() if id(p) not in ignored and p.requires_grad]
     if kwargs.get("init_sync", True):
-        _sync_params(params, mesh)
+        _sync_params([p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()), mesh)
     cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
     module.__dict__[STATE_ATTR] = ReplicateState(params, mesh, cap)
     return module
 
 
-def _sync_params(params: list[nn.Parameter], mesh: DeviceMesh) -> None:
-    """Every rank of the data mesh takes its first rank's values: one broadcast per dtype."""
+def _sync_params(params: list[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Every rank of the data mesh takes its first rank's parameters and buffers: one broadcast per dtype."""
     group = mesh.group(tuple(range(mesh.ndim)))
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
