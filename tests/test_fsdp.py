@@ -655,3 +655,31 @@ def test_defaults_and_user_errors(strict):
         assert "torch.float64" in errors["mixed dtypes"] and "param_dtype" in errors["mixed dtypes"]
         assert "bucket_cap" in errors["unknown keyword"]
         assert "tied weights" in errors["shared between units"]
+
+
+def _grouped_rank():
+    mesh = so.init_device_mesh("cpu", (4,))
+    model = _model()
+    units = _unit_params(model)
+    fully_shard(list(model.blocks), mesh=mesh)  # one unit over both blocks
+    fully_shard(model, mesh=mesh)
+    x, y = (_batch_slice(mesh, None, t) for t in _data(1)[0])
+    with so.CommDebugMode() as comm:
+        _loss(model, x, y).backward()
+    model.zero_grad()
+    blocks = units["blocks.0"] + units["blocks.1"]
+    return comm.log, mesh.get_rank(), blocks, units["root"], _train(model, mesh, None)
+
+
+def test_a_unit_over_several_modules(strict):
+    """fully_shard([block0, block1]): one gather in forward, one in backward, one reduce_scatter of both blocks' gradients."""
+    ref = _reference()
+    for log, rank, blocks, root, ours in so.run(_grouped_rank, 4):
+        assert log == [
+            ("all_gather", _gather_bytes(root, 4, rank)),
+            ("all_gather", _gather_bytes(blocks, 4, rank)),
+            ("all_gather", _gather_bytes(blocks, 4, rank)),
+            ("reduce_scatter", sum(p.numel() for p in blocks) * 4),
+            ("reduce_scatter", sum(p.numel() for p in root) * 4),
+        ]
+        _check(ours, ref)

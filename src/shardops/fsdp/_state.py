@@ -107,6 +107,7 @@ def post_backward(unit: FSDPUnit) -> None:
     if not unit.pending_backward:
         return
     unit.pending_backward = False
+    unit.inputs_pending = 0
     grads = unit.take_gradients()
     if unit.reshard_after_backward:
         unit.reshard()  # first: the unsharded parameters' memory is free before the reduction's buffers
@@ -124,7 +125,10 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        post_backward(ctx.unit)
+        unit = ctx.unit
+        unit.inputs_pending -= 1
+        if unit.inputs_pending <= 0:  # a grouped unit: after the last of its modules' backwards
+            post_backward(unit)
         return (None, *grads)
 
 
@@ -133,6 +137,7 @@ def _run_post_backward_after_inputs(unit: FSDPUnit, args: tuple, kwargs: dict) -
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return args, kwargs  # the root's end-of-backward runs this unit's post-backward
+    unit.inputs_pending += 1
     outs = _PostBackward.apply(unit, *(flat[i] for i in positions))
     for i, t in zip(positions, outs):
         flat[i] = t

@@ -47,6 +47,7 @@ class FSDPUnit:
         self.is_unsharded = False
         self.pending_backward = False
         self.forwards_in_pass = 0
+        self.inputs_pending = 0  # post-backward functions of this forward whose backward has not run yet
         self.root = None  # the RootState of the model this unit runs in (set at the root's first forward)
 
     # -- parameters
