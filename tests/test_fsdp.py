@@ -683,3 +683,30 @@ def test_a_unit_over_several_modules(strict):
             ("reduce_scatter", sum(p.numel() for p in root) * 4),
         ]
         _check(ours, ref)
+
+
+def _unshard_reshard_rank():
+    mesh = so.init_device_mesh("cpu", (4,))
+    model = _shard_blocks(_model(), mesh=mesh)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    model.unshard()
+    # (cloned: reshard frees the unsharded storage, as torch's does)
+    root_gathered = {n: (type(p), p.detach().clone()) for n, p in model.named_parameters() if not n.startswith("blocks")}
+    block_kinds = {type(p).__name__ for n, p in model.named_parameters() if n.startswith("blocks")}
+    model.reshard()
+    kinds_after = {type(p).__name__ for p in model.parameters()}
+    seq = fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), mesh=mesh)
+    return full, root_gathered, block_kinds, kinds_after, type(seq[0:1]).__name__
+
+
+def test_unshard_and_reshard():
+    full_model = dict(_model().named_parameters())
+    for full, root_gathered, block_kinds, kinds_after, sliced in so.run(_unshard_reshard_rank, 4):
+        for name, (kind, p) in root_gathered.items():  # the root's own parameters, gathered as plain tensors
+            assert kind is nn.Parameter
+            torch.testing.assert_close(p, full_model[name].detach(), rtol=0, atol=0)
+        assert block_kinds == {"DTensor"}  # other units untouched
+        assert kinds_after == {"DTensor"}
+        assert sliced == "Sequential"  # an FSDP container constructing itself makes the plain class, as torch
+        for name, p in full.items():
+            torch.testing.assert_close(p, full_model[name].detach(), rtol=0, atol=0)
