@@ -195,8 +195,9 @@ def _unit_params(model: Model) -> dict[str, list[torch.Tensor]]:
 
 
 def _gather_bytes(params: list[torch.Tensor], d: int, member: int, itemsize: int = 4) -> int:
-    """This member's own dim-0 chunks (torch.chunk's cut), unpadded."""
-    return sum(torch.chunk(torch.empty(p.shape), d)[member].numel() if member < len(torch.chunk(torch.empty(p.shape), d)) else 0 for p in params) * itemsize
+    """This member's own dim-0 chunks (torch.chunk's cut: trailing members may get none), unpadded."""
+    chunks = [torch.chunk(torch.empty(p.shape), d) for p in params]
+    return sum(c[member].numel() if member < len(c) else 0 for c in chunks) * itemsize
 
 
 def _padded_bytes(params: list[torch.Tensor], d: int, itemsize: int = 4) -> int:

@@ -8,10 +8,9 @@ import torch.nn as nn
 from ..errors import ShardingError
 from ..mesh import DeviceMesh, current_mesh, init_device_mesh
 from ..placements import Shard
-from ..tensor import DTensor
 from ..world import current_comm
 from ._param import DataMesh, FSDPParam
-from ._state import STATE_ATTR, install_hooks, post_backward, unit_of
+from ._state import install_hooks, post_backward, unit_of
 from ._unit import FSDPUnit
 from .api import MixedPrecisionPolicy, OffloadPolicy
 
