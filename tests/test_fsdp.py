@@ -423,13 +423,14 @@ def _local_activations_rank(kind: str, how: str, mesh_shape: tuple[int, ...]):
     return kinds, {n: _full(p).detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("how", ["fully_shard", "replicate"])
-@pytest.mark.parametrize("kind, mesh_shape", [("attention", (4,)), ("attention", (2, 2)), ("encoder", (4,)), ("cnn", (4,))])
+# replicate is torch's composable DDP: pure data parallelism, so (2, 2) only under fully_shard
+@pytest.mark.parametrize(
+    "kind, mesh_shape, how",
+    [(k, (4,), h) for k in MODELS for h in ("fully_shard", "replicate")] + [("attention", (2, 2), "fully_shard")],
+)
 def test_activations_stay_local(strict, kind, mesh_shape, how):
     """Only the parameters' collectives run (0 activation bytes: no op of the model meets a
     DTensor, so conv and attention need no DTensor rule); training equals single-device."""
-    if how == "replicate" and len(mesh_shape) == 2:
-        pytest.skip("torch's composable DDP is pure data parallelism")
     ref = _single(kind)
     allowed = {"all_gather", "reduce_scatter"} if how == "fully_shard" else {"all_reduce"}
     if len(mesh_shape) == 2:
@@ -711,3 +712,33 @@ def test_unshard_and_reshard():
         assert sliced == "Sequential"  # an FSDP container constructing itself makes the plain class, as torch
         for name, p in full.items():
             torch.testing.assert_close(p, full_model[name].detach(), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ torch.compile per block (torchtitan's order: compile, then fully_shard)
+
+
+def _compiled_rank(compiled: bool):
+    mesh = so.init_device_mesh("cpu", (4,))
+    model = _model()
+    if compiled:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, fullgraph=True)
+    model = _shard_blocks(model, mesh=mesh)
+    logs = []
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    for x, y in _data(2):
+        opt.zero_grad()
+        with so.CommDebugMode() as comm:
+            _loss(model, _batch_slice(mesh, None, x), _batch_slice(mesh, None, y)).backward()
+        logs.append(comm.log)
+        opt.step()
+    params = {n.replace("._orig_mod", ""): _full(p).detach() for n, p in model.named_parameters()}
+    return logs, params
+
+
+def test_compiled_blocks_send_eagers_bytes_and_train_the_same(strict):
+    ref = _reference(steps=2)["params"]
+    for (eager_logs, _), (compiled_logs, params) in zip(so.run(_compiled_rank, 4, False), so.run(_compiled_rank, 4, True, timeout=600)):
+        assert compiled_logs == eager_logs
+        for name, p in ref.items():
+            torch.testing.assert_close(params[name], p, rtol=TOL, atol=TOL, msg=name)
