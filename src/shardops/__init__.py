@@ -13,6 +13,8 @@ from .explain import explain
 from . import ops as _ops  # noqa: F401  (registers strategies)
 from . import checkpoint, parallel, remesh  # remesh: copy_ and load_state_dict across meshes
 from .parallel import distribute_module
+from . import fsdp  # noqa: E402
+from .fsdp import fully_shard, replicate  # noqa: E402  (torch.distributed.fsdp.fully_shard, composable replicate)
 from .autoparallel import autoparallel  # noqa: E402  (the function; the package stays importable by its full name)
 
 __all__ = [
@@ -20,4 +22,5 @@ __all__ = [
     "Partial", "Placement", "Replicate", "Shard", "ShardingError", "StridedShard", "distribute_module", "distribute_tensor", "explain",
     "from_local", "from_torch", "init_device_mesh", "parallel", "run", "set_debug", "set_links", "set_strict", "to_torch",
 ]
+__all__ += ["fsdp", "fully_shard", "replicate"]
 __version__ = "0.1.0"

@@ -44,6 +44,9 @@ class DeviceMesh:
         # Mesh dims that split a data-parallel batch (set by shardops.parallel.data_parallel): on them,
         # plain tensors carry gradients of the rank-local loss, as under DDP (see tensor.dp_grad_scale).
         self.data_parallel_dims: tuple[int, ...] = ()
+        # The mesh this one was sliced from by name (torch's root mesh): fully_shard composes a
+        # dp sub-mesh with the tp sub-mesh of a parameter's layout on it.
+        self.root_mesh: DeviceMesh | None = None
 
     # -- identity
     def __eq__(self, other: object) -> bool:
@@ -128,7 +131,9 @@ class DeviceMesh:
         # torch slices only in mesh-dim order; other orders get member-made groups from the communicator
         if self._torch_mesh is not None and list(dims) == sorted(dims):
             torch_sub = self._torch_mesh[names if len(names) > 1 else names[0]]
-        return DeviceMesh(self.device_type, sub, names, _torch_mesh=torch_sub)
+        sub_mesh = DeviceMesh(self.device_type, sub, names, _torch_mesh=torch_sub)
+        sub_mesh.root_mesh = self.root_mesh or self
+        return sub_mesh
 
     # -- groups
     def group(self, mesh_dims: int | Sequence[int]) -> Group:

@@ -1,0 +1,158 @@
+"""`replicate`: torch's composable DDP (`torch.distributed._composable.replicate`) on shardops.
+
+Parameters stay what they are (plain tensors, or a tensor-parallel plan's DTensors on the tp
+sub-mesh): forward runs on local tensors with the local batch. At `replicate` time every
+parameter takes the data mesh's first rank's values (one broadcast of a flat buffer, as DDP's
+init sync). During backward each parameter's gradient lands in a bucket (reverse parameter
+order, by dtype, a bucket closed once it holds `bucket_cap_mb`); a complete bucket is
+all-reduced at once (one all_reduce) and divided by the data-parallel size: ⌈Ψ·itemsize / cap⌉
+all_reduces per step when the parameters fill the buckets evenly, logical bytes Ψ·itemsize.
+The end of backward reduces any bucket a parameter without a gradient left open (as zeros).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from ..errors import ShardingError
+from ..mesh import DeviceMesh
+from ..spec import TensorMeta, TensorSpec
+from ..tensor import DTensor
+from ..wrapping import local_of, shard_in, spec_of, wrap
+from ._engine import queue_end_of_backward
+from .fully_shard import _data_mesh
+
+# DDP keywords that mean nothing for shardops' synchronous CPU collectives; accepted for torch's signature
+_ACCEPTED = {
+    "device_ids", "device_id", "output_device", "dim", "broadcast_buffers", "init_sync", "process_group",
+    "find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph",
+    "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision", "skip_all_reduce_unused_params",
+}
+STATE_ATTR = "_shardops_replicate_state"
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+
+
+class ReplicateState:
+    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, bucket_bytes: int) -> None:
+        self.mesh = mesh
+        self.group = mesh.group(tuple(range(mesh.ndim)))
+        self.buckets = _buckets(params, bucket_bytes)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.callback_queued = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            queue_end_of_backward(self._finish)
+        bucket = self.bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._reduce(bucket)
+
+    def _finish(self) -> None:
+        self.callback_queued = False
+        for bucket in self.buckets:
+            if 0 < bucket.ready < len(bucket.params):
+                self._reduce(bucket)
+            bucket.ready = 0
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        grads = [_local_grad(p) for p in bucket.params]
+        flat = torch.cat([g.reshape(-1) if g is not None else _local_zeros(p) for p, g in zip(bucket.params, grads)])
+        total = self.mesh.comm.all_reduce(flat, "sum", self.group)
+        total.div_(self.group.size)  # a fresh tensor from the collective: divided in place, no second bucket
+        offset = 0
+        for p, g in zip(bucket.params, grads):
+            n = _local_numel(p)
+            if g is not None:
+                _set_grad(p, total[offset : offset + n])
+            offset += n
+        bucket.ready = len(bucket.params) + 1  # reduced: the end of backward leaves it alone
+
+
+def _buckets(params: list[nn.Parameter], cap: int) -> list[_Bucket]:
+    """DDP's assignment: reverse parameter order (about the order backward makes gradients), per
+    dtype, a bucket closed as soon as it holds `cap` bytes."""
+    out: list[_Bucket] = []
+    open_: dict[torch.dtype, tuple[list, int]] = {}
+    for p in reversed(params):
+        members, size = open_.get(p.dtype, ([], 0))
+        members.append(p)
+        size += _local_numel(p) * p.element_size()
+        if size >= cap:
+            out.append(_Bucket(members))
+            members, size = [], 0
+        open_[p.dtype] = (members, size)
+    out.extend(_Bucket(members) for members, _ in open_.values() if members)
+    return out
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return local_of(p).numel() if isinstance(p, DTensor) else p.numel()
+
+
+def _local_zeros(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(_local_numel(p), dtype=p.dtype, device=p.device if not isinstance(p, DTensor) else local_of(p).device)
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    g = p.grad
+    if isinstance(g, DTensor):
+        return shard_in(g, spec_of(p).placements)
+    return g
+
+
+def _set_grad(p: torch.Tensor, flat: torch.Tensor) -> None:
+    if isinstance(p, DTensor):
+        spec = spec_of(p)
+        local = flat.view(local_of(p).shape).to(p.grad.dtype).contiguous()
+        p.grad = wrap(local, TensorSpec(spec.mesh, spec.placements, TensorMeta(spec.shape, spec.meta.stride, p.grad.dtype)))
+    else:
+        p.grad.copy_(flat.view(p.grad.shape))
+
+
+def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = None, **kwargs: Any) -> nn.Module:
+    """Data-parallel `module` as torch's composable DDP: `device_mesh=` (default: every rank),
+    `bucket_cap_mb=25`; the other DDP keywords are accepted."""
+    from .fully_shard import unit_of_any
+
+    unknown = set(kwargs) - _ACCEPTED - {"device_mesh", "bucket_cap_mb"}
+    if unknown:
+        raise ShardingError(f"replicate: unknown keyword(s) {sorted(unknown)}; DDP's keywords are {sorted(_ACCEPTED | {'device_mesh', 'bucket_cap_mb'})}")
+    if unit_of_any(module):
+        raise ShardingError("replicate: this module is already managed by fully_shard; use one of fully_shard or replicate")
+    if module.__dict__.get(STATE_ATTR) is not None:
+        raise ShardingError("replicate: this module is already replicated")
+    mesh = _data_mesh(kwargs.get("device_mesh"))
+    ignored = {id(p) for m in (ignored_modules or ()) for p in m.parameters()}
+    params = [p for p in module.parameters() if id(p) not in ignored and p.requires_grad]
+    if kwargs.get("init_sync", True):
+        _sync_params([p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()), mesh)
+    cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
+    module.__dict__[STATE_ATTR] = ReplicateState(params, mesh, cap)
+    return module
+
+
+def _sync_params(params: list[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Every rank of the data mesh takes its first rank's parameters and buffers: one broadcast per dtype."""
+    group = mesh.group(tuple(range(mesh.ndim)))
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(local_of(p) if isinstance(p, DTensor) else p.data)
+    with torch.no_grad():
+        for locals_ in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in locals_])
+            flat = mesh.comm.broadcast(flat, 0, group)
+            offset = 0
+            for t in locals_:
+                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
