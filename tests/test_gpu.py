@@ -146,6 +146,44 @@ def test_cumsum_topk_var_along_a_sharded_dim():
     so.run(main, 4)
 
 
+def test_ops_whose_indices_are_planned_on_the_host():
+    """Index tensors built from the layout (re-index routes, GQA heads) and zero-dependent backwards, on the device."""
+    x = _rand(6, 12, seed=12)
+    z = x.clone()
+    z[1, 2] = z[1, 9] = z[4, 5] = 0.0  # cumprod/prod backward with zeros; row 1 has two
+    index = torch.tensor([11, 0, 5, 5, 3], device=DEVICE)
+    q, k, v = _rand(2, 8, 6, 4, seed=13), _rand(2, 2, 6, 4, seed=14), _rand(2, 2, 6, 4, seed=15)
+
+    def grads(fn, *inputs):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        out.sum().backward() if not isinstance(out, so.DTensor) else out.full_tensor().sum().backward()
+        return out, [t.grad for t in leaves]
+
+    def main():
+        mesh = so.init_device_mesh(DEVICE, (4,))
+        _check(torch.flip(_dist(x, mesh, [Shard(1)]), dims=[1]), torch.flip(x, dims=[1]))
+        _check(torch.index_select(_dist(x, mesh, [Shard(1)]), 1, index), torch.index_select(x, 1, index))
+        for fn in (lambda t: torch.cumprod(t, dim=1), lambda t: t.prod()):
+            ref, (ref_grad,) = grads(fn, z)
+            dz = _dist(z, mesh, [Shard(1)], grad=True)
+            out = fn(dz)
+            out.full_tensor().sum().backward()
+            _check(out, ref.detach(), atol=1e-5, rtol=1e-5)
+            _check(dz.grad, ref_grad, atol=1e-5, rtol=1e-5)
+        # grouped-query attention, q heads sharded, K/V heads whole: each local q head picks its K/V head
+        sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+        ref, ref_grads = grads(sdpa, q, k, v)
+        dq, dk, dv = _dist(q, mesh, [Shard(1)], grad=True), _dist(k, mesh, [Replicate()], grad=True), _dist(v, mesh, [Replicate()], grad=True)
+        out = sdpa(dq, dk, dv)
+        out.full_tensor().sum().backward()
+        _check(out, ref.detach(), atol=1e-5, rtol=1e-5)
+        for got, want in zip((dq.grad, dk.grad, dv.grad), ref_grads):
+            _check(got, want, atol=1e-5, rtol=1e-5)
+
+    so.run(main, 4)
+
+
 def test_redistribute_between_layouts():
     x = _rand(7, 9, seed=9)
 
