@@ -244,7 +244,8 @@ def test_tensor_parallel_training_steps_with_adamw():
             (model(x) ** 2).mean().backward()
             opt.step()
         for name, p in model.named_parameters():
-            _check(p.detach(), dict(ref.named_parameters())[name].detach(), atol=1e-5, rtol=1e-5)
+            # AdamW divides by the gradients' root mean square: a reduction order's last bit can move a step by more
+            _check(p.detach(), dict(ref.named_parameters())[name].detach(), atol=1e-4, rtol=1e-4)
 
     so.run(main, 4)
 
@@ -253,12 +254,12 @@ def test_dropout_draws_the_same_mask_on_every_layout():
     """shardops' own generator: one seed gives one global mask, whatever the layout; dropout scales the kept values."""
     x = _rand(8, 12, seed=30) + 3.0  # no zeros: a zero in the output is a dropped value
 
-    def draw(mesh_shape, placements):
+    def draw(mesh_shape, placements, device=DEVICE):
         def main():
-            mesh = so.init_device_mesh(DEVICE, mesh_shape)
+            mesh = so.init_device_mesh(device, mesh_shape)
             torch.manual_seed(7)
-            y = F.dropout(_dist(x, mesh, placements), p=0.3)
-            assert y.to_local().device.type == DEVICE
+            y = F.dropout(_dist(x.to(device), mesh, placements), p=0.3)
+            assert y.to_local().device.type == device
             return y.full_tensor()
         return so.run(main, math.prod(mesh_shape))[0]
 
@@ -268,6 +269,8 @@ def test_dropout_draws_the_same_mask_on_every_layout():
     torch.testing.assert_close(single[kept], x[kept] / 0.7)
     for mesh_shape, placements in (((2,), [Shard(0)]), ((2, 2), [Shard(1), Shard(0)])):
         torch.testing.assert_close(draw(mesh_shape, placements), single, atol=0, rtol=0)
+    # the generator is integer arithmetic: the device draws the CPU's mask, bit for bit
+    torch.testing.assert_close(draw((2,), [Shard(1)], "cpu").to(DEVICE) != 0, kept, atol=0, rtol=0)
 
 
 def test_checkpoint_save_and_load_round_trip(tmp_path):
