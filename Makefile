@@ -12,7 +12,7 @@ TORCH_SENSITIVE := tests/test_compile.py tests/test_rank_random.py tests/test_ra
 	tests/test_checkpoint.py tests/test_checkpoint_gloo.py tests/test_parallel.py \
 	tests/test_resume.py tests/test_transformers.py tests/test_torch_hooks.py tests/test_default_generator.py
 
-.PHONY: demo test test-torch bench verify clean
+.PHONY: demo test test-torch test-gpu gpu-check bench verify clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,19 @@ $(TSTAMP): pyproject.toml constraints.txt
 test-torch: $(TSTAMP)
 	$(TVENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
 	$(TVENV)/bin/python -m pytest -q -x --timeout=600 $(wildcard $(TORCH_SENSITIVE))
+
+# `make test-gpu`: the device-sensitive tests (tests/test_gpu.py: threads world and nccl) and the
+# ops demo on CUDA tensors, in both worlds. Fails, saying why, on a machine without a CUDA device.
+GPUS = $(shell $(BIN)/python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+
+gpu-check:
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) tests/gpu_check.py
+
+test-gpu: gpu-check $(STAMP)
+	$(BIN)/python tests/gpu_check.py
+	SHARDOPS_TEST_DEVICE=cuda $(BIN)/python -m pytest -q -x --timeout=600 -m gpu tests/test_gpu.py
+	$(BIN)/shardops demo --ops --device cuda
+	$(if $(filter-out 0 1,$(GPUS)),$(BIN)/torchrun --nproc-per-node $(GPUS) -m shardops.demo --ops --device cuda,@echo "one GPU: the demo under torchrun (nccl) needs 2 or more")
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,cli,plot]'

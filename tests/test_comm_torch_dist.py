@@ -302,3 +302,19 @@ def test_fake_backend_dry_run():
     finally:
         dist.destroy_process_group()
     assert got == want
+
+
+def test_cpu_tensor_on_an_nccl_only_group_raises_saying_which_backend_to_use():
+    """shardops sends some metadata as CPU tensors: an nccl-only group must say how to init instead of failing inside nccl."""
+    from shardops.comm.torch_dist import _c10d, _TorchGroup
+    from shardops.errors import CollectiveError
+
+    called = []
+    g = _TorchGroup(pg=None, ranks=(0, 1), pg_index=(0, 1))
+    g._backends["cpu"] = "nccl"  # what backend_for reads off a group made by init_process_group("nccl")
+    with pytest.raises(CollectiveError, match=r"all_gather of a CPU tensor .*cpu:gloo,cuda:nccl"):
+        _c10d("all_gather", g, lambda *a, **k: called.append(a), torch.zeros(2, dtype=torch.uint8))
+    assert not called
+    g._backends["cpu"] = "gloo"  # "cpu:gloo,cuda:nccl": CPU tensors go over gloo
+    _c10d("all_gather", g, lambda *a, **k: called.append(a), torch.zeros(2, dtype=torch.uint8))
+    assert len(called) == 1

@@ -680,7 +680,7 @@ def distribute_tensor(
     if isinstance(tensor, DTensor):
         raise ShardingError("distribute_tensor: input is already a DTensor; use dt.redistribute(...)")
     mesh, placements = _mesh_and_placements(device_mesh, placements, tensor.ndim, "distribute_tensor")
-    data = tensor.detach()
+    data = tensor.detach() if tensor.device.type == mesh.device_type or tensor.is_meta else tensor.detach().to(mesh.device)  # as torch: onto the mesh's device
     if src_data_rank is not None and mesh.size() > 1:
         comm = mesh.comm
         group = mesh.group(tuple(range(mesh.ndim)))

@@ -280,10 +280,23 @@ def _reduce_scatter_by_exchange(chunks: Sequence[torch.Tensor], op: str, g: _Tor
 
 
 def _c10d(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    if args and isinstance(args[0], torch.Tensor):
+        _check_backend_carries(kind, g, args[0].device)
     try:
         collective(*args, group=g.pg, **kwargs)
     except RuntimeError as e:  # c10d's DistError family: timeouts, dead peers, backend refusals
         raise _collective_error(kind, g, e) from e
+
+
+def _check_backend_carries(kind: str, g: _TorchGroup, device: torch.device) -> None:
+    """nccl carries CUDA tensors only, and shardops exchanges some host metadata as CPU tensors
+    (shapes in from_local's check, random keys, checkpoint plans): an nccl-only group cannot serve those."""
+    if device.type == "cpu" and g.backend_for(device) == "nccl":
+        raise CollectiveError(
+            f"{kind} of a CPU tensor over ranks {list(g.ranks)}: the process group's only backend is nccl, which carries "
+            "CUDA tensors only, and shardops exchanges some metadata as CPU tensors. Initialise the group with "
+            "dist.init_process_group('cpu:gloo,cuda:nccl') (torch's choice when no backend is named on a CUDA machine)."
+        )
 
 
 def _collective_error(kind: str, g: _TorchGroup, e: BaseException) -> CollectiveError:

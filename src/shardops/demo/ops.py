@@ -2,6 +2,7 @@
 
     shardops demo --ops                # threads world, 4 ranks in this process
     torchrun --nproc-per-node 4 -m shardops.demo --ops   # the same under torch.distributed (gloo)
+    shardops demo --ops --device cuda  # tensors on the GPU (under torchrun: nccl, one GPU per rank)
 
 For each op: the input/output layouts, the collectives shardops issued, the bytes this
 rank sent and the rounds. Every output and gradient is compared with single-device
@@ -47,7 +48,7 @@ class Step:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol=2e-5, atol_scale=2e-6) -> bool:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()  # the check, not the op: host copies are fine
     if a.shape != b.shape:
         return False
     if a.numel() == 0:
@@ -66,7 +67,7 @@ def _measure(fn):
     return out, comm
 
 
-def _data():
+def _data(device: str):
     g = torch.Generator().manual_seed(1234)
     data = {
         "x": torch.randn(B, S, H, generator=g),
@@ -78,7 +79,7 @@ def _data():
         "gp": torch.randn(B, HEADS, S, S, generator=g),
     }
     data["target"][::7] = IGNORE
-    return data
+    return {name: t.to(device) for name, t in data.items()}
 
 
 def _leaf(full, mesh, placements):
@@ -174,7 +175,7 @@ def step_topk(mesh, d) -> Row:
 def step_clip(mesh, d) -> Row:
     g = torch.Generator().manual_seed(99)
     shapes = [((H, H), [Shard(0), Shard(1)]), ((H,), [Replicate(), Shard(0)]), ((V, H), [Shard(1), Shard(0)]), ((H, 4 * H), [Replicate(), Shard(1)])]
-    fulls = [torch.randn(s, generator=g) for s, _ in shapes]
+    fulls = [torch.randn(s, generator=g).to(d["x"].device) for s, _ in shapes]
     params = []
     for full, (_, pl) in zip(fulls, shapes):
         p = so.distribute_tensor(torch.zeros_like(full), mesh, pl, src_data_rank=None).requires_grad_()
@@ -200,9 +201,9 @@ def step_clip(mesh, d) -> Row:
 STEPS = [step_rms_norm, step_softmax, step_cross_entropy, step_statistics, step_topk, step_clip]
 
 
-def rank_main() -> list[Row]:
-    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp"))
-    d = _data()
+def rank_main(device: str = "cpu") -> list[Row]:
+    mesh = so.init_device_mesh(device, (2, 2), mesh_dim_names=("sp", "tp"))
+    d = _data(device)
     rows = []
     for step in STEPS:
         try:
@@ -229,28 +230,43 @@ def print_table(rows: list[Row], world: str, seconds: float) -> None:
                   "DTensor on the same layouts (default and best path): `shardops bench`, docs/benchmarks.md")
 
 
+def parse_device(argv: list[str] | None) -> str:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="shardops demo --ops")
+    p.add_argument("--device", default="cpu", help="where the tensors live: cpu (default) or cuda")
+    device = p.parse_args(argv or []).device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"shardops demo --device cuda: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
+    device = parse_device(argv)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return _torchrun_main()
+        return _torchrun_main(device)
     start = time.perf_counter()
-    rows = so.run(rank_main, 4, timeout=120)
-    print_table(rows[0], "threads world, 4 ranks", time.perf_counter() - start)
+    rows = so.run(rank_main, 4, device, timeout=120)
+    print_table(rows[0], f"threads world, 4 ranks, {device}", time.perf_counter() - start)
     ok = all(r.ok for ranks in rows for r in ranks)
     print("all outputs and gradients match single-device torch" if ok else "MISMATCH: see the table")
     return 0 if ok else 1
 
 
-def _torchrun_main() -> int:
+def _torchrun_main(device: str) -> int:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # On CUDA: nccl for the tensors, gloo for shardops' host metadata (shapes, seeds) and the verdict below.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     start = time.perf_counter()
     try:
-        rows = rank_main()
+        rows = rank_main(device)
         ok = torch.tensor([float(all(r.ok for r in rows))])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if dist.get_rank() == 0:
-            print_table(rows, f"torch.distributed gloo, {dist.get_world_size()} processes", time.perf_counter() - start)
+            print_table(rows, f"torch.distributed {dist.get_backend()}, {dist.get_world_size()} processes, {device}", time.perf_counter() - start)
             print("all outputs and gradients match single-device torch" if ok.item() else "MISMATCH: see the table")
         dist.barrier()  # every rank past its last collective before any tears gloo down
         return 0 if ok.item() else 1

@@ -37,6 +37,7 @@ DEFAULT_DROPOUT = 0.1
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="shardops demo", description=__doc__.split("\n")[0])
     p.add_argument("--ops", action="store_true", help="run the math-op demo instead of training")
+    p.add_argument("--device", default="cpu", help="--ops only: where the tensors live (cpu or cuda); training runs on CPU")
     p.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
     p.add_argument("--size", choices=sorted(SIZES), default="small", help="model size (default: small)")
     p.add_argument("--steps", type=int, default=20)
@@ -113,7 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ops:
         from . import ops
 
-        return ops.main([])
+        return ops.main(["--device", args.device])
+    if args.device != "cpu":
+        raise SystemExit(f"shardops demo: --device {args.device} applies to --ops; the training demo runs on CPU")
     spec = spec_from(args)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return _torchrun_main(spec, checkpointing_from(args))

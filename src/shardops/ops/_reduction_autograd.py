@@ -218,8 +218,8 @@ def _prod_backward(call, x_spec, x, outs, grads):
         zeros = stacked[:, 1].sum(0)
     if call.flat:
         others = others.reshape(shape)
-        if zeros.item() > 1:
-            others = torch.zeros_like(others)
+        # two zeros or more: every gradient is 0 (a where, not a branch: no host read of the count)
+        others = torch.where((zeros > 1).reshape(()), torch.zeros((), dtype=others.dtype, device=others.device), others)
     return wrap_grad(g * others.conj(), x_spec)
 
 

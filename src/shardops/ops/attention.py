@@ -208,6 +208,7 @@ def scatter_key_grads(dk: torch.Tensor, dv: torch.Tensor, line: ShardLine) -> tu
 def _pick_heads(k: torch.Tensor, v: torch.Tensor, heads: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     if heads is None:
         return k, v
+    heads = heads.to(k.device)  # planned on the host from the layout (metadata, no read of data)
     return k.index_select(HEADS, heads), v.index_select(HEADS, heads)
 
 
@@ -217,6 +218,7 @@ def _sum_heads(dk: torch.Tensor, dv: torch.Tensor, heads: torch.Tensor | None, k
         return dk, dv
     shape_k, shape_v = list(dk.shape), list(dv.shape)
     shape_k[HEADS] = shape_v[HEADS] = kv_heads
+    heads = heads.to(dk.device)
     return dk.new_zeros(shape_k).index_add_(HEADS, heads, dk), dv.new_zeros(shape_v).index_add_(HEADS, heads, dv)
 
 
@@ -474,7 +476,7 @@ def _additive(mask, dtype: torch.dtype):
     """A bool mask as the additive one SDPA builds (0 where kept, -inf where masked)."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.where(mask, torch.zeros((), dtype=dtype), torch.full((), -math.inf, dtype=dtype))
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.full((), -math.inf, dtype=dtype, device=mask.device))
 
 
 def _served(b: dict[str, Any]) -> bool:

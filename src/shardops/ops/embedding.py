@@ -55,7 +55,7 @@ def _check_ids(ids: torch.Tensor, vocab: int, op: str) -> None:
         return  # torch.compile: ids have no values at trace time (a compiled lookup gives zero rows for bad ids)
     if ids.is_meta:
         return  # metadata-only pricing (autoparallel's dry world): no values to check
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # stays: torch raises here too (CPU); on CUDA a device assert would abort
         raise ShardingError(f"{op}: index out of range in self (ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}).")
 
 

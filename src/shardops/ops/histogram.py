@@ -53,7 +53,7 @@ def histc_global_range(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     lo, hi = _local_range(x)
     ranges = all_gather_stacked(torch.stack([lo, hi]), spec, group)
     lo, hi = ranges[:, 0].amin(), ranges[:, 1].amax()  # NaN propagates: torch.histc raises on it, as torch does
-    return ctx.func(x, bins, lo.item(), hi.item())
+    return ctx.func(x, bins, lo.item(), hi.item())  # stays: histc takes its range as Python numbers (torch reads it to the host too)
 
 
 def _local_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -434,6 +434,7 @@ def _index_select_move(ctx, x: torch.Tensor, dim, index: torch.Tensor, *args, **
     else:
         for i in index_dims:
             out_pl[i] = R
+    # stays: the route (who sends which rows) is planned on the host, as all_to_all's split sizes must be
     source = index.long().cpu() % max(spec.shape[dim], 1)
     return reindex_along(x, spec.mesh, dim, _axis(spec, dim), (index.numel(), dim, tuple(out_pl)), source)
 

@@ -141,7 +141,7 @@ def check_targets(op_name: str, t: torch.Tensor, num_classes: int, ignore_index:
     if t.is_meta or is_traced_tensor(t):  # metadata-only pricing (autoparallel's dry world), torch.compile: no values to check
         return
     bad = (t != ignore_index) & ((t < 0) | (t >= num_classes))
-    if bool(bad.any()):
+    if bool(bad.any()):  # stays (one host read per loss): a bad target raises ShardingError; torch's CUDA kernel would device-assert
         value = int(t[bad].flatten()[0])
         raise ShardingError(
             f"{op_name}: target value {value} is out of range for {num_classes} classes; targets must lie in "

@@ -242,8 +242,9 @@ def _cumprod_backward(g: torch.Tensor, x: torch.Tensor, y: torch.Tensor, line: S
     gpos = local_pos + line.start
     dx = torch.where(gpos < k, suffix / x, torch.zeros_like(x))
     owns_k = (zero_at[line.me] == k) & (k != big)
-    # eager skips the scatter when no row's first zero is here; a traced graph cannot read that
-    if n and (is_traced_tensor(owns_k) or bool(owns_k.any())):
+    # eager on CPU skips the scatter when no row's first zero is here; a traced graph cannot read that,
+    # and on an accelerator the read would cost a host round trip: both always scatter
+    if n and (is_traced_tensor(owns_k) or owns_k.device.type != "cpu" or bool(owns_k.any())):
         later = torch.zeros_like(A[0])
         for m in reversed(after):
             later = A[m] + P[m] * later
@@ -267,7 +268,7 @@ def _extreme_backward(g: torch.Tensor, indices: torch.Tensor, line: ShardLine) -
     if not line.mesh_dims:
         return out
     foreign = torch.where(mine, torch.zeros_like(g), g).sum(d, keepdim=True)
-    target = torch.where(mine, -1, indices).amax(d, keepdim=True) if n else torch.full(foreign.shape, -1, dtype=torch.int64)
+    target = torch.where(mine, -1, indices).amax(d, keepdim=True) if n else torch.full(foreign.shape, -1, dtype=torch.int64, device=g.device)
     sums, targets = line.gather([foreign, target])
     if not n:
         return out

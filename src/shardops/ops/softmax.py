@@ -109,7 +109,7 @@ def _softmax_sharded(ctx, x: torch.Tensor, *args, two_reduces: bool, kind: str, 
     else:
         y = torch.exp(shifted) / s
         if kind == "safe_softmax":  # rows that are -inf everywhere give 0, not NaN
-            y = torch.where(m == NEG_INF, torch.zeros((), dtype=y.dtype), y)
+            y = torch.where(m == NEG_INF, torch.zeros((), dtype=y.dtype, device=y.device), y)
     return y.to(out_dtype)
 
 

@@ -224,6 +224,7 @@ class _ExpertLayer:
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token-slots grouped by expert, hence by destination rank
         counts = torch.bincount(flat, minlength=self.num_experts)
+        # stays: all_to_all's split sizes are host ints (one read each way per routing, as in torch's EP)
         send_splits = [int(counts[start : start + size].sum()) for size, start in slices]
         received_counts = mesh.comm.all_to_all(
             [counts[start : start + size].contiguous() for size, start in slices], group, [(slices[me][0],)] * group.size
@@ -233,7 +234,7 @@ class _ExpertLayer:
 
         routed = x.index_select(0, order // k)
         arrived = _AllToAll.apply(routed, send_splits, recv_splits, mesh, self.ep)
-        by_expert = _source_major_to_expert_major(per_source)
+        by_expert = _source_major_to_expert_major(per_source, sum(recv_splits))
         y = self._local_experts(arrived.index_select(0, by_expert), per_source.sum(0), w.dtype)
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
@@ -268,17 +269,13 @@ class _ExpertLayer:
         return y + anchor
 
 
-def _source_major_to_expert_major(per_source: torch.Tensor) -> torch.Tensor:
-    """Rows arrive grouped by source rank, then by local expert; the permutation that groups them by expert."""
-    sizes = per_source.reshape(-1)
-    starts = torch.cumsum(sizes, 0) - sizes
+def _source_major_to_expert_major(per_source: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows arrive grouped by source rank, then by local expert; the permutation that groups them by expert
+    (source order kept within an expert: a stable sort). `rows`, known on the host, spares a read of the sizes."""
     n_src, n_exp = per_source.shape
-    pieces = [
-        torch.arange(int(starts[s * n_exp + e]), int(starts[s * n_exp + e] + sizes[s * n_exp + e]))
-        for e in range(n_exp)
-        for s in range(n_src)
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    expert_of_block = torch.arange(n_exp, device=per_source.device).repeat(n_src)
+    expert_of_row = torch.repeat_interleave(expert_of_block, per_source.reshape(-1), output_size=rows)
+    return torch.argsort(expert_of_row, stable=True)
 
 
 def _check_routing(name: str, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, num_experts: int) -> None:
