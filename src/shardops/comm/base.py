@@ -77,6 +77,7 @@ class P2POp:
     tensor: torch.Tensor
     peer: int
     group: Group | None = None
+    tag: int = 0  # sends and recvs match by (group, src, dst, tag), in order
 
     @property
     def kind(self) -> str:

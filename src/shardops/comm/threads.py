@@ -34,7 +34,7 @@ class ThreadsWorld:
         self.failure: str | None = None
         self.failed_at: float | None = None  # time.monotonic() of the first failure
         self.finished: set[int] = set()  # ranks whose function has returned or raised
-        self._mailboxes: dict[tuple, deque] = {}  # (group ranks, src, dst) -> tensors sent, oldest first
+        self._mailboxes: dict[tuple, deque] = {}  # (group ranks, src, dst, tag) -> tensors sent, oldest first
 
     def communicator(self, rank: int) -> "ThreadsCommunicator":
         return ThreadsCommunicator(self, rank)
@@ -112,20 +112,20 @@ class ThreadsWorld:
         _check_agreement(rank, group, entries)
         return {r: p for r, (_, p) in entries.items()}
 
-    def post(self, group: Group, src: int, dst: int, t: torch.Tensor) -> None:
+    def post(self, group: Group, src: int, dst: int, t: torch.Tensor, tag: int = 0) -> None:
         """Point to point: leave a private copy of `t` for `dst` (sends never wait: they are buffered)."""
         with self._cond:
             self._raise_if_failed(("send",), group)
-            self._mailboxes.setdefault((group.ranks, src, dst), deque()).append(t.detach().clone())
+            self._mailboxes.setdefault((group.ranks, src, dst, tag), deque()).append(t.detach().clone())
             self._cond.notify_all()
 
-    def take(self, group: Group, src: int, dst: int, into: torch.Tensor) -> None:
+    def take(self, group: Group, src: int, dst: int, into: torch.Tensor, tag: int = 0) -> None:
         """Point to point: wait for the oldest tensor `src` sent to `dst` over `group`, copy it into `into`.
 
         Raises after the world's timeout, at once when `src` has returned without sending, and when
         any rank failed: a recv never hangs.
         """
-        key = (group.ranks, src, dst)
+        key = (group.ranks, src, dst, tag)
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while not self._mailboxes.get(key):
@@ -215,8 +215,8 @@ class ThreadsCommunicator(Communicator):
         for p2p in ops:
             group = p2p.group if p2p.group is not None else self.world_group()
             if p2p.kind == "send":
-                self.world.post(group, self.rank, p2p.peer, p2p.tensor)
+                self.world.post(group, self.rank, p2p.peer, p2p.tensor, p2p.tag)
                 works.append(P2PWork())
             else:
-                works.append(P2PWork(lambda g=group, p=p2p: self.world.take(g, p.peer, self.rank, p.tensor)))
+                works.append(P2PWork(lambda g=group, p=p2p: self.world.take(g, p.peer, self.rank, p.tensor, p.tag)))
         return works

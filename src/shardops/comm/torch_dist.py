@@ -144,6 +144,13 @@ class TorchDistCommunicator(Communicator):
             self._groups[cache_key] = resolved
         return resolved
 
+    def adopt_process_group(self, pg: Any) -> Group:
+        """The shardops Group of a torch process group's members (in its rank order), resolved to that group."""
+        members = tuple(dist.get_process_group_ranks(pg))
+        self._check_world()
+        self._by_members.setdefault(tuple(sorted(members)), pg)
+        return Group(members)
+
     def functional_group(self, group: Group, kind: str = "all_reduce") -> tuple[str, tuple[int, ...]] | None:
         resolved = self._resolve(group)
         return resolved.pg.group_name, resolved.pg_index
@@ -245,7 +252,7 @@ class TorchDistCommunicator(Communicator):
             g = self._resolve(p2p.group if p2p.group is not None else self.world_group())
             groups.append(g)
             buf = _bytes_of(p2p.tensor.contiguous() if p2p.kind == "send" else p2p.tensor)
-            torch_ops.append(dist.P2POp(dist.isend if p2p.kind == "send" else dist.irecv, buf, p2p.peer, group=g.pg))
+            torch_ops.append(dist.P2POp(dist.isend if p2p.kind == "send" else dist.irecv, buf, p2p.peer, group=g.pg, tag=p2p.tag))
         try:
             started = dist.batch_isend_irecv(torch_ops)
         except RuntimeError as e:
