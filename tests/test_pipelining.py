@@ -18,7 +18,7 @@ from torch import nn
 import shardops as so
 from shardops.comm.base import P2POp
 from shardops.models import Llama, ModelArgs
-from shardops.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleLoopedBFS, get_schedule_class
+from shardops.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS, get_schedule_class
 from shardops.world import current_comm
 
 from mp import run_gloo
@@ -196,6 +196,21 @@ def test_looped_bfs_two_stages_per_rank(reference):
     assert sum(r["bytes"][1] for r in results) == 3 * 2 * M * ACT_BYTES
 
 
+def test_interleaved_1f1b_two_stages_per_rank(reference):
+    p, v = 4, 2
+    results = so.run(_pipeline_rank, p, "Interleaved1F1B", v)
+    _check_equals_reference(results, reference)
+    # 8 stages of one layer each: 7 boundaries, all across ranks, m activations and m gradients each (x v per rank pair)
+    assert sum(r["bytes"][1] for r in results) == (p * v - 1) * 2 * M * ACT_BYTES
+    # the bubble, in slots of one stage (1/v of a rank's layers): 2(p-1) per rank, where 1F1B on the same
+    # layers (test_pp4_...: 2(p-1) slots of v layers each) idles 2(p-1)v of these slots: 1/v of it
+    makespan, idle = _slots([r["actions"][1] for r in results])
+    assert makespan == 2 * M * v + 2 * (p - 1)
+    assert idle == [2 * (p - 1)] * p
+    peaks = {s: n for r in results for s, n in r["peak"].items()}
+    assert max(peaks.values()) <= M
+
+
 def _gloo_rank(schedule: str) -> dict:
     out = _pipeline_rank(schedule)
     # one launch for the error case too (a launch costs most of this test's time)
@@ -269,6 +284,7 @@ def test_schedule_arguments():
         get_schedule_class("Nope")
     assert get_schedule_class("1f1b") is Schedule1F1B and get_schedule_class("ScheduleGPipe") is ScheduleGPipe
     assert get_schedule_class("LoopedBFS") is ScheduleLoopedBFS
+    assert get_schedule_class("interleaved1f1b") is ScheduleInterleaved1F1B
 
     def body():
         with pytest.raises(so.ShardingError, match="stage_index 5 is not in"):
@@ -276,6 +292,9 @@ def test_schedule_arguments():
         stage = PipelineStage(nn.Linear(2, 2), current_comm().rank, 2, "cpu")
         with pytest.raises(so.ShardingError, match="n_microbatches must be a positive int"):
             ScheduleGPipe(stage, 0)
+        # fewer micro-batches than the interleaved schedule's rounds need
+        with pytest.raises(so.ShardingError, match="n_microbatches=3 is not a multiple of the pipeline's 2 ranks"):
+            ScheduleInterleaved1F1B([stage], 3)
 
     so.run(body, 2)
 

@@ -5,11 +5,12 @@ from .schedules import (
     PipelineScheduleSingle,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
     get_schedule_class,
 )
 from .stage import PipelineStage
 
 __all__ = [
-    "PipelineScheduleMulti", "PipelineScheduleSingle", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleLoopedBFS", "get_schedule_class",
+    "PipelineScheduleMulti", "PipelineScheduleSingle", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "get_schedule_class",
 ]

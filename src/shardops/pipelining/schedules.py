@@ -249,7 +249,41 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
         return program
 
 
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+    """Megatron-LM's interleaved 1F1B: v stages per rank (stage s on member s % p), micro-batches in rounds
+    of p, each rank's forwards cycling through its stages round by round. The bubble is about 1/v of
+    1F1B's. Needs n_microbatches to be a multiple of the group size p."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, **kwargs: Any) -> None:
+        super().__init__(stages, n_microbatches, loss_fn, **kwargs)
+        p = self._group.size
+        if n_microbatches % p:
+            raise ShardingError(
+                f"ScheduleInterleaved1F1B: n_microbatches={n_microbatches} is not a multiple of the pipeline's {p} ranks; "
+                f"the schedule runs micro-batches in rounds of {p} (use {max(p, n_microbatches - n_microbatches % p)} or {n_microbatches + p - n_microbatches % p})"
+            )
+
+    def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:
+        p, v, m = self._group.size, len(stages), self._n_microbatches
+        rank = stages[0].group_rank
+        total = m * v
+
+        def nth(k: int, kind: str) -> _Action:
+            local = (k // p) % v  # which of this rank's stages: cycles every p actions
+            microbatch = (k // (p * v)) * p + k % p
+            return _Action(stages[local if kind == FORWARD else v - 1 - local].stage_index, kind, microbatch)
+
+        if not has_backward:
+            return [nth(k, FORWARD) for k in range(total)]
+        warmup = min(total, 2 * (p - rank - 1) + (v - 1) * p)
+        program = [nth(k, FORWARD) for k in range(warmup)]
+        for i in range(total - warmup):
+            program += [nth(warmup + i, FORWARD), nth(i, BACKWARD)]
+        return program + [nth(i, BACKWARD) for i in range(total - warmup, total)]
+
+
 _SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
     "GPipe": ScheduleGPipe,
     "1F1B": Schedule1F1B,
     "LoopedBFS": ScheduleLoopedBFS,
