@@ -55,7 +55,7 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        freqs = self.freqs_cis[: h.shape[1]]
+        freqs = self.freqs_cis[:SEQ]  # not h.shape[1]: under sequence parallelism h is this rank's sequence shard
         for layer in self.layers.values():
             h = layer(h, freqs)
         return self.output(self.norm(h)) if self.norm is not None else h
@@ -113,21 +113,21 @@ def _pipeline_rank(schedule_name: str, stages_per_rank: int = 1) -> dict:
     return out
 
 
-def _check_equals_reference(results: list[dict], ref: dict) -> None:
+def _check_equals_reference(results: list[dict], ref: dict, tol: float = TOL) -> None:
     last = max(range(len(results)), key=lambda r: len(results[r]["losses"][0]))
     for step in range(STEPS):
         mb_losses = results[last]["losses"][step]
         assert len(mb_losses) == M
-        assert sum(mb_losses) / M == pytest.approx(ref["losses"][step], rel=TOL)
+        assert sum(mb_losses) / M == pytest.approx(ref["losses"][step], rel=tol)
         seen = {}
         for r in results:
             seen.update(r["grads"][step])
         assert set(seen) == set(ref["grads"][step])
         for name, g in ref["grads"][step].items():
-            assert _rel(seen[name], g) <= TOL, (step, name)
+            assert _rel(seen[name], g) <= tol, (step, name)
     params = {n: t for r in results for n, t in r["params"].items()}
     for name, t in ref["params"].items():
-        assert _rel(params[name], t) <= TOL, name
+        assert _rel(params[name], t) <= tol, name
 
 
 def _slots(actions_by_rank: list[list[str]]) -> tuple[int, list[int]]:
@@ -368,3 +368,45 @@ def test_get_group_is_the_ranks_along_the_dim():
         return mesh.get_group("pp").ranks, mesh.get_group(1).ranks, mesh["pp"].get_group().ranks
 
     assert so.run(body, 4) == [((0, 2), (0, 1), (0, 2)), ((1, 3), (0, 1), (1, 3)), ((0, 2), (2, 3), (0, 2)), ((1, 3), (2, 3), (1, 3))]
+
+
+# ------------------------------------------------------------------ with tensor parallelism
+
+
+def _pp_tp_rank() -> dict:
+    """(pp=2, tp=2): each stage tensor-parallel on mesh["tp"] (sequence parallel: the residual stream is
+    each tp rank's sequence shard), the stages joined over mesh["pp"]."""
+    from shardops.models import llama_plan
+    from shardops.parallel import parallelize_module
+
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    s = mesh.get_local_rank("pp")
+    module = _stage_module(s, 2)
+    plan = {k: v for k, v in llama_plan(loss_parallel=False).items() if k.startswith("layers") or getattr(module, k, None) is not None}
+    parallelize_module(module, mesh["tp"], plan)
+    stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stage, M, loss_fn=_loss)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    out = {"losses": [], "grads": [], "sends": []}
+    for tokens, target in _batches():
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        with so.CommDebugMode() as cm:
+            schedule.step(*((tokens,) if s == 0 else ()), target=target if s == 1 else None, losses=losses)
+        out["losses"].append([x.item() for x in losses])
+        out["grads"].append({n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).clone() for n, q in module.named_parameters()})
+        out["sends"].append([b for kind, b in cm.log if kind == "send"])
+        opt.step()
+    out["params"] = {n: (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone() for n, q in module.named_parameters()}
+    return out
+
+
+def test_pp2_tp2_equals_single_device_training(strict, reference):
+    results = so.run(_pp_tp_rank, 4)
+    # tensor parallelism sums the matmuls' partial products in another order: after two AdamW steps the
+    # smallest gradients (~1e-5) differ by ~1.1e-5 relative (measured); 1e-5 holds without tp
+    _check_equals_reference(results, reference, tol=3e-5)
+    # each tp rank sends its sequence shard of the activations (nothing gathered): half a micro-batch's bytes
+    for r in results:
+        assert r["sends"][1] == [ACT_BYTES // 2] * M
+    assert sum(sum(r["sends"][1]) for r in results) == 2 * M * ACT_BYTES
