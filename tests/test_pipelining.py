@@ -410,3 +410,43 @@ def test_pp2_tp2_equals_single_device_training(strict, reference):
     for r in results:
         assert r["sends"][1] == [ACT_BYTES // 2] * M
     assert sum(sum(r["sends"][1]) for r in results) == 2 * M * ACT_BYTES
+
+
+def _two_linears() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+
+
+def _dtensor_boundary_rank() -> dict:
+    """Stage 0's output stays a DTensor (Shard(-1), use_local_output=False): its local shard and layout cross."""
+    from shardops.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    s = mesh.get_local_rank("pp")
+    layer = _two_linears()[s]
+    style = ColwiseParallel(use_local_output=False) if s == 0 else RowwiseParallel(input_layouts=so.Shard(-1))
+    parallelize_module(layer, mesh["tp"], style)
+    stage = PipelineStage(layer, s, 2, "cpu", group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, M, loss_fn=F.mse_loss)
+    x, y = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(2)), torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3))
+    schedule.step(*((x,) if s == 0 else ()), target=y if s == 1 else None)  # the first step also checks the shapes
+    layer.zero_grad()
+    with so.CommDebugMode() as cm:
+        losses: list[torch.Tensor] = []
+        schedule.step(*((x,) if s == 0 else ()), target=y if s == 1 else None, losses=losses)
+    grads = {f"{s}.{n}": q.grad.full_tensor() for n, q in layer.named_parameters()}
+    return {"grads": grads, "sends": [b for kind, b in cm.log if kind == "send"], "losses": [x.item() for x in losses]}
+
+
+def test_dtensor_crosses_a_boundary_as_its_local_shard(strict):
+    model = _two_linears()
+    x, y = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(2)), torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3))
+    loss = sum(F.mse_loss(model(xm), ym) for xm, ym in zip(x.chunk(M), y.chunk(M))) / M
+    loss.backward()
+    results = so.run(_dtensor_boundary_rank, 4)
+    grads = {n: g for r in results for n, g in r["grads"].items()}
+    for n, q in model.named_parameters():
+        assert _rel(grads[n], q.grad) <= TOL, n
+    assert sum(results[2]["losses"]) / M == pytest.approx(loss.item(), rel=TOL)
+    local_act = (BATCH // M) * (32 // 2) * 4  # each tp rank's half of the 32 features
+    assert [r["sends"] for r in results] == [[local_act] * M] * 2 + [[local_act] * M] * 2

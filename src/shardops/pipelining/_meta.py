@@ -43,11 +43,14 @@ def gather(comm: Communicator, group: Group, obj: Any) -> list[Any]:
 
 
 def metas_to_json(metas: Sequence[TensorMeta]) -> list:
-    return [[list(m.shape), str(m.dtype), m.requires_grad] for m in metas]
+    return [[list(m.shape), str(m.dtype), m.requires_grad, m.placements, m.global_shape] for m in metas]
 
 
 def metas_from_json(items: list) -> tuple[TensorMeta, ...]:
-    return tuple(TensorMeta(tuple(shape), _DTYPES[dtype], rg) for shape, dtype, rg in items)
+    return tuple(
+        TensorMeta(tuple(shape), _DTYPES[dtype], rg, None if pl is None else tuple(pl), None if gs is None else tuple(gs))
+        for shape, dtype, rg, pl, gs in items
+    )
 
 
 def describe(metas: Sequence[TensorMeta]) -> str:
@@ -147,7 +150,7 @@ def _stage_shapes(stage: PipelineStage, msg: dict, first_args: Sequence[torch.Te
     s = stage.stage_index
     inputs = metas_from_json(msg["metas"])
     declared = stage.declared_inputs
-    if declared is not None and [(m.shape, m.dtype) for m in declared] != [(m.shape, m.dtype) for m in inputs]:
+    if declared is not None and [(m.shape, m.dtype, m.placements) for m in declared] != [(m.shape, m.dtype, m.placements) for m in inputs]:
         return (), (
             f"stage {s - 1}'s output {describe(inputs)} differs from stage {s}'s input_args {describe(declared)}; "
             f"make the stages' shapes agree (or drop input_args to infer them)"
@@ -156,8 +159,10 @@ def _stage_shapes(stage: PipelineStage, msg: dict, first_args: Sequence[torch.Te
     if stage.declared_outputs is not None:
         stage.output_metas = stage.declared_outputs
         return stage.output_metas, None
-    args = tuple(first_args) if stage.is_first else tuple(torch.zeros(m.shape, dtype=m.dtype, device=stage.device) for m in inputs)
     try:
+        args = tuple(first_args) if stage.is_first else tuple(
+            m.wrap(torch.zeros(m.shape, dtype=m.dtype, device=stage.device), stage.mesh if m.placements else None) for m in inputs
+        )
         with torch.no_grad():
             out = stage.submod(*args)
     except Exception as e:  # noqa: BLE001 - reported on every rank, as a ShardingError

@@ -21,7 +21,7 @@ from ..comm.base import P2POp, P2PWork
 from ..errors import ShardingError
 from ..world import current_comm
 from . import _meta
-from .stage import PipelineStage
+from .stage import PipelineStage, local_part
 
 FORWARD, BACKWARD = "F", "B"
 
@@ -155,7 +155,7 @@ class _PipelineSchedule:
             self._local[(to_stage, mb, kind)] = tensors
             return
         comm = current_comm()
-        ops = [P2POp("isend", t.contiguous(), dst, self._group, self._tag(to_stage, mb, kind, i)) for i, t in enumerate(tensors)]
+        ops = [P2POp("isend", local_part(t).contiguous(), dst, self._group, self._tag(to_stage, mb, kind, i)) for i, t in enumerate(tensors)]
         self._sends += comm.batch_isend_irecv(ops)
 
     def _receive(self, stage: PipelineStage, from_stage: int, mb: int, kind: str, metas: Any) -> tuple[torch.Tensor, ...]:
@@ -166,6 +166,8 @@ class _PipelineSchedule:
         ops = [P2POp("irecv", b, src, self._group, self._tag(stage.stage_index, mb, kind, i)) for i, b in enumerate(bufs)]
         for work in current_comm().batch_isend_irecv(ops):
             work.wait()
+        if any(m.placements is not None for m in metas):  # DTensors: rebuilt from their local shards on this stage's mesh
+            return tuple(m.wrap(b, stage.mesh if m.placements else None) for m, b in zip(metas, bufs))
         return bufs
 
     def _tag(self, to_stage: int, mb: int, kind: str, index: int) -> int:

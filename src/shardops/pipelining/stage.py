@@ -20,21 +20,66 @@ from ..world import current_comm, in_threads_world
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """What a tensor crossing a stage boundary looks like: enough to allocate its receive buffer."""
+    """What a tensor crossing a stage boundary looks like: enough to allocate its receive buffer.
+
+    A DTensor crosses as its local shard (`shape`) and its layout (`placements`, `global_shape`):
+    the receiving stage rebuilds it on its own mesh, nothing is gathered.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool = False
+    placements: tuple[str, ...] | None = None  # "R", "S<dim>", "P<op>"; None: a plain tensor
+    global_shape: tuple[int, ...] | None = None
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorMeta":
-        return TensorMeta(tuple(t.shape), t.dtype, bool(t.requires_grad or t.is_floating_point()))
+        requires_grad = bool(t.requires_grad or t.is_floating_point())
+        if hasattr(t, "placements"):
+            local = t.to_local()
+            return TensorMeta(tuple(local.shape), t.dtype, requires_grad, tuple(_encode(p) for p in t.placements), tuple(t.shape))
+        return TensorMeta(tuple(t.shape), t.dtype, requires_grad)
 
     def empty(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
+    def wrap(self, local: torch.Tensor, mesh: Any) -> torch.Tensor:
+        """The tensor this meta describes, from its local part (a DTensor on `mesh` where it is one)."""
+        if self.placements is None:
+            return local
+        from ..tensor import from_local
+
+        return from_local(local, mesh, [_decode(p) for p in self.placements], shape=self.global_shape)
+
     def describe(self) -> str:
-        return f"{str(self.dtype).replace('torch.', '')}{list(self.shape)}"
+        shape = list(self.shape if self.global_shape is None else self.global_shape)
+        layout = "" if self.placements is None else f" ({', '.join(self.placements)}; local {list(self.shape)})"
+        return f"{str(self.dtype).replace('torch.', '')}{shape}{layout}"
+
+
+def _encode(placement: Any) -> str:
+    from ..placements import Partial, Replicate, Shard
+
+    if type(placement) is Shard:
+        return f"S{placement.dim}"
+    if type(placement) is Replicate:
+        return "R"
+    if type(placement) is Partial:
+        return f"P{placement.reduce_op}"
+    raise ShardingError(f"PipelineStage: a DTensor with placement {placement!r} cannot cross a stage boundary yet; redistribute it to Shard, Replicate or Partial")
+
+
+def _decode(code: str) -> Any:
+    from ..placements import Partial, Replicate, Shard
+
+    if code == "R":
+        return Replicate()
+    return Shard(int(code[1:])) if code[0] == "S" else Partial(code[1:])
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What travels: a DTensor's local shard, a plain tensor itself."""
+    return t.to_local() if hasattr(t, "placements") else t
 
 
 def as_tuple(value: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -102,6 +147,17 @@ class PipelineStage:
         self.peak_in_flight = 0  # the most micro-batches whose activations this stage held at once
 
     @property
+    def mesh(self) -> Any:
+        """The mesh DTensors arriving here are rebuilt on: the one the stage's own DTensor parameters live on."""
+        for t in (*self.submod.parameters(), *self.submod.buffers()):
+            if hasattr(t, "device_mesh"):
+                return t.device_mesh
+        raise ShardingError(
+            f"stage {self.stage_index} receives DTensors but has no DTensor parameters to take their mesh from; "
+            "parallelize the stage's module, or send plain tensors (use_local_output=True)"
+        )
+
+    @property
     def is_first(self) -> bool:
         return self.stage_index == 0
 
@@ -143,7 +199,7 @@ class PipelineStage:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if self.is_first:
             return ()
-        return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs)
+        return tuple(_input_grad(x) for x in inputs)
 
     def take_losses(self) -> list[torch.Tensor]:
         losses = [self._losses[mb].detach() for mb in sorted(self._losses)]
@@ -161,3 +217,12 @@ class PipelineStage:
             for p in self.submod.parameters():
                 if p.grad is not None:
                     p.grad.div_(factor)
+
+
+def _input_grad(x: torch.Tensor) -> torch.Tensor:
+    """The gradient going back for input `x`, in x's own layout (what the sending stage's output meta says)."""
+    if x.grad is None:
+        return torch.zeros_like(x)
+    if hasattr(x, "placements") and tuple(x.grad.placements) != tuple(x.placements):
+        return x.grad.redistribute(x.device_mesh, x.placements)
+    return x.grad
