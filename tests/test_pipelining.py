@@ -213,19 +213,28 @@ def test_interleaved_1f1b_two_stages_per_rank(reference):
 
 def _gloo_rank(schedule: str) -> dict:
     out = _pipeline_rank(schedule)
-    # one launch for the error case too (a launch costs most of this test's time)
-    return {**{k: out[k] for k in ("losses", "grads", "params", "bytes", "counts")}, "error": _error_rank("declared_shape")}
+    # one launch covers the rest of the gloo checks too (a launch costs most of this test's time)
+    return {
+        **{k: out[k] for k in ("losses", "grads", "params", "bytes", "counts")},
+        "error": _error_rank("declared_shape"),
+        "p2p": _p2p_rank(),
+        "pp_tp": _pp_tp_rank(),  # the pp groups {0, 2} and {1, 3}: torch sub-groups of the mesh
+    }
 
 
-def test_gloo_1f1b_equals_single_device_training(reference):
+def test_gloo_equals_single_device_training(reference):
+    """4 gloo processes: pp=4 1F1B, the shape error, the p2p primitives and (pp=2, tp=2)."""
     results = run_gloo(_gloo_rank, 4, "1F1B", timeout=300)
     _check_equals_reference(results, reference)
     assert sum(r["bytes"][1] for r in results) == 3 * 2 * M * ACT_BYTES
-    threads = so.run(_gloo_rank, 4, "1F1B")
+    threads = so.run(_pipeline_rank, 4, "1F1B")
     assert [r["counts"] for r in results] == [r["counts"] for r in threads]
     assert [r["bytes"] for r in results] == [r["bytes"] for r in threads]
     # a stage whose output differs from the next stage's input_args: the same error on every process
     assert all("differs from stage 2's input_args" in r["error"] for r in results), [r["error"] for r in results]
+    _check_p2p([r["p2p"] for r in results])
+    _check_equals_reference([r["pp_tp"] for r in results], reference, tol=3e-5)
+    assert all(r["pp_tp"]["sends"][1] == [ACT_BYTES // 2] * M for r in results)
 
 
 # ------------------------------------------------------------------ errors, on every rank
@@ -311,22 +320,25 @@ def _p2p_rank() -> tuple:
         # both ranks send and receive in one batch: no deadlock
         for w in comm.batch_isend_irecv([P2POp("isend", mine, peer), P2POp("irecv", got, peer)]):
             w.wait()
-        if rank == 0:
-            comm.send(torch.tensor([True, False]), 1)
+        if rank % 2 == 0:
+            comm.send(torch.tensor([True, False]), peer)
         else:
-            flags = comm.recv((2,), 0, dtype=torch.bool)
+            flags = comm.recv((2,), peer, dtype=torch.bool)
             assert flags.tolist() == [True, False]
     return got, cm.get_comm_counts(), cm.get_total_bytes(), cm.get_rounds()
 
 
-def test_p2p_batch_send_recv_counts_in_both_worlds():
-    for results in (so.run(_p2p_rank, 2), run_gloo(_p2p_rank, 2, timeout=120)):
-        for rank, (got, counts, nbytes, rounds) in enumerate(results):
-            peer = rank ^ 1
-            assert torch.equal(got, torch.arange(6, dtype=torch.float64).reshape(2, 3) + 10 * peer)
-            assert counts == ({"send": 2, "recv": 1} if rank == 0 else {"send": 1, "recv": 2})
-            assert nbytes == 6 * 8 + (2 if rank == 0 else 0)  # the sender counts the bytes
-            assert rounds == 2
+def _check_p2p(results: list[tuple]) -> None:
+    for rank, (got, counts, nbytes, rounds) in enumerate(results):
+        sender = rank % 2 == 0
+        assert torch.equal(got, torch.arange(6, dtype=torch.float64).reshape(2, 3) + 10 * (rank ^ 1))
+        assert counts == ({"send": 2, "recv": 1} if sender else {"send": 1, "recv": 2})
+        assert nbytes == 6 * 8 + (2 if sender else 0)  # the sender counts the bytes
+        assert rounds == 2
+
+
+def test_p2p_batch_send_recv_counts():
+    _check_p2p(so.run(_p2p_rank, 4))  # under gloo: test_gloo_equals_single_device_training
 
 
 def test_threads_recv_without_a_sender_raises_after_the_timeout():
