@@ -462,3 +462,20 @@ def test_dtensor_crosses_a_boundary_as_its_local_shard(strict):
     assert sum(results[2]["losses"]) / M == pytest.approx(loss.item(), rel=TOL)
     local_act = (BATCH // M) * (32 // 2) * 4  # each tp rank's half of the 32 features
     assert [r["sends"] for r in results] == [[local_act] * M] * 2 + [[local_act] * M] * 2
+
+
+def test_forward_only_returns_the_last_stages_outputs():
+    model = _two_linears()
+    x = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(4))
+
+    def body():
+        s = current_comm().rank
+        stage = PipelineStage(_two_linears()[s], s, 2, "cpu")
+        schedule = Schedule1F1B(stage, M)  # no loss_fn: forwards only
+        out = schedule.step(*((x,) if s == 0 else ()))
+        return out, [str(a) for a in schedule.executed_actions], len(stage._outputs)
+
+    (first, first_actions, _), (last, last_actions, kept) = so.run(body, 2)
+    assert first is None and torch.allclose(last, model(x).detach(), rtol=TOL, atol=1e-7)
+    assert first_actions == [f"0F{i}" for i in range(M)] and last_actions == [f"1F{i}" for i in range(M)]
+    assert kept == 0  # nothing held for a backward that will not come

@@ -110,6 +110,9 @@ class _PipelineSchedule:
             sends, self._sends = self._sends, []
             for work in sends:
                 work.wait()
+        if not has_backward:  # forward only: nothing will read the activations kept for a backward
+            for stage in self.stages:
+                stage.clear_runtime_states()
         if has_backward and self.scale_grads:
             for stage in self.stages:
                 stage.scale_grads(self._n_microbatches)
