@@ -479,3 +479,21 @@ def test_forward_only_returns_the_last_stages_outputs():
     assert first is None and torch.allclose(last, model(x).detach(), rtol=TOL, atol=1e-7)
     assert first_actions == [f"0F{i}" for i in range(M)] and last_actions == [f"1F{i}" for i in range(M)]
     assert kept == 0  # nothing held for a backward that will not come
+
+
+def test_p2p_in_the_dry_world_is_counted_and_moves_nothing():
+    from shardops.comm.dry import DryCommunicator
+    from shardops.world import run_dry
+
+    def body():
+        comm = current_comm()
+        with so.CommDebugMode() as cm:
+            comm.send(torch.empty(4, device="meta"), 3)
+            got = comm.recv(torch.empty(2, 3, device="meta"), 3)
+        with pytest.raises(so.ShardingError, match="meta tensors only"):
+            comm.send(torch.zeros(1), 3)
+        return cm.get_comm_counts(), cm.get_total_bytes(), got.shape
+
+    comm = DryCommunicator(1, 8)
+    assert run_dry(body, comm) == ({"send": 1, "recv": 1}, 16, (2, 3))
+    assert not comm.symmetric
