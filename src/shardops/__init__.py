@@ -12,6 +12,7 @@ from .interop import rank_random as _rank_random  # noqa: F401 - gives so.run's 
 from .explain import explain
 from . import ops as _ops  # noqa: F401  (registers strategies)
 from . import checkpoint, parallel, remesh  # remesh: copy_ and load_state_dict across meshes
+from . import pipelining
 from .parallel import distribute_module
 from . import fsdp  # noqa: E402
 from .fsdp import fully_shard, replicate  # noqa: E402  (torch.distributed.fsdp.fully_shard, composable replicate)
@@ -20,7 +21,7 @@ from .autoparallel import autoparallel  # noqa: E402  (the function; the package
 __all__ = [
     "CollectiveError", "CommDebugMode", "allow_replicate", "checkpoint", "DTensor", "DeviceMesh", "FallbackWarning", "Link", "NormPartial",
     "Partial", "Placement", "Replicate", "Shard", "ShardingError", "StridedShard", "distribute_module", "distribute_tensor", "explain",
-    "from_local", "from_torch", "init_device_mesh", "parallel", "run", "set_debug", "set_links", "set_strict", "to_torch",
+    "from_local", "from_torch", "init_device_mesh", "parallel", "pipelining", "run", "set_debug", "set_links", "set_strict", "to_torch",
 ]
 __all__ += ["fsdp", "fully_shard", "replicate"]
 __version__ = "0.1.0"

@@ -157,6 +157,16 @@ class DeviceMesh:
             self._groups[cache_key] = group
         return group
 
+    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+        """torch's `get_group`: the torch ProcessGroup of `mesh_dim` under torch.distributed; in the threads
+        world the shardops Group of that dim (both are what shardops.pipelining takes as a group)."""
+        if mesh_dim is None and self.ndim != 1:
+            raise ShardingError(f"get_group: a {self.ndim}-d mesh has one group per dim; pass mesh_dim (an index or one of {self.mesh_dim_names})")
+        dim = 0 if mesh_dim is None else self._dim_index(mesh_dim)
+        from .world import in_threads_world
+
+        return self.group(dim) if in_threads_world() else self.torch_mesh.get_group(dim)
+
     @cached_property
     def torch_mesh(self) -> Any:
         """torch's DeviceMesh for these ranks (torch.distributed world only)."""

@@ -31,13 +31,13 @@ import math
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import ShardingError
 from ..placements import REDUCE_OPS, reduce_values
-from .counting import CommDebugMode, natively_reducible, record  # noqa: F401  (re-exported: the protocol's public names)
+from .counting import CommDebugMode, natively_reducible, record, record_p2p  # noqa: F401  (re-exported: the protocol's public names)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -62,6 +62,48 @@ class Group:
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@dataclass
+class P2POp:
+    """One point-to-point op of `Communicator.batch_isend_irecv` (torch.distributed.P2POp).
+
+    `op`: "isend" or "irecv" (torch's `dist.isend`/`dist.irecv` are taken too); `peer`: the
+    other rank's global rank; `group`: the group both belong to (default: the whole world).
+    An irecv fills `tensor` in place once its work is waited for.
+    """
+
+    op: Any
+    tensor: torch.Tensor
+    peer: int
+    group: Group | None = None
+    tag: int = 0  # sends and recvs match by (group, src, dst, tag), in order
+
+    @property
+    def kind(self) -> str:
+        name = self.op if isinstance(self.op, str) else getattr(self.op, "__name__", str(self.op))
+        if "send" in name:
+            return "send"
+        if "recv" in name:
+            return "recv"
+        raise ShardingError(f"P2POp: op {self.op!r} is neither isend nor irecv")
+
+
+class P2PWork:
+    """A started point-to-point op: `wait()` returns once it is done (an irecv's tensor is then filled)."""
+
+    def __init__(self, wait: Callable[[], None] | None = None) -> None:
+        self._wait = wait
+        self._done = wait is None
+
+    def wait(self) -> bool:
+        if not self._done:
+            self._done = True
+            self._wait()  # type: ignore[misc]
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
 
 
 # ------------------------------------------------------------------ protocol
@@ -137,6 +179,58 @@ class Communicator:
     def barrier(self, group: Group) -> None:
         if group.size > 1:
             self._barrier(group)
+
+    # -- point to point (counted: "send" with the bytes sent, "recv" with none; see counting.record_p2p)
+    def world_group(self) -> Group:
+        return Group(tuple(range(self.world_size)))
+
+    def send(self, t: torch.Tensor, dst: int, group: Group | None = None) -> None:
+        """Send `t` to global rank `dst`; returns once `t` may be reused."""
+        for work in self.batch_isend_irecv([P2POp("isend", t, dst, group)]):
+            work.wait()
+
+    def isend(self, t: torch.Tensor, dst: int, group: Group | None = None) -> P2PWork:
+        """Start sending `t` to `dst`; do not modify `t` before the work is waited for."""
+        return self.batch_isend_irecv([P2POp("isend", t, dst, group)])[0]
+
+    def recv(
+        self, t_or_shape: torch.Tensor | Sequence[int], src: int, group: Group | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """What global rank `src` sends here: into the given tensor, or a new one of the given shape and `dtype`."""
+        buf = t_or_shape if isinstance(t_or_shape, torch.Tensor) else torch.empty(tuple(t_or_shape), dtype=dtype)
+        for work in self.batch_isend_irecv([P2POp("irecv", buf, src, group)]):
+            work.wait()
+        return buf
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[P2PWork]:
+        """Start every op at once (a rank may send to and receive from a peer in one batch without
+        deadlock); one work per op, in order. Counted as one round."""
+        for p2p in ops:
+            self._check_p2p(p2p)
+        record_p2p([(p2p.kind, nbytes(p2p.tensor) if p2p.kind == "send" else 0) for p2p in ops])
+        if not ops:
+            return []
+        return self._batch_isend_irecv(list(ops))
+
+    def _check_p2p(self, p2p: P2POp) -> None:
+        kind, t = p2p.kind, p2p.tensor
+        if not isinstance(t, torch.Tensor) or hasattr(t, "placements"):
+            raise ShardingError(
+                f"{kind}: takes a plain torch.Tensor, got {type(t).__name__}; send a DTensor's to_local() "
+                "and its layout, and rebuild it on the peer with from_local"
+            )
+        group = p2p.group if p2p.group is not None else self.world_group()
+        if self.rank not in group.ranks:
+            raise ShardingError(f"{kind}: rank {self.rank} is not a member of the group {list(group.ranks)}")
+        if not isinstance(p2p.peer, int) or p2p.peer not in group.ranks:
+            raise ShardingError(f"{kind}: peer {p2p.peer!r} is not a rank of the group {list(group.ranks)}")
+        if p2p.peer == self.rank:
+            raise ShardingError(f"{kind}: rank {self.rank} cannot {kind} to or from itself; hand the tensor over locally")
+        if kind == "recv" and not t.is_contiguous():
+            raise ShardingError(f"recv: the receiving tensor must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+
+    def _batch_isend_irecv(self, ops: list[P2POp]) -> list[P2PWork]:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     # -- wire bytes (see the module docstring); a world that pads otherwise overrides these
     def _all_gather_wire_bytes(self, t: torch.Tensor, shapes: Sequence[tuple]) -> int:

@@ -34,6 +34,21 @@ def record(kind: str, num_bytes: int, wire_bytes: int | None = None) -> None:
         mode.wire_log.append((kind, wire))
 
 
+def record_p2p(ops: "list[tuple[str, int]]") -> None:
+    """Point-to-point ops issued together (one `send`/`recv` or one batch): each op is counted
+    under its kind ("send" with the bytes this rank sends, "recv" with 0: the sender counts the
+    bytes), and the whole batch is one round. torch's CommDebugMode does not count c10d's p2p ops
+    at all; shardops counts them so that a pipeline's traffic is visible beside its collectives."""
+    for mode in _active_modes():
+        for kind, num_bytes in ops:
+            mode.counts[kind] += 1
+            mode.bytes += num_bytes
+            mode.wire_bytes += num_bytes
+            mode.log.append((kind, num_bytes))
+            mode.wire_log.append((kind, num_bytes))
+        mode.rounds += 1 if ops else 0
+
+
 class CommDebugMode:
     """Counts, on this rank, the collectives issued inside the block."""
 

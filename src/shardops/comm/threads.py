@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any, Sequence
 
 import torch
 
 from ..errors import CollectiveError
 from . import traceable
-from .base import Communicator, Group, reduce_stack
+from .base import Communicator, Group, P2POp, P2PWork, reduce_stack
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -33,6 +34,7 @@ class ThreadsWorld:
         self.failure: str | None = None
         self.failed_at: float | None = None  # time.monotonic() of the first failure
         self.finished: set[int] = set()  # ranks whose function has returned or raised
+        self._mailboxes: dict[tuple, deque] = {}  # (group ranks, src, dst, tag) -> tensors sent, oldest first
 
     def communicator(self, rank: int) -> "ThreadsCommunicator":
         return ThreadsCommunicator(self, rank)
@@ -110,6 +112,40 @@ class ThreadsWorld:
         _check_agreement(rank, group, entries)
         return {r: p for r, (_, p) in entries.items()}
 
+    def post(self, group: Group, src: int, dst: int, t: torch.Tensor, tag: int = 0) -> None:
+        """Point to point: leave a private copy of `t` for `dst` (sends never wait: they are buffered)."""
+        with self._cond:
+            self._raise_if_failed(("send",), group)
+            self._mailboxes.setdefault((group.ranks, src, dst, tag), deque()).append(t.detach().clone())
+            self._cond.notify_all()
+
+    def take(self, group: Group, src: int, dst: int, into: torch.Tensor, tag: int = 0) -> None:
+        """Point to point: wait for the oldest tensor `src` sent to `dst` over `group`, copy it into `into`.
+
+        Raises after the world's timeout, at once when `src` has returned without sending, and when
+        any rank failed: a recv never hangs.
+        """
+        key = (group.ranks, src, dst, tag)
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while not self._mailboxes.get(key):
+                self._raise_if_failed(("recv",), group)
+                left = deadline - time.monotonic()
+                if src in self.finished or left <= 0:
+                    why = "returned from its function without sending it" if src in self.finished else f"did not send it within the timeout of {self.timeout:g}s"
+                    reason = f"recv on rank {dst} from rank {src} (group {list(group.ranks)}): rank {src} {why}"
+                    self._set_failure(reason)
+                    self._cond.notify_all()
+                    raise CollectiveError(reason)
+                self._cond.wait(left)
+            got = self._mailboxes[key].popleft()
+        if got.dtype != into.dtype or got.shape != into.shape:
+            raise CollectiveError(
+                f"recv on rank {dst} from rank {src}: rank {src} sent {got.dtype} of shape {tuple(got.shape)}, "
+                f"rank {dst} expected {into.dtype} of shape {tuple(into.shape)}; send and recv must agree"
+            )
+        into.copy_(got)
+
     def _raise_if_failed(self, signature: tuple, group: Group) -> None:
         if self.failure is not None:
             raise CollectiveError(f"{signature[0]} over ranks {list(group.ranks)} aborted: {self.failure}")
@@ -173,3 +209,14 @@ class ThreadsCommunicator(Communicator):
 
     def _barrier(self, group: Group) -> None:
         self.world.exchange(self.rank, group, ("barrier",), None)
+
+    def _batch_isend_irecv(self, ops: list[P2POp]) -> list[P2PWork]:
+        works = []
+        for p2p in ops:
+            group = p2p.group if p2p.group is not None else self.world_group()
+            if p2p.kind == "send":
+                self.world.post(group, self.rank, p2p.peer, p2p.tensor, p2p.tag)
+                works.append(P2PWork())
+            else:
+                works.append(P2PWork(lambda g=group, p=p2p: self.world.take(g, p.peer, self.rank, p.tensor, p.tag)))
+        return works

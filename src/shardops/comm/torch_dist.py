@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .base import Communicator, Group, natively_reducible as _natively_reducible, reduce_stack
+from .base import Communicator, Group, P2POp, P2PWork, natively_reducible as _natively_reducible, reduce_stack
 from .wire import pack_padded
 
 _TORCH_OPS = {
@@ -144,6 +144,13 @@ class TorchDistCommunicator(Communicator):
             self._groups[cache_key] = resolved
         return resolved
 
+    def adopt_process_group(self, pg: Any) -> Group:
+        """The shardops Group of a torch process group's members (in its rank order), resolved to that group."""
+        members = tuple(dist.get_process_group_ranks(pg))
+        self._check_world()
+        self._by_members.setdefault(tuple(sorted(members)), pg)
+        return Group(members)
+
     def functional_group(self, group: Group, kind: str = "all_reduce") -> tuple[str, tuple[int, ...]] | None:
         resolved = self._resolve(group)
         return resolved.pg.group_name, resolved.pg_index
@@ -236,6 +243,32 @@ class TorchDistCommunicator(Communicator):
 
     def _barrier(self, group: Group) -> None:
         _c10d("barrier", self._resolve(group), dist.barrier)
+
+    def _batch_isend_irecv(self, ops: list[P2POp]) -> list[P2PWork]:
+        """c10d's batch_isend_irecv on the groups' process groups; peers are global ranks, as c10d takes them.
+        Tensors travel as raw bytes, so every dtype does."""
+        torch_ops, groups = [], []
+        for p2p in ops:
+            g = self._resolve(p2p.group if p2p.group is not None else self.world_group())
+            groups.append(g)
+            buf = _bytes_of(p2p.tensor.contiguous() if p2p.kind == "send" else p2p.tensor)
+            torch_ops.append(dist.P2POp(dist.isend if p2p.kind == "send" else dist.irecv, buf, p2p.peer, group=g.pg, tag=p2p.tag))
+        try:
+            started = dist.batch_isend_irecv(torch_ops)
+        except RuntimeError as e:
+            raise _collective_error("batch_isend_irecv", groups[0], e) from e
+        keep = [op.tensor for op in torch_ops]  # the send buffers live until the works are waited for
+
+        def wait_all() -> None:
+            try:
+                for work in started:
+                    work.wait()
+            except RuntimeError as e:
+                raise _collective_error("batch_isend_irecv", groups[0], e) from e
+            keep.clear()
+
+        batch = P2PWork(wait_all)
+        return [batch for _ in ops]
 
     # ------------------------------------------------------------ helpers
 

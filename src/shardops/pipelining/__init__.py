@@ -1,0 +1,16 @@
+"""Pipeline parallelism with torch.distributed.pipelining's names: a model split by depth into
+`PipelineStage`s, run over micro-batches by a schedule, in both worlds (docs/pipelining.md)."""
+from .schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+    get_schedule_class,
+)
+from .stage import PipelineStage
+
+__all__ = [
+    "PipelineScheduleMulti", "PipelineScheduleSingle", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "get_schedule_class",
+]

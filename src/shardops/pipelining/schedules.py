@@ -1,0 +1,306 @@
+"""Pipeline schedules: each rank's ordered program of forward (F) and backward (B) actions, and
+the executor that runs it.
+
+A program is a list of `_Action(stage, kind, microbatch)`. The executor runs it in order:
+an F receives its stage's inputs from the previous stage (a blocking recv, or a hand-off when
+that stage is on this rank), computes, and sends its outputs on without waiting (isend); a B
+does the same with gradients, backwards. Sends never block, so every program whose actions
+come after what they depend on runs without deadlock in both worlds. The executed order is
+kept per rank (`executed_actions`), so a test reads the bubble from it, not from timing.
+
+Placement (torch's, for these schedules): stage s lives on group member s % group size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..comm.base import P2POp, P2PWork
+from ..errors import ShardingError
+from ..world import current_comm
+from . import _meta
+from .stage import PipelineStage, local_part
+
+FORWARD, BACKWARD = "F", "B"
+
+
+@dataclass(frozen=True)
+class _Action:
+    stage: int
+    kind: str  # "F" or "B"
+    microbatch: int
+
+    def __str__(self) -> str:  # torch's notation: "0F1" is stage 0's forward of micro-batch 1
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    __repr__ = __str__
+
+
+# ------------------------------------------------------------------ base
+
+
+class _PipelineSchedule:
+    """What every schedule shares: splitting the batch, the first step's checks, running the program."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None, scale_grads: bool, **specs: Any) -> None:
+        given = [k for k, v in specs.items() if v is not None]
+        if given:
+            raise ShardingError(f"{type(self).__name__}: {given} are not supported yet; micro-batches split every tensor argument on dim 0")
+        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ShardingError(f"{type(self).__name__}: n_microbatches must be a positive int, got {n_microbatches!r}")
+        if not stages:
+            raise ShardingError(f"{type(self).__name__}: no stages")
+        if len({s.group.ranks for s in stages}) > 1:
+            raise ShardingError(f"{type(self).__name__}: this rank's stages are in different groups")
+        self._stages = {s.stage_index: s for s in stages}
+        if len(self._stages) != len(stages):
+            raise ShardingError(f"{type(self).__name__}: stage indices {[s.stage_index for s in stages]} repeat")
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self._group = stages[0].group
+        self._num_stages = stages[0].num_stages
+        self._checked = False
+        self._sends: list[P2PWork] = []
+        self._local: dict[tuple, tuple[torch.Tensor, ...]] = {}  # hand-offs between two stages of this rank
+        self.executed_actions: list[_Action] = []  # this rank's actions of the last step, in the order run
+
+    @property
+    def n_microbatches(self) -> int:
+        return self._n_microbatches
+
+    @property
+    def stages(self) -> list[PipelineStage]:
+        return [self._stages[s] for s in sorted(self._stages)]
+
+    def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- step
+    def step(self, *args: Any, target: torch.Tensor | None = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """One training step over the whole batch: `args` on the first stage, `target` and `losses` on the last.
+        Returns the last stage's outputs (micro-batches concatenated) there, None elsewhere."""
+        if kwargs:
+            raise ShardingError(f"{type(self).__name__}.step: keyword inputs {sorted(kwargs)} are not supported yet; pass them positionally")
+        name = type(self).__name__
+        first, last = self._stages.get(0), self._stages.get(self._num_stages - 1)
+        mb_args, split_error = self._split(args, "inputs") if first is not None else (None, None)
+        mb_targets, target_error = self._split((target,), "target") if last is not None and target is not None else (None, None)
+        comm = current_comm()
+        if not self._checked:
+            _meta.check_layout(comm, self.stages, name, self._n_microbatches)
+            errors = [e for e in (split_error, target_error) if e]
+            _meta.infer_shapes(comm, self.stages, mb_args[0] if mb_args else None, errors, lambda s: self._tag(s, 0, "meta", 0))
+            self._checked = True
+        elif split_error or target_error:
+            raise ShardingError(split_error or target_error)
+        has_backward = self._loss_fn is not None and torch.is_grad_enabled()
+        for stage in self.stages:
+            stage.clear_runtime_states()
+            stage.peak_in_flight = 0
+        self.executed_actions = []
+        outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        try:
+            for action in self._program(self.stages, has_backward):
+                self._run(action, mb_args, mb_targets, outputs)
+                self.executed_actions.append(action)
+        finally:
+            sends, self._sends = self._sends, []
+            for work in sends:
+                work.wait()
+        if not has_backward:  # forward only: nothing will read the activations kept for a backward
+            for stage in self.stages:
+                stage.clear_runtime_states()
+        if has_backward and self.scale_grads:
+            for stage in self.stages:
+                stage.scale_grads(self._n_microbatches)
+        if last is None:
+            return None
+        if losses is not None:
+            losses.extend(last.take_losses())
+        return _merge(outputs, self._n_microbatches)
+
+    def _split(self, values: Sequence[Any], what: str) -> tuple[list[tuple], str | None]:
+        """Each micro-batch's values (tensors split on dim 0), or the reason they cannot be split."""
+        m = self._n_microbatches
+        for v in values:
+            if isinstance(v, torch.Tensor) and (v.ndim == 0 or v.shape[0] % m):
+                size = "a 0-d tensor" if v.ndim == 0 else f"batch size {v.shape[0]}"
+                return [], (
+                    f"{type(self).__name__}.step: the {what} of shape {tuple(v.shape)} ({size}) do not split into "
+                    f"n_microbatches={m} equal micro-batches on dim 0; use a batch size divisible by {m}"
+                )
+        columns = [v.chunk(m) if isinstance(v, torch.Tensor) else [v] * m for v in values]
+        return [tuple(c[i] for c in columns) for i in range(m)], None
+
+    # -- one action
+    def _run(self, a: _Action, mb_args: list[tuple] | None, mb_targets: list[tuple] | None, outputs: dict) -> None:
+        stage = self._stages[a.stage]
+        if a.kind == FORWARD:
+            args = mb_args[a.microbatch] if stage.is_first else self._receive(stage, a.stage - 1, a.microbatch, "act", stage.input_metas)
+            target = mb_targets[a.microbatch][0] if stage.is_last and mb_targets else None
+            out = stage.forward_one_chunk(a.microbatch, args, target, self._loss_fn)
+            if stage.is_last:
+                outputs[a.microbatch] = tuple(o.detach() for o in out)
+            else:
+                self._deliver(stage, a.stage + 1, a.microbatch, "act", tuple(o.detach() for o in out))
+        else:
+            grads = None if stage.is_last else self._receive(stage, a.stage + 1, a.microbatch, "grad", stage.output_metas)
+            input_grads = stage.backward_one_chunk(a.microbatch, grads)
+            if not stage.is_first:
+                self._deliver(stage, a.stage - 1, a.microbatch, "grad", input_grads)
+
+    def _deliver(self, stage: PipelineStage, to_stage: int, mb: int, kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
+        dst = stage.stage_to_rank(to_stage)
+        if dst == stage.rank:
+            self._local[(to_stage, mb, kind)] = tensors
+            return
+        comm = current_comm()
+        ops = [P2POp("isend", local_part(t).contiguous(), dst, self._group, self._tag(to_stage, mb, kind, i)) for i, t in enumerate(tensors)]
+        self._sends += comm.batch_isend_irecv(ops)
+
+    def _receive(self, stage: PipelineStage, from_stage: int, mb: int, kind: str, metas: Any) -> tuple[torch.Tensor, ...]:
+        src = stage.stage_to_rank(from_stage)
+        if src == stage.rank:
+            return self._local.pop((stage.stage_index, mb, kind))
+        bufs = tuple(m.empty(stage.device) for m in metas)
+        ops = [P2POp("irecv", b, src, self._group, self._tag(stage.stage_index, mb, kind, i)) for i, b in enumerate(bufs)]
+        for work in current_comm().batch_isend_irecv(ops):
+            work.wait()
+        if any(m.placements is not None for m in metas):  # DTensors: rebuilt from their local shards on this stage's mesh
+            return tuple(m.wrap(b, stage.mesh if m.placements else None) for m, b in zip(metas, bufs))
+        return bufs
+
+    def _tag(self, to_stage: int, mb: int, kind: str, index: int) -> int:
+        """A distinct tag per (receiving stage, micro-batch, kind, tensor): messages between two ranks never mix."""
+        kinds = ("meta", "act", "grad")
+        return ((mb * self._num_stages + to_stage) * len(kinds) + kinds.index(kind)) * 16 + index
+
+
+def _merge(outputs: dict[int, tuple[torch.Tensor, ...]], m: int) -> Any:
+    if len(outputs) != m:
+        return None
+    parts = [outputs[i] for i in range(m)]
+    merged = tuple(torch.cat(col) if col[0].ndim else torch.stack(col) for col in zip(*parts))
+    return merged[0] if len(merged) == 1 else merged
+
+
+class PipelineScheduleSingle(_PipelineSchedule):
+    """A schedule of one stage per rank (torch's base class of the same name)."""
+
+    def __init__(
+        self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None, output_merge_spec: Any = None, scale_grads: bool = True,
+    ) -> None:
+        if not isinstance(stage, PipelineStage):
+            raise ShardingError(f"{type(self).__name__}: takes one PipelineStage, got {type(stage).__name__}; multi-stage schedules take a list")
+        super().__init__([stage], n_microbatches, loss_fn, scale_grads, args_chunk_spec=args_chunk_spec,
+                         kwargs_chunk_spec=kwargs_chunk_spec, output_merge_spec=output_merge_spec)
+        self._stage = stage
+
+
+class PipelineScheduleMulti(_PipelineSchedule):
+    """A schedule of several stages per rank (torch's base class of the same name)."""
+
+    def __init__(
+        self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None, output_merge_spec: Any = None, scale_grads: bool = True,
+    ) -> None:
+        if isinstance(stages, PipelineStage):
+            stages = [stages]
+        super().__init__(list(stages), n_microbatches, loss_fn, scale_grads, args_chunk_spec=args_chunk_spec,
+                         kwargs_chunk_spec=kwargs_chunk_spec, output_merge_spec=output_merge_spec)
+
+
+# ------------------------------------------------------------------ the schedules
+
+
+class ScheduleGPipe(PipelineScheduleSingle):
+    """Every micro-batch's forward, then every backward: m micro-batches in flight."""
+
+    def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:
+        s, m = stages[0].stage_index, self._n_microbatches
+        forwards = [_Action(s, FORWARD, i) for i in range(m)]
+        return forwards + ([_Action(s, BACKWARD, i) for i in range(m)] if has_backward else [])
+
+
+class Schedule1F1B(PipelineScheduleSingle):
+    """Warm-up forwards, then one forward and one backward in turn, then the remaining backwards:
+    stage s holds at most num_stages - s micro-batches in flight."""
+
+    def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:
+        stage, m = stages[0], self._n_microbatches
+        s = stage.stage_index
+        if not has_backward:
+            return [_Action(s, FORWARD, i) for i in range(m)]
+        warmup = min(m, stage.num_stages - 1 - s)
+        program = [_Action(s, FORWARD, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            program += [_Action(s, FORWARD, warmup + i), _Action(s, BACKWARD, i)]
+        return program + [_Action(s, BACKWARD, i) for i in range(m - warmup, m)]
+
+
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Several stages per rank (stage s on member s % size): each local stage's forwards for every
+    micro-batch, breadth first, then the backwards in reverse stage order."""
+
+    def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:
+        m = self._n_microbatches
+        program = [_Action(st.stage_index, FORWARD, i) for st in stages for i in range(m)]
+        if has_backward:
+            program += [_Action(st.stage_index, BACKWARD, i) for st in reversed(stages) for i in range(m)]
+        return program
+
+
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
+    """Megatron-LM's interleaved 1F1B: v stages per rank (stage s on member s % p), micro-batches in rounds
+    of p, each rank's forwards cycling through its stages round by round. The bubble is about 1/v of
+    1F1B's. Needs n_microbatches to be a multiple of the group size p."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, **kwargs: Any) -> None:
+        super().__init__(stages, n_microbatches, loss_fn, **kwargs)
+        p = self._group.size
+        if n_microbatches % p:
+            raise ShardingError(
+                f"ScheduleInterleaved1F1B: n_microbatches={n_microbatches} is not a multiple of the pipeline's {p} ranks; "
+                f"the schedule runs micro-batches in rounds of {p} (use {max(p, n_microbatches - n_microbatches % p)} or {n_microbatches + p - n_microbatches % p})"
+            )
+
+    def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:
+        p, v, m = self._group.size, len(stages), self._n_microbatches
+        rank = stages[0].group_rank
+        total = m * v
+
+        def nth(k: int, kind: str) -> _Action:
+            local = (k // p) % v  # which of this rank's stages: cycles every p actions
+            microbatch = (k // (p * v)) * p + k % p
+            return _Action(stages[local if kind == FORWARD else v - 1 - local].stage_index, kind, microbatch)
+
+        if not has_backward:
+            return [nth(k, FORWARD) for k in range(total)]
+        warmup = min(total, 2 * (p - rank - 1) + (v - 1) * p)
+        program = [nth(k, FORWARD) for k in range(warmup)]
+        for i in range(total - warmup):
+            program += [nth(warmup + i, FORWARD), nth(i, BACKWARD)]
+        return program + [nth(i, BACKWARD) for i in range(total - warmup, total)]
+
+
+_SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+}
+
+
+def get_schedule_class(schedule_name: str) -> type[_PipelineSchedule]:
+    """The schedule class of a name, case-insensitive ("GPipe", "1F1B", "LoopedBFS", or the class's own name)."""
+    if not isinstance(schedule_name, str):
+        raise ShardingError(f"get_schedule_class: takes a name, got {schedule_name!r}")
+    wanted = schedule_name.lower()
+    for name, cls in _SCHEDULES.items():
+        if wanted in (name.lower(), cls.__name__.lower()):
+            return cls
+    raise ShardingError(f"get_schedule_class: unknown schedule {schedule_name!r}; shardops has {sorted(_SCHEDULES)}")
