@@ -305,6 +305,26 @@ def test_unsynced_micro_batches_accumulate_to_the_big_batch_gradient(strict):
             torch.testing.assert_close(grads[name], g, rtol=TOL, atol=TOL, msg=name)
 
 
+def _forwards_then_backwards_rank(reshard_after_forward, k):
+    """k micro-batches: every forward first, then every backward (a pipeline stage's GPipe order)."""
+    mesh = so.init_device_mesh("cpu", (4,))
+    model = _shard_blocks(_model(), mesh=mesh, reshard_after_forward=reshard_after_forward)
+    x, y = (_batch_slice(mesh, None, t) for t in _data(1)[0])
+    micro = x.shape[0] // k
+    losses = [_loss(model, x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / k for i in range(k)]
+    for loss in losses:
+        loss.backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_several_forwards_before_their_backwards_reduce_every_gradient(strict, reshard_after_forward):
+    ref = _reference(steps=1)["grads"]
+    for grads in so.run(_forwards_then_backwards_rank, 4, reshard_after_forward, 2):
+        for name, g in ref.items():
+            torch.testing.assert_close(grads[name], g, rtol=TOL, atol=TOL, msg=name)
+
+
 # ------------------------------------------------------------------ replicate (composable DDP)
 
 

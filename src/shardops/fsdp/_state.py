@@ -36,8 +36,11 @@ class RootState:
     def finish_backward(self) -> None:
         self.callback_queued = False
         for unit in self.units:
-            if unit.pending_backward:
+            if unit.pending_backward or unit.holds_unsharded_grads():
                 post_backward(unit)
+            # several forwards before their backwards (micro-batches, a pipeline stage): a forward
+            # whose backward has not run yet keeps the unit pending for that later backward
+            unit.pending_backward = unit.inputs_pending > 0
             unit.forwards_in_pass = 0
 
 
@@ -104,10 +107,10 @@ def _pre_backward(unit: FSDPUnit) -> None:
 
 
 def post_backward(unit: FSDPUnit) -> None:
-    if not unit.pending_backward:
+    """Reduce whatever gradients the unit's unsharded parameters hold now (none: nothing is sent).
+    May run once per backward pass: each pass's gradients are reduced into the sharded `.grad`."""
+    if not (unit.pending_backward or unit.holds_unsharded_grads()):
         return
-    unit.pending_backward = False
-    unit.inputs_pending = 0
     grads = unit.take_gradients()
     if unit.reshard_after_backward:
         unit.reshard()  # first: the unsharded parameters' memory is free before the reduction's buffers

@@ -81,6 +81,10 @@ class FSDPUnit:
         self.is_unsharded = False
 
     # -- gradients
+    def holds_unsharded_grads(self) -> bool:
+        """A backward left gradients on the unsharded parameters that no post-backward reduced yet."""
+        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.params)
+
     def take_gradients(self) -> list[tuple[FSDPParam, torch.Tensor]]:
         """The unsharded gradients to reduce, taken off the unsharded parameters (reduce_dtype).
         Unsynced: they are kept (accumulated) instead, and nothing is returned."""
