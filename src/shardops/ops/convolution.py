@@ -31,9 +31,9 @@ Groups > 1: an output channel reads only its own group's input channels, so shar
 input channels inside a group has no exact local form, and neither has sharding output
 channels across a group boundary. Whole groups per rank are local: the rank runs its groups
 with `groups` scaled to the groups it holds. That is exact when every shard boundary falls
-on a group boundary for both channel dims, which holds when the mesh's size divides
-`groups` (then every split is even); other meshes get no grouped row (the planner moves
-the inputs; strict mode refuses).
+on a group boundary for both channel dims, which holds on mesh dims whose sizes multiply
+to a divisor of `groups` (then every split is even; `whole_group_mesh_dims`); other mesh
+dims get no grouped row (the planner moves the inputs; strict mode refuses).
 
 Spatial dims need halos (a kernel wider than 1 reads its neighbours' edges), which these
 rules do not exchange: a spatial dim is sharded only for a 1x1 kernel with stride 1 and no
@@ -45,7 +45,7 @@ pending sum (plus its bias piece).
 """
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -54,6 +54,7 @@ from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
 from ..placements import Partial, Placement, Replicate, Shard
 from ..planner.rows import Row, row
+from ..spec import TensorSpec
 from ._local_kernel import any_empty, zero_outputs
 
 aten = torch.ops.aten
@@ -67,11 +68,26 @@ def _weight_dims(transposed: bool) -> tuple[int, int]:
     return (1, 0) if transposed else (0, 1)
 
 
-def groups_align(mesh_shape: Sequence[int], groups: int, channels: Sequence[int]) -> bool:
-    """Every shard of the channel dims holds whole groups: the mesh's size divides `groups`
-    (every split along any nesting of mesh dims is then even and falls on a group boundary)."""
-    n = math.prod(mesh_shape)
-    return groups > 1 and groups % n == 0 and all(c % groups == 0 for c in channels)
+def whole_group_mesh_dims(spec: TensorSpec, groups: int) -> list[int]:
+    """The mesh dims on which the channel dim (1) of `spec` may be sharded in whole groups.
+
+    Any set of mesh dims whose sizes multiply to a divisor of `groups` splits the channels
+    evenly, every shard holding whole groups (C = groups * c, split by n | groups: chunks of
+    groups/n * c), however the mesh dims nest. The dims chosen: greedily, those that shard
+    the channels now first (the planner prefers leaving inputs where they are), then the
+    rest in mesh order, while the product of their sizes divides `groups`; any subset of
+    them is then safe too.
+    """
+    if groups <= 1:
+        return []
+    mesh_shape = spec.mesh.shape
+    now = [i for i, p in enumerate(spec.placements) if p.is_shard(1)]
+    chosen, product = [], 1
+    for i in now + [i for i in range(len(mesh_shape)) if i not in now]:
+        if groups % (product * mesh_shape[i]) == 0:
+            chosen.append(i)
+            product *= mesh_shape[i]
+    return chosen
 
 
 def _pointwise_kernel(schema: OpSchema) -> bool:
@@ -116,7 +132,6 @@ def _convolution_rule(schema: OpSchema) -> list[Row]:
     has_bias = schema.arg("bias") is not None
     transposed, groups = bool(schema.arg("transposed")), int(schema.arg("groups"))
     w_out, w_in = _weight_dims(transposed)
-    c_out = w.shape[w_out] * (groups if transposed else 1)
 
     def r(out: Placement, xp: Placement, wp: Placement, bp: Placement) -> Row:
         return row(out, [xp, wp] + [bp] * has_bias, _convolution_local)
@@ -124,8 +139,8 @@ def _convolution_rule(schema: OpSchema) -> list[Row]:
     rows = [r(S(0), S(0), R, R)]
     if groups == 1:
         rows += [r(S(1), R, S(w_out), S(0)), r(P, S(1), S(w_in), P), r(P, P, R, P), r(P, R, P, P)]
-    elif groups_align(x.mesh.shape, groups, (x.shape[1], c_out)):
-        rows.append(r(S(1), S(1), S(0), S(0)))
+    else:
+        rows += [replace(r(S(1), S(1), S(0), S(0)), mesh_dim=i) for i in whole_group_mesh_dims(x, groups)]
     if _pointwise_kernel(schema):
         rows += [r(S(d), S(d), R, R) for d in range(2, x.ndim)]
     return rows
@@ -169,8 +184,8 @@ def _convolution_backward_rule(schema: OpSchema) -> list[Row]:
             r([R, P, R], [R, P, R]),
             r([P, R, R], [R, R, P]),
         ]
-    elif groups_align(x.mesh.shape, groups, (x.shape[1], grad.shape[1])):
-        rows.append(r([S(1), S(0), S(0)], [S(1), S(1), S(0)]))
+    else:
+        rows += [replace(r([S(1), S(0), S(0)], [S(1), S(1), S(0)]), mesh_dim=i) for i in whole_group_mesh_dims(x, groups)]
     if _pointwise_kernel(schema):
         rows += [r([S(d), P, P], [S(d), S(d), R]) for d in range(2, x.ndim)]
     return rows

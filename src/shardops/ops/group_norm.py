@@ -13,12 +13,14 @@ Rows for one mesh dim:
 
 Both are local: a sample's statistics never leave its rank. The op takes N, C and the
 group count as numbers; each rank passes its own (local N; with whole groups, its C and
-its groups). Channels are sharded only where every shard holds whole groups, which holds
-when the mesh's size divides the group count (see convolution.groups_align); other
-layouts with sharded channels get no row (the planner moves the input, strict mode
+its groups). Channels are sharded only where every shard holds whole groups: on mesh dims
+whose sizes multiply to a divisor of the group count (convolution.whole_group_mesh_dims);
+other layouts with sharded channels get no row (the planner moves the input, strict mode
 refuses). Spatial dims are not sharded here (their statistics would need a round).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -27,7 +29,7 @@ from ..dispatch.schema import OpSchema
 from ..placements import Partial, Replicate, Shard
 from ..planner.rows import Row, row
 from ._local_kernel import any_empty, zero_outputs
-from .convolution import groups_align
+from .convolution import whole_group_mesh_dims
 
 aten = torch.ops.aten
 R = Replicate()
@@ -56,8 +58,8 @@ def _group_norm_backward_local(ctx, grad, x, mean, rstd, weight, N, C, HxW, grou
     return aten.native_group_norm_backward.default(grad, x, mean, rstd, weight, n, c, HxW, g, output_mask)
 
 
-def _aligned(schema: OpSchema, x) -> bool:
-    return groups_align(x.mesh.shape, int(schema.arg("group")), (x.shape[1],))
+def _group_dims(schema: OpSchema, x) -> list[int]:
+    return whole_group_mesh_dims(x, int(schema.arg("group")))
 
 
 @strategy(aten.native_group_norm.default)
@@ -65,8 +67,7 @@ def _group_norm_rule(schema: OpSchema) -> list[Row]:
     x = schema.self_spec
     n_affine = len(schema.tensor_specs) - 1
     rows = [row([S(0)] * 3, [S(0)] + [R] * n_affine, _group_norm_local)]
-    if _aligned(schema, x):
-        rows.append(row([S(1)] * 3, [S(1)] + [S(0)] * n_affine, _group_norm_local))
+    rows += [row([S(1)] * 3, [S(1)] + [S(0)] * n_affine, _group_norm_local, mesh_dim=i) for i in _group_dims(schema, x)]
     return rows
 
 
@@ -80,6 +81,5 @@ def _group_norm_backward_rule(schema: OpSchema) -> list[Row]:
         return row([outs[i] for i in present], ins[: 4 + has_w], _group_norm_backward_local)
 
     rows = [r([S(0), P, P], [S(0)] * 4 + [R]), r([P, P, P], [P, R, R, R, R])]
-    if _aligned(schema, x):
-        rows.append(r([S(1), S(0), S(0)], [S(1)] * 4 + [S(0)]))
+    rows += [replace(r([S(1), S(0), S(0)], [S(1)] * 4 + [S(0)]), mesh_dim=i) for i in _group_dims(schema, x)]
     return rows
