@@ -25,7 +25,8 @@ p = Shard(d) for a dim d != 1:
 
 The statistics: each rank's per-channel (mean, M2) in float64, merged by Chan's formula
 (moments.chan_merge) with every member's count known from the layout, so uneven and empty
-batch shards are exact. The running statistics follow torch: momentum-weighted, with the
+batch shards are exact; x is centred in float64 forward and backward (the backward's two
+sums travel in float64 too), so data with a large mean keeps its digits. The running statistics follow torch: momentum-weighted, with the
 unbiased variance M2 / (n - 1) of the global count n.
 
 native_batch_norm (what F.batch_norm reaches on CPU) and _native_batch_norm_legit update
@@ -40,6 +41,7 @@ _batch_norm_no_update (export's forms) and their batch_norm_backward.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from functools import partial
@@ -123,15 +125,33 @@ def _global_stats(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int
     return mean, m2, sum(counts)
 
 
+def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
+    return None if t is None else t.dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _stat_dtype(device_type: str, dtype: torch.dtype, weight: torch.dtype | None, running: torch.dtype | None) -> torch.dtype:
+    """The dtype the device's kernel gives save_mean/save_invstd (CPU: the input's when every
+    operand is of the input's half type, float32 otherwise; the meta kernel says float32 always),
+    so that the sharded path returns what the local path does."""
+    probe = torch.ones(2, 1, dtype=dtype, device=device_type)
+    w = None if weight is None else torch.ones(1, dtype=weight, device=device_type)
+    stats = [None, None] if running is None else [torch.zeros(1, dtype=running, device=device_type), torch.ones(1, dtype=running, device=device_type)]
+    return aten.native_batch_norm.default(probe, w, None, *stats, True, 0.1, 1e-5)[1].dtype
+
+
 def _batch_norm_training(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
     """(out, save_mean, save_invstd, new_running_mean, new_running_var) from the global batch statistics."""
     mean, m2, n = _global_stats(ctx, x)
     invstd = torch.rsqrt(m2 / n + eps)
-    op = opmath_dtype(x.dtype)
     scale = invstd if weight is None else invstd * weight.to(torch.float64)
-    shift = -mean * scale if bias is None else bias.to(torch.float64) - mean * scale
-    out = (x.to(op) * _per_channel(scale.to(op), x.ndim) + _per_channel(shift.to(op), x.ndim)).to(x.dtype)
-    stat_dtype = ctx.out_specs[1].dtype
+    # centred in float64: x * scale + (bias - mean * scale) in the input's precision loses the
+    # digits of data with a large mean (1e3 + randn in float32: 2e-4 off; torch's kernel 1e-4)
+    out = (x.to(torch.float64) - _per_channel(mean, x.ndim)) * _per_channel(scale, x.ndim)
+    if bias is not None:
+        out = out + _per_channel(bias.to(torch.float64), x.ndim)
+    out = out.to(x.dtype)
+    stat_dtype = _stat_dtype(x.device.type, x.dtype, _dtype(weight), _dtype(running_mean))
     outs = [out, mean.to(stat_dtype), invstd.to(stat_dtype)]
     if running_mean is not None:
         new_mean = (1 - momentum) * running_mean.to(torch.float64) + momentum * mean
@@ -241,7 +261,7 @@ decomposition(aten._native_batch_norm_legit.default)(_batch_norm_updating)
 def _batch_norm_backward(ctx, grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask, *, reduce):
     """d_x, d_weight, d_bias by torch's formulas; in training, the two per-channel sums over the
     global batch (one all_reduce) when d_x is wanted."""
-    op = opmath_dtype(x.dtype)
+    op = torch.float64  # xhat = (x - mean) * invstd keeps its digits for data with a large mean
     dims = _stat_dims(x.ndim)
     if train:
         mean, invstd = save_mean.to(op), save_invstd.to(op)
@@ -286,7 +306,7 @@ def _backward_rule(schema: OpSchema) -> list[Row]:
     per_channel = lambda p: [(p if o.shape[0] else R) for o in optional if o is not None]  # noqa: E731
     reduce = bool(schema.arg("train")) and mask[0]
     algo = BACKWARD[reduce]
-    comm = [("all_reduce", 2 * opmath_dtype(x.dtype).itemsize * _channels_per_rank(x))] if reduce else []
+    comm = [("all_reduce", 2 * F64 * _channels_per_rank(x))] if reduce else []
     sums: Placement = R if reduce else P
 
     def r(outs, ins, **kw) -> Row:

@@ -90,9 +90,9 @@ def whole_group_mesh_dims(spec: TensorSpec, groups: int) -> list[int]:
     return chosen
 
 
-def _pointwise_kernel(schema: OpSchema) -> bool:
+def _pointwise_kernel(schema: OpSchema, weight: TensorSpec) -> bool:
     """A 1x1 kernel with stride 1 and no padding: output position i reads input position i only."""
-    kernel = schema.tensor_specs[1].shape[2:]
+    kernel = weight.shape[2:]
     flat = lambda name: [int(v) for v in (schema.arg(name) or [])]  # noqa: E731
     return (
         all(k == 1 for k in kernel)
@@ -141,7 +141,7 @@ def _convolution_rule(schema: OpSchema) -> list[Row]:
         rows += [r(S(1), R, S(w_out), S(0)), r(P, S(1), S(w_in), P), r(P, P, R, P), r(P, R, P, P)]
     else:
         rows += [replace(r(S(1), S(1), S(0), S(0)), mesh_dim=i) for i in whole_group_mesh_dims(x, groups)]
-    if _pointwise_kernel(schema):
+    if _pointwise_kernel(schema, w):
         rows += [r(S(d), S(d), R, R) for d in range(2, x.ndim)]
     return rows
 
@@ -186,6 +186,6 @@ def _convolution_backward_rule(schema: OpSchema) -> list[Row]:
         ]
     else:
         rows += [replace(r([S(1), S(0), S(0)], [S(1), S(1), S(0)]), mesh_dim=i) for i in whole_group_mesh_dims(x, groups)]
-    if _pointwise_kernel(schema):
+    if _pointwise_kernel(schema, w):
         rows += [r([S(d), P, P], [S(d), S(d), R]) for d in range(2, x.ndim)]
     return rows
