@@ -1051,7 +1051,7 @@ def _upsample(op, dtype, g, k):
     if case is None:
         return None
     name = packet_name(op).removesuffix("_backward")
-    spatial = int(name[-2])
+    spatial = int(re.search(r"(\d)d", name).group(1))
     x = _pool_input(dtype, g, case, spatial)
     size = [[9, 4, 5], [3, 8, 2]][case % 2][:spatial]
     align = () if "align_corners" not in [a.name for a in op._schema.arguments] else (bool(case % 2),)
