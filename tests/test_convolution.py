@@ -66,6 +66,14 @@ def test_grouped_conv_across_group_boundaries_is_exact():
     check(fn, [make((2, 4, 4, 4), 6), make((4, 2, 3, 3), 7)], (4,), [(S(1),), (S(0),)], strict=False)
 
 
+def test_grouped_conv_is_linear_in_a_pending_operand():
+    fn = lambda x, w: F.conv2d(x, w, groups=2)  # noqa: E731
+    fulls = [make((2, 4, 4, 4), 38), make((4, 2, 3, 3), 39)]
+    for layouts in ([(SUM,), (R,)], [(R,), (SUM,)]):
+        r = check(fn, fulls, (4,), layouts)
+        assert r.nbytes == 0 and r.out_layout == (SUM,), r
+
+
 @pytest.mark.parametrize(
     "layouts, out",
     [([(S(1),), (S(0),), (R,)], (SUM,)), ([(R,), (S(1),), (S(0),)], (S(1),)), ([(S(0),), (R,), (R,)], (S(0),))],

@@ -9,7 +9,7 @@ one of them local (no collective inside the op):
       batch                S(0)     R           R         S(0)
       output channels      R        S(out)      S(0)      S(1)      groups = 1
       input channels       S(1)     S(in)       P(sum)    P(sum)    groups = 1: a contracting dim
-      linear in x / w      P(sum)   R / R P(sum) P(sum)   P(sum)    groups = 1
+      linear in x / w      P(sum)   R / R P(sum) P(sum)   P(sum)    any groups
       whole groups         S(1)     S(0)        S(0)      S(1)      groups > 1, see below
       1x1 kernel           S(d)     R           R         S(d)      d spatial; stride 1, no padding
 
@@ -138,9 +138,10 @@ def _convolution_rule(schema: OpSchema) -> list[Row]:
 
     rows = [r(S(0), S(0), R, R)]
     if groups == 1:
-        rows += [r(S(1), R, S(w_out), S(0)), r(P, S(1), S(w_in), P), r(P, P, R, P), r(P, R, P, P)]
+        rows += [r(S(1), R, S(w_out), S(0)), r(P, S(1), S(w_in), P)]
     else:
         rows += [replace(r(S(1), S(1), S(0), S(0)), mesh_dim=i) for i in whole_group_mesh_dims(x, groups)]
+    rows += [r(P, P, R, P), r(P, R, P, P)]
     if _pointwise_kernel(schema, w):
         rows += [r(S(d), S(d), R, R) for d in range(2, x.ndim)]
     return rows
@@ -177,15 +178,10 @@ def _convolution_backward_rule(schema: OpSchema) -> list[Row]:
 
     rows = [r([S(0), P, P], [S(0), S(0), R])]
     if groups == 1:
-        rows += [
-            r([P, S(w_out), S(0)], [S(1), R, S(w_out)]),
-            r([S(1), S(w_in), R], [R, S(1), S(w_in)]),
-            r([P, P, P], [P, R, R]),
-            r([R, P, R], [R, P, R]),
-            r([P, R, R], [R, R, P]),
-        ]
+        rows += [r([P, S(w_out), S(0)], [S(1), R, S(w_out)]), r([S(1), S(w_in), R], [R, S(1), S(w_in)])]
     else:
         rows += [replace(r([S(1), S(0), S(0)], [S(1), S(1), S(0)]), mesh_dim=i) for i in whole_group_mesh_dims(x, groups)]
+    rows += [r([P, P, P], [P, R, R]), r([R, P, R], [R, P, R]), r([P, R, R], [R, R, P])]
     if _pointwise_kernel(schema, w):
         rows += [r([S(d), P, P], [S(d), S(d), R]) for d in range(2, x.ndim)]
     return rows
