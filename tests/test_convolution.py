@@ -337,3 +337,43 @@ def test_cnn_with_a_sharded_batch_moves_no_activations(name, mesh_shape, placeme
             assert nbytes == sum(2 * 8 * c + 2 * 8 * c for c in channels)
         else:
             assert nbytes == 0 and counts == {}, counts
+
+
+def _resnet_step_in_a_process(norm_name: str):
+    """One forward and backward of the BatchNorm / GroupNorm ResNet on this process's rank (gloo)."""
+    torch.manual_seed(0)
+    model = MODELS[norm_name]()
+    x = torch.randn(5, 3, 8, 8)
+    mesh = so.init_device_mesh("cpu", (2,))
+    m = so.distribute_module(copy.deepcopy(model), mesh)
+    xd = so.distribute_tensor(x, mesh, [S(0)])
+    so.set_strict(True)
+    try:
+        with so.CommDebugMode() as comm:
+            y = m(xd)
+            y.square().sum().backward()
+    finally:
+        so.set_strict(False)
+    grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+    buffers = {n: b.full_tensor() for n, b in m.named_buffers()}
+    return y.full_tensor(), grads, buffers, dict(comm.get_comm_counts()), comm.get_total_bytes()
+
+
+@pytest.mark.parametrize("name", ["resnet_batch_norm"])
+def test_resnet_under_gloo_matches_the_threads_world(name):
+    from mp import run_gloo
+
+    torch.manual_seed(0)
+    ref = MODELS[name]()
+    x = torch.randn(5, 3, 8, 8)
+    want = ref(x)
+    want.square().sum().backward()
+    channels = [m.num_features for m in ref.modules() if isinstance(m, nn.BatchNorm2d)]
+    for y, grads, buffers, counts, nbytes in run_gloo(_resnet_step_in_a_process, 2, name):
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5)
+        for n, b in ref.named_buffers():
+            torch.testing.assert_close(buffers[n], b)
+        assert counts == {"all_gather": len(channels), "all_reduce": len(channels)}, counts
+        assert nbytes == sum(2 * 8 * c + 2 * 8 * c for c in channels), counts
