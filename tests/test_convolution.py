@@ -190,6 +190,18 @@ def test_group_norm_moves_nothing(mesh, layouts):
     assert r.out_layout == layouts[0]
 
 
+@pytest.mark.parametrize("mesh, layouts", [((2, 2), [(S(0), S(2)), (R, R), (R, R)]), ((2, 2), [(S(1), S(3)), (S(0), R), (S(0), R)])])
+def test_group_norm_over_a_sharded_plane_sends_only_its_statistics(mesh, layouts):
+    """Spatial dims sharded (uneven: 3 rows over 2, 7 columns over 2): one all_gather of per
+    (sample, group) (mean, M2) forward, one all_reduce of two per (sample, group) sums backward."""
+    fn = lambda x, w, b: F.group_norm(x, 4, w, b)  # noqa: E731
+    r = check(fn, [make((5, 8, 3, 7), 40) * 2 + 30, make((8,), 41), make((8,), 42)], mesh, layouts)
+    assert r.out_layout == layouts[0]
+    assert r.counts == {"all_gather": 1, "all_reduce": 1}, r.counts
+    samples, groups = (3, 4) if layouts[0][0] == S(0) else (5, 2)  # rank 0's (sample, group) rows
+    assert r.nbytes == 2 * (2 * 8 * samples * groups)
+
+
 # ------------------------------------------------------------------ batch norm
 
 
