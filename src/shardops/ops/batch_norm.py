@@ -55,7 +55,7 @@ from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard
 from ..planner.rows import Row, row
 from ..spec import TensorSpec
-from .common import all_gather_stacked, all_reduce, member_shapes, mesh_dims_sharding, opmath_dtype
+from .common import all_gather_stacked, all_reduce, member_shapes, mesh_dims_sharding
 from .moments import chan_merge
 
 aten = torch.ops.aten
