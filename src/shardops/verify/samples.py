@@ -930,3 +930,192 @@ SAMPLES += [
     (r"_conj|conj|_neg_view|resolve_conj|resolve_neg|view_as_complex|real|imag", _complex_input),
     (r"polar|complex|" + _PRIMS_SAMPLED, POINTWISE),
 ]
+
+
+# ------------------------------------------------------------------ the convolutional family
+#
+# ops/convolution.py, pooling.py, group_norm.py, batch_norm.py. Float samples only (these
+# kernels take no integers); each float dtype gets its own cases (k + an offset per dtype),
+# so the sampled run covers more of them. Backwards take their saved tensors (indices,
+# statistics) from the forward. Batch and channel sizes leave empty shards on 4 and 8 ranks.
+
+_CNN_OFFSET = {torch.float64: 0, torch.float32: 3, torch.bfloat16: 1}
+
+# x, weight, bias?, stride, padding, dilation, transposed, output_padding, groups
+CONV_CASES = [
+    ((3, 4, 6, 5), (6, 4, 3, 3), True, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+    ((5, 6, 7), (3, 6, 2), False, [2], [0], [2], False, [0], 1),
+    ((2, 8, 4, 4), (8, 2, 3, 3), True, [1, 1], [1, 1], [1, 1], False, [0, 0], 4),
+    ((3, 4, 5, 4), (4, 3, 3, 3), True, [2, 2], [1, 0], [1, 1], True, [1, 0], 1),
+    ((3, 4, 5, 6), (5, 4, 1, 1), True, [1, 1], [0, 0], [1, 1], False, [0, 0], 1),
+    ((2, 8, 3, 4), (8, 2, 2, 2), False, [1, 1], [0, 0], [1, 1], True, [0, 0], 4),
+    ((2, 3, 3, 4, 3), (4, 3, 2, 1, 2), True, [1, 1, 1], [0, 1, 0], [1, 1, 1], False, [0, 0, 0], 1),
+]
+
+
+# bfloat16: short sums only. A pending (P(sum)) gradient is rounded to bfloat16 on each rank
+# before the ranks' pieces are added; with the sample's signed split weights the pieces
+# can be several times the result, so long sums miss the tolerance by construction.
+CONV_CASES_BF16 = [
+    ((3, 2, 2, 2), (3, 2, 1, 1), True, [1, 1], [0, 0], [1, 1], False, [0, 0], 1),
+    ((2, 4, 1, 3), (4, 1, 1, 2), True, [1, 1], [0, 0], [1, 1], False, [0, 0], 4),
+    ((3, 2, 2, 1), (2, 3, 1, 1), False, [1, 1], [0, 0], [1, 1], True, [0, 0], 1),
+]
+
+
+def _cnn_case(dtype, k: int) -> int | None:
+    return None if dtype not in _CNN_OFFSET else k + _CNN_OFFSET[dtype]
+
+
+def _convolution(op, dtype, g, k):
+    """convolution: plain, strided + dilated 1-d, grouped, transposed, 1x1, grouped transposed, 3-d;
+    convolution_backward: the same, with a gradient of the output's shape."""
+    case = _cnn_case(dtype, k)
+    if case is None:
+        return None
+    cases = CONV_CASES_BF16 if dtype == torch.bfloat16 else CONV_CASES
+    x_shape, w_shape, has_bias, stride, padding, dilation, transposed, output_padding, groups = cases[case % len(cases)]
+    c_out = w_shape[1] * groups if transposed else w_shape[0]
+    x, w = make_tensor(x_shape, dtype, g), make_tensor(w_shape, dtype, g)
+    bias = make_tensor((c_out,), dtype, g) if has_bias else None
+    statics = (stride, padding, dilation, transposed, output_padding, groups)
+    if packet_name(op) == "convolution":
+        return Sample((x, w, bias) + statics)
+    out = aten.convolution.default(x, w, bias, *statics)
+    mask = [True, True, has_bias]
+    return Sample((make_tensor(out.shape, dtype, g), x, w, [c_out] if has_bias else None) + statics + (mask,))
+
+
+def _pool_input(dtype, g, k: int, spatial: int) -> torch.Tensor:
+    shapes = {1: [(3, 5, 7), (2, 3, 6)], 2: [(3, 5, 7, 6), (2, 3, 5, 5), (5, 2, 4, 6)], 3: [(2, 3, 4, 5, 4), (3, 2, 3, 4, 4)]}[spatial]
+    return make_tensor(shapes[k % len(shapes)], dtype, g)
+
+
+def _max_pool(op, dtype, g, k):
+    """max_pool{2,3}d_with_indices (+ backward): windows with stride, padding, dilation, ceil_mode."""
+    case = _cnn_case(dtype, k)
+    if case is None:
+        return None
+    spatial = 3 if "3d" in packet_name(op) else 2
+    x = _pool_input(dtype, g, case, spatial)
+    kernel, stride, padding, dilation, ceil = [([3] * spatial, [2] * spatial, [1] * spatial, [1] * spatial, False),
+                                               ([2] * spatial, [1] * spatial, [0] * spatial, [2] * spatial, True)][case % 2]
+    args = (kernel, stride, padding, dilation, ceil)
+    forward = aten.max_pool3d_with_indices.default if spatial == 3 else aten.max_pool2d_with_indices.default
+    if not packet_name(op).endswith("_backward"):
+        return Sample((x,) + args, tie_dim=None)
+    out, indices = forward(x, *args)
+    return Sample((make_tensor(out.shape, dtype, g), x) + args + (indices,))
+
+
+def _avg_pool(op, dtype, g, k):
+    """avg_pool{2,3}d (+ backward): padding with and without count_include_pad, ceil_mode, a divisor."""
+    case = _cnn_case(dtype, k)
+    if case is None:
+        return None
+    spatial = 3 if "3d" in packet_name(op) else 2
+    x = _pool_input(dtype, g, case, spatial)
+    kernel, stride, padding, ceil, include, divisor = [([3] * spatial, [2] * spatial, [1] * spatial, False, False, None),
+                                                       ([2] * spatial, [1] * spatial, [0] * spatial, True, True, None),
+                                                       ([2] * spatial, [2] * spatial, [1] * spatial, False, True, 3)][case % 3]
+    args = (kernel, stride, padding, ceil, include, divisor)
+    if not packet_name(op).endswith("_backward"):
+        return Sample((x,) + args)
+    out = (aten.avg_pool3d.default if spatial == 3 else aten.avg_pool2d.default)(x, *args)
+    return Sample((make_tensor(out.shape, dtype, g), x) + args)
+
+
+def _adaptive_pool(op, dtype, g, k):
+    """_adaptive_avg_pool{2,3}d, adaptive_max_pool{2,3}d (+ backward): output sizes that do and do not divide the input."""
+    case = _cnn_case(dtype, k)
+    if case is None:
+        return None
+    name = packet_name(op)
+    spatial = 3 if "3d" in name else 2
+    x = _pool_input(dtype, g, case, spatial)
+    size = [[3, 2, 2], [2, 4, 1]][case % 2][:spatial]
+    is_max = "max" in name
+    forward = getattr(aten, ("adaptive_max_pool" if is_max else "_adaptive_avg_pool") + f"{spatial}d").default
+    if not name.endswith("_backward"):
+        return Sample((x, size))
+    out = forward(x, size)
+    if is_max:
+        out, indices = out
+        return Sample((make_tensor(out.shape, dtype, g), x, indices))
+    return Sample((make_tensor(out.shape, dtype, g), x))
+
+
+def _upsample(op, dtype, g, k):
+    """upsample_* (+ backward) by output size: growing and shrinking, align_corners both ways."""
+    case = _cnn_case(dtype, k)
+    if case is None:
+        return None
+    name = packet_name(op).removesuffix("_backward")
+    spatial = int(re.search(r"(\d)d", name).group(1))
+    x = _pool_input(dtype, g, case, spatial)
+    size = [[9, 4, 5], [3, 8, 2]][case % 2][:spatial]
+    align = () if "align_corners" not in [a.name for a in op._schema.arguments] else (bool(case % 2),)
+    if not packet_name(op).endswith("_backward"):
+        return Sample((x, size) + align)
+    out = getattr(aten, name).default(x, size, *align)
+    return Sample((make_tensor(out.shape, dtype, g), size, list(x.shape)) + align)
+
+
+GROUP_NORM_CASES = [((3, 6, 4, 2), 3, True), ((4, 8, 5), 4, True), ((5, 4, 3, 3), 2, False), ((2, 8, 2, 3), 8, True)]
+
+
+def _group_norm(op, dtype, g, k):
+    """native_group_norm (+ backward): affine or not, groups of 1 to 3 channels."""
+    case = _cnn_case(dtype, k)
+    if case is None:
+        return None
+    shape, groups, affine = GROUP_NORM_CASES[case % len(GROUP_NORM_CASES)]
+    x = make_tensor(shape, dtype, g)
+    w, b = (make_tensor((shape[1],), dtype, g), make_tensor((shape[1],), dtype, g)) if affine else (None, None)
+    sizes = (shape[0], shape[1], math.prod(shape[2:]), groups)
+    if packet_name(op) == "native_group_norm":
+        return Sample((x, w, b) + sizes + (1e-5,))
+    out, mean, rstd = aten.native_group_norm.default(x, w, b, *sizes, 1e-5)
+    return Sample((make_tensor(shape, dtype, g), x, mean, rstd, w) + sizes + ([True, affine, affine],))
+
+
+BATCH_NORM_SHAPES = [(5, 4, 3), (3, 6, 2, 2), (6, 3), (2, 5, 3, 2)]
+
+
+def _batch_norm(op, dtype, g, k):
+    """Every batch-norm form: training with and without running statistics, eval; the backward
+    with the forward's saved statistics (training) or the running ones (eval)."""
+    case = _cnn_case(dtype, k)
+    if case is None:
+        return None
+    shape = BATCH_NORM_SHAPES[case % len(BATCH_NORM_SHAPES)]
+    c = shape[1]
+    # a large mean (the merged statistics keep their digits); not in bfloat16, whose pending pieces
+    # of values near 16 are not exact on the sample grid
+    x = make_tensor(shape, dtype, g) + (16 if case % 2 and dtype != torch.bfloat16 else 0)
+    affine = case % 3 != 2
+    w, b = (make_tensor((c,), dtype, g), make_tensor((c,), dtype, g)) if affine else (None, None)
+    rm, rv = make_tensor((c,), dtype, g), make_tensor((c,), dtype, g, positive=True)
+    name = f"{packet_name(op)}.{op._overloadname}"
+    training = case % 4 != 3
+    if name == "_native_batch_norm_legit.no_stats":
+        return Sample((x, w, b, True, 0.1, 1e-5))  # eval without statistics: torch's CPU kernel crashes
+    if name == "_native_batch_norm_legit_no_training.default":
+        return Sample((x, w, b, rm, rv, 0.1, 1e-5))
+    if name == "native_batch_norm_backward.default":
+        _, mean, invstd = aten.native_batch_norm.default(x, w, b, rm.clone(), rv.clone(), training, 0.1, 1e-5)
+        return Sample((make_tensor(shape, dtype, g), x, w, rm, rv, mean, invstd, training, 1e-5, [True, affine, affine]))
+    if name == "native_batch_norm.default" and case % 5 == 4 and training:
+        return Sample((x, w, b, None, None, True, 0.1, 1e-5))
+    return Sample((x, w, b, rm, rv, training, 0.2, 1e-5))
+
+
+SAMPLES += [
+    (r"convolution|convolution_backward", _convolution),
+    (r"max_pool[23]d_with_indices(_backward)?", _max_pool),
+    (r"avg_pool[23]d(_backward)?", _avg_pool),
+    (r"_adaptive_avg_pool[23]d(_backward)?|adaptive_max_pool[23]d(_backward)?", _adaptive_pool),
+    (r"(_?upsample_\w+)", _upsample),
+    (r"native_group_norm(_backward)?", _group_norm),
+    (r"native_batch_norm|_native_batch_norm_legit\w*|native_batch_norm_backward", _batch_norm),
+]
