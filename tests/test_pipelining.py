@@ -581,3 +581,46 @@ def test_pp2_dp2_tp2_equals_single_device_training(strict, reference):
     for r in results:
         assert r["sends"][1] == [ACT_BYTES // 4] * M  # this rank's rows (dp) of its sequence shard (tp)
     _check_equals_reference(results, reference, tol=3e-5, losses=False)  # tp's summation order: see test_pp2_tp2_...
+
+
+def _pp_fsdp_rank(schedule_name: str) -> dict:
+    """(pp=2, dp=2): each stage's layers and the stage itself under fully_shard on mesh["dp"];
+    activations are plain local tensors with this rank's rows, as under torch's FSDP2."""
+    from shardops.fsdp import fully_shard
+
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    module = _stage_module(s, 2)
+    for layer in module.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+    rows = BATCH // 2
+    stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
+    schedule = get_schedule_class(schedule_name)(stage, M, loss_fn=_loss)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    out = {"losses": [], "grads": [], "reduce_scatters": []}
+    for tokens, target in _batches():
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        with so.CommDebugMode() as cm:
+            schedule.step(*((tokens[d * rows : (d + 1) * rows],) if s == 0 else ()), target=target[d * rows : (d + 1) * rows] if s == 1 else None, losses=losses)
+        out["losses"].append([x.item() for x in losses])
+        out["grads"].append({n: q.grad.full_tensor().clone() for n, q in module.named_parameters()})
+        out["reduce_scatters"].append(cm.get_comm_counts().get("reduce_scatter", 0))
+        opt.step()
+    out["params"] = {n: q.full_tensor().detach().clone() for n, q in module.named_parameters()}
+    out["units"] = len(module.layers) + 1  # every layer, and the stage's own (embedding or norm + output)
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_pp2_with_fully_shard_stages_equals_single_device_training(strict, reference, schedule):
+    results = so.run(_pp_fsdp_rank, 4, schedule)
+    for r in results:  # the micro-batches' gradients accumulate unreduced: one reduce_scatter per unit and step
+        assert r["reduce_scatters"] == [r["units"]] * STEPS
+    # the last stage's ranks each saw their own rows: the global loss is the mean of their local losses
+    last = [r for r in results if r["losses"][0]]
+    for step in range(STEPS):
+        mean = sum(sum(r["losses"][step]) / M for r in last) / len(last)
+        assert mean == pytest.approx(reference["losses"][step], rel=TOL)
+    _check_equals_reference(results, reference, losses=False)

@@ -100,6 +100,7 @@ class _PipelineSchedule:
         for stage in self.stages:
             stage.clear_runtime_states()
             stage.peak_in_flight = 0
+            stage.backwards_left = self._n_microbatches if has_backward else 0
         self.executed_actions = []
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         try:

@@ -145,6 +145,7 @@ class PipelineStage:
         self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self.peak_in_flight = 0  # the most micro-batches whose activations this stage held at once
+        self.backwards_left = 0  # this step's micro-batch backwards still to run (set by the schedule)
 
     @property
     def mesh(self) -> Any:
@@ -189,6 +190,8 @@ class PipelineStage:
     def backward_one_chunk(self, mb: int, output_grads: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, ...]:
         """Backward of micro-batch `mb`; returns the gradients of its inputs (for the previous stage)."""
         inputs, outputs = self._inputs.pop(mb), self._outputs.pop(mb)
+        self.backwards_left -= 1
+        _sync_gradients_on_last_backward(self.submod, self.backwards_left <= 0)
         if self.is_last:
             if mb not in self._losses:
                 raise ShardingError("Pipeline schedule: a backward on the last stage needs a loss_fn and a target")
@@ -217,6 +220,16 @@ class PipelineStage:
             for p in self.submod.parameters():
                 if p.grad is not None:
                     p.grad.div_(factor)
+
+
+def _sync_gradients_on_last_backward(module: nn.Module, last: bool) -> None:
+    """A fully_shard stage accumulates its micro-batches' gradients unreduced and
+    reduces them once, in the step's last backward (as torch's stage does), not once per micro-batch."""
+    from ..fsdp import FSDPModule  # below pipelining; imported here so a stage without data parallelism needs none of it
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_requires_gradient_sync(last, recurse=False)
 
 
 def _input_grad(x: torch.Tensor) -> torch.Tensor:
