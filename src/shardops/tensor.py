@@ -16,7 +16,7 @@ from .comm import traceable
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, local_shape_and_offset, normalize_placements, shard_positions, without_partials
-from .planner import caches
+from . import caches
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 from .wrapper_meta import mirror_lazy_bits
