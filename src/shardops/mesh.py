@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import _torch
 from .comm.base import Communicator, Group
 from .errors import ShardingError
 from .world import current_comm
@@ -209,6 +210,7 @@ def _order(dims: Sequence[int]) -> list[int]:
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
     """A mesh over every rank of the current world, laid out row-major in `mesh_shape`."""
+    _torch.install()  # shardops' torch hooks (idempotent; never at import)
     mesh_shape = tuple(int(s) for s in mesh_shape)
     comm = current_comm()
     if math.prod(mesh_shape) != comm.world_size:

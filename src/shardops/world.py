@@ -15,6 +15,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from . import _torch
 from .comm import traceable
 from .comm.base import Communicator
 from .comm.threads import DEFAULT_TIMEOUT, ThreadsWorld
@@ -72,6 +73,7 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     more; then it is left behind (a daemon thread that raises at its next collective).
     Each rank thread starts with the caller's grad mode and a copy of its context variables.
     """
+    _torch.install()  # shardops' torch hooks (idempotent; never at import)
     if not isinstance(world_size, int) or world_size < 1:
         raise ShardingError(f"run: world_size must be a positive int, got {world_size!r}")
     world = ThreadsWorld(world_size, timeout)
