@@ -129,6 +129,19 @@ def watch_compiles(on_start: Callable[..., None], on_end: Callable[..., None]) -
     _watchers.append((on_start, on_end))
 
 
+def keep_watching() -> None:
+    """Register the compile watchers again where torch._dynamo.reset() dropped them (it clears
+    every compile callback). Cheap; a no-op before dynamo's hooks are installed."""
+    if not _dynamo_hooks_installed[0]:
+        return
+    handler = require("watch_compiles", "torch._dynamo.callback", "callback_handler")
+    for on_start, on_end in _watchers:
+        if on_start not in handler.start_callbacks:
+            handler.register_start_callback(on_start)
+        if on_end not in handler.end_callbacks:
+            handler.register_end_callback(on_end)
+
+
 def scale_recompile_limits(factor: int) -> None:
     """Multiply dynamo's recompile limits in this thread's config context (torch 2.13+: per thread)."""
     config = require("recompile limits", "torch._dynamo", "config")
