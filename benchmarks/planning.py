@@ -42,7 +42,7 @@ import torch
 from shardops import Replicate, Shard
 from shardops.dispatch import core
 from shardops.mesh import DeviceMesh
-from shardops.planner import caches
+from shardops import caches
 from shardops.planner.choice import with_plans
 from shardops.redistribute import plan
 from shardops.spec import TensorMeta, TensorSpec, contiguous_stride

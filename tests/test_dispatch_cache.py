@@ -8,7 +8,7 @@ import shardops as so
 from shardops import Replicate, Shard
 from shardops.dispatch import core
 from shardops.dispatch.registry import TORCH_FUNCTIONS
-from shardops.planner import caches
+from shardops import caches
 from shardops.spec import TensorMeta, TensorSpec
 
 

@@ -46,7 +46,7 @@ import shardops as so
 from shardops import Replicate, Shard
 from shardops.dispatch import core
 from shardops.dispatch.registry import RULES, strategy
-from shardops.planner import caches
+from shardops import caches
 from shardops.planner.rows import row
 from shardops.mesh import DeviceMesh
 

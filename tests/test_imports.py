@@ -7,7 +7,10 @@ submodule `pkg.name` where one exists, else at `pkg`. Importing `pkg.sub` runs `
 `__init__` first, so it is an edge to `pkg` too, unless `pkg` is one of the importer's
 own packages (Python imports those first, and a package does not depend on its modules).
 
-A second check: DTensor's private fields are read only by tensor.py and its seam
+A layer order: every module sits in a layer, and imports only from its own layer or lower
+ones (the planner's caches, for instance, sit below spec and cost, which use them).
+
+A further check: DTensor's private fields are read only by tensor.py and its seam
 (wrapping.py); every other module goes through the seam.
 """
 from __future__ import annotations
@@ -112,6 +115,64 @@ def test_the_graph_sees_function_level_and_relative_imports():
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# ------------------------------------------------------------------ layers
+
+# Lowest first. A module's layer is that of its longest listed prefix (a package lists its
+# modules). Imports go down or sideways, never up; test_no_import_cycle covers sideways circles.
+LAYERS: list[tuple[str, ...]] = [
+    ("shardops.errors", "shardops.caches", "shardops.notation", "shardops._torch"),  # torch's internals: the seam
+    ("shardops.placements",),
+    ("shardops.comm", "shardops.wrapper_meta"),
+    ("shardops.world",),
+    ("shardops.mesh", "shardops.rng"),
+    ("shardops.spec", "shardops.cost"),
+    ("shardops.redistribute",),
+    ("shardops.planner",),
+    ("shardops.dispatch",),
+    ("shardops.tensor", "shardops.wrapping"),
+    ("shardops.ops", "shardops.interop", "shardops.explain", "shardops.checkpoint", "shardops.parallel", "shardops.fsdp"),
+    ("shardops.remesh", "shardops.pipelining"),  # remesh gathers layouts with checkpoint's object exchange
+    ("shardops.models", "shardops.models_moe", "shardops.verify", "shardops.autoparallel"),
+    ("shardops",),  # the public API (__init__)
+    ("shardops.training", "shardops.demo", "shardops.cli"),
+]
+
+
+def layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer)
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > best[0]):
+                best = (len(name), index)
+    return best[1] if best else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a higher layer, as 'importer -> imported'."""
+    return sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if m.startswith("shardops") and t.startswith("shardops") and layer_of(t) > layer_of(m)  # type: ignore[operator]
+    )
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in import_graph() if m.startswith("shardops") and layer_of(m) is None)
+    assert not missing, f"put these modules in a layer of LAYERS: {missing}"
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert upward_imports({"shardops.spec": {"shardops.planner.choice"}}) == ["shardops.spec -> shardops.planner.choice"]
+    assert upward_imports({"shardops.planner.choice": {"shardops.spec"}}) == []
+    assert layer_of("shardops.planner.search") == layer_of("shardops.planner") > layer_of("shardops.caches")
+
+
+def test_no_module_imports_from_a_higher_layer():
+    up = upward_imports(import_graph())
+    assert not up, "imports from a higher layer (move the shared part down, or the module up): " + ", ".join(up)
 
 
 # ------------------------------------------------------------------ the library apart from its tools

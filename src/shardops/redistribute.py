@@ -8,7 +8,7 @@ A state is a placement tuple. A step changes the placement of one mesh dim:
 
 and one step changes several: the same pending partial on mesh dims D -> R on all of
 them is ONE all_reduce over the group spanning D (one round, the input sent once;
-priced by pricing.joint_collective_time), not one all_reduce per mesh dim.
+priced by cost.joint_collective_time), not one all_reduce per mesh dim.
 
 A step that touches tensor dim d on mesh dim i is allowed only while no mesh dim
 after i shards d: shards nest left to right, so the innermost level must be
@@ -29,11 +29,11 @@ from typing import Sequence
 import torch
 
 from . import cost
+from .cost import joint_collective_time, step_time
 from .comm.base import CommDebugMode
 from .errors import ShardingError
 from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
-from .planner import caches
-from .planner.pricing import joint_collective_time, step_time
+from . import caches
 from .spec import TensorSpec
 
 
@@ -119,7 +119,7 @@ _SEARCH_LOCK = threading.Lock()
 
 
 def clear_plan_cache() -> None:
-    """Forget every plan and search (planner.caches.invalidate calls this)."""
+    """Forget every plan and search (caches.invalidate calls this)."""
     _plan_cached.cache_clear()
     _SEARCHES.clear()
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .placements import Placement, local_shape_and_offset
-from .planner import caches
+from . import caches
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh

@@ -1,7 +1,6 @@
 """DTensor: a torch.Tensor wrapper whose data is this rank's shard of a global tensor."""
 from __future__ import annotations
 
-import sys
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -12,11 +11,12 @@ from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
+from . import _torch
 from .comm import traceable
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, local_shape_and_offset, normalize_placements, shard_positions, without_partials
-from .planner import caches
+from . import caches
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 from .wrapper_meta import mirror_lazy_bits
@@ -43,6 +43,8 @@ class DTensor(torch.Tensor):
                 f"internal error: a DTensor {spec!r} would wrap another DTensor {local._spec!r} as its local tensor; "
                 "please report this with the call that made it"
             )
+        if not _torch.installed():  # the first DTensor installs shardops' torch hooks
+            _torch.install()
         r = torch.Tensor._make_wrapper_subclass(
             DTensor,
             spec.meta.shape,
@@ -177,20 +179,19 @@ class DTensor(torch.Tensor):
         """A pending gradient's local tensor in its leaf's layout: what a compiled graph takes.
 
         A graph cannot change its input's layout, so it is traced with the layout the gradient
-        will have, and the pending sum is reduced before the graph runs, once, in place, as
-        eager's first read does: AOTAutograd's unwrapping reads this at every call, at the same
-        point of every rank's program. The other readers only look at the metadata and must not
-        communicate: dynamo's fake copy (inside its compile lock, which a threads world's other
-        ranks wait for) and its guards (a rank's guards run on other ranks' cache entries too);
-        they get the local tensor, or a tensor of the resolved local shape standing in for it.
+        will have, and the pending sum is reduced as the graph is called, before it reads its
+        inputs: `_enter_graph` (the seam's graph-entry hook) resolves the graph's pending
+        inputs then, once each, as eager's first read does. What reads this attribute never
+        communicates: dynamo's fake copy and guard building (inside its compile lock, which a
+        threads world's other ranks wait for) and its guards (as a compiled region is entered)
+        keep only metadata. While the gradient is still pending they get the local tensor, or
+        zeros of the resolved local shape where resolving changes it (a gradient pending as
+        shards); AOTAutograd's unwrapping, after `_enter_graph`, gets the resolved tensor.
         """
         if self._pending_layout is None:
             return self._local_tensor
-        if traceable.unwrapping_for_graph(sys._getframe(1)):
-            _resolve_pending_at_run(self)
-            return self._local_tensor
         local, shape = self._local_tensor, self._spec.with_placements(self._pending_layout).local_shape()
-        return local if tuple(local.shape) == shape else traceable.stand_in(shape, local)
+        return local if tuple(local.shape) == shape else traceable.metadata_only(shape, local)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta: "CompileMeta", outer_size, outer_stride) -> "DTensor":
@@ -231,10 +232,23 @@ class DTensor(torch.Tensor):
         return DTensor._make(self._redistribute_local(target), self._spec.with_placements(target))
 
 
+def _resolves_pending(example: Any) -> bool:
+    """A compiled graph's example input traced as a pending gradient (see _resolved_local)."""
+    return isinstance(example, DTensor) and example._compile_meta is not None and example._compile_meta.resolves
+
+
 @traceable.eager_only
-def _resolve_pending_at_run(dt: DTensor) -> None:
-    """The move a compiled graph's input needs, run eagerly (dynamo's frame hook stays off)."""
-    dt._resolve_pending()
+def _enter_graph(inputs: list) -> None:
+    """As a compiled graph that takes pending gradients is called: resolve them, in the graph's
+    input order, once each, as eager's first read does.
+
+    The same point of every rank's program (the graph call, after dynamo's guards and outside its
+    compile lock) and the same collectives in the same order on every rank: the graph, and so its
+    inputs' order, is traced from the same program. Run eagerly (dynamo's frame hook stays off).
+    """
+    for x in inputs:
+        if isinstance(x, DTensor) and x._pending_layout is not None:
+            x._resolve_pending()
 
 
 # shardops.remesh moves a copy's data between two meshes over the seam (so it imports this
@@ -638,8 +652,8 @@ def _keep_grad_layout(leaf: DTensor) -> None:
     Partial gradient on every read. In-place writes to the pending gradient
     (gradient accumulation, zero_) keep it pending.
 
-    Compiled code reads it as well: a graph is traced with the leaf's layout and its
-    pending sum is reduced as the graph is called (DTensor._resolved_local), once, as
+    Compiled code reads it as well: a graph is traced with the leaf's layout, and its
+    pending inputs are resolved as the graph is called (_enter_graph), each once, as
     eager's first read does.
     """
     if getattr(leaf, "_grad_hook", False):
@@ -796,4 +810,5 @@ traceable.eager_only(dispatch)
 # frame would be traced with _dynamo_tracing() true and call itself at run time without end).
 traceable.eager_only(DTensor.__torch_function__.__func__)
 traceable.eager_only(DTensor.__tensor_unflatten__)  # AOTAutograd's run-time wrappers call it from eager code
+traceable.on_graph_entry(_resolves_pending, _enter_graph)
 traceable.setup(DeviceMesh, (Shard, StridedShard, Replicate, Partial, NormPartial), (TensorSpec, TensorMeta))  # torch.compile support: meshes and placements as constants; dynamo's marks when it loads

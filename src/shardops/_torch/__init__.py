@@ -1,7 +1,8 @@
 """The one seam between shardops and torch's internals and the torch functions it replaces.
 
 One module per torch subsystem (`random`: the default generator, torch.manual_seed & co.,
-nn.init, the dispatch-mode stack). Each names its hooks with the torch versions they are
+nn.init, the dispatch-mode stack; `compile`: dynamo, AOTAutograd, fake tensors, effect tokens,
+functional collectives; `autograd`: the engine's end-of-backward callback). Each names its hooks with the torch versions they are
 known for, and checks for the internals they need when installed: a missing one raises
 `TorchInternalMissing` naming the hook and the running torch, never a silent fallback.
 
@@ -21,6 +22,8 @@ import torch
 # Every subsystem module, installed in this order by install(); one line each.
 SUBSYSTEMS = (
     "random",
+    "compile",
+    "autograd",
 )
 
 _installed = False

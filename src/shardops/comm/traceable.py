@@ -24,24 +24,22 @@ rank that is still queued to compile. While any compile of this process is in
 progress, a threads-world collective does not time out; its timeout counts from
 the end of the last compile (`compile_quiet_since`).
 
-This is the one module of shardops that touches torch's compile internals
-(dynamo's compile callbacks, the tracing context, fake-tensor detection).
+What this module needs of torch's private compile internals (dynamo's marks and callbacks, the
+tracing context, fake tensors, effect tokens, functional collectives) it gets through
+shardops/_torch/compile.py, the seam; it registers its hooks there, and `_torch.install()`
+installs them (not at import).
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import itertools
 import math
-import os
-import sys
 import threading
 import time
-import types
 from typing import Sequence
 
 import torch
 
+from .._torch import compile as seam
 from ..errors import ShardingError
 from ..placements import reduce_values
 from .wire import pack_padded
@@ -50,31 +48,14 @@ from .counting import natively_reducible, record
 # ------------------------------------------------------------------ is this tensor being traced?
 
 
-def tracing() -> bool:
-    """True inside torch.compile's tracing on this thread (dynamo or AOTAutograd)."""
-    from torch._guards import TracingContext
-
-    return TracingContext.try_get() is not None
+tracing = seam.tracing  # inside torch.compile's tracing on this thread (dynamo or AOTAutograd)
+compiling = seam.compiling  # torch.compile compiles on this thread: nothing may communicate
 
 
-_AOT_AUTOGRAD_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch") + os.sep
-
-
-def unwrapping_for_graph(caller: types.FrameType) -> bool:
-    """True where AOTAutograd's run-time wrapper unwraps a compiled graph's subclass inputs
-    (`caller` reads an inner tensor named by __tensor_flatten__; its own loop, or the code it
-    generates for it, both under torch/_functorch). Not while tracing (dynamo's and AOTAutograd's
-    fake copies) and not in dynamo's guards (C++ reading the attribute for the caller of the
-    compiled function)."""
-    return not tracing() and caller.f_code.co_filename.startswith(_AOT_AUTOGRAD_DIR)
-
-
-def stand_in(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised real tensor of `shape`, for readers that only look at metadata."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+def metadata_only(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """Zeros of `shape` (a real tensor, never uninitialised memory), for a reader that keeps only
+    metadata (dynamo's fake copy of a graph input, its guards)."""
+    return seam.real_zeros(shape, like)
 
 
 def refuse_while_tracing(what: str, why: str) -> None:
@@ -95,9 +76,7 @@ class untraced:
     def __enter__(self) -> "untraced":
         self._modes = None
         if tracing():
-            from torch.utils._python_dispatch import _disable_current_modes
-
-            self._modes = _disable_current_modes()
+            self._modes = seam.without_modes()
             self._modes.__enter__()
         return self
 
@@ -116,9 +95,7 @@ def graph_constant(values: "Sequence[int] | torch.Tensor", like: torch.Tensor) -
 
 def is_traced_tensor(t: torch.Tensor) -> bool:
     """A fake (or functionalized fake) tensor: we are tracing, not running. Eager tensors are never fake."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
+    return seam.is_fake(t)
 
 
 # ------------------------------------------------------------------ meshes by id
@@ -279,10 +256,7 @@ def _keep_in_order() -> None:
     neither drops nor reorders it. (Under torch.distributed the count reads the output of
     torch's functional collective, which keeps that collective too.)
     """
-    from torch._library.effects import EffectType
-
-    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "count"):
-        torch.library._register_effectful_op(f"shardops::{op}", EffectType.ORDERED)
+    seam.keep_in_order(f"shardops::{op}" for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "count"))
 
 
 _keep_in_order()
@@ -294,10 +268,6 @@ def _functional(comm, group, kind: str, dtype: torch.dtype, op: str | None = Non
     if dtype == torch.bool or dtype.is_complex or (op is not None and not natively_reducible(dtype, op)):
         return None
     return comm.functional_group(group, kind)  # None outside torch.distributed
-
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _finish_avg(t: torch.Tensor, op: str, n: int) -> torch.Tensor:
@@ -314,7 +284,7 @@ def _in_pg_order(items: list, pg_index: Sequence[int]) -> list:
 
 
 def _functional_all_reduce(t: torch.Tensor, op: str, group, name: str) -> torch.Tensor:
-    out = _wait(torch.ops._c10d_functional.all_reduce(t.contiguous(), _FUNCTIONAL_OPS[op], name))
+    out = seam.functional_all_reduce(t.contiguous(), _FUNCTIONAL_OPS[op], name)
     torch.ops.shardops.count(out, "all_reduce", t.numel() * t.element_size(), t.numel() * t.element_size())
     return _finish_avg(out, op, group.size)
 
@@ -325,7 +295,7 @@ def _functional_all_gather(comm, t: torch.Tensor, group, shapes, name: str, pg_i
     flat = t.reshape(-1)
     if flat.numel() < width:  # uneven: every member pads to the largest (the eager wire format)
         flat = torch.cat([flat, flat.new_zeros(width - flat.numel())])
-    out = _wait(torch.ops._c10d_functional.all_gather_into_tensor(flat.contiguous(), group.size, name))
+    out = seam.functional_all_gather(flat.contiguous(), group.size, name)
     torch.ops.shardops.count(out, "all_gather", t.numel() * t.element_size(), comm._all_gather_wire_bytes(t, shapes))
     rows = out.view(group.size, width)
     return [rows[pg_index[i], : numels[i]].reshape(shapes[i]) for i in range(group.size)]
@@ -336,10 +306,10 @@ def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, gr
     n = group.size
     if comm.exchanges_reduce_scatter(group, wire.device):  # gloo: an all_to_all and a local reduction (torch_dist)
         width = wire.numel() // n
-        rows = _wait(torch.ops._c10d_functional.all_to_all_single(wire, [width] * n, [width] * n, name)).view(n, width)
+        rows = seam.functional_all_to_all(wire, [width] * n, [width] * n, name).view(n, width)
         out = reduce_values([rows[pg_index[i]] for i in range(n)], "sum" if op == "avg" else op)
     else:
-        out = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(wire, _FUNCTIONAL_OPS[op], n, name))
+        out = seam.functional_reduce_scatter(wire, _FUNCTIONAL_OPS[op], n, name)
     num_bytes = sum(c.numel() * c.element_size() for c in chunks)
     torch.ops.shardops.count(out, "reduce_scatter", num_bytes, comm._reduce_scatter_wire_bytes(chunks, op))
     mine = chunks[group.index(comm.rank)]  # rank-specific: the coordinate guard keeps it right (module doc)
@@ -350,9 +320,7 @@ def _functional_all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_sha
     me = group.index(comm.rank)
     send = pack_padded(chunks, pg_index) if len({c.shape for c in chunks}) == 1 else torch.cat(_in_pg_order([c.reshape(-1) for c in chunks], pg_index))
     recv_numels = [math.prod(s) for s in recv_shapes]
-    out = _wait(torch.ops._c10d_functional.all_to_all_single(
-        send, _in_pg_order(recv_numels, pg_index), _in_pg_order([c.numel() for c in chunks], pg_index), name
-    ))
+    out = seam.functional_all_to_all(send, _in_pg_order(recv_numels, pg_index), _in_pg_order([c.numel() for c in chunks], pg_index), name)
     num_bytes = sum(c.numel() * c.element_size() for i, c in enumerate(chunks) if i != me)
     torch.ops.shardops.count(out, "all_to_all", num_bytes, num_bytes)
     pieces = list(torch.split(out, _in_pg_order(recv_numels, pg_index)))
@@ -411,7 +379,6 @@ def barrier(group) -> None:
 
 _compiles = {"active": 0, "quiet_since": 0.0}
 _compiles_lock = threading.Lock()
-_hooked = [False]
 
 
 def compiles_in_progress() -> bool:
@@ -434,15 +401,7 @@ def _on_end(*_a) -> None:
         _compiles["quiet_since"] = time.monotonic()
 
 
-def watch_compiles() -> None:
-    """Follow dynamo's compiles (once per process): the threads world's timeouts pause during them."""
-    if _hooked[0]:
-        return
-    _hooked[0] = True
-    from torch._dynamo.callback import on_compile_end, on_compile_start
-
-    on_compile_start(_on_start)
-    on_compile_end(_on_end)
+seam.watch_compiles(_on_start, _on_end)  # installed with dynamo's marks (_torch.install)
 
 
 # ------------------------------------------------------------------ threads world: a recompile budget per rank
@@ -455,13 +414,13 @@ def watch_compiles() -> None:
 # Dynamo's config values are per thread (context variables); a rank thread runs in a copy of its
 # caller's context (world.run), so the scaled value is the caller's, and it ends with the thread.
 
-_LIMITS = ("recompile_limit", "accumulated_recompile_limit")
 _rank_thread = threading.local()
 
 
 def enter_rank_thread(world_size: int) -> None:
     """Called first in each rank thread of a threads world (world.run)."""
     _rank_thread.unscaled = world_size if world_size > 1 else 0
+    seam.keep_watching()  # a torch._dynamo.reset() since the last world dropped the compile watch
 
 
 def scale_limits_in_rank_thread() -> None:
@@ -474,15 +433,10 @@ def scale_limits_in_rank_thread() -> None:
     ranks = getattr(_rank_thread, "unscaled", 0)
     if ranks:
         _rank_thread.unscaled = 0
-        from torch._dynamo import config
-
-        for name in _LIMITS:
-            setattr(config, name, getattr(config, name) * ranks)  # this thread's context only
+        seam.scale_recompile_limits(ranks)  # this thread's context only
 
 
 # ------------------------------------------------------------------ dynamo: what it must not trace into
-
-_OPAQUE: list = []  # functions dynamo records as one call; AOTAutograd traces into them
 
 
 def trace_opaque(fn):
@@ -490,27 +444,9 @@ def trace_opaque(fn):
 
     Dynamo cannot trace `_make_wrapper_subclass`; these functions make or unwrap DTensors, so dynamo
     records each call as a node and AOTAutograd runs it on fake tensors (where it traces fine).
-    Importing torch._dynamo costs seconds, so the marks are made when dynamo is first imported.
+    Called from eager code after a graph break, the function runs as it is, never compiled as a frame.
     """
-    _OPAQUE.append(fn)
-    if "torch._dynamo" in sys.modules and not _hook.pending:
-        _mark(fn)
-    return fn
-
-
-def _mark(fn) -> None:
-    from torch._dynamo import trace_rules  # the ids torch.compiler.nonstrict_trace registers (its wrapper would be a new object)
-
-    from torch._dynamo.eval_frame import skip_code
-
-    trace_rules._allowed_callable_ids.add(id(fn))
-    trace_rules._nonstrict_trace_callable_ids.add(id(fn))
-    # Called from eager code after a graph break, the function runs as it is: dynamo never compiles
-    # it as a frame of its own (a resume after _make_wrapper_subclass lost requires_grad, issue 25).
-    skip_code(fn.__code__)
-
-
-_EAGER_ONLY: list = []  # (fn, recursive): shardops' dispatch, eager code that dynamo must never compile as frames
+    return seam.trace_opaque(fn)
 
 
 def eager_only(fn):
@@ -521,89 +457,20 @@ def eager_only(fn):
     its own and break again at each data-dependent check. Tracing enters dispatch through the
     DTensor's flatten protocol instead, which this does not touch.
     """
-    _EAGER_ONLY.append((fn, True))
-    if "torch._dynamo" in sys.modules and not _hook.pending:
-        _skip(fn)
-    return fn
+    return seam.eager_only(fn)
 
 
-def _skip(fn, recursive: bool = True) -> None:
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    inner = FrameAction.SKIP if recursive else FrameAction.DEFAULT
-    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, inner))
-
-
-def _install() -> None:
-    for fn in _OPAQUE:
-        _mark(fn)
-    for fn, recursive in _EAGER_ONLY:
-        _skip(fn, recursive)
-    _wrap_metadata_objects()
-    watch_compiles()
-
-
-def _wrap_metadata_objects() -> None:
-    """Let dynamo hold a DTensor's metadata read in compiled code (`dt.device_mesh`, `dt.placements`)
-    as plain Python objects: they are trace-time constants, guarded through the DTensor's CompileMeta."""
-    from torch._dynamo.variables.builder import SourcelessBuilder
-    from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
-
-    for cls in (_CLASSES["mesh"], *_CLASSES["specs"], *_CLASSES["placements"]):
-        SourcelessBuilder._type_handlers.setdefault(cls, lambda tx, value: UserDefinedObjectVariable(value))
-
-
-class _AfterDynamoImport(importlib.abc.MetaPathFinder):
-    """Runs `_install` right after torch._dynamo is imported (by the first torch.compile)."""
-
-    pending = True
-
-    def find_spec(self, name, path, target=None):
-        if name != "torch._dynamo" or not self.pending:
-            return None
-        self.pending = False
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_install(module):
-            exec_module(module)
-            _install()
-
-        spec.loader.exec_module = exec_then_install
-        return spec
-
-
-_hook = _AfterDynamoImport()
-
-
-def _register_constants() -> None:
-    """Meshes and placements are compile-time constants (dynamo guards them by equality)."""
-    import torch.utils._pytree as pytree
-
-    mesh_class = _CLASSES["mesh"]
-    if not pytree.is_constant_class(mesh_class):
-        pytree.register_constant(mesh_class)
-    # placements are small frozen dataclasses of ints and strings, often made inside the compiled code
-    # (Shard(-1) normalised to Shard(1)): pytree nodes whose fields are constants of the call site
-    for cls in _CLASSES["placements"]:
-        if cls not in pytree.SUPPORTED_NODES:
-            pytree.register_dataclass(cls)
-
-
-# The metadata classes compiled code holds as constants, handed in by tensor.py (this module sits
-# below mesh.py, placements.py and spec.py, which import the communicators).
-_CLASSES: dict = {}
+def on_graph_entry(wanted, enter) -> None:
+    """Run `enter(inputs)` as each compiled graph with an example input where `wanted` holds is called."""
+    seam.on_graph_entry(wanted, enter)
 
 
 def setup(mesh: type, placements: Sequence[type], specs: Sequence[type]) -> None:
-    """Called once when shardops is imported (cheap: no dynamo import)."""
-    _CLASSES.update(mesh=mesh, placements=tuple(placements), specs=tuple(specs))
-    _register_constants()
-    if "torch._dynamo" in sys.modules:
-        _hook.pending = False
-        _install()
-    elif _hook not in sys.meta_path:
-        sys.meta_path.insert(0, _hook)
+    """Called once when shardops is imported, registering (not installing: _torch.install does) how
+    compiled code holds shardops' metadata: meshes and placements are compile-time constants (dynamo
+    guards them by equality; placements are small frozen dataclasses of ints and strings, often made
+    inside the compiled code, so pytree nodes whose fields are constants of the call site), and
+    a DTensor's metadata read in compiled code (`dt.device_mesh`, `dt.placements`) is a plain
+    Python object, guarded through the DTensor's CompileMeta."""
+    seam.pytree_constants([mesh], placements)
+    seam.hold_as_constants([mesh, *specs, *placements])

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import NoShardingStrategyError, ShardingError
 from ..placements import Replicate
-from ..planner import caches
+from .. import caches
 from ..planner.choice import caching_decisions, candidates, with_plans
 from ..planner.rows import Candidate
 from ..redistribute import Plan, execute, materialize_lazy_bits, plan, plan_bytes

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ShardingError
-from ..planner import caches
+from .. import caches
 from ..spec import TensorSpec
 
 _BINDINGS: dict[Any, tuple[list[str], dict[str, Any], set[str]]] = {}

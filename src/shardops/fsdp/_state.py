@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.autograd.graph import register_multi_grad_hook
 
-from ._engine import queue_end_of_backward
+from .._torch.autograd import queue_end_of_backward
 from ._unit import FSDPUnit
 
 STATE_ATTR = "_shardops_fsdp_state"

@@ -21,7 +21,7 @@ from ..mesh import DeviceMesh
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
 from ..wrapping import local_of, shard_in, spec_of, wrap
-from ._engine import queue_end_of_backward
+from .._torch.autograd import queue_end_of_backward
 from .fully_shard import _data_mesh
 
 # DDP keywords that mean nothing for shardops' synchronous CPU collectives; accepted for torch's signature

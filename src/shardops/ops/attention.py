@@ -53,7 +53,7 @@ from ..dispatch.registry import call_default, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, static_key
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, without_partials
-from ..planner import caches
+from .. import caches
 from ..planner.choice import CHOICE_HOOKS, candidates
 from ..planner.rows import Candidate, Row, row
 from ..redistribute import redistribute_local

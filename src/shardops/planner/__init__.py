@@ -8,7 +8,7 @@
                 exhaustive ranking it must equal
     choice.py   `candidates()`: search or enumerate, then the choice hooks (verify's forcing,
                 tests' planner hook `choosing`); `with_plans` (the exact redistribution plans)
-    caches.py   the one registry of planning caches and their one invalidation
 
-The package holds nothing of its own: import its modules.
+The package holds nothing of its own: import its modules. The registry of planning caches
+and their one invalidation sit below it, in shardops/caches.py (spec.py and cost.py use it).
 """

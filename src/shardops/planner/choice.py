@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 from ..cost import Link, resolve_links
 from ..redistribute import plan
 from ..spec import TensorSpec
-from . import caches
+from .. import caches
 from .rows import Candidate, Ranked, Row, check_rows, rank_key
 from .search import Search, all_candidates
 

@@ -17,59 +17,10 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..cost import Link
+from ..cost import Link, collective_time, joint_collective_time, step_time  # noqa: F401 (the planner's formulas, priced here)
 from ..placements import Placement
 from ..spec import TensorSpec
 from .rows import Candidate, Row
-
-# ------------------------------------------------------------------ collectives (ring model)
-
-
-def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
-    """Ring-model time of one collective over n ranks; `nbytes` is the full (gathered/reduced) size."""
-    if n <= 1:
-        return 0.0
-    steps = n - 1
-    wire = (n - 1) / n * nbytes / link.bandwidth
-    if kind == "all_reduce":
-        return 2 * (steps * link.latency + wire)
-    if kind == "broadcast":
-        return steps * link.latency + wire
-    return steps * link.latency + wire  # all_gather, reduce_scatter, all_to_all
-
-
-def joint_collective_time(kind: str, nbytes: float, sizes: Sequence[int], links: Sequence[Link]) -> float:
-    """One collective over the group spanning several mesh dims (sizes n_i, links l_i).
-
-    Model: the collective runs hierarchically, mesh dim by mesh dim, so it takes the
-    per-dim steps, sum(alpha_i (n_i - 1)), but it is ONE round: every byte crosses the
-    group once, (N-1)/N * B with N = prod(n_i), and that traffic is priced on the
-    slowest link of the group. For one mesh dim this is exactly `collective_time`.
-    Against the per-dim sequence (what a redistribution of one mesh dim at a time
-    pays) it has the same latency and, on equal links, fewer bytes on the wire:
-    1 - prod(1/n_i) <= sum(1 - 1/n_i). `nbytes` is the full (gathered/reduced) size.
-    """
-    used = [(n, link) for n, link in zip(sizes, links) if n > 1]
-    if not used:
-        return 0.0
-    if len(used) == 1:
-        return collective_time(kind, nbytes, used[0][0], used[0][1])
-    group = 1
-    for n, _ in used:
-        group *= n
-    steps = sum((n - 1) * link.latency for n, link in used)
-    wire = (group - 1) / group * nbytes / min(link.bandwidth for _, link in used)
-    return 2 * (steps + wire) if kind == "all_reduce" else steps + wire
-
-
-def step_time(kind: str, local: float, n: int, link: Link) -> float:
-    """One redistribution step on one mesh dim, from the source's local bytes (slices are free)."""
-    if kind == "all_gather":
-        return collective_time(kind, local * n, n, link)
-    if kind in ("all_reduce", "reduce_scatter", "all_to_all"):
-        return collective_time(kind, local, n, link)
-    return 0.0
-
 
 # ------------------------------------------------------------------ moving an input
 

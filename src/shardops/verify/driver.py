@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from ..dispatch import core, registry
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
-from ..planner import caches
+from .. import caches
 from ..notation import mesh_name, parse_mesh_shape
 from ..placements import Replicate
 from ..spec import TensorMeta, TensorSpec, contiguous_stride

@@ -24,7 +24,7 @@ import functools
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from ..planner import caches
+from .. import caches
 from ..planner.choice import CHOICE_HOOKS, choosing
 from ..planner.rows import Candidate
 

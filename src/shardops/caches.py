@@ -5,6 +5,9 @@ ids are all derived from things that can change under them: the link model (`set
 strict mode (`set_strict`), a test's or verify's planner hook. Each cache registers how to
 clear itself here; `invalidate()` clears them all and bumps `EPOCH`, which the caches keyed
 by value (an lru_cache, the dispatch key) include, so nothing planned before is reused.
+
+It sits at the bottom of the package (it imports nothing of shardops), so the low modules that
+cache (spec.py, cost.py, redistribute.py) register here without importing the planner above them.
 """
 from __future__ import annotations
 

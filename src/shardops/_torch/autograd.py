@@ -1,0 +1,27 @@
+"""The autograd engine's private internals, as shardops uses them.
+
+`queue_end_of_backward`: `torch.autograd.Variable._execution_engine.queue_callback` runs a
+function once the running backward pass has finished (known for torch 2.13, 2.14, 2.15). FSDP2
+and DDP use it so that every gradient reduction has been issued before `backward()` returns;
+shardops.fsdp does the same. A torch without it raises TorchInternalMissing naming the hook.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import Hook, require
+
+END_OF_BACKWARD = Hook("autograd.end_of_backward", "run the data-parallel reductions' finish when a backward ends")
+
+
+def install() -> None:
+    """Check the internal now, so a torch without it fails at install, not inside a backward."""
+    engine = require(END_OF_BACKWARD, torch.autograd.Variable, "_execution_engine", "torch.autograd.Variable")
+    require(END_OF_BACKWARD, engine, "queue_callback", "torch.autograd.Variable._execution_engine")
+
+
+def queue_end_of_backward(fn: Callable[[], None]) -> None:
+    """Run `fn` when the backward pass that is running now ends (call from inside a backward hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
