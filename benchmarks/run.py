@@ -3,6 +3,7 @@
     python -m benchmarks.run --quick            # < 3 min on 2 cores
     python -m benchmarks.run                    # larger sizes, more repetitions
     python -m benchmarks.run --only comm overhead --out /tmp/bench
+    python -m benchmarks.run --tiny --only end_to_end   # a smoke run (as the tests run it); figures meaningless
 
 Four benchmarks, each reported as a markdown table (case, shardops, DTensor,
 ratio shardops/DTensor, lower bound where one applies) with its target met or
