@@ -389,7 +389,7 @@ def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int], t
                 if type(v) not in _SCALARS:
                     if isinstance(v, torch.Tensor):
                         return False
-                    key.append(static_key(a))  # anything else: its hashable stand-in
+                    key.append(static_key(a, func))  # anything else: its hashable stand-in
                     break
             else:
                 key.append(t)
@@ -403,7 +403,7 @@ def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int], t
             key.append(core.plain_key(a))
             tensor_pos.append(i)
         else:
-            key.append(static_key(a))
+            key.append(static_key(a, func))
     return True
 
 

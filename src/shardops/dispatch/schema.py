@@ -142,11 +142,16 @@ class CallSignature:
             params.append(inspect.Parameter(a.name, kind, default=default))
         return cls(inspect.Signature(params))
 
-    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        """The call's arguments by name, defaults filled in; None where no form takes the call."""
+    def bind(self, args: tuple, kwargs: dict, where: str = "a torch function on DTensors") -> dict[str, Any] | None:
+        """The call's arguments by name, defaults filled in; None where no form takes the call.
+        A symbolic scalar (torch.compile with dynamic=True) raises ShardingError naming `where`."""
         key = (len(args), tuple(kwargs), tuple(map(type, args)))
         how = self._shapes.get(key, _UNSEEN)
+        for v in kwargs.values():  # positional ones are checked once per call shape (their types are in the key)
+            refuse_symbolic(v, where)
         if how is _UNSEEN:
+            for v in args:
+                refuse_symbolic(v, where)
             how = self._learn(args, kwargs)
             if len(self._shapes) < self._MAX_SHAPES:
                 self._shapes[key] = how
@@ -203,10 +208,25 @@ def spec_key(spec: TensorSpec) -> tuple:
     return (spec.mesh, spec.placements, spec.meta.shape, spec.meta.stride, spec.meta.dtype)
 
 
-def static_key(value: Any) -> Any:
-    """A hashable key for a non-tensor argument that tells 1, 1.0 and True apart."""
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def refuse_symbolic(value: Any, where: str = "an op on DTensors") -> None:
+    """A symbolic scalar (torch.compile with dynamic=True, or a dim dynamo made dynamic) raises: a
+    DTensor's plan is made from static shapes and scalars, as docs/compile.md says."""
+    if isinstance(value, _SYMBOLIC):
+        kind = type(value).__name__.removeprefix("Sym").lower()
+        raise ShardingError(
+            f"torch.compile: {where} got the symbolic {kind} {value} (dynamic shapes); shardops DTensors need static "
+            "shapes and scalars. Compile with dynamic=False (torch.compile(fn, dynamic=False))."
+        )
+
+
+def static_key(value: Any, op: Any = None) -> Any:
+    """A hashable key for a non-tensor argument that tells 1, 1.0 and True apart (a symbolic one raises)."""
+    refuse_symbolic(value, str(op) if op is not None else "an op on DTensors")
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__,) + tuple(static_key(v) for v in value)
+        return (type(value).__name__,) + tuple(static_key(v, op) for v in value)
     if isinstance(value, TensorSpec):
         return ("T",) + spec_key(value)
     if isinstance(value, float) and value != value:
