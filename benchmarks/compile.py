@@ -136,7 +136,8 @@ def measure_compile(
         try:
             ranks = launch.run_gloo(_rank, world_size, tuple(systems), model_name, SIZES[size], steps, timeout=3600)
         except Exception as e:  # noqa: BLE001 - a failing run is a result to show
-            rows += [{"model": model_name, "system": system, "error": f"{type(e).__name__}: {str(e)[:300]}"} for system in systems]
+            first = (str(e).splitlines() or [""])[0]  # a RankFailure's first line: the rank, its exception's type and message
+            rows += [{"model": model_name, "system": system, "error": f"{type(e).__name__}: {first[:300]}"} for system in systems]
             continue
         for system in systems:
             slowest = lambda key: [max(r[system][key][i] for r in ranks) for i in range(steps)]  # noqa: E731

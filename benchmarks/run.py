@@ -3,6 +3,7 @@
     python -m benchmarks.run --quick            # < 3 min on 2 cores
     python -m benchmarks.run                    # larger sizes, more repetitions
     python -m benchmarks.run --only comm overhead --out /tmp/bench
+    python -m benchmarks.run --tiny --only end_to_end   # a smoke run (as the tests run it); figures meaningless
 
 Four benchmarks, each reported as a markdown table (case, shardops, DTensor,
 ratio shardops/DTensor, lower bound where one applies) with its target met or
@@ -61,6 +62,9 @@ DOCS_HEADER = (
 )
 QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10}, "autoplan": {},
          "random": {"repeats": 3}, "training": {"quick": True}, "moe": {"quick": True}, "compile": {"size": "quick"}}
+# --tiny: a smoke run (the tests run the installed command so); its figures mean nothing.
+TINY = {**QUICK, "overhead": {"iters": 50, "repeats": 3}, "end_to_end": {"size": "tiny"}, "planning": {"meshes": "quick", "max_reps": 2},
+        "random": {"repeats": 1}, "compile": {"size": "tiny"}}
 FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "autoplan": {}, "random": {},
         "training": {"quick": False}, "moe": {"quick": False}, "compile": {"size": "full"}}
 
@@ -370,7 +374,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         })
     for name in BENCHMARKS:
         if name in results and "error" in results[name]:
-            out.append({"target": f"{name} benchmark runs", "verdict": "missed", "detail": results[name]["error"].splitlines()[-1]})
+            out.append({"target": f"{name} benchmark runs", "verdict": "missed", "detail": results[name].get("summary") or results[name]["error"].splitlines()[-1]})
     return out
 
 
@@ -441,8 +445,10 @@ def _run_section(name: str, fn, results: dict[str, Any], timings: dict[str, floa
     start = time.perf_counter()
     try:
         results[name] = fn()
-    except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others
-        results[name] = {"error": traceback.format_exc()}
+    except Exception as e:  # noqa: BLE001 - one broken benchmark must not hide the others
+        # summary: the exception's first line (a gloo rank's failure: the rank, its exception's type and message)
+        first = (str(e).splitlines() or [""])[0]
+        results[name] = {"error": traceback.format_exc(), "summary": f"{type(e).__module__}.{type(e).__qualname__}: {first}"}
         print(f"[bench] {name} FAILED:\n{results[name]['error']}", file=sys.stderr, flush=True)
     timings[name] = time.perf_counter() - start
     print(f"[bench] {name}: {timings[name]:.1f} s", file=sys.stderr, flush=True)
@@ -642,13 +648,14 @@ def _docs_path(args: argparse.Namespace) -> Path | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardops bench", description="shardops vs torch.distributed.tensor, side by side.")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (< 3 min on 2 cores)")
+    parser.add_argument("--tiny", action="store_true", help="the smallest sizes: a smoke run that the benchmarks work, figures meaningless")
     parser.add_argument("--out", default="bench_out", help="output dir (default: bench_out/)")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), help="run only these benchmarks")
     parser.add_argument("--cases", nargs="+", help="comm benchmark: only these cases (default: all)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the bytes chart")
     parser.add_argument("--docs", default=None, help=f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)} for a whole run, none for --only/--cases; '' for none)")
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else FULL
+    config = TINY if args.tiny else QUICK if args.quick else FULL
     given = list(sys.argv[1:] if argv is None else argv)
     command = " ".join(["shardops bench", *given])
     machine = machine_info()

@@ -79,13 +79,20 @@ def measure(spec: RunSpec) -> dict[str, Any]:
             results = run_gloo(fn, 4, spec, timeout=900)
             row[f"{side}_bytes"], row[f"{side}_ms"] = _busiest(results)
         except Exception as e:  # noqa: BLE001 - reported, the others still run
-            row[f"{side}_error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:200]}"
+            row[f"{side}_error"] = _one_line(e)
+            row[f"{side}_traceback"] = getattr(e, "rank_traceback", None)  # the failing rank's own (in the JSON)
         row[f"{side}_wall_s"] = round(time.perf_counter() - start, 1)
     try:
         row["shardops_threads_ms"] = _threads_ms(spec)
     except Exception as e:  # noqa: BLE001
         row["shardops_threads_error"] = f"{type(e).__name__}: {e}"
     return row
+
+
+def _one_line(e: Exception) -> str:
+    """A table cell for a failure: the first line names it (a RankFailure: the rank, and its exception's type and message)."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:

@@ -285,6 +285,28 @@ def test_a_crashing_benchmark_is_reported_and_the_rest_still_run(monkeypatch, tm
     assert "planner exploded" in report and "| sum | (4,) |" in report
 
 
+def test_a_failing_gloo_rank_is_named_in_the_report(monkeypatch, tmp_path):
+    """A benchmark whose gloo rank raised: the targets row and the section name the rank's exception, with its traceback."""
+    from shardops.training import launch
+
+    def work():
+        raise ModuleNotFoundError("No module named 'benchmarks'", name="benchmarks")
+
+    def broken(cfg):
+        try:
+            work()
+        except ModuleNotFoundError as e:
+            raise launch._raised(1, launch._error_report(e)) from None
+
+    monkeypatch.setattr(run, "_planning", broken)
+    code = run.main(["--quick", "--only", "planning", "--no-plot", "--out", str(tmp_path), "--docs", ""])
+    assert code == 1
+    report = (tmp_path / "report.md").read_text()
+    want = "shardops.training.launch.RankFailure: run_gloo: rank 1 raised: ModuleNotFoundError: No module named 'benchmarks'"
+    assert f"| planning benchmark runs | **MISSED** | {want} |" in report
+    assert "rank 1 (pid" in report and "in work" in report  # the rank's own traceback
+
+
 def test_a_partial_run_leaves_the_docs_page_alone(monkeypatch, tmp_path):
     docs = tmp_path / "benchmarks.md"
     docs.write_text("the whole run's page")

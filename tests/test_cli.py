@@ -85,6 +85,51 @@ def test_bench_runs_from_any_directory_of_an_editable_install(tmp_path):
     assert "usage: shardops bench" in done.stdout
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SHARDOPS = "import sys; from shardops.cli import main; sys.exit(main())"  # what the installed `shardops` script runs
+
+
+def _this_checkouts_env() -> dict[str, str]:
+    """The environment of a `shardops` command run elsewhere, with this checkout's package (as an editable install has it)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(_REPO, "src"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def test_bench_gloo_ranks_import_the_benchmarks_from_any_directory(tmp_path):
+    """The installed command loads benchmarks/ from the clone; a spawned gloo rank must import its
+    `benchmarks.*` entry point too (it died on `No module named 'benchmarks'`, issue 42 item 11)."""
+    import subprocess
+
+    script = (
+        "from shardops import cli\n"
+        "cli.load('bench')\n"
+        "from benchmarks import end_to_end\n"
+        "from shardops.training.launch import run_gloo\n"
+        "result = run_gloo(end_to_end.rank_main, 1, end_to_end.SIZES['tiny'], timeout=300)[0]\n"
+        "print(sorted({row['shardops']['correct'] for row in result['rows']}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_this_checkouts_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[True]"
+
+
+@pytest.mark.slow
+def test_the_installed_bench_commands_gloo_rows_run(tmp_path):
+    """`shardops bench --tiny --only end_to_end` (2 gloo processes) from a directory outside the clone:
+    every shardops row runs and equals single-device torch (about a minute on 2 busy cores)."""
+    import subprocess
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-c", _SHARDOPS, "bench", "--tiny", "--only", "end_to_end", "--no-plot", "--docs", "", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=tmp_path, env=_this_checkouts_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((out / "results.json").read_text())["results"]["end_to_end"]
+    assert "error" not in result and result["world_size"] == 2 and result["backend"] == "gloo"
+    for row in result["rows"]:
+        assert row["shardops"]["error"] is None and row["shardops"]["correct"], row
+
+
 def test_bench_without_the_repository_says_so(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "benchmarks", None)  # not importable, as from an installed wheel
     monkeypatch.delitem(sys.modules, "benchmarks.run", raising=False)

@@ -54,7 +54,9 @@ def load(name: str) -> tuple[object, Callable]:
 
 def _import(module_path: str):
     """Import a subcommand's module. `benchmarks` is not part of the package: found as itself, or
-    beside src/ in the clone this package was installed from (an editable install), never from the cwd."""
+    beside src/ in the clone this package was installed from (an editable install), never from the cwd.
+    The clone goes on sys.path (at its end), which spawned processes inherit: the bench's gloo ranks
+    import their `benchmarks.*` entry points from any working directory."""
     if module_path.split(".")[0] == "benchmarks" and "benchmarks" not in sys.modules:
         _load_repository_benchmarks()
     return importlib.import_module(module_path)
@@ -66,13 +68,11 @@ def _load_repository_benchmarks() -> None:
             return
     except ValueError:
         return
-    package = Path(__file__).resolve().parents[2] / "benchmarks"  # <clone>/src/shardops/cli.py -> <clone>/benchmarks
-    if not (package / "__init__.py").is_file():
+    clone = Path(__file__).resolve().parents[2]  # <clone>/src/shardops/cli.py -> <clone>
+    if not (clone / "benchmarks" / "__init__.py").is_file():
         return
-    spec = importlib.util.spec_from_file_location("benchmarks", package / "__init__.py", submodule_search_locations=[str(package)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmarks"] = module
-    spec.loader.exec_module(module)
+    sys.path.append(str(clone))  # nothing else named benchmarks is importable (find_spec above)
+    importlib.invalidate_caches()
 
 
 def build_parser() -> argparse.ArgumentParser:

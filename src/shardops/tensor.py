@@ -317,7 +317,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     else:
         flat, tree = core.flatten_args(args, kwargs or _NO_KWARGS)
         key, tensor_pos = [func, "leaves", core.tree_key(tree)], []
-        _operand_key(func, flat, key, tensor_pos)
+        _operand_key(func, flat, key, tensor_pos, tree)
     key.append(caches.EPOCH[0])  # a new link model or strict mode decides anew
     key = tuple(key)
     decision = core._CACHE.get(key)
@@ -384,7 +384,7 @@ def _relabel_overwritten_self(self_: Any) -> None:
         self_._set_spec(self_._spec.with_placements(without_partials(self_._spec.placements)))
 
 
-def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int]) -> bool:
+def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int], tree: Any = None) -> bool:
     """Append each item's cache key and note the tensor operands' positions; False where a list
     holds tensors (a Tensor[] argument: the call must be flattened first). A leaf's pending
     gradient read here for the first time is moved to the leaf's layout first (a write keeps it)."""
@@ -397,13 +397,13 @@ def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int]) -
             tensor_pos.append(i)
         elif t in _SCALARS:
             key.append(t)  # 1, 1.0 and True decide differently
-            key.append(a if a == a else "nan")  # NaN != NaN would never hit
+            key.append(core.float_key(func, tree, i, a) if t is float else a)  # a float: only what decisions read of it
         elif t is list or t is tuple:
             for v in a:
                 if type(v) not in _SCALARS:
                     if isinstance(v, torch.Tensor):
                         return False
-                    key.append(static_key(a))  # anything else: its hashable stand-in
+                    key.append(static_key(a, func))  # anything else: its hashable stand-in
                     break
             else:
                 key.append(t)
@@ -417,7 +417,7 @@ def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int]) -
             key.append(core.plain_key(a))
             tensor_pos.append(i)
         else:
-            key.append(static_key(a))
+            key.append(static_key(a, func))
     return True
 
 

@@ -9,7 +9,10 @@ explain plans through the same `decide` on specs alone (no data, no rank needed)
 
 Decisions are cached by everything that changes them: the overload, each tensor
 operand's mesh/placements/shape/stride/dtype, every static argument and the link
-model. A cache hit does no parsing, no planning and builds no specs.
+model. A cache hit does no parsing, no planning and builds no specs. A float argument
+is the exception: it is data to most ops (AdamW's step size, new every step), so its key
+is its type alone until a decision of the op reads it (`float_key`); then its value, or
+the class the rule asked for (a scalar's sign, for the partials that pass through `mul`).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from ..planner.rows import Candidate
 from ..redistribute import Plan, execute, materialize_lazy_bits, plan, plan_bytes
 from ..spec import TensorMeta, TensorSpec
 from .registry import REPLICATE_ONLY, REPLICATE_WHEN, RULES
-from .schema import OpSchema
+from .schema import EVERY, EXACTLY, OpSchema, _binding
 
 aten = torch.ops.aten
 _state = {"strict": False}
@@ -50,6 +53,21 @@ class FallbackWarning(UserWarning):
 
 
 caches.register("decisions", _CACHE.clear)
+
+# op -> {argument name: how its decisions read it (EXACTLY, or a classifier from OpSchema.arg_class)};
+# EVERY: all arguments exactly. Learned from the decisions' reads; it only grows (invalidate clears it).
+_FLOAT_READS: dict[Any, dict[str, Callable[[Any], Any] | None]] = {}
+_LEAF_NAMES: dict[tuple, tuple[str | None, ...]] = {}
+_UNREAD = ("float, unread",)  # the key of a float argument no decision of its op reads
+_CLASS = "class"
+
+
+def _clear_float_reads() -> None:
+    _FLOAT_READS.clear()
+    _LEAF_NAMES.clear()
+
+
+caches.register("float arguments read", _clear_float_reads)
 
 
 def set_strict(strict: bool = True) -> None:
@@ -238,6 +256,69 @@ def tree_key(tree: Any) -> Any:
     return tree if tree[0] != "pytree" else tree[1]
 
 
+def float_key(func, tree: Any, i: int, value: float) -> Any:
+    """Cache key of a float argument, leaf `i` of a call flattened to `tree` (None: the positional
+    arguments as they are): its value where a decision of `func` read it, the class a rule read
+    with `OpSchema.arg_class`, or for an argument no decision reads (a pointwise op's scalar) one
+    key for every value: a new step size each step reuses the decision."""
+    reads = _FLOAT_READS.get(func)
+    if reads is None:
+        return _UNREAD
+    how = reads.get(EVERY, _UNREAD)
+    if how is _UNREAD:
+        names = _leaf_names(func, tree)
+        how = reads.get(names[i], _UNREAD) if i < len(names) and names[i] is not None else EXACTLY
+        if how is _UNREAD:
+            return _UNREAD
+    if how is EXACTLY:
+        return value if value == value else "nan"  # NaN != NaN would never hit
+    return (_CLASS, how(value))
+
+
+def _leaf_names(func, tree: Any) -> tuple[str | None, ...]:
+    """The argument name of each leaf of a call flattened to `tree` (None inside lists or a pytree)."""
+    cache_key = (func, tree_key(tree))
+    names = _LEAF_NAMES.get(cache_key)
+    if names is None:
+        arg_names = _binding(func)[0]
+        if tree is None:
+            names = tuple(arg_names)
+        elif type(tree) is not tuple or tree[0] == "pytree":
+            names = ()
+        else:
+            n_args, kw_names, shape = tree
+            out: list[str | None] = []
+            for j, kind in enumerate(shape):
+                name = (arg_names[j] if j < len(arg_names) else None) if j < n_args else kw_names[j - n_args]
+                out += [name] if kind is None else [None] * kind[1]
+            names = tuple(out)
+        _LEAF_NAMES[cache_key] = names
+    return names
+
+
+def _float_reads_keyed(func, schema: OpSchema, algorithm: Any) -> bool:
+    """Whether `float_key` already keys on every float argument this decision read, as it read it;
+    if not, learn it (the op's next call keys on it: this decision is not cached). A sharded
+    algorithm reads its schema when it runs, after the key is built: its floats are keyed exactly."""
+    values = schema._arguments()
+    reads = {EVERY: EXACTLY} if algorithm is not None else schema.reads
+    any_float = any(type(v) is float for v in values.values())
+    wanted = {n: how for n, how in reads.items() if (any_float if n == EVERY else type(values.get(n)) is float)}
+    if not wanted:
+        return True
+    known = _FLOAT_READS.setdefault(func, {})
+    if known.get(EVERY, _UNREAD) is EXACTLY:
+        return True
+    keyed = True
+    for name, how in wanted.items():
+        seen = known.get(name, _UNREAD)
+        if seen is EXACTLY or seen is how:
+            continue
+        known[name] = how if seen is _UNREAD else EXACTLY
+        keyed = False
+    return keyed
+
+
 def plain_key(t: torch.Tensor) -> tuple:
     """Cache key of a plain tensor operand (taken as Replicate)."""
     return ("plain", t.shape, t.dtype, t.device.type)
@@ -362,7 +443,7 @@ def decide_for_dispatch(key: tuple, func, leaves: Sequence[Any], tree, tensor_po
             raise strict_error(decision, decision.gathers)
         return decision  # allowed: decided anew each call (never cached), since the allowance may end
     decision.candidates = []  # explain's list; a cached decision keeps only its choice
-    if not caching_decisions():
+    if not caching_decisions() or not _float_reads_keyed(func, decision.schema, decision.algorithm):
         return decision
     if len(_CACHE) >= MAX_DECISIONS:  # bounded: the oldest decision goes (a later call decides it again)
         _CACHE.pop(next(iter(_CACHE)), None)

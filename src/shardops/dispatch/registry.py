@@ -141,12 +141,13 @@ def torch_entry(func: Any, signature: CallSignature, parse: Parse, apply: Callab
     (no form binds, or `parse` says None: no gradient needed, out=, named dims...) run as torch runs them."""
 
     not_ours: set[tuple] = set()  # call keys whose parse said "not ours": the parse is cached too
+    name = getattr(func, "__qualname__", None) or str(func)  # what an argument error names
 
     def entry(*args, **kwargs):
         key = call_key(args, kwargs)
         if key in not_ours:
             return call_default(func, args, kwargs)
-        bound = signature.bind(args, kwargs)
+        bound = signature.bind(args, kwargs, name)
         parsed = None if bound is None else parse(bound, args, kwargs)
         if parsed is None:
             if key is not None and len(not_ours) < MAX_CALL_KEYS:

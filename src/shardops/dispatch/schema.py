@@ -3,6 +3,11 @@
 All argument reading and checking lives here: strategies ask `schema.arg("dim")`
 or `schema.dims("dim")` and get bound, defaulted, normalised values; they never
 index `args` by position or repeat type checks.
+
+A schema records what its readers read (`reads`): the decision cache keys a float
+argument on its value only where a decision read it, and on the class a rule asked for
+where it read only that (`arg_class(name, scalar_sign)`): AdamW's new scalars every step
+then reuse one decision (dispatch/core.float_key).
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class OpSchema:
     kwargs: dict[str, Any]
     tensor_specs: tuple[TensorSpec, ...]  # every tensor operand, in flattening order
     _bound: dict[str, Any] | None = field(default=None, repr=False)
+    # argument name -> how it was read: EXACTLY, or the classifier given to arg_class; EVERY: all of them
+    reads: dict[str, Callable[[Any], Any] | None] = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -55,6 +62,11 @@ class OpSchema:
 
     @property
     def bound(self) -> dict[str, Any]:
+        """Every argument by name (a reader of this may read any of them exactly)."""
+        self.reads[EVERY] = EXACTLY
+        return self._arguments()
+
+    def _arguments(self) -> dict[str, Any]:
         if self._bound is None:
             names, defaults, _ = _binding(self.op)
             bound = dict(defaults)
@@ -64,7 +76,19 @@ class OpSchema:
         return self._bound
 
     def arg(self, name: str, default: Any = None) -> Any:
-        return self.bound.get(name, default)
+        self._note(name, EXACTLY)
+        return self._arguments().get(name, default)
+
+    def arg_class(self, name: str, classify: Callable[[Any], Any], default: Any = None) -> Any:
+        """`classify(value)` of an argument, for a reader whose choice depends on that class alone (e.g.
+        `scalar_sign`): a float argument read only so is cached on its class, not its value.
+        `classify` must be a module-level function (the cache tells classifiers apart by identity)."""
+        self._note(name, classify)
+        return classify(self._arguments().get(name, default))
+
+    def _note(self, name: str, how: Callable[[Any], Any] | None) -> None:
+        seen = self.reads.get(name, how)
+        self.reads[name] = how if seen is how else EXACTLY  # read two ways: exactly
 
     @property
     def self_spec(self) -> TensorSpec:
@@ -118,11 +142,16 @@ class CallSignature:
             params.append(inspect.Parameter(a.name, kind, default=default))
         return cls(inspect.Signature(params))
 
-    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        """The call's arguments by name, defaults filled in; None where no form takes the call."""
+    def bind(self, args: tuple, kwargs: dict, where: str = "a torch function on DTensors") -> dict[str, Any] | None:
+        """The call's arguments by name, defaults filled in; None where no form takes the call.
+        A symbolic scalar (torch.compile with dynamic=True) raises ShardingError naming `where`."""
         key = (len(args), tuple(kwargs), tuple(map(type, args)))
         how = self._shapes.get(key, _UNSEEN)
+        for v in kwargs.values():  # positional ones are checked once per call shape (their types are in the key)
+            refuse_symbolic(v, where)
         if how is _UNSEEN:
+            for v in args:
+                refuse_symbolic(v, where)
             how = self._learn(args, kwargs)
             if len(self._shapes) < self._MAX_SHAPES:
                 self._shapes[key] = how
@@ -153,6 +182,20 @@ class CallSignature:
 
 _UNSEEN = object()
 
+EXACTLY = None  # OpSchema.reads: the argument's value was read
+EVERY = "*"  # OpSchema.reads: every argument may have been read exactly (OpSchema.bound)
+
+
+def scalar_sign(value: Any) -> str | None:
+    """A Python scalar's sign class ("c>0", "c=0", "c<0", "c=nan"); None for anything else (a tensor, None)."""
+    if not isinstance(value, (int, float, bool)):
+        return None
+    return "c>0" if value > 0 else "c=0" if value == 0 else "c<0" if value < 0 else "c=nan"
+
+
+def is_none(value: Any) -> bool:
+    return value is None
+
 
 def normalize_dim(d: int, ndim: int, op_name: str = "op") -> int:
     bound = max(ndim, 1)
@@ -165,10 +208,25 @@ def spec_key(spec: TensorSpec) -> tuple:
     return (spec.mesh, spec.placements, spec.meta.shape, spec.meta.stride, spec.meta.dtype)
 
 
-def static_key(value: Any) -> Any:
-    """A hashable key for a non-tensor argument that tells 1, 1.0 and True apart."""
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def refuse_symbolic(value: Any, where: str = "an op on DTensors") -> None:
+    """A symbolic scalar (torch.compile with dynamic=True, or a dim dynamo made dynamic) raises: a
+    DTensor's plan is made from static shapes and scalars, as docs/compile.md says."""
+    if isinstance(value, _SYMBOLIC):
+        kind = type(value).__name__.removeprefix("Sym").lower()
+        raise ShardingError(
+            f"torch.compile: {where} got the symbolic {kind} {value} (dynamic shapes); shardops DTensors need static "
+            "shapes and scalars. Compile with dynamic=False (torch.compile(fn, dynamic=False))."
+        )
+
+
+def static_key(value: Any, op: Any = None) -> Any:
+    """A hashable key for a non-tensor argument that tells 1, 1.0 and True apart (a symbolic one raises)."""
+    refuse_symbolic(value, str(op) if op is not None else "an op on DTensors")
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__,) + tuple(static_key(v) for v in value)
+        return (type(value).__name__,) + tuple(static_key(v, op) for v in value)
     if isinstance(value, TensorSpec):
         return ("T",) + spec_key(value)
     if isinstance(value, float) and value != value:

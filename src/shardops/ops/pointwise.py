@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch.registry import decomposition, strategy
-from ..dispatch.schema import OpSchema
+from ..dispatch.schema import OpSchema, is_none, scalar_sign
 from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate
 
@@ -50,11 +50,6 @@ def _n_outputs(schema: OpSchema) -> int:
     return len(schema.op._schema.returns)
 
 
-def _scalar_other(schema: OpSchema):
-    other = schema.arg("other")
-    return other if isinstance(other, (int, float, bool)) and not isinstance(other, torch.Tensor) else None
-
-
 # -- the algebra: which partials pass through which op, exactly
 
 SUM, AVG, MAX, MIN = Partial("sum"), Partial("avg"), Partial("max"), Partial("min")
@@ -92,7 +87,7 @@ PASS_THROUGH: dict[tuple[str, str], list] = {
 def _operands(schema: OpSchema, base: str) -> str | None:
     """The PASS_THROUGH key's operand kind of this call (None: no partial passes)."""
     specs = schema.tensor_specs
-    if base in ("add", "sub") and schema.arg("alpha", 1) is None:
+    if base in ("add", "sub") and schema.arg_class("alpha", is_none, 1):
         return None
     if base == "div" and (schema.arg("rounding_mode") is not None or (len(specs) == 2 and not specs[0].dtype.is_floating_point)):
         return None
@@ -102,10 +97,7 @@ def _operands(schema: OpSchema, base: str) -> str | None:
         return None
     if base == "neg":
         return "T"
-    c = _scalar_other(schema)
-    if c is None:
-        return None
-    return "c>0" if c > 0 else "c=0" if c == 0 else "c<0" if c < 0 else "c=nan"
+    return schema.arg_class("other", scalar_sign)  # its sign, never its value: a new scalar each step reuses the plan
 
 
 def _linear_rows(schema: OpSchema) -> list[Row]:
