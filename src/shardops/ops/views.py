@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..dispatch.registry import call_default, call_key, decomposition, strategy, torch_level
+from ..dispatch.registry import TORCH_FUNCTIONS, call_default, call_key, decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner import caches
 from ..planner.rows import Row, row
@@ -476,3 +476,4 @@ _VIEWS = (
 )
 for _func in _VIEWS:
     torch_level(_func, signature=CallSignature(_view_call, aliases={"input": "self"}), apply=_aliasing_view)(functools.partial(_parse_view, _func))
+    TORCH_FUNCTIONS[_func].guard_only = True  # a check before torch's own path: verify checks the aten ops it reaches
