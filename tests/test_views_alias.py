@@ -149,6 +149,21 @@ def test_issue_example_add_through_view_reaches_the_input():
         torch.testing.assert_close(got, want)
 
 
+def test_a_strided_local_shard_no_view_reaches_raises_and_reshape_copies():
+    """The layout aliases, but this rank's local tensor (a transposed block) has strides no view reaches."""
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (4,))
+        local = (torch.arange(12.0).reshape(3, 4) + 12 * mesh.get_rank()).t()  # [4, 3], strides (1, 4)
+        x = so.DTensor.from_local(local, mesh, [Shard(0)])
+        with pytest.raises(ShardingError, match=r"strides \[1, 4\].*reshape"):
+            x.view(48)
+        return x.reshape(48).full_tensor(), x.full_tensor()
+
+    for flat, full in so.run(body, 4):
+        torch.testing.assert_close(flat, full.reshape(48))
+
+
 # ------------------------------------------------------------------ reshape may copy
 
 

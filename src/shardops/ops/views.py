@@ -406,14 +406,12 @@ caches.register("view verdicts", _VERDICTS.clear)
 def _meta_result(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The call on META tensors of the global shapes: the view's global result, or None where it is not
     a same-dtype view of the input (torch's error then comes from the real call)."""
-    metas = {}
 
     def meta(a):
-        if isinstance(a, DTensor):
-            s = spec_of(a)
-            metas[id(a)] = m = torch.empty_strided(s.shape, s.meta.stride, dtype=s.dtype, device="meta")
-            return m
-        return a
+        if not isinstance(a, DTensor):
+            return a
+        s = spec_of(a)
+        return torch.empty_strided(s.shape, s.meta.stride, dtype=s.dtype, device="meta")
 
     m_args = tuple(meta(a) for a in args)
     m_kwargs = {k: meta(v) for k, v in kwargs.items()}
@@ -421,7 +419,7 @@ def _meta_result(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
         out = func(*m_args, **m_kwargs)
     except (RuntimeError, TypeError, ValueError, IndexError):
         return None
-    base = m_args[0] if args else next(iter(metas.values()))
+    base = m_args[0] if args else m_kwargs.get("input", m_kwargs.get("self"))
     if not isinstance(out, torch.Tensor) or out is base or out._base is not base or out.dtype != base.dtype:
         return None
     return out
@@ -444,7 +442,7 @@ def _refuse_strided_local(func, spec: TensorSpec, local: torch.Tensor, size, lay
         raise ShardingError(
             f"{_name(func)}: this rank's shard of {spec!r} (local shape {list(local.shape)}, strides {list(local.stride())}) "
             f"cannot be viewed as {list(local_size)}: no view of it reaches that shape, and a view must alias its input. "
-            "Use reshape (which may copy), or call .contiguous() first."
+            "Use reshape (which may copy), or give from_local a contiguous local tensor."
         )
 
 
