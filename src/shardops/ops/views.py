@@ -434,8 +434,10 @@ def _aliasable_target(spec: TensorSpec, size: tuple) -> list[Placement]:
 
 def _refuse_strided_local(func, spec: TensorSpec, local: torch.Tensor, size, layout) -> None:
     """A shard can be a strided slice that no view of the local tensor reaches (the aten rule would copy it)."""
+    if local.is_contiguous():
+        return
     coordinate = spec.mesh.get_coordinate()
-    if coordinate is None or local.is_contiguous():
+    if coordinate is None:
         return
     local_size = local_shape_and_offset(tuple(size), spec.mesh.shape, coordinate, layout)[0]
     if not _viewable(local, list(local_size)):
