@@ -133,11 +133,12 @@ LAZY_BIT_PATHS = {
     "neg_of_imag_times": lambda t: t.conj().imag * t.imag,
     "conj_sum": lambda t: t.conj().sum(0),
     # the planner moves a local that still carries the bit (views and mm pass it through torch's fallback)
-    "conj_flatten": lambda t: t.conj().flatten() * 1,
-    "imag_of_conj_flatten": lambda t: t.conj().imag.flatten() * 1,
+    # (reshape: flattening 9 rows over 4 moves data, which a view refuses; reshape reaches aten.view all the same)
+    "conj_flatten": lambda t: t.conj().reshape(-1) * 1,
+    "imag_of_conj_flatten": lambda t: t.conj().imag.reshape(-1) * 1,
     "conj_flip": lambda t: t.conj().flip(1) * 1,
     "conj_index_select": lambda t: t.conj().index_select(1, torch.tensor([4, 0, 2])) * 1,
-    "conj_reshape_pairs": lambda t: torch.view_as_real(t.conj().resolve_conj()).flatten(1) * 1,
+    "conj_reshape_pairs": lambda t: torch.view_as_real(t.conj().resolve_conj()).reshape(9, -1) * 1,
 }
 
 

@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import shardops as so  # noqa: E402
 from shardops import NormPartial, Partial, Replicate, Shard, StridedShard  # noqa: E402
 from shardops.dispatch.registry import DECOMPOSITIONS, REPLICATE_ONLY, RULES, TORCH_FUNCTIONS  # noqa: E402
+from shardops.ops._view_layout import view_layout  # noqa: E402
 from shardops.placements import local_shape_and_offset  # noqa: E402
 from shardops.verify import forcing  # noqa: E402
 from redistribute_cases import make_source  # noqa: E402
@@ -772,12 +773,32 @@ test_pointwise_and_broadcast = property_test("test_pointwise_and_broadcast", poi
 # ------------------------------------------------------------------ views
 
 
+def _aliasing_or_refused(x, view: Callable, copy: Callable, justified: Callable) -> Any:
+    """view, flatten and squeeze alias their input, or raise where no layout of the output holds the
+    input's shards (ops/views.py): a refusal must be `justified(copy's result)`, and the values are then
+    the copy's (reshape's)."""
+    try:
+        return view()
+    except so.ShardingError as e:
+        if not isinstance(x, so.DTensor) or "a view must alias its input" not in str(e):
+            raise
+    out = copy()
+    assert justified(out), f"{x.placements} {tuple(x.shape)} -> {tuple(out.shape)}: the view was refused, yet a layout aliases"
+    return out
+
+
+def _no_aliasing_layout(x) -> Callable:
+    return lambda out: view_layout(tuple(x.shape), tuple(out.shape), tuple(x.device_mesh.shape), x.placements) is None
+
+
 def _view_fn(kind: str):
     def fn(x, **kw):
         if kind == "reshape":
             return x.reshape(kw["size"])
         if kind == "view":
-            return x.contiguous().view(kw["size"]) if not isinstance(x, so.DTensor) else x.view(kw["size"])
+            if not isinstance(x, so.DTensor):
+                return x.contiguous().view(kw["size"])
+            return _aliasing_or_refused(x, lambda: x.view(kw["size"]), lambda: x.reshape(kw["size"]), _no_aliasing_layout(x))
         if kind == "permute":
             return x.permute(kw["dims"])
         if kind == "transpose":
@@ -785,7 +806,10 @@ def _view_fn(kind: str):
         if kind == "unsqueeze":
             return x.unsqueeze(kw["dim"])
         if kind == "squeeze":
-            return x.squeeze(kw["dim"]) if kw["dim"] is not None else x.squeeze()
+            dims = () if kw["dim"] is None else (kw["dim"],)
+            gathered = lambda: x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).squeeze(*dims)  # noqa: E731
+            on_size_one = lambda out: any(p.is_shard() and x.shape[p.dim] == 1 for p in x.placements)  # noqa: E731
+            return _aliasing_or_refused(x, lambda: x.squeeze(*dims), gathered, on_size_one)
         if kind == "expand":
             return x.expand(kw["size"])
         if kind == "select":
@@ -800,7 +824,8 @@ def _view_fn(kind: str):
         if kind == "unbind":
             return x.unbind(kw["dim"])
         if kind == "flatten":
-            return x.flatten(kw["start"], kw["end"])
+            flat = lambda: x.reshape(torch.empty(x.shape, device="meta").flatten(kw["start"], kw["end"]).shape)  # noqa: E731
+            return _aliasing_or_refused(x, lambda: x.flatten(kw["start"], kw["end"]), flat, _no_aliasing_layout(x))
         raise AssertionError(kind)
 
     return fn

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import shardops as so
 from matrix_harness import check, make, strict_mode
-from shardops import Partial, Replicate, Shard, StridedShard
+from shardops import Partial, Replicate, Shard, ShardingError, StridedShard
 from shardops.ops._view_layout import view_layout
 from shardops.placements import dim_positions
 
@@ -42,6 +42,7 @@ VIEW_CASES = [  # (src, dst): merges, splits, heads, size-1 dims
     ((3, 10, 8), (30, 8)), ((4, 10, 8), (40, 8)), ((30, 8), (3, 10, 8)), ((40, 8), (4, 10, 8)),
     ((2, 5, 12), (2, 5, 3, 4)), ((2, 5, 8), (2, 5, 2, 4)), ((2, 5, 3, 4), (2, 5, 12)), ((4, 6), (24,)),
     ((24,), (2, 3, 4)), ((2, 3, 4), (6, 4)), ((2, 3, 4), (2, 12)), ((1, 6, 4), (6, 4)), ((6, 4), (1, 6, 1, 4)),
+    ((1, 2, 2, 2), (1, 2, 4)), ((2, 1, 3), (6, 1)), ((4, 1), (2, 2, 1)), ((3, 1), (3, 1, 1)), ((1, 1, 6), (1, 6)),  # size-1 dims kept
 ]
 
 
@@ -95,10 +96,10 @@ def test_split_heads_out_of_sharded_hidden(h, heads, mesh_shape, want):
 # ------------------------------------------------------------------ running views, values and bytes
 
 
-def _split_heads(heads):
+def _split_heads(heads, how="view"):
     def fn(x):
         b, s, h = x.shape
-        return x.view(b, s, heads, h // heads).transpose(1, 2) * 2
+        return getattr(x, how)(b, s, heads, h // heads).transpose(1, 2) * 2
 
     return fn
 
@@ -108,8 +109,14 @@ def _split_heads(heads):
     ((4,), (S(2),), 3, True), ((2, 2), (S(2), S(2)), 2, False),  # the second cut lands inside a head: S(3)
 ])
 def test_split_heads_runs(mesh_shape, layout, heads, moves):
-    r = check(_split_heads(heads), [make((4, 6, 12), 0)], mesh_shape, [layout])
+    """A view that would move data raises (a view aliases its input); reshape moves it."""
+    r = check(_split_heads(heads, "reshape"), [make((4, 6, 12), 0)], mesh_shape, [layout])
     assert (r.nbytes > 0) == moves, r.counts
+    if moves:
+        with pytest.raises(ShardingError, match="a view must alias its input"):
+            check(_split_heads(heads), [make((4, 6, 12), 0)], mesh_shape, [layout])
+    else:
+        assert check(_split_heads(heads), [make((4, 6, 12), 0)], mesh_shape, [layout]).nbytes == 0
 
 
 @pytest.mark.parametrize("mesh_shape,layout", [((4,), (S(1),)), ((2, 2), (S(0), S(1))), ((2, 2), (S(1), S(0))), ((2, 2), (S(1), S(1))), ((4,), (S(0),))])

@@ -103,6 +103,12 @@ def view_layout(src: Sequence[int], dst: Sequence[int], mesh_shape: Sequence[int
     out = list(placements)
     for gi, gj in view_groups(src, dst):
         cuts = [(i, p) for i, p in enumerate(placements) if p.is_shard() and p.dim in gi]
+        for i, p in [(i, p) for i, p in cuts if src[p.dim] == 1]:
+            paired = _paired_size_one_dim(p.dim, gi, gj, src, dst)
+            if paired is None or isinstance(p, StridedShard):
+                return None
+            out[i] = Shard(paired)  # the first rank holds the one row, the others none, before and after
+        cuts = [(i, p) for i, p in cuts if src[p.dim] != 1]
         if not cuts:
             continue
         real_in = [d for d in gi if src[d] != 1]
@@ -127,6 +133,18 @@ def view_layout(src: Sequence[int], dst: Sequence[int], mesh_shape: Sequence[int
         else:
             return None
     return tuple(out)
+
+
+def _paired_size_one_dim(d: int, gi: Sequence[int], gj: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> int | None:
+    """The size-1 output dim a size-1 input dim stays (counted among the group's leading, or trailing,
+    size-1 dims on both sides); None where it is folded into a real dim."""
+    k = gi.index(d)
+    if all(src[e] == 1 for e in gi[: k + 1]) and k < len(gj) and all(dst[e] == 1 for e in gj[: k + 1]):
+        return gj[k]
+    k_end = len(gi) - k
+    if all(src[e] == 1 for e in gi[k:]) and k_end <= len(gj) and all(dst[e] == 1 for e in gj[len(gj) - k_end :]):
+        return gj[len(gj) - k_end]
+    return None
 
 
 def _split(in_dim: int, sizes: Sequence[int], cuts, mesh_shape) -> tuple[int, ...] | None:

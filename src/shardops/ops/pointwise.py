@@ -163,7 +163,7 @@ shift_right_arithmetic sign signbit sin sinh spherical_bessel_j0 sqrt sub tan ta
 @strategy(
     *_tagged_pointwise(),
     aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
-    aten.masked_fill_.Tensor, aten.fill_.Scalar, aten.zero_, aten.fill.Scalar,
+    aten.masked_fill_.Tensor, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_, aten.fill.Scalar, aten.fill.Tensor,
     *[getattr(torch.ops.prims, n).default for n in _PRIMS_ELEMENTWISE if hasattr(torch.ops.prims, n)],
 )
 def pointwise_rule(schema: OpSchema) -> list[Row]:

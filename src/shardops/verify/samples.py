@@ -619,6 +619,7 @@ SQUEEZE = Profile(shapes=((6, 1, 5), (1, 4), (5, 1)), vary=frozenset({"dim"}))
 VIEWLIKE = Profile(vary=frozenset({"dim", "start", "end", "step"}))  # select/slice/narrow/split/unbind/chunk/unsqueeze/transpose
 LINALG = Profile(shapes=((5, 5), (2, 4, 4), (6, 4)))
 LIKE = Profile(shapes=((8, 6), (5, 3)))
+FILL_WITH_TENSOR = Profile(shapes=((8, 6), (5, 3)), tensor_rules=(("value", lambda ctx: ctx.partner(())),))  # x[...] = 1.5
 RANDOM_LIKE = Profile(shapes=((8, 6), (5, 3)), check_values=False)
 HISTOGRAM = Profile(shapes=((8, 6), (5, 3)), vary=frozenset({"bins", "min", "max"}))
 FOREACH = Profile(shapes=((5, 5), (2, 4)))
@@ -637,6 +638,7 @@ SAMPLES: list[tuple[str, Callable[..., Sample | None]]] = [
     (r"squeeze", SQUEEZE),
     (r"unsqueeze|select|slice|narrow|split|unbind|chunk|transpose|t|flip|roll", VIEWLIKE),
     (r"new_(zeros|ones|empty|full)", _new_factory),
+    (r"fill\.Tensor", FILL_WITH_TENSOR),
     (r"(zeros|ones|full)_like|clone|detach|alias|contiguous|fill|positive", LIKE),
     (r"(empty|rand|randn)_like|native_dropout", RANDOM_LIKE),
     (r"_to_copy", _to_copy),
