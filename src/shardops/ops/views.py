@@ -22,7 +22,7 @@ import torch
 from ..comm.traceable import tracing
 from ..dispatch.registry import TORCH_FUNCTIONS, call_default, call_key, decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..planner import caches
+from .. import caches
 from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, local_shape_and_offset
