@@ -455,10 +455,12 @@ SHARDED_ALGORITHMS = {
     "log_softmax": (lambda x: torch.log_softmax(x, 1), 1),
     "sum": (lambda x: x.sum(1), 1),
     "mean": (lambda x: x.mean(), 1),
-    "cross_entropy": (lambda x: torch.nn.functional.cross_entropy(x, torch.arange(4) * 3), 1),
+    # an operand beside x is made Replicate on x's mesh outside the compiled code (a plain tensor of
+    # more than one element next to a DTensor raises, as in torch)
+    "cross_entropy": (lambda x, target: torch.nn.functional.cross_entropy(x, target), 1, lambda: torch.arange(4) * 3),
     "flip": (lambda x: torch.flip(x, (1,)), 1),
     "roll": (lambda x: torch.roll(x, 3, 1), 1),
-    "row_parallel_matmul": (lambda x: x @ torch.ones(COLUMNS, 5), 1),
+    "row_parallel_matmul": (lambda x, w: x @ w, 1, lambda: torch.ones(COLUMNS, 5)),
     "causal_attention": (lambda x: torch.nn.functional.scaled_dot_product_attention(*[x.view(1, 1, 4, COLUMNS)] * 3, is_causal=True).view(4, COLUMNS), 0),
 }
 
@@ -469,16 +471,18 @@ def _sharded_algorithm_differences(backend: str = "aot_eager") -> dict[str, list
     mesh = so.init_device_mesh("cpu", (2,))
     x0 = torch.randn(4, COLUMNS, generator=torch.Generator().manual_seed(0)) + 0.1
     out = {}
-    for name, (f, dim) in SHARDED_ALGORITHMS.items():
+    for name, (f, dim, *operand) in SHARDED_ALGORITHMS.items():
+        plain = [make() for make in operand]
+        replicated = [so.DTensor.from_local(t, mesh, [so.Replicate()]) for t in plain]
         reference = x0.clone().requires_grad_()
-        want = f(reference)
+        want = f(reference, *plain)
         (want * want).sum().backward()
         runs = {}
         for mode, run in (("eager", f), ("compiled", torch.compile(f, backend=backend, fullgraph=True))):
             x = so.distribute_tensor(x0, mesh, [so.Shard(dim)]).requires_grad_()
             try:
                 with so.CommDebugMode() as comm:
-                    y = run(x)
+                    y = run(x, *replicated)
                     (y * y).sum().backward()
                 runs[mode] = (_full(y).detach(), x.grad.full_tensor(), comm.get_total_bytes())
             except Exception as e:  # noqa: BLE001 - the failure is the finding
