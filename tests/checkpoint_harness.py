@@ -48,6 +48,9 @@ def shardops_step(model: Any, opt: Any, step: int, dp: int = 1, dp_rank: int = 0
     inputs, targets = batch(step)
     rows = BATCH // dp
     inputs, targets = inputs[dp_rank * rows : (dp_rank + 1) * rows], targets[dp_rank * rows : (dp_rank + 1) * rows]
+    if dp > 1:  # this dp rank's rows of the target, said explicitly (as torch's loss_parallel asks)
+        mesh = next(p for p in model.parameters() if isinstance(p, so.DTensor)).device_mesh
+        targets = so.from_local(targets, mesh, [so.Shard(0), so.Replicate()])
     with so.parallel.loss_parallel():
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(0, 1))
         loss.backward()
