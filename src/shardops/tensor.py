@@ -460,6 +460,12 @@ def _pending_alias_of(self_: "DTensor") -> "DTensor | None":
     return None
 
 
+def refuse_pending_alias(func, self_: "DTensor") -> None:
+    """Raise where resolving or relabelling the pending `self_` in place would leave an alias wrong."""
+    if _pending_alias_of(self_) is not None:
+        raise _aliased_resolve_error(func, self_)
+
+
 def _aliased_resolve_error(func, self_: "DTensor") -> ShardingError:
     other = _pending_alias_of(self_)
     return ShardingError(
@@ -479,8 +485,7 @@ def _relabel_overwritten_self(func, self_: Any) -> None:
     becomes Replicate without resolving (0 bytes; CPU F.dropout's empty_like(x).bernoulli_() on a
     Partial x would otherwise all-reduce memory it is about to overwrite)."""
     if isinstance(self_, DTensor) and any(p.is_partial() for p in self_._spec.placements):
-        if _pending_alias_of(self_) is not None:
-            raise _aliased_resolve_error(func, self_)
+        refuse_pending_alias(func, self_)
         self_._pending_layout = None  # a leaf's pending gradient overwritten: nothing left to resolve
         self_._set_spec(self_._spec.with_placements(without_partials(self_._spec.placements)))
 
