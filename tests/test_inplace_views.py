@@ -88,11 +88,67 @@ def test_write_through_view_lands_or_raises(name, shape, mesh_shape, placements,
             assert "aten." in message and "copy, not a view" in message and ".clone()" in message
 
 
-def test_the_issue_cases_raise_not_lose():
-    """The cases found with item 4 raise (today's rules copy them), naming the view op."""
-    results = so.run(_run_write, 4, (10, 3), (4,), (S(0),), _set(slice(2, 5), 7.0))
+def test_a_write_through_a_copied_slice_names_the_view_op():
+    """narrow/slice along a sharded dim builds new data: an in-place op on it raises, naming both ops."""
+    results = so.run(_run_write, 4, (10, 3), (4,), (S(0),), lambda t: t.narrow(0, 2, 3).add_(1))
     kind, message, _ = results[0]
-    assert kind == "raised" and "aten.slice.Tensor" in message and "S(0)" in message
+    assert kind == "raised" and "aten.add_" in message and "aten.slice.Tensor" in message and "S(0)" in message
+
+
+# x[basic index] = value along sharded dims: each rank writes its part, exactly, no collective
+SETITEMS = [
+    ("rows", (10, 3), (4,), (S(0),), (slice(2, 5),), 7.0),
+    ("stepped rows", (10, 3), (4,), (S(0),), (slice(1, None, 3),), -1.0),
+    ("negative int row", (10, 3), (4,), (S(0),), (-2,), 4.0),
+    ("int row and column", (10, 3), (4,), (S(0),), (7, 2), 9.0),
+    ("ellipsis then column of sharded dim 1", (10, 3), (4,), (S(1),), (Ellipsis, 1), 5.0),
+    ("0-d tensor value", (10, 3), (4,), (S(0),), (slice(0, 4),), torch.tensor(2.5)),
+    ("row value broadcast (replicated DTensor)", (10, 3), (4,), (S(0),), (slice(2, 9),), "row"),
+    ("sharded DTensor value", (10, 3), (4,), (S(0),), (slice(1, 8),), "sharded block"),
+    ("2-D: block", (10, 6), (2, 2), (S(0), S(1)), (slice(2, 7), slice(1, 5)), 3.0),
+    ("2-D: both mesh dims on rows", (10, 6), (2, 2), (S(0), S(0)), (slice(3, 9, 2),), -4.0),
+    ("2-D: int row, stepped columns", (10, 6), (2, 2), (S(1), S(0)), (5, slice(None, None, 2)), 8.0),
+]
+
+
+def _value(value, shape, index, mesh):
+    """The test's value on one device (mesh None) or as a DTensor."""
+    if value == "row":
+        v = torch.tensor([10.0, 20.0, 30.0])
+        return v if mesh is None else so.distribute_tensor(v, mesh, [R] * mesh.ndim)
+    if value == "sharded block":
+        v = -_full(_full(shape)[index].shape) - 1
+        return v if mesh is None else so.distribute_tensor(v, mesh, [S(0)] + [R] * (mesh.ndim - 1))
+    return value
+
+
+def _run_setitem(shape, mesh_shape, placements, index, value):
+    mesh = so.init_device_mesh("cpu", mesh_shape)
+    x = so.distribute_tensor(_full(shape), mesh, list(placements))
+    v = _value(value, shape, index, mesh)
+    with so.CommDebugMode() as comm:
+        x[index] = v
+    return x.full_tensor(), comm.get_total_counts()
+
+
+@pytest.mark.parametrize("name,shape,mesh_shape,placements,index,value", SETITEMS, ids=[c[0] for c in SETITEMS])
+def test_setitem_on_sharded_dims_writes_each_rank_its_part(name, shape, mesh_shape, placements, index, value):
+    expected = _full(shape)
+    expected[index] = _value(value, shape, index, None)
+    for base, collectives in so.run(_run_setitem, math.prod(mesh_shape), shape, mesh_shape, placements, index, value):
+        torch.testing.assert_close(base, expected, rtol=0, atol=0)
+        if not isinstance(value, str) or value == "row":
+            assert collectives == 0  # a scalar or replicated value: every rank writes from what it holds
+
+
+def test_setitem_through_a_copied_slice_still_raises():
+    def write(t):
+        t[2:5][0:2] = 1.0
+
+    results = so.run(_run_write, 4, (10, 3), (4,), (S(0),), write)
+    for kind, message, base in results:
+        assert kind == "raised" and "copy, not a view" in message
+        torch.testing.assert_close(base, _full((10, 3)), rtol=0, atol=0)
 
 
 def _clone_then_write(shape, mesh_shape, placements):
