@@ -393,11 +393,14 @@ class _ViewOps(dict):
     def __missing__(self, func) -> bool:
         returns = getattr(getattr(func, "_schema", None), "returns", ())
         alias = returns[0].alias_info if returns else None
-        self[func] = found = alias is not None and not alias.is_write
+        self[func] = found = alias is not None and not alias.is_write and func not in _AUTOGRAD_PLUMBING
         return found
 
 
 _VIEW_OPS = _ViewOps()
+# detach/alias are autograd's own plumbing (AccumulateGrad stores a detached gradient): their
+# outputs are not marked, or a gradient whose detach the planner moved could never be written
+_AUTOGRAD_PLUMBING = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 # in-place ops that change only a tensor's metadata: on a copy they lose no write
 _METADATA_ONLY = {getattr(torch.ops.aten, n).default for n in ("t_", "transpose_", "squeeze_", "unsqueeze_", "detach_", "as_strided_")}
 
