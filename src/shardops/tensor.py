@@ -1,6 +1,7 @@
 """DTensor: a torch.Tensor wrapper whose data is this rank's shard of a global tensor."""
 from __future__ import annotations
 
+import weakref
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -9,7 +10,7 @@ import torch.utils._pytree as pytree
 
 from .dispatch import core
 from .dispatch.debug import check_agreement
-from .dispatch.registry import DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
+from .dispatch.registry import COPYING_VIEW_ALGORITHMS, DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
 from . import _torch
 from .comm import traceable
@@ -34,7 +35,7 @@ _NO_KWARGS: dict = {}
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout", "_compile_meta")
+    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout", "_compile_meta", "_copied_view", "_pending_aliases")
 
     @staticmethod
     def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
@@ -58,6 +59,8 @@ class DTensor(torch.Tensor):
         r._spec = spec
         r._pending_layout = None
         r._compile_meta = None
+        r._copied_view = None  # set where a view op had to copy (see _note_view)
+        r._pending_aliases = None  # the DTensors sharing a pending tensor's data (see _note_view)
         if local.is_conj() or local.is_neg():  # lazy bits: the wrapper must carry them too (see wrapper_meta)
             mirror_lazy_bits(r, local)
         return r
@@ -308,8 +311,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     no signature binding. Static lists (dims, sizes) stay in place; only calls with keyword
     arguments or tensor lists are flattened first.
     """
+    if args and type(args[0]) is DTensor and args[0]._copied_view is not None:
+        _refuse_write_to_copy(func, args[0])  # before any relabelling: a refused write changes nothing
     if func in OVERWRITES_SELF:
-        _relabel_overwritten_self(args[0] if args else (kwargs or _NO_KWARGS).get("self"))
+        _relabel_overwritten_self(func, args[0] if args else (kwargs or _NO_KWARGS).get("self"))
     key = [func]
     tensor_pos: list[int] = []
     if not kwargs and _operand_key(func, args, key, tensor_pos):
@@ -339,11 +344,14 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     if core._state["debug"]:
         check_agreement(decision, [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)])
     self_ = flat[tensor_pos[0]] if decision.inplace else None
+    viewed = flat[tensor_pos[0]] if tensor_pos and _VIEW_OPS[func] else None
     for i in tensor_pos:
         a = flat[i]
         if isinstance(a, DTensor):
             flat[i] = a._local_tensor
     if decision.moves:
+        if decision.inplace and decision.moves[0] == 0 and _pending_alias_of(self_) is not None:
+            raise _aliased_resolve_error(func, self_)
         core.move_inputs(decision, flat, tensor_pos)
     if decision.inplace:
         if decision.moves and decision.moves[0] == 0:  # self's pending partial was resolved in place
@@ -361,25 +369,126 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     else:
         out = core.compute(decision, flat, tree)
     if type(out) is torch.Tensor and decision.out_specs is not None:
-        return DTensor._make(out, decision.out_specs[0])
-    out_leaves, out_tree = pytree.tree_flatten(out)
-    specs = iter(core.output_specs(decision, out_leaves))
-    wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
-    return pytree.tree_unflatten(wrapped, out_tree)
+        result = DTensor._make(out, decision.out_specs[0])
+    else:
+        out_leaves, out_tree = pytree.tree_flatten(out)
+        specs = iter(core.output_specs(decision, out_leaves))
+        wrapped = [DTensor._make(t, next(specs)) if isinstance(t, torch.Tensor) else t for t in out_leaves]
+        result = pytree.tree_unflatten(wrapped, out_tree)
+    if isinstance(viewed, DTensor):
+        _note_view(func, decision, viewed, result)
+    return result
 
 
 _COPY = torch.ops.aten.copy_.default
+
+
+# ------------------------------------------------------------------ writes through views that are copies
+
+
+class _ViewOps(dict):
+    """op -> True where torch promises its output aliases self (slice, select, view, t, ...):
+    filled on first sight from the schema, so the hot path is one dict lookup."""
+
+    def __missing__(self, func) -> bool:
+        returns = getattr(getattr(func, "_schema", None), "returns", ())
+        alias = returns[0].alias_info if returns else None
+        self[func] = found = alias is not None and not alias.is_write and func not in _AUTOGRAD_PLUMBING
+        return found
+
+
+_VIEW_OPS = _ViewOps()
+# detach/alias are autograd's own plumbing (AccumulateGrad stores a detached gradient): their
+# outputs are not marked, or a gradient whose detach the planner moved could never be written
+_AUTOGRAD_PLUMBING = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+# in-place ops that change only a tensor's metadata: on a copy they lose no write
+_METADATA_ONLY = {getattr(torch.ops.aten, n).default for n in ("t_", "transpose_", "squeeze_", "unsqueeze_", "detach_", "as_strided_")}
+
+
+class CopiedView:
+    """Why a DTensor that torch calls a view is new data: the view op and the layouts it moved."""
+
+    __slots__ = ("op", "src", "out")
+
+    def __init__(self, op, src: TensorSpec, out: TensorSpec):
+        self.op, self.src, self.out = op, src, out
+
+
+def _note_view(func, decision, viewed: "DTensor", result: Any) -> None:
+    """After a view op: mark outputs that do not alias its input (self moved first, or the op's
+    sharded algorithm built new data, as slice/select along a sharded dim do; a view of such a copy
+    is one too), decided from the plan, never from storage, so every rank marks alike. Outputs that
+    alias a pending (Partial) input join its alias group (see _pending_alias_of)."""
+    outputs = [result] if isinstance(result, DTensor) else [t for t in pytree.tree_leaves(result) if isinstance(t, DTensor)]
+    mark = viewed._copied_view
+    if mark is None and ((decision.moves and decision.moves[0] == 0) or decision.algorithm in COPYING_VIEW_ALGORITHMS):
+        mark = CopiedView(func, viewed._spec, outputs[0]._spec) if outputs else None
+    if mark is not None:
+        for t in outputs:
+            t._copied_view = mark
+    elif any(p.is_partial() for p in viewed._spec.placements):
+        group = viewed._pending_aliases
+        if group is None:
+            group = viewed._pending_aliases = [weakref.ref(viewed)]
+        group[:] = [r for r in group if r() is not None]
+        for t in outputs:
+            group.append(weakref.ref(t))
+            t._pending_aliases = group
+
+
+def _refuse_write_to_copy(func, self_: "DTensor") -> None:
+    """An in-place write to a view op's output that is a copy would never reach the viewed tensor."""
+    if func in _METADATA_ONLY or not core._writes_self(func):
+        return
+    mark = self_._copied_view
+    raise ShardingError(
+        f"{func}: writes in place to the output of {mark.op}, which is a copy, not a view: {mark.op} on "
+        f"{mark.src!r} moved data to give {mark.out!r}, so the write would never reach the tensor it was taken from. "
+        "Write to the whole tensor instead (torch.where, masked_fill_ or index_put_ with a mask or index over its rows), "
+        "or redistribute that tensor first so the view is local (e.g. Replicate, or Shard of a dim the view keeps whole); "
+        "if a separate copy is what you want, say so with .clone() before writing."
+    )
+
+
+def _pending_alias_of(self_: "DTensor") -> "DTensor | None":
+    """A live DTensor other than self that shares self's data and is still pending: resolving or
+    relabelling self in place would leave that one with its partial label over resolved values."""
+    group = self_._pending_aliases
+    if group is None:
+        return None
+    for r in group:
+        other = r()
+        if other is not None and other is not self_ and any(p.is_partial() for p in other._spec.placements):
+            return other
+    return None
+
+
+def refuse_pending_alias(func, self_: "DTensor") -> None:
+    """Raise where resolving or relabelling the pending `self_` in place would leave an alias wrong."""
+    if _pending_alias_of(self_) is not None:
+        raise _aliased_resolve_error(func, self_)
+
+
+def _aliased_resolve_error(func, self_: "DTensor") -> ShardingError:
+    other = _pending_alias_of(self_)
+    return ShardingError(
+        f"{func}: would resolve or overwrite the pending sum of {self_._spec!r} in place, but it shares its data with "
+        f"a view or base still in use ({other._spec!r}), which would keep its pending label over the new values. "
+        "Resolve it first, before taking views: x = x.redistribute(placements=[Replicate()] * mesh.ndim) "
+        "(or the Shard placements you need), then view and write."
+    )
 
 
 def _across_meshes(args: tuple) -> bool:
     return len(args) >= 2 and isinstance(args[0], DTensor) and isinstance(args[1], DTensor) and args[0]._spec.mesh != args[1]._spec.mesh
 
 
-def _relabel_overwritten_self(self_: Any) -> None:
+def _relabel_overwritten_self(func, self_: Any) -> None:
     """An op that overwrites every value of self (a fill, a draw) never reads it: a pending self
     becomes Replicate without resolving (0 bytes; CPU F.dropout's empty_like(x).bernoulli_() on a
     Partial x would otherwise all-reduce memory it is about to overwrite)."""
     if isinstance(self_, DTensor) and any(p.is_partial() for p in self_._spec.placements):
+        refuse_pending_alias(func, self_)
         self_._pending_layout = None  # a leaf's pending gradient overwritten: nothing left to resolve
         self_._set_spec(self_._spec.with_placements(without_partials(self_._spec.placements)))
 

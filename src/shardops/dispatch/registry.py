@@ -50,6 +50,9 @@ REPLICATE_WHEN: dict[Any, Callable[[OpSchema], bool]] = {}
 # In-place ops whose result never reads self's values (fills, draws): a pending (Partial) self
 # is relabelled Replicate before planning, never resolved (tensor.dispatch).
 OVERWRITES_SELF: set[Any] = set()
+# Sharded algorithms of view ops (slice/select along a sharded dim) that return new data, not a
+# view of the input: an in-place op on their output would miss the input (tensor.dispatch refuses it).
+COPYING_VIEW_ALGORITHMS: set[Callable[..., Any]] = set()
 
 
 def _overloads(ops: Iterable[Any]) -> list[torch._ops.OpOverload]:

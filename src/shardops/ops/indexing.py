@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from ..comm.traceable import graph_constant, tracing, untraced
-from ..dispatch.registry import strategy, torch_level
+from ..dispatch.registry import COPYING_VIEW_ALGORITHMS, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions
@@ -725,6 +725,9 @@ def _slice_args(schema: OpSchema) -> tuple[int, int, int]:
         return dim, start + n if start < 0 else start, 1
     start, _ = _clamp_slice(schema.arg("start"), schema.arg("end"), n)
     return dim, start, schema.arg("step", 1) or 1
+
+
+COPYING_VIEW_ALGORITHMS.update((_select_pick, _slice_move))  # new tensors: writes through them miss the input
 
 
 @strategy(aten.slice.Tensor, aten.narrow.default, algorithms=[LABEL_MOVE])

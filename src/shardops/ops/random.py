@@ -383,9 +383,10 @@ def _refuse_rule(schema: OpSchema) -> list[Row]:
 
 def _relabel_pending(t) -> None:
     """A fill replaces every value: a pending self becomes Replicate without resolving (0 bytes)."""
-    from ..tensor import DTensor
+    from ..tensor import DTensor, refuse_pending_alias
 
     if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
+        refuse_pending_alias("a fill", t)  # a view or base still pending would keep P over the filled values
         relabel(t, spec_of(t).with_placements(without_partials(t.placements)))
 
 
