@@ -914,6 +914,10 @@ def _default_mesh() -> DeviceMesh:
 traceable.trace_opaque(DTensor._make)
 traceable.trace_opaque(distribute_tensor)
 traceable.eager_only(dispatch)
+# The autograd engine calls __torch_dispatch__ from eager code, also under a backward run after a graph
+# break. Compiled as a frame (torch 2.14 traces it whole), a gradient accumulation into a pending gradient
+# became a graph that took the gradient as an input and so resolved it at entry (issue 41).
+traceable.eager_only(DTensor.__torch_dispatch__.__func__)
 # Dynamo inlines __torch_function__ where it traces user code; never compile it as a frame of its own
 # (entered from eager code under dynamo's frame hook, e.g. an optimizer step after a graph break, the
 # frame would be traced with _dynamo_tracing() true and call itself at run time without end).
