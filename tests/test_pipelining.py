@@ -9,6 +9,7 @@ layout/shape errors are raised on every rank.
 from __future__ import annotations
 
 import copy
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -504,6 +505,25 @@ def test_p2p_in_the_dry_world_is_counted_and_moves_nothing():
 # ------------------------------------------------------------------ with data parallelism
 
 
+def _train_stage(module: nn.Module, schedule: Any, s: int, d: int, rows: int, loss_value: Callable[[torch.Tensor], float]) -> dict:
+    """3 AdamW steps of stage `s` of a pp=2 pipeline fed dp rank `d`'s rows: each step's micro-batch losses,
+    gradients (whole), sends and reduce_scatters, and the final parameters (whole)."""
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    out: dict = {"losses": [], "grads": [], "sends": [], "reduce_scatters": []}
+    for tokens, target in _batches():
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        with so.CommDebugMode() as cm:
+            schedule.step(*((tokens[d * rows : (d + 1) * rows],) if s == 0 else ()), target=target[d * rows : (d + 1) * rows] if s == 1 else None, losses=losses)
+        out["losses"].append([loss_value(x) for x in losses])
+        out["grads"].append({n: q.grad.full_tensor().clone() for n, q in module.named_parameters()})
+        out["sends"].append([b for kind, b in cm.log if kind == "send"])
+        out["reduce_scatters"].append(cm.get_comm_counts().get("reduce_scatter", 0))
+        opt.step()
+    out["params"] = {n: q.full_tensor().detach().clone() for n, q in module.named_parameters()}
+    return out
+
+
 def _pp_dp_rank() -> dict:
     """(pp=2, dp=2): each stage data-parallel over mesh["dp"] (today's data_parallel, mode="replicate");
     activations are DTensors sharded on the batch over dp and cross the boundary as their local rows."""
@@ -519,20 +539,7 @@ def _pp_dp_rank() -> dict:
         return _loss(out, so.from_local(target, dp_mesh, [so.Shard(0)]))
 
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
-    schedule = Schedule1F1B(stage, M, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    out = {"losses": [], "grads": [], "sends": []}
-    for tokens, target in _batches():
-        opt.zero_grad()
-        losses: list[torch.Tensor] = []
-        with so.CommDebugMode() as cm:
-            schedule.step(*((tokens[d * rows : (d + 1) * rows],) if s == 0 else ()), target=target[d * rows : (d + 1) * rows] if s == 1 else None, losses=losses)
-        out["losses"].append([x.full_tensor().item() for x in losses])
-        out["grads"].append({n: q.grad.full_tensor().clone() for n, q in module.named_parameters()})
-        out["sends"].append([b for kind, b in cm.log if kind == "send"])
-        opt.step()
-    out["params"] = {n: q.full_tensor().detach().clone() for n, q in module.named_parameters()}
-    return out
+    return _train_stage(module, Schedule1F1B(stage, M, loss_fn=loss_fn), s, d, rows, lambda x: x.full_tensor().item())
 
 
 def test_pp2_dp2_equals_single_device_training(strict, reference):
@@ -556,20 +563,7 @@ def _pp_dp_tp_rank() -> dict:
     data_parallel(module, mesh["dp", "tp"], mode="replicate")
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, M, loss_fn=_loss)  # plain (gathered) logits: each dp rank's own loss, as under DDP
-    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    out = {"losses": [], "grads": [], "sends": []}
-    rows = BATCH // 2
-    for tokens, target in _batches():
-        opt.zero_grad()
-        losses: list[torch.Tensor] = []
-        with so.CommDebugMode() as cm:
-            schedule.step(*((tokens[d * rows : (d + 1) * rows],) if s == 0 else ()), target=target[d * rows : (d + 1) * rows] if s == 1 else None, losses=losses)
-        out["losses"].append([x.item() for x in losses])
-        out["grads"].append({n: q.grad.full_tensor().clone() for n, q in module.named_parameters()})
-        out["sends"].append([b for kind, b in cm.log if kind == "send"])
-        opt.step()
-    out["params"] = {n: q.full_tensor().detach().clone() for n, q in module.named_parameters()}
-    return out
+    return _train_stage(module, schedule, s, d, BATCH // 2, lambda x: x.item())
 
 
 def test_pp2_dp2_tp2_equals_single_device_training(strict, reference):
@@ -594,21 +588,8 @@ def _pp_fsdp_rank(schedule_name: str) -> dict:
     for layer in module.layers.values():
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(module, mesh=mesh["dp"])
-    rows = BATCH // 2
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
-    schedule = get_schedule_class(schedule_name)(stage, M, loss_fn=_loss)
-    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    out = {"losses": [], "grads": [], "reduce_scatters": []}
-    for tokens, target in _batches():
-        opt.zero_grad()
-        losses: list[torch.Tensor] = []
-        with so.CommDebugMode() as cm:
-            schedule.step(*((tokens[d * rows : (d + 1) * rows],) if s == 0 else ()), target=target[d * rows : (d + 1) * rows] if s == 1 else None, losses=losses)
-        out["losses"].append([x.item() for x in losses])
-        out["grads"].append({n: q.grad.full_tensor().clone() for n, q in module.named_parameters()})
-        out["reduce_scatters"].append(cm.get_comm_counts().get("reduce_scatter", 0))
-        opt.step()
-    out["params"] = {n: q.full_tensor().detach().clone() for n, q in module.named_parameters()}
+    out = _train_stage(module, get_schedule_class(schedule_name)(stage, M, loss_fn=_loss), s, d, BATCH // 2, lambda x: x.item())
     out["units"] = len(module.layers) + 1  # every layer, and the stage's own (embedding or norm + output)
     return out
 
