@@ -759,7 +759,13 @@ def _compiled_rank(compiled: bool):
 def test_compiled_blocks_send_eagers_bytes_and_train_the_same(strict):
     torch._dynamo.reset()  # this test's compiles start from no earlier test's cache entries or recompile counts
     ref = _reference(steps=2)["params"]
-    for (eager_logs, _), (compiled_logs, params) in zip(so.run(_compiled_rank, 4, False), so.run(_compiled_rank, 4, True, timeout=600)):
+    # Four rank threads compile their own blocks' one code object: 4 x 2 entries, dynamo's whole default
+    # limit. shardops scales the limit per rank thread when a DTensor reaches dynamo; under fully_shard the
+    # blocks see plain tensors only, so this test scales it itself (the rank threads copy this context).
+    limits = {"recompile_limit": 8 * 4, "accumulated_recompile_limit": 256 * 4}
+    with torch._dynamo.config.patch(**limits):
+        compiled = so.run(_compiled_rank, 4, True, timeout=600)
+    for (eager_logs, _), (compiled_logs, params) in zip(so.run(_compiled_rank, 4, False), compiled):
         assert compiled_logs == eager_logs
         for name, p in ref.items():
             torch.testing.assert_close(params[name], p, rtol=TOL, atol=TOL, msg=name)
