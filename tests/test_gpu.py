@@ -330,12 +330,14 @@ def _dist_rank(rank: int, world: int, port: int, backend: str, device: str, out_
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(
+    DEVICE == "cuda" and torch.cuda.device_count() < 2,
+    reason=f"the nccl world needs 2 or more GPUs; this machine has {torch.cuda.device_count()}",
+)
 def test_torch_distributed_world(tmp_path):
     """nccl, one process per GPU, on CUDA; gloo with 2 processes on CPU."""
     if DEVICE == "cuda":
         world = torch.cuda.device_count()
-        if world < 2:
-            pytest.skip(f"the nccl world needs 2 or more GPUs; this machine has {world}")
         backend = "cpu:gloo,cuda:nccl"  # shardops' host metadata (shapes, seeds) travels as CPU tensors
     else:
         world, backend = 2, "gloo"
