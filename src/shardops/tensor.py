@@ -12,7 +12,6 @@ from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import COPYING_VIEW_ALGORITHMS, DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
-from . import _torch
 from .comm import traceable
 from .errors import ShardingError
 from .mesh import DeviceMesh
@@ -44,8 +43,6 @@ class DTensor(torch.Tensor):
                 f"internal error: a DTensor {spec!r} would wrap another DTensor {local._spec!r} as its local tensor; "
                 "please report this with the call that made it"
             )
-        if not _torch.installed():  # the first DTensor installs shardops' torch hooks
-            _torch.install()
         r = torch.Tensor._make_wrapper_subclass(
             DTensor,
             spec.meta.shape,
