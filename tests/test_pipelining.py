@@ -219,22 +219,23 @@ def _gloo_rank(schedule: str) -> dict:
     # one launch covers the rest of the gloo checks too (a launch costs most of this test's time)
     return {
         **{k: out[k] for k in ("losses", "grads", "params", "bytes", "counts")},
-        "error": _error_rank("declared_shape"),
+        "errors": [_error_rank(case) for case, _ in ERROR_CASES],
         "p2p": _p2p_rank(),
         "pp_tp": _pp_tp_rank(),  # the pp groups {0, 2} and {1, 3}: torch sub-groups of the mesh
     }
 
 
 def test_gloo_equals_single_device_training(reference):
-    """4 gloo processes: pp=4 1F1B, the shape error, the p2p primitives and (pp=2, tp=2)."""
+    """4 gloo processes: pp=4 1F1B, every error case of test_errors_raise_on_every_rank, the p2p primitives and (pp=2, tp=2)."""
     results = run_gloo(_gloo_rank, 4, "1F1B", timeout=300)
     _check_equals_reference(results, reference)
     assert sum(r["bytes"][1] for r in results) == 3 * 2 * M * ACT_BYTES
     threads = so.run(_pipeline_rank, 4, "1F1B")
     assert [r["counts"] for r in results] == [r["counts"] for r in threads]
     assert [r["bytes"] for r in results] == [r["bytes"] for r in threads]
-    # a stage whose output differs from the next stage's input_args: the same error on every process
-    assert all("differs from stage 2's input_args" in r["error"] for r in results), [r["error"] for r in results]
+    # each error case: the same ShardingError on every process, none left waiting
+    for k, (case, words) in enumerate(ERROR_CASES):
+        _check_error_messages([r["errors"][k] for r in results], words)
     _check_p2p([r["p2p"] for r in results])
     _check_equals_reference([r["pp_tp"] for r in results], reference, tol=3e-5)
     assert all(r["pp_tp"]["sends"][1] == [ACT_BYTES // 2] * M for r in results)
@@ -254,7 +255,12 @@ def _error_rank(case: str) -> str:
     if case == "module_shape" and rank == 2:
         module = nn.Linear(ARGS.dim + 3, ARGS.dim)
     stage = PipelineStage(module, rank, num_stages, "cpu", input_args=input_args)
-    schedule = Schedule1F1B(stage, M, loss_fn=_loss)
+    try:
+        if case == "interleaved_microbatches":  # fewer than its rounds of p need: raised where it is built, by every rank
+            ScheduleInterleaved1F1B([stage], p - 1, loss_fn=_loss)
+        schedule = Schedule1F1B(stage, M, loss_fn=_loss)
+    except so.ShardingError as e:
+        return f"{type(e).__name__}: {e}"
     tokens, target = _batches()[0]
     if case == "batch":
         tokens, target = tokens[:6], target[:6]
@@ -265,17 +271,25 @@ def _error_rank(case: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("case, words", [
+ERROR_CASES = [
     ("batch", "do not split into n_microbatches=4"),
+    ("interleaved_microbatches", "n_microbatches=3 is not a multiple of the pipeline's 4 ranks"),
     ("stage_count", "mismatched stage counts"),
     ("declared_shape", "stage 1's output (float32[2, 8, 32]) differs from stage 2's input_args (float32[2, 8, 33])"),
     ("module_shape", "stage 2 (rank 2) cannot take stage 1's output (float32[2, 8, 32])"),
-])
-def test_errors_raise_on_every_rank(case, words):
-    messages = so.run(_error_rank, 4, case, timeout=30)
+]
+
+
+def _check_error_messages(messages: list[str], words: str) -> None:
+    assert len(messages) == 4
     for m in messages:
-        assert m.startswith("ShardingError") and not m.startswith("CollectiveError"), m
-        assert words in m, m
+        assert m.startswith("ShardingError") and words in m, m
+
+
+@pytest.mark.parametrize("case, words", ERROR_CASES, ids=[c for c, _ in ERROR_CASES])
+def test_errors_raise_on_every_rank(case, words):
+    # a short timeout: a rank left waiting would fail the run with a CollectiveError, not return a message
+    _check_error_messages(so.run(_error_rank, 4, case, timeout=30), words)
 
 
 def test_later_step_batch_not_divisible_raises_on_the_first_stage():
