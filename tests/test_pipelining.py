@@ -19,7 +19,16 @@ from torch import nn
 import shardops as so
 from shardops.comm.base import P2POp
 from shardops.models import Llama, ModelArgs
-from shardops.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS, get_schedule_class
+from shardops.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
 from shardops.world import current_comm
 
 from mp import run_gloo
@@ -90,6 +99,8 @@ def _pipeline_rank(schedule_name: str, stages_per_rank: int = 1) -> dict:
     group = mesh.get_group("pp")
     num_stages = p * stages_per_rank
     indices = [comm.rank + k * p for k in range(stages_per_rank)]
+    if schedule_name == "ZBVZeroBubble":  # the V: stages r and 2p-1-r
+        indices = [comm.rank, 2 * p - 1 - comm.rank]
     modules = [_stage_module(s, num_stages) for s in indices]
     stages = [PipelineStage(m, s, num_stages, "cpu", group=group) for m, s in zip(modules, indices)]
     cls = get_schedule_class(schedule_name)
@@ -133,31 +144,46 @@ def _check_equals_reference(results: list[dict], ref: dict, tol: float = TOL, lo
         assert _rel(params[name], t) <= tol, name
 
 
-def _slots(actions_by_rank: list[list[str]]) -> tuple[int, list[int]]:
-    """Replay the executed orders, one slot per action, each action after what it depends on:
-    (makespan, idle slots per rank). Independent of timing."""
+COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # a backward is about two forwards; its halves one each (the zero-bubble paper's)
+
+
+def _slots(actions_by_rank: list[list[str]], layers_per_stage: int = 1, cost: dict[str, int] | None = None) -> tuple[int, list[int]]:
+    """Replay the executed orders, each action after what it depends on, and return (makespan, idle time
+    per rank). An action takes one slot, or with `cost`, cost[kind] x layers_per_stage units of one layer's
+    forward (so schedules of different stage sizes compare). Independent of timing.
+
+    F depends on the previous stage's F; B or I on the next stage's B or I; W on its own I (same rank, earlier)."""
     import re
 
-    parsed = [[tuple(int(x) if x.isdigit() else x for x in re.fullmatch(r"(\d+)([FB])(\d+)", a).groups()) for a in acts] for acts in actions_by_rank]
+    parsed = [[tuple(int(x) if x.isdigit() else x for x in re.fullmatch(r"(\d+)([FBIW])(\d+)", a).groups()) for a in acts] for acts in actions_by_rank]
     last_stage = max(s for acts in parsed for s, _, _ in acts)
     done: dict[tuple, int] = {}
-    pos, clock = [0] * len(parsed), [0] * len(parsed)
+    pos, clock, busy = [0] * len(parsed), [0] * len(parsed), [0] * len(parsed)
+
+    def dependency(s: int, kind: str, mb: int) -> tuple | None:
+        if kind == "F":
+            return (s - 1, "F", mb) if s > 0 else None
+        if kind == "W":
+            return (s, "I", mb)
+        return next(((s + 1, k, mb) for k in "BI" if (s + 1, k, mb) in done), (s + 1, "?", mb)) if s < last_stage else None
+
     while any(pos[r] < len(parsed[r]) for r in range(len(parsed))):
         progressed = False
         for r, acts in enumerate(parsed):
             if pos[r] == len(acts):
                 continue
             s, kind, mb = acts[pos[r]]
-            dep = (s - 1, "F", mb) if kind == "F" and s > 0 else ((s + 1, "B", mb) if kind == "B" and s < last_stage else None)
+            dep = dependency(s, kind, mb)
             if dep is not None and dep not in done:
                 continue
-            start = max(clock[r], done[dep] if dep else 0)
-            done[(s, kind, mb)] = clock[r] = start + 1
+            length = 1 if cost is None else cost[kind] * layers_per_stage
+            done[(s, kind, mb)] = clock[r] = max(clock[r], done[dep] if dep else 0) + length
+            busy[r] += length
             pos[r] += 1
             progressed = True
         assert progressed, "the executed orders deadlock"
     makespan = max(clock)
-    return makespan, [makespan - len(acts) for acts in parsed]
+    return makespan, [makespan - b for b in busy]
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +240,39 @@ def test_interleaved_1f1b_two_stages_per_rank(reference):
     assert max(peaks.values()) <= M
 
 
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
+def test_zero_bubble_two_stages_per_rank(reference, schedule):
+    """pp=2, 4 stages of 2 layers: equal to single-device training, every backward split into I then W,
+    and fewer idle layer-units per rank than 1F1B on the same layers (2 stages of 4)."""
+    p, v = 2, 2
+    results = so.run(_pipeline_rank, p, schedule, v)
+    _check_equals_reference(results, reference)
+    for r in results:
+        acts = r["actions"][1]
+        assert not [a for a in acts if "B" in a]
+        for a in acts:  # each micro-batch's W after its I, on the same rank
+            if "W" in a:
+                assert acts.index(a.replace("W", "I")) < acts.index(a), acts
+        assert sorted(acts) == sorted(f"{s}{k}{mb}" for s in range(4) for k in "FIW" for mb in range(M) if f"{s}F{mb}" in acts)
+    stages_by_rank = [sorted({int(a[0]) for a in r["actions"][1]}) for r in results]
+    if schedule == "ZBVZeroBubble":
+        assert stages_by_rank == [[0, 3], [1, 2]]
+        # the turn of the V (stages 1 and 2) is one rank's hand-off: two of the three boundaries cross ranks
+        assert sum(r["bytes"][1] for r in results) == 2 * 2 * M * ACT_BYTES
+    else:
+        assert stages_by_rank == [[0, 2], [1, 3]]
+        assert sum(r["bytes"][1] for r in results) == 3 * 2 * M * ACT_BYTES
+    one_f_one_b = so.run(_pipeline_rank, p, "1F1B")
+    _, idle_1f1b = _slots([r["actions"][1] for r in one_f_one_b], ARGS.n_layers // p, COST)
+    assert idle_1f1b == [(p - 1) * (COST["F"] + COST["B"]) * ARGS.n_layers // p] * p  # 1F1B's bubble: (p-1)(F+B) per rank
+    _, idle = _slots([r["actions"][1] for r in results], ARGS.n_layers // (p * v), COST)
+    assert all(z < b for z, b in zip(idle, idle_1f1b)), (idle, idle_1f1b)
+    # 1 slot per rank, the least there is: rank 1 waits for stage 0's first forward, then never again
+    assert idle == [ARGS.n_layers // (p * v)] * p
+    peaks = {s: n for r in results for s, n in r["peak"].items()}
+    assert all(peaks[r] <= p for r in range(p)), peaks  # live micro-batches in each rank's first stage: 1F1B's bound
+
+
 def _gloo_rank(schedule: str) -> dict:
     out = _pipeline_rank(schedule)
     # one launch covers the rest of the gloo checks too (a launch costs most of this test's time)
@@ -222,6 +281,7 @@ def _gloo_rank(schedule: str) -> dict:
         "errors": [_error_rank(case) for case, _ in ERROR_CASES],
         "p2p": _p2p_rank(),
         "pp_tp": _pp_tp_rank(),  # the pp groups {0, 2} and {1, 3}: torch sub-groups of the mesh
+        "zbv": {k: v for k, v in _pipeline_rank("ZBVZeroBubble", 2).items() if k in ("losses", "grads", "params", "actions")},
     }
 
 
@@ -238,6 +298,9 @@ def test_gloo_equals_single_device_training(reference):
         _check_error_messages([r["errors"][k] for r in results], words)
     _check_p2p([r["p2p"] for r in results])
     _check_equals_reference([r["pp_tp"] for r in results], reference, tol=3e-5)
+    # pp=4 ZBV, 8 stages of one layer: the same order as in the threads world
+    _check_equals_reference([r["zbv"] for r in results], reference)
+    assert [r["zbv"]["actions"] for r in results] == [r["actions"] for r in so.run(_pipeline_rank, 4, "ZBVZeroBubble", 2)]
     assert all(r["pp_tp"]["sends"][1] == [ACT_BYTES // 2] * M for r in results)
 
 
@@ -311,6 +374,8 @@ def test_schedule_arguments():
     assert get_schedule_class("1f1b") is Schedule1F1B and get_schedule_class("ScheduleGPipe") is ScheduleGPipe
     assert get_schedule_class("LoopedBFS") is ScheduleLoopedBFS
     assert get_schedule_class("interleaved1f1b") is ScheduleInterleaved1F1B
+    assert get_schedule_class("ZBVZeroBubble") is ScheduleZBVZeroBubble
+    assert get_schedule_class("ScheduleInterleavedZeroBubble") is ScheduleInterleavedZeroBubble
 
     def body():
         with pytest.raises(so.ShardingError, match="stage_index 5 is not in"):
@@ -321,6 +386,10 @@ def test_schedule_arguments():
         # fewer micro-batches than the interleaved schedule's rounds need
         with pytest.raises(so.ShardingError, match="n_microbatches=3 is not a multiple of the pipeline's 2 ranks"):
             ScheduleInterleaved1F1B([stage], 3)
+        with pytest.raises(so.ShardingError, match="takes exactly 2 stages per rank"):
+            ScheduleZBVZeroBubble([stage], 4)
+        with pytest.raises(so.ShardingError, match="n_microbatches=5 is not a multiple of its 2 rounds"):
+            ScheduleInterleavedZeroBubble([stage], 5)  # torch's rule: rounds of max(1, m // p)
 
     so.run(body, 2)
 

@@ -6,11 +6,14 @@ from .schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
     get_schedule_class,
 )
 from .stage import PipelineStage
 
 __all__ = [
-    "PipelineScheduleMulti", "PipelineScheduleSingle", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "get_schedule_class",
+    "PipelineScheduleMulti", "PipelineScheduleSingle", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble", "get_schedule_class",
 ]

@@ -60,21 +60,21 @@ def describe(metas: Sequence[TensorMeta]) -> str:
 # ------------------------------------------------------------------ the layout
 
 
-def check_layout(comm: Communicator, stages: Sequence[PipelineStage], schedule: str, n_microbatches: int) -> None:
+def check_layout(comm: Communicator, stages: Sequence[PipelineStage], schedule: str, n_microbatches: int, place: Callable[[int], int]) -> None:
     """Every rank of the group agrees on the stage count, the micro-batch count and the schedule, and
-    holds the stages the schedule's placement gives it (stage s on group member s % group size)."""
+    holds the stages the schedule's placement gives it (stage s on group member `place(s)`)."""
     group = stages[0].group
     mine = {
         "rank": comm.rank, "schedule": schedule, "n_microbatches": n_microbatches,
         "num_stages": [s.num_stages for s in stages], "stages": [s.stage_index for s in stages],
     }
     everyone = gather(comm, group, mine)
-    problem = _layout_problem(everyone, group)
+    problem = _layout_problem(everyone, group, place)
     if problem:
         raise ShardingError(f"{schedule}: the pipeline over ranks {list(group.ranks)} is inconsistent: {problem}")
 
 
-def _layout_problem(everyone: list[dict], group: Group) -> str | None:
+def _layout_problem(everyone: list[dict], group: Group, place: Callable[[int], int]) -> str | None:
     def per_rank(key: str) -> str:
         return ", ".join(f"rank {d['rank']}: {d[key]}" for d in everyone)
 
@@ -92,9 +92,10 @@ def _layout_problem(everyone: list[dict], group: Group) -> str | None:
             f"num_stages must be the group size times the stages each rank holds"
         )
     for d in everyone:
-        wrong = [s for s in d["stages"] if group.ranks[s % group.size] != d["rank"]]
+        wrong = [s for s in d["stages"] if group.ranks[place(s)] != d["rank"]]
         if wrong:
-            return f"rank {d['rank']} holds stage(s) {wrong}, which this schedule places on group member stage % {group.size} (stages by rank: {per_rank('stages')})"
+            where = ", ".join(f"stage {s} on rank {group.ranks[place(s)]}" for s in wrong)
+            return f"rank {d['rank']} holds stage(s) {wrong}, which this schedule places elsewhere ({where}; stages by rank: {per_rank('stages')})"
     return None
 
 

@@ -20,16 +20,17 @@ import torch
 from ..comm.base import P2POp, P2PWork
 from ..errors import ShardingError
 from ..world import current_comm
-from . import _meta
+from . import _meta, _zero_bubble
 from .stage import PipelineStage, local_part
 
 FORWARD, BACKWARD = "F", "B"
+BACKWARD_INPUT, BACKWARD_WEIGHT = "I", "W"  # a backward split in two (zero-bubble schedules): inputs' gradients, then weights'
 
 
 @dataclass(frozen=True)
 class _Action:
     stage: int
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B", or a split backward's "I" and "W"
     microbatch: int
 
     def __str__(self) -> str:  # torch's notation: "0F1" is stage 0's forward of micro-batch 1
@@ -62,6 +63,8 @@ class _PipelineSchedule:
         self.scale_grads = scale_grads
         self._group = stages[0].group
         self._num_stages = stages[0].num_stages
+        for stage in stages:  # where every stage lives, for the transfers
+            stage.stage_to_rank = lambda s, ranks=self._group.ranks: ranks[self._place(s)]
         self._checked = False
         self._sends: list[P2PWork] = []
         self._local: dict[tuple, tuple[torch.Tensor, ...]] = {}  # hand-offs between two stages of this rank
@@ -78,6 +81,10 @@ class _PipelineSchedule:
     def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _place(self, stage_index: int) -> int:
+        """The group member stage `stage_index` lives on: torch's looped placement, s % group size."""
+        return stage_index % self._group.size
+
     # -- step
     def step(self, *args: Any, target: torch.Tensor | None = None, losses: list | None = None, **kwargs: Any) -> Any:
         """One training step over the whole batch: `args` on the first stage, `target` and `losses` on the last.
@@ -90,7 +97,7 @@ class _PipelineSchedule:
         mb_targets, target_error = self._split((target,), "target") if last is not None and target is not None else (None, None)
         comm = current_comm()
         if not self._checked:
-            _meta.check_layout(comm, self.stages, name, self._n_microbatches)
+            _meta.check_layout(comm, self.stages, name, self._n_microbatches, self._place)
             errors = [e for e in (split_error, target_error) if e]
             _meta.infer_shapes(comm, self.stages, mb_args[0] if mb_args else None, errors, lambda s: self._tag(s, 0, "meta", 0))
             self._checked = True
@@ -147,9 +154,12 @@ class _PipelineSchedule:
                 outputs[a.microbatch] = tuple(o.detach() for o in out)
             else:
                 self._deliver(stage, a.stage + 1, a.microbatch, "act", tuple(o.detach() for o in out))
+        elif a.kind == BACKWARD_WEIGHT:  # nothing crosses: the weights' half of a split backward
+            stage.backward_weight_one_chunk(a.microbatch)
         else:
             grads = None if stage.is_last else self._receive(stage, a.stage + 1, a.microbatch, "grad", stage.output_metas)
-            input_grads = stage.backward_one_chunk(a.microbatch, grads)
+            backward = stage.backward_one_chunk if a.kind == BACKWARD else stage.backward_input_one_chunk
+            input_grads = backward(a.microbatch, grads)
             if not stage.is_first:
                 self._deliver(stage, a.stage - 1, a.microbatch, "grad", input_grads)
 
@@ -288,8 +298,69 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
         return program + [nth(i, BACKWARD) for i in range(total - warmup, total)]
 
 
+class _ZeroBubble(PipelineScheduleMulti):
+    """The zero-bubble schedules (Qi et al. 2024, arXiv:2401.10241): each backward split into I (the
+    gradients of the stage's inputs, which the previous stage waits for) and W (its weights', which
+    nobody waits for), W's run where a rank would otherwise idle. Each rank's order comes from one
+    greedy simulation of the whole pipeline (_zero_bubble.py); at most p micro-batches are live in a
+    rank's first stage, the activation bound of 1F1B. Forward-only steps run the forwards in that order.
+
+    W here runs a second autograd pass over the stage from its outputs (I keeps the graph for it):
+    the order is the paper's, the compute of W is a whole backward, not only the weights' part."""
+
+    def __init__(
+        self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None, output_merge_spec: Any = None, scale_grads: bool = True,
+        backward_requires_autograd: bool = True, defer_pp_recv: bool = False,
+    ) -> None:
+        name = type(self).__name__
+        if not backward_requires_autograd:
+            raise ShardingError(f"{name}: backward_requires_autograd=False (a custom backward) is not supported; the split backward uses autograd")
+        del defer_pp_recv  # receives always wait right before the action that needs them
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads)
+        self._check_stages_per_rank(len(self.stages))
+
+    def _check_stages_per_rank(self, v: int) -> None:
+        pass
+
+    def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:
+        p = self._group.size
+        steps = _zero_bubble.greedy_programs(p, self._num_stages, self._n_microbatches, self._place, max_in_flight=p)[stages[0].group_rank]
+        kinds = {"F": FORWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
+        return [_Action(s, kinds[k], mb) for s, k, mb in steps if has_backward or k == "F"]
+
+
+class ScheduleInterleavedZeroBubble(_ZeroBubble):
+    """Zero bubble with v stages per rank, looped (stage s on member s % p), torch's ZB1P. Like torch, needs
+    n_microbatches to be a multiple of its rounds, max(1, n_microbatches // p)."""
+
+    def _check_stages_per_rank(self, v: int) -> None:
+        m, p = self._n_microbatches, self._group.size
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ShardingError(
+                f"ScheduleInterleavedZeroBubble: n_microbatches={m} is not a multiple of its {rounds} rounds (n_microbatches // {p} ranks); "
+                f"use {rounds * (m // rounds)} or {rounds * (m // rounds + 1)}"
+            )
+
+
+class ScheduleZBVZeroBubble(_ZeroBubble):
+    """Zero bubble on a V: exactly 2 stages per rank, stages r and 2p-1-r on member r, so the first and
+    last stages share rank 0 and the turn of the V (stages p-1 and p) crosses no link."""
+
+    def _check_stages_per_rank(self, v: int) -> None:
+        if v != 2:
+            raise ShardingError(f"ScheduleZBVZeroBubble: takes exactly 2 stages per rank (r and 2p-1-r), got {v} (stages {[s.stage_index for s in self.stages]})")
+
+    def _place(self, stage_index: int) -> int:
+        p = self._group.size
+        return stage_index if stage_index < p else 2 * p - 1 - stage_index
+
+
 _SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
     "GPipe": ScheduleGPipe,
     "1F1B": Schedule1F1B,
     "LoopedBFS": ScheduleLoopedBFS,
@@ -297,7 +368,8 @@ _SCHEDULES: dict[str, type[_PipelineSchedule]] = {
 
 
 def get_schedule_class(schedule_name: str) -> type[_PipelineSchedule]:
-    """The schedule class of a name, case-insensitive ("GPipe", "1F1B", "LoopedBFS", or the class's own name)."""
+    """The schedule class of a name, case-insensitive ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+    "InterleavedZeroBubble", "ZBVZeroBubble", or the class's own name)."""
     if not isinstance(schedule_name, str):
         raise ShardingError(f"get_schedule_class: takes a name, got {schedule_name!r}")
     wanted = schedule_name.lower()

@@ -144,6 +144,7 @@ class PipelineStage:
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._losses: dict[int, torch.Tensor] = {}
+        self._weight_work: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]] = {}  # split backwards' W still to run
         self.peak_in_flight = 0  # the most micro-batches whose activations this stage held at once
         self.backwards_left = 0  # this step's micro-batch backwards still to run (set by the schedule)
 
@@ -180,7 +181,7 @@ class PipelineStage:
         outputs = out if isinstance(out, tuple) else (out,)
         self._inputs[mb] = inputs
         self._outputs[mb] = outputs
-        self.peak_in_flight = max(self.peak_in_flight, len(self._outputs))
+        self.peak_in_flight = max(self.peak_in_flight, len(self._outputs) + len(self._weight_work))
         if self.is_last and loss_fn is not None and torch.is_grad_enabled():
             if target is None:
                 raise ShardingError("Pipeline schedule: the last stage has a loss_fn but step() got no target")
@@ -192,17 +193,46 @@ class PipelineStage:
         inputs, outputs = self._inputs.pop(mb), self._outputs.pop(mb)
         self.backwards_left -= 1
         _sync_gradients_on_last_backward(self.submod, self.backwards_left <= 0)
-        if self.is_last:
-            if mb not in self._losses:
-                raise ShardingError("Pipeline schedule: a backward on the last stage needs a loss_fn and a target")
-            torch.autograd.backward(self._losses[mb])
-        else:
-            pairs = [(o, g) for o, g in zip(outputs, output_grads or ()) if o.requires_grad and g is not None]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        roots, grads = self._backward_roots(mb, outputs, output_grads)
+        if roots:
+            torch.autograd.backward(roots, grads)
         if self.is_first:
             return ()
         return tuple(_input_grad(x) for x in inputs)
+
+    def backward_input_one_chunk(self, mb: int, output_grads: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, ...]:
+        """The first half of a split backward (zero-bubble schedules' I): only the gradients of micro-batch `mb`'s
+        inputs, for the previous stage. The graph is kept for `backward_weight_one_chunk`."""
+        inputs, outputs = self._inputs.pop(mb), self._outputs.pop(mb)
+        roots, grads = self._backward_roots(mb, outputs, output_grads)
+        self._weight_work[mb] = (roots, grads)
+        if self.is_first:
+            return ()
+        wanted = [x for x in inputs if x.requires_grad]
+        if roots and wanted:
+            found = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+            for x, g in zip(wanted, found):
+                x.grad = g
+        return tuple(_input_grad(x) for x in inputs)
+
+    def backward_weight_one_chunk(self, mb: int) -> None:
+        """The second half (W): micro-batch `mb`'s gradients of the stage's parameters, accumulated into .grad."""
+        roots, grads = self._weight_work.pop(mb)
+        self.backwards_left -= 1
+        _sync_gradients_on_last_backward(self.submod, self.backwards_left <= 0)
+        params = [q for q in self.submod.parameters() if q.requires_grad]
+        if roots and params:
+            torch.autograd.backward(roots, grads, inputs=params)
+
+    def _backward_roots(self, mb: int, outputs: tuple[torch.Tensor, ...], output_grads: Sequence[torch.Tensor] | None) -> tuple[tuple, tuple]:
+        """What a backward of micro-batch `mb` starts from: the loss on the last stage, else the outputs
+        that need grad with their incoming gradients."""
+        if self.is_last:
+            if mb not in self._losses:
+                raise ShardingError("Pipeline schedule: a backward on the last stage needs a loss_fn and a target")
+            return (self._losses[mb],), (None,)
+        pairs = [(o, g) for o, g in zip(outputs, output_grads or ()) if o.requires_grad and g is not None]
+        return tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
 
     def take_losses(self) -> list[torch.Tensor]:
         losses = [self._losses[mb].detach() for mb in sorted(self._losses)]
@@ -213,6 +243,7 @@ class PipelineStage:
         self._inputs.clear()
         self._outputs.clear()
         self._losses.clear()
+        self._weight_work.clear()
 
     def scale_grads(self, factor: int) -> None:
         """Divide every gradient by `factor` (the micro-batch count: the step's loss is their mean)."""
