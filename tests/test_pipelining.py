@@ -71,10 +71,10 @@ class LlamaStage(nn.Module):
         return self.output(self.norm(h)) if self.norm is not None else h
 
 
-def _stage_module(stage: int, num_stages: int) -> LlamaStage:
+def _stage_module(stage: int, num_stages: int, seed: int = 0) -> LlamaStage:
     per = ARGS.n_layers // num_stages
     ids = [str(i) for i in range(stage * per, (stage + 1) * per)]
-    return LlamaStage(Llama(ARGS, seed=0), ids, stage == 0, stage == num_stages - 1)
+    return LlamaStage(Llama(ARGS, seed=seed), ids, stage == 0, stage == num_stages - 1)
 
 
 def _reference() -> dict:
@@ -688,3 +688,89 @@ def test_pp2_with_fully_shard_stages_equals_single_device_training(strict, refer
         mean = sum(sum(r["losses"][step]) / M for r in last) / len(last)
         assert mean == pytest.approx(reference["losses"][step], rel=TOL)
     _check_equals_reference(results, reference, losses=False)
+
+
+# ------------------------------------------------------------------ checkpoints across pp degrees
+
+
+def _tp_plan(module: nn.Module) -> dict:
+    from shardops.models import llama_plan
+
+    return {k: v for k, v in llama_plan(loss_parallel=False).items() if k.startswith("layers") or getattr(module, k, None) is not None}
+
+
+def _whole(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in module.state_dict().items()}
+
+
+def _pp2_tp2_save_rank(path: str) -> dict[str, torch.Tensor]:
+    """One training step of (pp=2, tp=2), then each stage saves its module: the whole model's FQNs, tp shards."""
+    from shardops.checkpoint import save
+    from shardops.parallel import parallelize_module
+
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    s = mesh.get_local_rank("pp")
+    module = _stage_module(s, 2)
+    parallelize_module(module, mesh["tp"], _tp_plan(module))
+    schedule = Schedule1F1B(PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group()), M, loss_fn=_loss)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    tokens, target = _batches()[0]
+    schedule.step(*((tokens,) if s == 0 else ()), target=target if s == 1 else None)
+    opt.step()
+    save({"model": module}, path)
+    return _whole(module)
+
+
+def _pp2_tp2_load_rank(path: str) -> dict[str, torch.Tensor]:
+    from shardops.checkpoint import load
+    from shardops.parallel import parallelize_module
+
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    module = _stage_module(mesh.get_local_rank("pp"), 2, seed=7)  # other values: the load must replace them
+    parallelize_module(module, mesh["tp"], _tp_plan(module))
+    load({"model": module}, path)
+    return _whole(module)
+
+
+def _tp4_load_rank(path: str) -> dict[str, torch.Tensor]:
+    from shardops.checkpoint import load
+    from shardops.parallel import parallelize_module
+
+    model = Llama(ARGS, seed=7)
+    parallelize_module(model, so.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)), _tp_plan(model))
+    load({"model": model}, path)
+    return _whole(model)
+
+
+def _single_device_rank(path: str, save_path: str | None = None) -> dict[str, torch.Tensor]:
+    """A whole unparallelized model loads the checkpoint; with `save_path`, it changes its values and saves them."""
+    from shardops.checkpoint import load, save
+
+    model = Llama(ARGS, seed=7)
+    load({"model": model}, path)
+    loaded = _whole(model)
+    if save_path is not None:
+        with torch.no_grad():
+            for q in model.parameters():
+                q.mul_(0.5).add_(0.25)
+        save({"model": model}, save_path)
+    return loaded
+
+
+def test_checkpoint_across_pp_degrees(tmp_path):
+    """Saved by (pp=2, tp=2) stages, loaded by (pp=1, tp=4) and by one device, and a single-device save
+    loaded back by (pp=2, tp=2): the stages keep the whole model's names, so every load is exact."""
+    saved_parts = so.run(_pp2_tp2_save_rank, 4, str(tmp_path / "pp2_tp2"))
+    saved = {n: t for part in saved_parts for n, t in part.items()}
+    assert set(saved) == set(Llama(ARGS, seed=0).state_dict())  # the stages' FQNs cover the whole model, once
+    assert not all(torch.equal(t, Llama(ARGS, seed=7).state_dict()[n]) for n, t in saved.items())
+    for loaded in so.run(_tp4_load_rank, 4, str(tmp_path / "pp2_tp2")):
+        assert loaded.keys() == saved.keys() and all(torch.equal(loaded[n], saved[n]) for n in saved)
+    [single] = so.run(_single_device_rank, 1, str(tmp_path / "pp2_tp2"), str(tmp_path / "single"))
+    assert all(torch.equal(single[n], saved[n]) for n in saved)
+    back = so.run(_pp2_tp2_load_rank, 4, str(tmp_path / "single"))
+    changed = {n: t * 0.5 + 0.25 for n, t in saved.items()}
+    for part in back:
+        for n, t in part.items():
+            assert torch.equal(t, changed[n]), n
+    assert set().union(*back) == set(changed)
