@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "autoplan", "random", "training", "moe", "compile")
+BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "autoplan", "random", "training", "moe", "compile", "pipelining")
 TARGET_BYTES_RATIO = 1.0  # shardops bytes / DTensor bytes, every case
 TARGET_GATHER_SAVING = 30.0  # DTensor bytes / shardops bytes where DTensor moves the sharded dim
 
@@ -61,12 +61,13 @@ DOCS_HEADER = (
     "`loss_parallel()`), both are measured and shardops is compared with the better one.\n\n"
 )
 QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10}, "autoplan": {},
-         "random": {"repeats": 3}, "training": {"quick": True}, "moe": {"quick": True}, "compile": {"size": "quick"}}
+         "random": {"repeats": 3}, "training": {"quick": True}, "moe": {"quick": True}, "compile": {"size": "quick"},
+         "pipelining": {"quick": True}}
 # --tiny: a smoke run (the tests run the installed command so); its figures mean nothing.
 TINY = {**QUICK, "overhead": {"iters": 50, "repeats": 3}, "end_to_end": {"size": "tiny"}, "planning": {"meshes": "quick", "max_reps": 2},
         "random": {"repeats": 1}, "compile": {"size": "tiny"}}
 FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "autoplan": {}, "random": {},
-        "training": {"quick": False}, "moe": {"quick": False}, "compile": {"size": "full"}}
+        "training": {"quick": False}, "moe": {"quick": False}, "compile": {"size": "full"}, "pipelining": {"quick": False}}
 
 
 # --- 1. communication ------------------------------------------------------------------------
@@ -496,6 +497,7 @@ def run_benchmarks(only: Sequence[str], config: dict[str, Any], cases: Sequence[
         "training": lambda: {"rows": __import__("benchmarks.training", fromlist=["measure_all"]).measure_all(**config["training"])},
         "moe": lambda: {"rows": __import__("benchmarks.moe", fromlist=["measure_moe"]).measure_moe(**config["moe"])},
         "compile": lambda: __import__("benchmarks.compile", fromlist=["measure_compile"]).measure_compile(**config["compile"]),
+        "pipelining": lambda: {"rows": __import__("benchmarks.pipelining", fromlist=["measure_pipelining"]).measure_pipelining(**config["pipelining"])},
     }
     for name in BENCHMARKS:
         if name in only:
@@ -592,6 +594,11 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
 
         parts.append("### torch.compile: eager and compiled training steps, shardops and DTensor\n\n"
                      + (_section_error("compile", results) or compile_caption(results["compile"]) + "\n\n" + format_compile_table(results["compile"])))
+    if "pipelining" in results:
+        from benchmarks.pipelining import table as pipelining_table
+
+        parts.append("### Pipeline parallelism: shardops.pipelining beside torch.distributed.pipelining\n\n"
+                     + (_section_error("pipelining", results) or pipelining_table(results["pipelining"]["rows"])))
     return "\n\n".join(parts) + "\n"
 
 

@@ -774,3 +774,25 @@ def test_checkpoint_across_pp_degrees(tmp_path):
         for n, t in part.items():
             assert torch.equal(t, changed[n]), n
     assert set().union(*back) == set(changed)
+
+
+# ------------------------------------------------------------------ the benchmark beside torch's pipelining
+
+
+@pytest.mark.slow
+def test_benchmark_sends_what_torch_sends_and_computes_the_same_losses():
+    """benchmarks/pipelining.py at a tiny size: both sides' p2p bytes equal (2 x m activations per boundary
+    crossing ranks, per step) and their losses agree."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.pipelining import SIZES, measure_pipelining
+
+    size = {**SIZES["quick"], "dim": 32, "seq": 8, "steps": 1, "vocab": 64}
+    rows = measure_pipelining(size=size, schedules=["1F1B", "ZBVZeroBubble"])
+    act = (size["batch"] // size["microbatches"]) * size["seq"] * size["dim"] * 4
+    crossing = {"1F1B": 3, "ZBVZeroBubble": 6}  # ZBV: 8 stages, the V's turn (3 -> 4) stays on rank 3
+    for r in rows:
+        assert r["losses agree"], r
+        assert r["torch bytes"] == r["shardops bytes"] == [crossing[r["schedule"]] * 2 * size["microbatches"] * act], r
