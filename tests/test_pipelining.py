@@ -301,6 +301,11 @@ def test_gloo_equals_single_device_training(reference):
     # pp=4 ZBV, 8 stages of one layer: the same order as in the threads world
     _check_equals_reference([r["zbv"] for r in results], reference)
     assert [r["zbv"]["actions"] for r in results] == [r["actions"] for r in so.run(_pipeline_rank, 4, "ZBVZeroBubble", 2)]
+    # its bubble against 1F1B's on the same layers, in one layer's forward: 3 (rank 3 waits 3 forwards to start,
+    # the least there is) against (p-1)(F+B) = 18
+    _, idle_zbv = _slots([r["zbv"]["actions"][1] for r in results], 1, COST)
+    _, idle_1f1b = _slots([r["actions"][1] for r in threads], 2, COST)
+    assert idle_zbv == [3] * 4 and idle_1f1b == [18] * 4
     assert all(r["pp_tp"]["sends"][1] == [ACT_BYTES // 2] * M for r in results)
 
 

@@ -8,7 +8,8 @@ does the same with gradients, backwards. Sends never block, so every program who
 come after what they depend on runs without deadlock in both worlds. The executed order is
 kept per rank (`executed_actions`), so a test reads the bubble from it, not from timing.
 
-Placement (torch's, for these schedules): stage s lives on group member s % group size.
+Placement (torch's): stage s lives on group member s % group size, except on ScheduleZBVZeroBubble's
+V (stages r and 2p-1-r on member r); each schedule's `_place` says, and the first step checks it.
 """
 from __future__ import annotations
 
@@ -305,8 +306,8 @@ class _ZeroBubble(PipelineScheduleMulti):
     greedy simulation of the whole pipeline (_zero_bubble.py); at most p micro-batches are live in a
     rank's first stage, the activation bound of 1F1B. Forward-only steps run the forwards in that order.
 
-    W here runs a second autograd pass over the stage from its outputs (I keeps the graph for it):
-    the order is the paper's, the compute of W is a whole backward, not only the weights' part."""
+    W here runs a second autograd pass over the stage from its outputs (I keeps the graph for it): the
+    order fills the bubble as the paper's does, but W computes about a whole backward, not only the weights' part."""
 
     def __init__(
         self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec: Any = None,
