@@ -320,6 +320,7 @@ class _ZeroBubble(PipelineScheduleMulti):
         del defer_pp_recv  # receives always wait right before the action that needs them
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads)
         self._check_stages_per_rank(len(self.stages))
+        _check_no_fully_shard(self.stages, name)
 
     def _check_stages_per_rank(self, v: int) -> None:
         pass
@@ -329,6 +330,19 @@ class _ZeroBubble(PipelineScheduleMulti):
         steps = _zero_bubble.greedy_programs(p, self._num_stages, self._n_microbatches, self._place, max_in_flight=p)[stages[0].group_rank]
         kinds = {"F": FORWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
         return [_Action(s, kinds[k], mb) for s, k, mb in steps if has_backward or k == "F"]
+
+
+def _check_no_fully_shard(stages: list[PipelineStage], schedule: str) -> None:
+    """fully_shard reshards a unit when the gradient reaches its inputs, which a split backward's I does
+    before its W has read the unsharded weights: refused rather than wrong."""
+    from ..fsdp import FSDPModule  # below pipelining; imported here so a stage without data parallelism needs none of it
+
+    for stage in stages:
+        if any(isinstance(m, FSDPModule) for m in stage.submod.modules()):
+            raise ShardingError(
+                f"{schedule}: stage {stage.stage_index}'s module has fully_shard units; the split backward (I, then W) "
+                "does not compose with fully_shard yet; use Schedule1F1B, ScheduleInterleaved1F1B or ScheduleGPipe with it"
+            )
 
 
 class ScheduleInterleavedZeroBubble(_ZeroBubble):
