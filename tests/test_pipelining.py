@@ -413,6 +413,22 @@ def test_later_step_batch_not_divisible_raises_on_the_first_stage():
         so.run(body, 2, timeout=10)
 
 
+def test_later_step_with_another_batch_shape_raises_on_the_first_stage():
+    """The first step sized every transfer: a later batch of another shape raises before anything is sent."""
+
+    def body():
+        rank = current_comm().rank
+        stage = PipelineStage(_stage_module(rank, 2), rank, 2, "cpu")
+        schedule = ScheduleGPipe(stage, M, loss_fn=_loss)
+        tokens, target = _batches()[0]
+        schedule.step(*((tokens,) if rank == 0 else ()), target=target if rank == 1 else None)
+        twice = torch.cat([tokens, tokens]), torch.cat([target, target])
+        schedule.step(*((twice[0],) if rank == 0 else ()), target=twice[1] if rank == 1 else None)
+
+    with pytest.raises(so.ShardingError, match=r"micro-batch \(int64\[4, 8\]\) differs from the first step's \(int64\[2, 8\]\)"):
+        so.run(body, 2, timeout=10)
+
+
 def test_schedule_arguments():
     with pytest.raises(so.ShardingError, match="unknown schedule"):
         get_schedule_class("Nope")

@@ -22,7 +22,7 @@ from ..comm.base import P2POp, P2PWork
 from ..errors import ShardingError
 from ..world import current_comm
 from . import _meta, _zero_bubble
-from .stage import PipelineStage, local_part
+from .stage import PipelineStage, TensorMeta, local_part
 
 FORWARD, BACKWARD = "F", "B"
 BACKWARD_INPUT, BACKWARD_WEIGHT = "I", "W"  # a backward split in two (zero-bubble schedules): inputs' gradients, then weights'
@@ -104,6 +104,8 @@ class _PipelineSchedule:
             self._checked = True
         elif split_error or target_error:
             raise ShardingError(split_error or target_error)
+        elif first is not None:
+            self._check_same_shapes(first, mb_args[0])
         has_backward = self._loss_fn is not None and torch.is_grad_enabled()
         for stage in self.stages:
             stage.clear_runtime_states()
@@ -130,6 +132,16 @@ class _PipelineSchedule:
         if losses is not None:
             losses.extend(last.take_losses())
         return _merge(outputs, self._n_microbatches)
+
+    def _check_same_shapes(self, first: PipelineStage, args: tuple) -> None:
+        """A later step's micro-batches must look like the first step's: every stage's buffers were sized then."""
+        now = tuple(TensorMeta.of(a) for a in args if isinstance(a, torch.Tensor))
+        then = first.input_metas or ()
+        if [(m.shape, m.dtype) for m in now] != [(m.shape, m.dtype) for m in then]:
+            raise ShardingError(
+                f"{type(self).__name__}.step: this step's micro-batch {_meta.describe(now)} differs from the first step's "
+                f"{_meta.describe(then)}, which sized every stage's transfers; keep the batch shape fixed (or build a new schedule)"
+            )
 
     def _split(self, values: Sequence[Any], what: str) -> tuple[list[tuple], str | None]:
         """Each micro-batch's values (tensors split on dim 0), or the reason they cannot be split."""
