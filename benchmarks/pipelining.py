@@ -1,6 +1,6 @@
 """Pipeline parallelism: shardops.pipelining beside torch.distributed.pipelining, as gloo processes.
 
-    python -m benchmarks.pipelining [--quick] [--schedules GPipe 1F1B ZBVZeroBubble] [--dim 512] [--layers 8] [--seq 256]
+    python -m benchmarks.pipelining [--quick | --tiny] [--schedules GPipe 1F1B ZBVZeroBubble] [--dim 512] [--layers 8] [--seq 256]
 
 The LLaMA-style model of `shardops.models` (float32, AdamW) split by depth torchtitan-style (each
 stage the model's own layers under their own names), pure pipeline parallelism over 4 gloo
@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 from shardops.training.launch import run_gloo
 
 SIZES = {
+    "tiny": {"dim": 32, "layers": 8, "seq": 8, "batch": 8, "microbatches": 4, "vocab": 64, "steps": 1},  # a smoke run: figures meaningless
     "quick": {"dim": 128, "layers": 8, "seq": 64, "batch": 8, "microbatches": 4, "vocab": 256, "steps": 3},
     "full": {"dim": 512, "layers": 8, "seq": 256, "batch": 8, "microbatches": 4, "vocab": 1024, "steps": 3},
 }
@@ -168,8 +169,9 @@ def _rank(size: dict[str, int], schedules: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def measure_pipelining(quick: bool = True, schedules: Sequence[str] = SCHEDULES, size: dict[str, int] | None = None) -> list[dict[str, Any]]:
-    size = size or SIZES["quick" if quick else "full"]
+def measure_pipelining(size: str | dict[str, int] = "quick", schedules: Sequence[str] = SCHEDULES) -> list[dict[str, Any]]:
+    """One row per schedule; `size` a name of SIZES or such a dict."""
+    size = SIZES[size] if isinstance(size, str) else size
     ranks = run_gloo(_rank, WORLD, size, list(schedules), timeout=3600)
     rows = []
     for schedule in schedules:
@@ -209,13 +211,14 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"small sizes: {SIZES['quick']}")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: figures meaningless")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     for key in SIZES["full"]:
         parser.add_argument(f"--{key}", type=int, default=None)
     args = parser.parse_args(argv)
-    size = dict(SIZES["quick" if args.quick else "full"])
+    size = dict(SIZES["tiny" if args.tiny else "quick" if args.quick else "full"])
     size.update({k: getattr(args, k) for k in size if getattr(args, k) is not None})
-    print(table(measure_pipelining(args.quick, args.schedules, size)))
+    print(table(measure_pipelining(size, args.schedules)))
 
 
 if __name__ == "__main__":

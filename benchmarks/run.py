@@ -62,12 +62,12 @@ DOCS_HEADER = (
 )
 QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10}, "autoplan": {},
          "random": {"repeats": 3}, "training": {"quick": True}, "moe": {"quick": True}, "compile": {"size": "quick"},
-         "pipelining": {"quick": True}}
+         "pipelining": {"size": "quick"}}
 # --tiny: a smoke run (the tests run the installed command so); its figures mean nothing.
 TINY = {**QUICK, "overhead": {"iters": 50, "repeats": 3}, "end_to_end": {"size": "tiny"}, "planning": {"meshes": "quick", "max_reps": 2},
-        "random": {"repeats": 1}, "compile": {"size": "tiny"}}
+        "random": {"repeats": 1}, "compile": {"size": "tiny"}, "pipelining": {"size": "tiny"}}
 FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "autoplan": {}, "random": {},
-        "training": {"quick": False}, "moe": {"quick": False}, "compile": {"size": "full"}, "pipelining": {"quick": False}}
+        "training": {"quick": False}, "moe": {"quick": False}, "compile": {"size": "full"}, "pipelining": {"size": "full"}}
 
 
 # --- 1. communication ------------------------------------------------------------------------
