@@ -862,3 +862,32 @@ def test_benchmark_sends_what_torch_sends_and_computes_the_same_losses():
     for r in rows:
         assert r["losses agree"], r
         assert r["torch bytes"] == r["shardops bytes"] == [crossing[r["schedule"]] * 2 * size["microbatches"] * act], r
+
+
+# ------------------------------------------------------------------ the split backward
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_split_backward_equals_autograd(tied):
+    """I then W give torch.autograd's gradients for a LLaMA block, and for a weight used twice (W falls back
+    to a whole backward there: from each use it would also run the other's share)."""
+    from shardops.pipelining._split_backward import backward_input, backward_weight
+
+    model = Llama(ARGS, seed=0)
+    block, linear = model.layers["0"], nn.Linear(ARGS.dim, ARGS.dim)
+    params = list(linear.parameters()) if tied else list(block.parameters())
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return linear(torch.relu(linear(x))) if tied else block(x, model.freqs_cis[:SEQ])
+
+    x = torch.randn(2, SEQ, ARGS.dim, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    out = run(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    expected = torch.autograd.grad(out, [x, *params], g)
+    found, work = backward_input([run(x)], [g], [x], params)
+    assert all(q.grad is None for q in params)  # I computes no weight gradient
+    assert torch.allclose(found[0], expected[0], rtol=1e-6, atol=1e-7)
+    backward_weight(work)
+    for q, e in zip(params, expected[1:]):
+        assert torch.allclose(q.grad, e, rtol=1e-6, atol=1e-7)
+    assert len(work.starts) == (1 if tied else 9)  # the block: each of its 9 weights from its own branch

@@ -318,8 +318,8 @@ class _ZeroBubble(PipelineScheduleMulti):
     greedy simulation of the whole pipeline (_zero_bubble.py); at most p micro-batches are live in a
     rank's first stage, the activation bound of 1F1B. Forward-only steps run the forwards in that order.
 
-    W here runs a second autograd pass over the stage from its outputs (I keeps the graph for it): the
-    order fills the bubble as the paper's does, but W computes about a whole backward, not only the weights' part."""
+    The split itself is _split_backward.py: I stops autograd at the stage's inputs, W restarts it where
+    the weights' branches leave the inputs' path."""
 
     def __init__(
         self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec: Any = None,

@@ -16,6 +16,7 @@ from torch import nn
 from ..comm.base import Group
 from ..errors import ShardingError
 from ..world import current_comm, in_threads_world
+from . import _split_backward
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ class PipelineStage:
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._losses: dict[int, torch.Tensor] = {}
-        self._weight_work: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]] = {}  # split backwards' W still to run
+        self._weight_work: dict[int, _split_backward.WeightWork] = {}  # split backwards' W still to run
         self.peak_in_flight = 0  # the most micro-batches whose activations this stage held at once
         self.backwards_left = 0  # this step's micro-batch backwards still to run (set by the schedule)
 
@@ -202,27 +203,23 @@ class PipelineStage:
 
     def backward_input_one_chunk(self, mb: int, output_grads: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, ...]:
         """The first half of a split backward (zero-bubble schedules' I): only the gradients of micro-batch `mb`'s
-        inputs, for the previous stage. The graph is kept for `backward_weight_one_chunk`."""
+        inputs, for the previous stage; what the weights still need is kept for `backward_weight_one_chunk`."""
         inputs, outputs = self._inputs.pop(mb), self._outputs.pop(mb)
         roots, grads = self._backward_roots(mb, outputs, output_grads)
-        self._weight_work[mb] = (roots, grads)
+        params = [q for q in self.submod.parameters() if q.requires_grad]
+        found, self._weight_work[mb] = _split_backward.backward_input(roots, grads, () if self.is_first else inputs, params)
         if self.is_first:
             return ()
-        wanted = [x for x in inputs if x.requires_grad]
-        if roots and wanted:
-            found = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
-            for x, g in zip(wanted, found):
-                x.grad = g
+        for x, g in zip(inputs, found):
+            x.grad = g
         return tuple(_input_grad(x) for x in inputs)
 
     def backward_weight_one_chunk(self, mb: int) -> None:
         """The second half (W): micro-batch `mb`'s gradients of the stage's parameters, accumulated into .grad."""
-        roots, grads = self._weight_work.pop(mb)
+        work = self._weight_work.pop(mb)
         self.backwards_left -= 1
         _sync_gradients_on_last_backward(self.submod, self.backwards_left <= 0)
-        params = [q for q in self.submod.parameters() if q.requires_grad]
-        if roots and params:
-            torch.autograd.backward(roots, grads, inputs=params)
+        _split_backward.backward_weight(work)
 
     def _backward_roots(self, mb: int, outputs: tuple[torch.Tensor, ...], output_grads: Sequence[torch.Tensor] | None) -> tuple[tuple, tuple]:
         """What a backward of micro-batch `mb` starts from: the loss on the last stage, else the outputs
