@@ -75,7 +75,7 @@ def internal(hook: Hook, dotted: str) -> Any:
         except ImportError:
             continue
     if owner is None:
-        raise TorchInternalMissing(f"shardops hook {hook.name!r} ({hook.purpose}) needs {dotted}, which is not importable")
+        raise TorchInternalMissing(f"shardops hook {hook.name!r} ({hook.purpose}) needs {dotted}: no part of it imports")
     for j in range(i, len(parts)):
         owner = require(hook, owner, parts[j], ".".join(parts[:j]))
     return owner

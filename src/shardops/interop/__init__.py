@@ -21,6 +21,7 @@ from ..wrapping import local_of, spec_of, wrap
 
 def _torch_placement(p: Placement) -> Any:
     from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate, Shard as TShard
+
     if isinstance(p, StridedShard):
         return strided_shard_class()(p.dim, split_factor=p.split_factor)
     if isinstance(p, Shard):
