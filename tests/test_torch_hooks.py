@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -109,3 +110,37 @@ print(json.dumps(messages))
         assert "known for torch 2.13, 2.14, 2.15" in message, message
         assert result[name + " changed"] == [], (name, result[name + " changed"])  # checked before anything changed
     assert result["installed"] is True
+
+
+def test_a_missing_internal_that_shardops_only_reads_fails_the_import_naming_it():
+    # the dispatch hot path binds torch._C._set_neg & co. once at import: a torch without one stops
+    # `import shardops` there, with the hook's name, rather than at the first complex DTensor
+    result = _run_python(
+        """
+import json, torch
+del torch._C._set_neg  # a torch release without it
+try:
+    import shardops
+    print(json.dumps({"error": None}))
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+"""
+    )
+    assert result["error"] == "TorchInternalMissing", result
+    message = result["message"]
+    assert "shardops hook 'dispatch.subclass'" in message and "needs torch._C._set_neg" in message, message
+    assert f"torch {torch.__version__} does not have" in message and "known for torch 2.13, 2.14, 2.15" in message, message
+
+
+def test_a_missing_private_placement_fails_the_conversion_naming_it(monkeypatch):
+    import torch.distributed.tensor.placement_types as placement_types
+
+    from shardops._torch import TorchInternalMissing, distributed
+
+    monkeypatch.delattr(placement_types, "_StridedShard")
+    distributed.strided_shard_class.cache_clear()
+    try:
+        with pytest.raises(TorchInternalMissing, match=r"'distributed.placements'.*placement_types\._StridedShard.*does not have"):
+            distributed.strided_shard_class()
+    finally:
+        distributed.strided_shard_class.cache_clear()  # found again once torch has it back

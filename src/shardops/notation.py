@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ._torch.dispatch import OpOverload, c_namespace
 from .errors import ShardingError
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -59,7 +60,7 @@ def mesh_name(shape: tuple[int, ...]) -> str:
 
 def callable_name(fn: Any) -> str:
     """A readable, stable name for a torch-level callable: torch.cumsum, Tensor.cumsum, F.rms_norm."""
-    if isinstance(fn, torch._ops.OpOverload):
+    if isinstance(fn, OpOverload):
         return str(fn)
     name = getattr(fn, "__name__", repr(fn))
     owner = getattr(fn, "__objclass__", None)
@@ -69,9 +70,10 @@ def callable_name(fn: Any) -> str:
         return f"Tensor.{name}"
     if module.startswith("torch.nn.functional"):
         return f"F.{name}"
-    for prefix in ("linalg", "special", "fft"):  # torch._C._linalg.linalg_vector_norm -> torch.linalg.vector_norm
-        if module.startswith(f"torch._C._{prefix}") or name.startswith(f"{prefix}_"):
+    namespace = c_namespace(module)  # (torch's private C module, its public namespace) for a builtin
+    for prefix in ("linalg", "special", "fft"):  # linalg_vector_norm in torch's C linalg module -> torch.linalg.vector_norm
+        if (namespace is not None and namespace[1] == prefix) or name.startswith(f"{prefix}_"):
             return f"torch.{prefix}.{name.removeprefix(prefix + '_')}"
-    if module.startswith("torch._C._nn"):
-        return f"torch._C._nn.{name}"
+    if namespace is not None:  # no public namespace (torch._C._nn's builtins): named where they live
+        return f"{namespace[0]}.{name}"
     return f"torch.{name}"

@@ -6,13 +6,14 @@ import zlib
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.registry import COPYING_VIEW_ALGORITHMS, DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
 from .comm import traceable
+from ._torch import pytree
+from ._torch.dispatch import DisableTorchFunctionSubclass, disabled_torch_function_impl, make_wrapper_subclass
 from .errors import ShardingError
 from .mesh import DeviceMesh
 from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, local_shape_and_offset, normalize_placements, shard_positions, without_partials
@@ -23,8 +24,8 @@ from .wrapper_meta import mirror_lazy_bits
 
 
 # runs func with subclass __torch_function__ disabled (in C: cheaper than the context manager)
-_torch_function_default = torch._C._disabled_torch_function_impl
-_NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_torch_function_default = disabled_torch_function_impl
+_NO_SUBCLASS_TORCH_FUNCTION = DisableTorchFunctionSubclass
 # False whenever Python runs it; True while dynamo traces it (per trace, so rank threads never see another's)
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _SCALARS = {int, float, bool, type(None)}
@@ -43,7 +44,7 @@ class DTensor(torch.Tensor):
                 f"internal error: a DTensor {spec!r} would wrap another DTensor {local._spec!r} as its local tensor; "
                 "please report this with the call that made it"
             )
-        r = torch.Tensor._make_wrapper_subclass(
+        r = make_wrapper_subclass(
             DTensor,
             spec.meta.shape,
             strides=spec.meta.stride,

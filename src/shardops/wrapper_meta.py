@@ -2,14 +2,16 @@
 
 The wrapper (tensor.py) is a tensor of its own: torch's dispatch keys and guards read its
 lazy bits, sizes and strides before our __torch_dispatch__ runs, so they must match what
-the local shard says. The torch private calls this needs live here, beside tensor.py and
-used only by it and its seam (wrapping.py).
+the local shard says. The torch private calls this needs (from shardops._torch.dispatch) are
+made here, beside tensor.py and used only by it and its seam (wrapping.py).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+
+from ._torch.dispatch import DisableTorchDispatch, DisableTorchFunctionSubclass, set_conj, set_neg
 
 
 def mirror_lazy_bits(wrapper: torch.Tensor, local: torch.Tensor) -> None:
@@ -21,8 +23,8 @@ def mirror_lazy_bits(wrapper: torch.Tensor, local: torch.Tensor) -> None:
     the bit would hand the raw, unconjugated values to every later op (f*f instead of
     conj(f)*f).
     """
-    torch._C._set_conj(wrapper, local.is_conj())
-    torch._C._set_neg(wrapper, local.is_neg())
+    set_conj(wrapper, local.is_conj())
+    set_neg(wrapper, local.is_neg())
 
 
 def restride_wrapper(wrapper: torch.Tensor, size: Sequence[int], stride: Sequence[int]) -> None:
@@ -33,5 +35,5 @@ def restride_wrapper(wrapper: torch.Tensor, size: Sequence[int], stride: Sequenc
     and that call must reach torch's kernel, not our __torch_function__ / __torch_dispatch__
     (which would plan it as a sharded op). torch has no public switch for the latter.
     """
-    with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+    with DisableTorchFunctionSubclass(), DisableTorchDispatch():
         torch.ops.aten.as_strided_(wrapper, size, stride, wrapper.storage_offset())

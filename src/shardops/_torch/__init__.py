@@ -6,6 +6,13 @@ functional collectives; `autograd`: the engine's end-of-backward callback). Each
 known for, and checks for the internals they need when installed: a missing one raises
 `TorchInternalMissing` naming the hook and the running torch, never a silent fallback.
 
+Modules that only read torch's internals change nothing and install nothing (`dispatch`: operator
+types, the torch-function and dispatch switches, wrapper subclasses; `pytree`: nested containers;
+`distributed`: torch DTensor's private placements; `serialization`: the records torch.save writes).
+They bind each internal once, through `internal()`, at import or first use, so a torch without it
+fails there with the same TorchInternalMissing; the hot paths then use a plain module-level name.
+Outside this package, src/shardops names no private torch API (tests/test_compile_seam.py).
+
 Importing shardops changes nothing in torch. `install()` puts every hook in place, once per
 process; shardops calls it where torch must behave as shardops promises: `so.run`, and
 every `DeviceMesh` (so `init_device_mesh`, a mesh from torch's, and any DTensor, which has one).
@@ -53,6 +60,25 @@ def require(hook: Hook, owner: Any, attribute: str, owner_name: str) -> Any:
             f"{torch.__version__} does not have; the hook is known for torch {', '.join(hook.known_for)}. "
             "Install one of those torch versions, or report this torch version to shardops."
         ) from None
+
+
+def internal(hook: Hook, dotted: str) -> Any:
+    """The object torch calls `dotted` ("torch._C.DisableTorchFunctionSubclass", "torch.utils._pytree.tree_map"),
+    imported as far as a module goes and read attribute by attribute after; a TorchInternalMissing
+    naming the hook and the running torch when any part of it is missing."""
+    parts = dotted.split(".")
+    owner: Any = None
+    for i in range(len(parts), 0, -1):  # the longest importable module prefix
+        try:
+            owner = importlib.import_module(".".join(parts[:i]))
+            break
+        except ImportError:
+            continue
+    if owner is None:
+        raise TorchInternalMissing(f"shardops hook {hook.name!r} ({hook.purpose}) needs {dotted}: no part of it imports")
+    for j in range(i, len(parts)):
+        owner = require(hook, owner, parts[j], ".".join(parts[:j]))
+    return owner
 
 
 def install() -> None:

@@ -20,6 +20,7 @@ from typing import IO, Any
 
 import torch
 
+from .._torch.serialization import REBUILD_MODULE, REBUILD_TENSOR_V2, REBUILD_TENSOR_V3
 from ..errors import ShardingError
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header: 30 bytes, then name and extra field
@@ -97,9 +98,9 @@ class _HeaderUnpickler(pickle.Unpickler):
     """Reads a plain tensor's record from data.pkl without touching its storage bytes."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+        if (module, name) == (REBUILD_MODULE, REBUILD_TENSOR_V2):
             return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride), None)
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+        if (module, name) == (REBUILD_MODULE, REBUILD_TENSOR_V3):
             return lambda storage, offset, size, stride, requires_grad, hooks, dtype, *rest: ("tensor", storage, offset, tuple(size), tuple(stride), dtype)
         if module == "torch" and name.endswith("Storage"):
             return name

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
+from .._torch import pytree
+from .._torch.dispatch import OpOverload, OpOverloadPacket
 from ..errors import NoShardingStrategyError, ShardingError
 from ..placements import Replicate
 from .. import caches
@@ -93,9 +94,9 @@ _ALLOW_ALIASES = {
 def op_name(op: Any) -> str:
     """The name strict mode and `allow_replicate` know an op by: its aten name without overload
     (aten._linalg_svd.default -> "_linalg_svd"); torch-level names map to the aten op that gathers."""
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         name = op._schema.name
-    elif isinstance(op, torch._ops.OpOverloadPacket):
+    elif isinstance(op, OpOverloadPacket):
         name = op._qualified_op_name
     elif isinstance(op, str):
         name = op

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .._torch.dispatch import DisableTorchFunctionSubclass, OpOverload, OpOverloadPacket
 from ..planner.rows import Row
 from .schema import CallSignature, OpSchema
 
@@ -55,10 +56,10 @@ OVERWRITES_SELF: set[Any] = set()
 COPYING_VIEW_ALGORITHMS: set[Callable[..., Any]] = set()
 
 
-def _overloads(ops: Iterable[Any]) -> list[torch._ops.OpOverload]:
+def _overloads(ops: Iterable[Any]) -> list[OpOverload]:
     out = []
     for op in ops:
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, OpOverloadPacket):
             out.extend(getattr(op, name) for name in op.overloads())
         else:
             out.append(op)
@@ -136,7 +137,7 @@ def call_default(func, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
 
-_NO_SUBCLASS_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+_NO_SUBCLASS_TORCH_FUNCTION = DisableTorchFunctionSubclass
 
 
 def torch_entry(func: Any, signature: CallSignature, parse: Parse, apply: Callable[..., Any]) -> Callable[..., Any]:

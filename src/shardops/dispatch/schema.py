@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._torch.dispatch import OpOverload
 from ..errors import ShardingError
 from .. import caches
 from ..spec import TensorSpec
@@ -25,7 +26,7 @@ _BINDINGS: dict[Any, tuple[list[str], dict[str, Any], set[str]]] = {}
 caches.register("signature bindings", _BINDINGS.clear)
 
 
-def _binding(op: torch._ops.OpOverload) -> tuple[list[str], dict[str, Any], set[str]]:
+def _binding(op: OpOverload) -> tuple[list[str], dict[str, Any], set[str]]:
     """Argument names, defaults, and kwarg-only names of an aten overload (cached)."""
     b = _BINDINGS.get(op)
     if b is None:
@@ -44,7 +45,7 @@ def _binding(op: torch._ops.OpOverload) -> tuple[list[str], dict[str, Any], set[
 class OpSchema:
     """An op call with every DTensor replaced by its TensorSpec."""
 
-    op: torch._ops.OpOverload
+    op: OpOverload
     args: tuple  # positional args, DTensors replaced by TensorSpec (nested lists too)
     kwargs: dict[str, Any]
     tensor_specs: tuple[TensorSpec, ...]  # every tensor operand, in flattening order
@@ -133,7 +134,7 @@ class CallSignature:
         self._shapes: dict[tuple, tuple[tuple[str, ...], dict[str, Any]] | None] = {}
 
     @classmethod
-    def of_op(cls, op: torch._ops.OpOverload) -> "CallSignature":
+    def of_op(cls, op: OpOverload) -> "CallSignature":
         """An aten overload's signature, from its schema (the names rules read through OpSchema.arg)."""
         params = []
         for a in op._schema.arguments:

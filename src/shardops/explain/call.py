@@ -6,8 +6,8 @@ import time
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from .._torch import pytree
 from ..dispatch import core, registry
 from ..errors import ShardingError
 from ..mesh import DeviceMesh

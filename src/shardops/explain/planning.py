@@ -10,8 +10,8 @@ from collections import Counter
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from .._torch import pytree
 from ..dispatch.core import plan_op
 from ..planner.choice import with_plans
 from ..planner.rows import Candidate

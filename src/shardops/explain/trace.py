@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._torch.dispatch import TorchDispatchMode
 from ..dispatch import registry
 from ..errors import ShardingError
 from ..spec import TensorSpec

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.autograd.graph import register_multi_grad_hook
 
+from .._torch import pytree
 from .._torch.autograd import queue_end_of_backward
 from ._unit import FSDPUnit
 

@@ -1,7 +1,7 @@
 """Conversion to and from torch.distributed.tensor.DTensor, without moving data.
 
 The layouts are the same, so a conversion only re-labels the local shard. This is
-the one module of the library that touches torch's private placement classes.
+the one module of the library that uses torch's private placement classes (through shardops._torch.distributed).
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .._torch.distributed import norm_partial_class, strided_shard_class
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
@@ -20,27 +21,22 @@ from ..wrapping import local_of, spec_of, wrap
 
 def _torch_placement(p: Placement) -> Any:
     from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate, Shard as TShard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     if isinstance(p, StridedShard):
-        return _StridedShard(p.dim, split_factor=p.split_factor)
+        return strided_shard_class()(p.dim, split_factor=p.split_factor)
     if isinstance(p, Shard):
         return TShard(p.dim)
     if isinstance(p, Replicate):
         return TReplicate()
     if isinstance(p, NormPartial):
-        from torch.distributed.tensor._ops._math_ops import _NormPartial
-
-        return _NormPartial(norm_type=p.norm_type)
+        return norm_partial_class()(norm_type=p.norm_type)
     if isinstance(p, Partial):
         return TPartial(p.reduce_op)
     raise ShardingError(f"to_torch: no torch placement for {p!r}")
 
 
 def _our_placement(p: Any) -> Placement:
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if isinstance(p, _StridedShard):
+    if isinstance(p, strided_shard_class()):
         return StridedShard(p.dim, int(p.split_factor))
     if p.is_shard():
         return Shard(p.dim)

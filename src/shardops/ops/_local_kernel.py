@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .._torch.dispatch import OpOverload
+
 
 def local_output_shapes(ctx) -> list[tuple[int, ...]]:
     """This rank's shape of each output of the decision (from the output specs: no data needed)."""
@@ -28,7 +30,7 @@ def any_empty(tensors: Sequence[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors)
 
 
-def with_arg(op: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
+def with_arg(op: OpOverload, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
     """(args, kwargs) with the argument `name` of `op` set to `value`, wherever the call passed it."""
     names = [a.name for a in op._schema.arguments]
     i = names.index(name)
@@ -37,7 +39,7 @@ def with_arg(op: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str, va
     return args, {**kwargs, name: value}
 
 
-def arg_of(op: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str) -> Any:
+def arg_of(op: OpOverload, args: tuple, kwargs: dict, name: str) -> Any:
     """The argument `name` as the call passed it (its schema default otherwise)."""
     for i, a in enumerate(op._schema.arguments):
         if a.name == name:

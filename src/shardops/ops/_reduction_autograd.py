@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
+from .._torch.dispatch import DisableTorchFunctionSubclass
 from ..dispatch.registry import torch_level
 from ..dispatch.schema import CallSignature
 from ..errors import ShardingError
@@ -98,7 +99,7 @@ class ShardedReduction(torch.autograd.Function):
             # (reduce_scatter then gather, or all_reduce) can round differently, and then `x == result`
             # would miss the extreme. The backward would have to resolve x anyway.
             x = resolve_partials(x)
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             out = call.func(x, *call.args, **(call.kwargs or {}))
         outs = tuple(out) if isinstance(out, tuple) else (out,)
         ctx.call, ctx.x_spec = call, spec_of(x)

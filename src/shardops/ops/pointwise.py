@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._torch.dispatch import OpOverload, OpOverloadPacket, all_op_names
 from ..dispatch.registry import decomposition, strategy
 from ..dispatch.schema import OpSchema, is_none, scalar_sign
 from ..planner.rows import Row, row
@@ -135,17 +136,17 @@ def _strided_rows(schema: OpSchema) -> list[Row]:
     return rows
 
 
-def _aten_packets() -> list[tuple[str, torch._ops.OpOverloadPacket]]:
+def _aten_packets() -> list[tuple[str, OpOverloadPacket]]:
     """Every aten packet (dir(aten) lists only the ones already touched)."""
-    names = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")})
+    names = sorted({n.split("::")[1].split(".")[0] for n in all_op_names() if n.startswith("aten::")})
     return [(n, getattr(aten, n)) for n in names]
 
 
-def _tagged_pointwise() -> list[torch._ops.OpOverload]:
+def _tagged_pointwise() -> list[OpOverload]:
     """Every aten overload tagged pointwise (equal is tagged too, but returns one bool for the whole tensor)."""
     ops = []
     for name, packet in _aten_packets():
-        if name == "equal" or not isinstance(packet, torch._ops.OpOverloadPacket):
+        if name == "equal" or not isinstance(packet, OpOverloadPacket):
             continue
         ops += [getattr(packet, ov) for ov in packet.overloads() if torch.Tag.pointwise in getattr(packet, ov).tags]
     return ops
@@ -193,7 +194,7 @@ def _register_foreach() -> None:
         single_name = name[len("_foreach_") :]
         single = getattr(aten, single_name, None)
         packet = getattr(aten, name)
-        if single is None or not isinstance(packet, torch._ops.OpOverloadPacket):
+        if single is None or not isinstance(packet, OpOverloadPacket):
             continue
         for ov in packet.overloads():
             op = getattr(packet, ov)

@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
+from .._torch import pytree
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._torch import pytree
+from .._torch.dispatch import TorchDispatchMode
 from .loop import Steps, batch
 from .config import RunSpec, build, plan
 

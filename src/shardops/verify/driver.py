@@ -19,8 +19,9 @@ from itertools import groupby
 from typing import Any, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
+from .._torch import pytree
+from .._torch.dispatch import OpOverload
 from ..dispatch import core, registry
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
@@ -61,7 +62,7 @@ def algorithm_labels(target: Target, prepared: Sequence[Prepared]) -> list[set[s
     found by a probe run of its float64 samples (values only, Replicate inputs).
     """
     fn = target.fn
-    if isinstance(fn, torch._ops.OpOverload):
+    if isinstance(fn, OpOverload):
         return _planned_labels(fn, prepared) if fn in registry.RULES else [set() for _ in prepared]
     return _probed_labels(target, prepared)
 

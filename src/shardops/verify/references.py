@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from .._torch import pytree
 from ..notation import tensor_text
 from . import samples
 from .targets import Target

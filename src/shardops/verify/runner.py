@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
+from .._torch import pytree
 from ..errors import CollectiveError
 from ..tensor import DTensor
 from ..world import current_comm, run

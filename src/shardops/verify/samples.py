@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .._torch.dispatch import OpOverload, OpOverloadPacket
 from ..comm.base import reduce_stack
 from ..placements import NormPartial, Placement
 
@@ -772,7 +773,7 @@ REFERENCES: dict[str, Callable[..., Any]] = {
 
 def reference_for(op) -> Callable[..., Any] | None:
     """A single-device reference for ops torch cannot run on CPU (None: call the op itself)."""
-    return REFERENCES.get(f"{packet_name(op)}.{op._overloadname}") if isinstance(op, torch._ops.OpOverload) else None
+    return REFERENCES.get(f"{packet_name(op)}.{op._overloadname}") if isinstance(op, OpOverload) else None
 
 
 def torch_generator(fn) -> Callable[..., Sample | None] | None:
@@ -781,7 +782,7 @@ def torch_generator(fn) -> Callable[..., Sample | None] | None:
     if name in TORCH_SAMPLES:
         return TORCH_SAMPLES[name]
     packet = getattr(aten, name, None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    if not isinstance(packet, OpOverloadPacket):
         return None
     overloads = [getattr(packet, o) for o in packet.overloads()]
     gens = [(op, generator_for(op)) for op in overloads if generator_for(op) is not None and not _is_out(op)]

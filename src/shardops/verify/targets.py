@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .._torch.dispatch import OpOverload
 from ..dispatch import core, registry
 from ..notation import callable_name
 from . import samples
@@ -54,7 +55,7 @@ def _is_random(fn) -> bool:
 
     if fn in RANDOM_ENTRIES:
         return True
-    return isinstance(fn, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in fn.tags and str(fn) not in _DETERMINISTIC_WHEN_SAMPLED
+    return isinstance(fn, OpOverload) and torch.Tag.nondeterministic_seeded in fn.tags and str(fn) not in _DETERMINISTIC_WHEN_SAMPLED
 
 
 def discover() -> tuple[list[Target], dict[str, int]]:
@@ -64,7 +65,7 @@ def discover() -> tuple[list[Target], dict[str, int]]:
     sources = [(registry.RULES, "rule"), (registry.REPLICATE_ONLY, "replicate"), (registry.DECOMPOSITIONS, "decomposition")]
     for ops, kind in sources:
         for op in list(ops):
-            if not isinstance(op, torch._ops.OpOverload):
+            if not isinstance(op, OpOverload):
                 continue
             if core.out_arg_names(op):
                 skipped["out= variants"] += 1
@@ -84,7 +85,7 @@ def discover() -> tuple[list[Target], dict[str, int]]:
         if getattr(registry.TORCH_FUNCTIONS[fn], "guard_only", False):
             skipped[GUARD_SKIP] += 1
             continue
-        if isinstance(fn, torch._ops.OpOverload):  # an aten op intercepted before dispatch: verify calls it as such
+        if isinstance(fn, OpOverload):  # an aten op intercepted before dispatch: verify calls it as such
             found.setdefault(str(fn), aten_target(fn, "torch_function"))
             continue
         name = callable_name(fn)
