@@ -561,6 +561,126 @@ def test_state_dict_is_sharded_under_the_original_names(tmp_path):
             torch.testing.assert_close(loaded[k], trained[k], rtol=0, atol=0)
 
 
+def _sharded_model(torch_side: bool, seed: int, tp: bool):
+    """The test model under torch's fully_shard or shardops', with its AdamW: pure FSDP on (4,), or
+    (dp=2, tp=2) with the blocks' MLPs tensor-parallel (torch's StridedShard layout on both sides)."""
+    if torch_side:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as shard
+        from torch.distributed.tensor.parallel import ColwiseParallel as Col, RowwiseParallel as Row, parallelize_module as parallelize
+    else:
+        init_device_mesh, shard, Col, Row, parallelize = so.init_device_mesh, fully_shard, ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2) if tp else (4,), mesh_dim_names=("dp", "tp") if tp else ("dp",))
+    model = _model(seed)
+    if tp:
+        for block in model.blocks:
+            parallelize(block, mesh["tp"], {"w1": Col(), "w2": Row()})
+    for block in model.blocks:
+        shard(block, mesh=mesh["dp"])
+    shard(model, mesh=mesh["dp"])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, tp: bool) -> None:
+    dp, rank = (2, torch.distributed.get_rank() // 2) if tp else (4, torch.distributed.get_rank())
+    per = BATCH // dp
+    opt.zero_grad()
+    _loss(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+    opt.step()
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Full parameters and full AdamW state by parameter name (either side's DTensors)."""
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    params = {n: whole(p) for n, p in model.named_parameters()}
+    state = {n: {k: whole(v) for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    return {"params": params, "optim": state}
+
+
+def _save(model: nn.Module, opt: torch.optim.Optimizer, how: str, path: str) -> None:
+    if how == "shardops":
+        so.checkpoint.save({"model": model, "optim": opt}, path)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+
+def _load(model: nn.Module, opt: torch.optim.Optimizer, how: str, path: str) -> None:
+    if how == "shardops":
+        so.checkpoint.load({"model": model, "optim": opt}, path)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+# (saved by, saved with, loaded by, loaded with, tensor parallel): torch's DCP both ways, and
+# shardops.checkpoint's files (DCP's format) read by torch and torch's read by shardops.checkpoint
+INTEROP = [
+    ("torch", "dcp", "shardops", "dcp", False),
+    ("torch", "dcp", "shardops", "shardops", False),
+    ("shardops", "dcp", "torch", "dcp", False),
+    ("shardops", "shardops", "torch", "dcp", False),
+    ("torch", "dcp", "shardops", "shardops", True),
+    ("shardops", "shardops", "torch", "dcp", True),
+]
+
+
+def _interop_rank(root: str):
+    """Each case: the saver trains a step and saves model and AdamW state; a fresh model of the
+    other side (other initial weights) loads it; both then train two more steps."""
+    data = _data(3)
+    out = []
+    for i, (saver, saved_with, loader, loaded_with, tp) in enumerate(INTEROP):
+        path = f"{root}/{i}"
+        src, src_opt = _sharded_model(saver == "torch", 0, tp)
+        _step(src, src_opt, *data[0], tp)
+        _save(src, src_opt, saved_with, path)
+        saved = _snapshot(src, src_opt)
+        dst, dst_opt = _sharded_model(loader == "torch", 5, tp)
+        _load(dst, dst_opt, loaded_with, path)
+        loaded = _snapshot(dst, dst_opt)
+        kinds = {type(p).__module__.split(".")[0] for p in dst.parameters()}
+        layout = [type(p).__name__.lstrip("_") for p in dst.blocks[0].w1.weight.placements]
+        for x, y in data[1:]:
+            _step(src, src_opt, x, y, tp)
+            _step(dst, dst_opt, x, y, tp)
+        out.append((saved, loaded, kinds, layout, _snapshot(src, src_opt)["params"], _snapshot(dst, dst_opt)["params"]))
+    return out
+
+
+def test_checkpoints_interoperate_with_torch_fully_shard(tmp_path):
+    """torch fully_shard -> shardops fully_shard and back, 4 gloo processes, model and AdamW state:
+    through torch's DCP (get/set_model_state_dict, get/set_optimizer_state_dict) and through
+    shardops.checkpoint. The loaded parameters and optimizer state equal the saver's exactly, and
+    two more steps on each side stay equal (1e-5)."""
+    from mp import run_gloo
+
+    names = set(dict(_model().named_parameters()))
+    for rank_cases in run_gloo(_interop_rank, 4, str(tmp_path), timeout=600):
+        for (saver, saved_with, loader, loaded_with, tp), (saved, loaded, kinds, layout, src_after, dst_after) in zip(INTEROP, rank_cases):
+            case = f"{saver} {saved_with} -> {loader} {loaded_with}" + (" (dp=2, tp=2)" if tp else "")
+            assert kinds == {"shardops" if loader == "shardops" else "torch"}, case
+            assert layout == (["StridedShard", "Shard"] if tp else ["Shard"]), case
+            assert set(saved["params"]) == set(loaded["params"]) == names, case
+            for name, p in saved["params"].items():
+                torch.testing.assert_close(loaded["params"][name], p, rtol=0, atol=0, msg=f"{case}: {name}")
+                assert set(loaded["optim"][name]) == set(saved["optim"][name]) == {"step", "exp_avg", "exp_avg_sq"}, case
+                for key, v in saved["optim"][name].items():
+                    torch.testing.assert_close(loaded["optim"][name][key], v, rtol=0, atol=0, msg=f"{case}: {name} {key}")
+            for name, p in src_after.items():
+                torch.testing.assert_close(dst_after[name], p, rtol=TOL, atol=TOL, msg=f"{case}: {name} after two more steps")
+
+
 # ------------------------------------------------------------------ memory (gloo processes)
 
 MEM_WIDTH, MEM_LAYERS = 256, 6
