@@ -1,6 +1,6 @@
 """Data parallelism: shardops' fully_shard / replicate beside torch's fully_shard / DDP, as gloo processes.
 
-    python -m benchmarks.fsdp [--dim 512] [--layers 8] [--seq 256] [--batch 4] [--steps 3] [--world 4]
+    python -m benchmarks.fsdp [--dim 512] [--layers 8] [--seq 256] [--batch 4] [--steps 3] [--world 4] [--only fsdp|ddp]
 
 The LLaMA-style model of `shardops.models` (float32, AdamW), pure data parallelism over
 `--world` gloo processes, every side in the same run: torch `fully_shard` (FSDP2, a unit per
@@ -97,8 +97,15 @@ def _side(side: str, args: argparse.Namespace) -> dict:
     return {"ms": 1000 * statistics.median(times), "peak": max(int(p) for p in peaks)}
 
 
+PAIRS = {"fsdp": ("shardops fully_shard", "torch fully_shard"), "ddp": ("shardops replicate", "torch DDP")}
+
+
+def _sides(args: argparse.Namespace) -> list[str]:
+    return [s for s in SIDES if args.only is None or s in PAIRS[args.only]]
+
+
 def _rank(args: argparse.Namespace) -> dict:
-    return {side: _side(side, args) for side in SIDES}
+    return {side: _side(side, args) for side in _sides(args)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,15 +117,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--only", choices=sorted(PAIRS), help="one pair: fully_shard's or DDP's (default: both)")
     args = parser.parse_args(argv)
     results = launch.run_gloo(_rank, args.world, args, timeout=3600)[0]
     params = sum(p.numel() for p in _model(args).parameters())
     print(f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, {params / 1e6:.1f}M parameters, {args.world} gloo processes")
     print("| side | ms/step | peak tracked MiB/rank |\n|---|---|---|")
-    for side in SIDES:
+    for side in _sides(args):
         r = results[side]
         print(f"| {side} | {r['ms']:.0f} | {r['peak'] / 2**20:.1f} |")
-    for ours, theirs in (("shardops fully_shard", "torch fully_shard"), ("shardops replicate", "torch DDP")):
+    for key, (ours, theirs) in PAIRS.items():
+        if args.only not in (None, key):
+            continue
         print(f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory {results[ours]['peak'] / results[theirs]['peak']:.2f}x")
 
 

@@ -350,6 +350,22 @@ def test_replicate_trains_as_single_device_with_bucketed_all_reduces(strict, cap
         _check(ours, ref)
 
 
+def _replicate_overlap_rank():
+    """One bucket per parameter: how many buckets' all_reduces are started and not yet waited for
+    when the first layer's gradient is computed (backward goes on while they travel)."""
+    from shardops.fsdp.replicate import STATE_ATTR
+
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = replicate(_model(seed=mesh.get_rank()), device_mesh=mesh, bucket_cap_mb=1 / 2**20)
+    buckets = model.__dict__[STATE_ATTR].buckets
+    in_flight = []
+    model.inp.weight.register_hook(lambda g: in_flight.append(sum(b.work is not None and not b.work.is_completed() for b in buckets)))
+    x, y = (_batch_slice(mesh, "dp", t) for t in _data(1)[0])
+    with so.CommDebugMode() as bwd:
+        _loss(model, x, y).backward()
+    return in_flight[0], bwd.log, _train(model, mesh, "dp")
+
+
 def test_replicate_syncs_parameters_from_the_first_rank(strict):
     def rank():
         mesh = so.init_device_mesh("cpu", (4,))
@@ -501,24 +517,35 @@ def _side_by_side(torch_side: bool, param_dtype, steps: int = 5) -> dict:
 
 def _gloo_rank():
     so.set_strict(True)
+    replicated = _replicate_overlap_rank()
     pure = _fsdp_rank(None)
     _, _, fwd, bwd, _ = _counting_rank(None, None)
     dp_tp, layout = _fsdp_tp_rank()
     runs = {(side, str(dtype)): _side_by_side(side == "torch", dtype) for side in ("torch", "shardops") for dtype in (None, torch.bfloat16)}
-    return pure, fwd, bwd, dp_tp, layout, runs
+    return pure, fwd, bwd, dp_tp, layout, runs, replicated
 
 
-def test_fully_shard_in_gloo_processes_and_beside_torch_fully_shard():
+def test_fully_shard_and_replicate_in_gloo_processes_and_beside_torch_fully_shard():
     """The same programs in 4 gloo processes: training equals single-device, the collective log
-    (logical and wire bytes) equals the threads world's; beside torch's own fully_shard on the same
+    (logical and wire bytes) equals the threads world's; replicate's bucket all_reduces travel
+    while backward goes on; beside torch's own fully_shard on the same
     model and batches, 5 AdamW steps: float32 equal within 1e-5 (losses, every step's gradients,
     parameters), bf16 parameters with float32 reduction within 1e-3 (losses) and 2e-2
     (gradients), gathering half of float32's bytes."""
     from mp import run_gloo
 
     ref = _reference()
+    params = list(_model().parameters())
     threads = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, None)}
-    for rank, (pure, fwd, bwd, dp_tp, layout, runs) in enumerate(run_gloo(_gloo_rank, 4, timeout=600)):
+    for in_flight, log, _ in so.run(_replicate_overlap_rank, 4):
+        assert in_flight == 0  # the threads world completes each all_reduce when it starts
+        assert [k for k, _ in log] == ["all_reduce"] * len(params) and sum(n for _, n in log) == sum(p.numel() for p in params) * 4
+    for rank, (pure, fwd, bwd, dp_tp, layout, runs, replicated) in enumerate(run_gloo(_gloo_rank, 4, timeout=600)):
+        in_flight, replicate_log, replicate_run = replicated
+        # replicate: every bucket but the first layer's two still travelling while its backward runs
+        assert in_flight >= len(params) - 2
+        assert replicate_log == log  # one all_reduce per bucket, Ψ·4 bytes in all, as in the threads world
+        _check(replicate_run, ref)
         _check(pure, ref)
         _check(dp_tp, ref)
         assert (fwd, bwd) == threads[rank]

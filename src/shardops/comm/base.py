@@ -106,6 +106,29 @@ class P2PWork:
         return self._done
 
 
+class CollectiveWork:
+    """A started collective (`Communicator.all_reduce_async`): `wait()` returns its result,
+    the same tensor the synchronous call returns. Waiting twice returns the same tensor."""
+
+    def __init__(self, wait: Callable[[], torch.Tensor]) -> None:
+        self._wait: Callable[[], torch.Tensor] | None = wait
+        self._result: torch.Tensor | None = None
+
+    @classmethod
+    def done(cls, result: torch.Tensor) -> "CollectiveWork":
+        work = cls(lambda: result)
+        work.wait()
+        return work
+
+    def wait(self) -> torch.Tensor:
+        if self._wait is not None:
+            self._result, self._wait = self._wait(), None
+        return self._result  # type: ignore[return-value]
+
+    def is_completed(self) -> bool:
+        return self._wait is None
+
+
 # ------------------------------------------------------------------ protocol
 
 
@@ -128,6 +151,18 @@ class Communicator:
             return _traceable().all_reduce(self, t, op, group)
         record("all_reduce", nbytes(t))
         return self._all_reduce(t.contiguous(), op, group)
+
+    def all_reduce_async(self, t: torch.Tensor, op: str, group: Group) -> CollectiveWork:
+        """Start `all_reduce(t, op, group)` and return at once; the work's `wait()` returns its
+        result. `t` is handed over, as to torch's `all_reduce(async_op=True)`: a world may reduce
+        into it (torch.distributed does), so neither read nor write it before `wait()`. Counted
+        when started. Members start their async collectives in the same order, as any
+        collectives. A world without asynchronous collectives (threads) completes it here."""
+        _check_op(op)
+        if group.size == 1 or (type(t) is not torch.Tensor and _traced(t)):
+            return CollectiveWork.done(self.all_reduce(t, op, group))
+        record("all_reduce", nbytes(t))
+        return self._all_reduce_async(t.contiguous(), op, group)
 
     def all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
         """Every member's tensor, in group order. `shapes`: each member's shape (default: all like `t`)."""
@@ -242,6 +277,9 @@ class Communicator:
     # -- world-specific
     def _all_reduce(self, t, op, group):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _all_reduce_async(self, t: torch.Tensor, op: str, group: Group) -> CollectiveWork:
+        return CollectiveWork.done(self._all_reduce(t, op, group))
 
     def _all_gather(self, t, group, shapes):  # pragma: no cover - abstract
         raise NotImplementedError

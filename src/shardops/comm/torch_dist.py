@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .base import Communicator, Group, P2POp, P2PWork, natively_reducible as _natively_reducible, reduce_stack
+from .base import CollectiveWork, Communicator, Group, P2POp, P2PWork, natively_reducible as _natively_reducible, reduce_stack
 from .wire import pack_padded
 
 _TORCH_OPS = {
@@ -205,6 +205,29 @@ class TorchDistCommunicator(Communicator):
         _c10d("all_reduce", g, dist.all_reduce, wire, op=_wire_op(t.dtype, op))
         return finish(wire)
 
+    def _all_reduce_async(self, t: torch.Tensor, op: str, group: Group) -> CollectiveWork:
+        """c10d's all_reduce with async_op=True: the backend's threads run it (gloo: its worker
+        threads), this rank's thread goes on computing until `wait()`."""
+        g = self._resolve(group)
+        if not _natively_reducible(t.dtype, op):
+            return super()._all_reduce_async(t, op, group)
+        # the caller handed `t` over: reduced in place where it travels as it is (no private copy)
+        wire, finish = (t, lambda w: w) if _travels_as_is(t, op) else _to_wire(t, op, group.size)
+        _check_backend_carries("all_reduce", g, wire.device)
+        try:
+            work = dist.all_reduce(wire, op=_wire_op(t.dtype, op), group=g.pg, async_op=True)
+        except RuntimeError as e:
+            raise _collective_error("all_reduce", g, e) from e
+
+        def wait() -> torch.Tensor:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise _collective_error("all_reduce", g, e) from e
+            return finish(wire)
+
+        return CollectiveWork(wait)
+
     def _all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> list[torch.Tensor]:
         g = self._resolve(group)
         numels = [math.prod(s) for s in shapes]
@@ -359,6 +382,11 @@ def _to_wire(t: torch.Tensor, op: str, n: int) -> tuple[torch.Tensor, Callable[[
     if op != "avg":
         return wire, lambda w: w
     return wire, lambda w: w / n if w.is_floating_point() else w // n
+
+
+def _travels_as_is(t: torch.Tensor, op: str) -> bool:
+    """Whether the backend reduces `t` itself (no uint8/real view, no division afterwards)."""
+    return op != "avg" and t.dtype != torch.bool and not t.is_complex()
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
