@@ -248,6 +248,41 @@ def test_collectives_per_step_exact(strict, reshard_after_forward):
         assert step_counts == 0  # nothing left for the optimizer step
 
 
+def _prefetch_rank():
+    """Explicit prefetching (torchtitan's forward and backward chains): whether the next block's
+    gather is started and not yet waited for while the current block computes, the step's
+    collectives, and training."""
+    from shardops.fsdp._state import unit_of
+
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = _shard_blocks(_model(), mesh=mesh)
+    b0, b1 = model.blocks
+    model.set_modules_to_forward_prefetch([b0])
+    b0.set_modules_to_forward_prefetch([b1])
+    b1.set_modules_to_backward_prefetch([b0])
+    in_flight = []
+
+    def record(unit):
+        return lambda *_: in_flight.append(unit.gathering is not None and not unit.gathering.is_completed())
+
+    b0.norm.register_forward_hook(record(unit_of(b1)))  # b0 computes while b1's gather travels
+    b1.w2.register_full_backward_hook(record(unit_of(b0)))  # b1's backward computes while b0's travels
+    x, y = (_batch_slice(mesh, "dp", t) for t in _data(1)[0])
+    with so.CommDebugMode() as comm:
+        _loss(model, x, y).backward()
+    model.zero_grad(set_to_none=True)
+    return in_flight[:2], sorted(comm.log), _train(model, mesh, "dp")
+
+
+def test_explicit_prefetch_trains_the_same_with_the_same_collectives(strict):
+    ref = _reference()
+    plain = {r: sorted(f + b) for r, _, (f, _), (b, _), _ in so.run(_counting_rank, 4, None, None)}
+    for rank, (in_flight, log, ours) in enumerate(so.run(_prefetch_rank, 4)):
+        assert in_flight == [False, False]  # the threads world completes a gather when it starts
+        assert log == plain[rank]
+        _check(ours, ref)
+
+
 def test_mixed_precision_gathers_half_the_bytes(strict):
     full = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, None)}
     half = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, torch.bfloat16)}
@@ -518,17 +553,18 @@ def _side_by_side(torch_side: bool, param_dtype, steps: int = 5) -> dict:
 def _gloo_rank():
     so.set_strict(True)
     replicated = _replicate_overlap_rank()
+    prefetched = _prefetch_rank()
     pure = _fsdp_rank(None)
     _, _, fwd, bwd, _ = _counting_rank(None, None)
     dp_tp, layout = _fsdp_tp_rank()
     runs = {(side, str(dtype)): _side_by_side(side == "torch", dtype) for side in ("torch", "shardops") for dtype in (None, torch.bfloat16)}
-    return pure, fwd, bwd, dp_tp, layout, runs, replicated
+    return pure, fwd, bwd, dp_tp, layout, runs, replicated, prefetched
 
 
 def test_fully_shard_and_replicate_in_gloo_processes_and_beside_torch_fully_shard():
     """The same programs in 4 gloo processes: training equals single-device, the collective log
-    (logical and wire bytes) equals the threads world's; replicate's bucket all_reduces travel
-    while backward goes on; beside torch's own fully_shard on the same
+    (logical and wire bytes) equals the threads world's; replicate's bucket all_reduces and
+    fully_shard's explicit prefetches travel while computation goes on; beside torch's own fully_shard on the same
     model and batches, 5 AdamW steps: float32 equal within 1e-5 (losses, every step's gradients,
     parameters), bf16 parameters with float32 reduction within 1e-3 (losses) and 2e-2
     (gradients), gathering half of float32's bytes."""
@@ -540,7 +576,11 @@ def test_fully_shard_and_replicate_in_gloo_processes_and_beside_torch_fully_shar
     for in_flight, log, _ in so.run(_replicate_overlap_rank, 4):
         assert in_flight == 0  # the threads world completes each all_reduce when it starts
         assert [k for k, _ in log] == ["all_reduce"] * len(params) and sum(n for _, n in log) == sum(p.numel() for p in params) * 4
-    for rank, (pure, fwd, bwd, dp_tp, layout, runs, replicated) in enumerate(run_gloo(_gloo_rank, 4, timeout=600)):
+    for rank, (pure, fwd, bwd, dp_tp, layout, runs, replicated, prefetched) in enumerate(run_gloo(_gloo_rank, 4, timeout=600)):
+        in_flight, prefetch_log, prefetch_run = prefetched
+        assert in_flight == [True, True]  # explicit prefetches travel while the current block computes
+        assert prefetch_log == sorted(fwd[0] + bwd[0])  # the same collectives, started earlier
+        _check(prefetch_run, ref)
         in_flight, replicate_log, replicate_run = replicated
         # replicate: every bucket but the first layer's two still travelling while its backward runs
         assert in_flight >= len(params) - 2
