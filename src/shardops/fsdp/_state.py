@@ -2,8 +2,9 @@
 
     pre-forward    the root's first forward finds every unit below it (lazy init); unshard
                    (one all_gather, or finish its prefetch); start gathering
-                   set_modules_to_forward_prefetch's units; an autograd function on the inputs that need a gradient
-                   runs the unit's post-backward once their gradients are computed
+                   set_modules_to_forward_prefetch's units; an autograd function on the
+                   inputs that need a gradient runs the unit's post-backward once their
+                   gradients are computed
     post-forward   reshard if reshard_after_forward (free the unsharded storage); a hook on
                    the outputs' gradients runs the unit's pre-backward
     pre-backward   unshard again if resharded (finishing a prefetch); the root queues its
