@@ -1,11 +1,12 @@
 """Data parallelism: shardops' fully_shard / replicate beside torch's fully_shard / DDP, as gloo processes.
 
-    python -m benchmarks.fsdp [--dim 512] [--layers 8] [--seq 256] [--batch 4] [--steps 3] [--world 4]
+    python -m benchmarks.fsdp [--dim 512] [--layers 8] [--seq 256] [--batch 4] [--steps 3] [--world 4] [--only fsdp|ddp]
 
 The LLaMA-style model of `shardops.models` (float32, AdamW), pure data parallelism over
 `--world` gloo processes, every side in the same run: torch `fully_shard` (FSDP2, a unit per
-block and the root) against shardops `fully_shard` (the same units), torch DDP against shardops
-`replicate` (25 MB buckets). Per side: the median step time of the slowest rank (forward,
+block and the root) against shardops `fully_shard` (the same units; and with torchtitan's
+explicit prefetch chains: each block's gather starts while the previous one computes, both
+ways), torch DDP against shardops `replicate` (25 MB buckets). Per side: the median step time of the slowest rank (forward,
 backward, optimizer step; after one warm-up step), and the peak of tensor storage one
 forward + backward allocates per rank beyond the resident parameters and optimizer state (the
 CPU profiler's allocator events; the least of three steps, since a collective's buffer freed on
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from shardops.training import launch
 
-SIDES = ("torch fully_shard", "shardops fully_shard", "torch DDP", "shardops replicate")
+SIDES = ("torch fully_shard", "shardops fully_shard", "shardops fully_shard + prefetch", "torch DDP", "shardops replicate")
 
 
 def _model(args: argparse.Namespace):
@@ -40,7 +41,7 @@ def _wrap(side: str, model: Any) -> Any:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    elif side == "shardops fully_shard":
+    elif side.startswith("shardops fully_shard"):
         from shardops.fsdp import fully_shard
 
         mesh = so.init_device_mesh("cpu", (torch.distributed.get_world_size(),))
@@ -53,6 +54,11 @@ def _wrap(side: str, model: Any) -> Any:
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if side.endswith("+ prefetch"):  # torchtitan's chains: each block gathers the next one ahead, both ways
+        blocks = list(model.layers.values())
+        for prev, nxt in zip(blocks, blocks[1:]):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
     return model
 
 
@@ -97,8 +103,16 @@ def _side(side: str, args: argparse.Namespace) -> dict:
     return {"ms": 1000 * statistics.median(times), "peak": max(int(p) for p in peaks)}
 
 
+PAIRS = {"fsdp": ("shardops fully_shard", "torch fully_shard"), "fsdp+prefetch": ("shardops fully_shard + prefetch", "torch fully_shard"), "ddp": ("shardops replicate", "torch DDP")}
+
+
+def _sides(args: argparse.Namespace) -> list[str]:
+    wanted = set(SIDES) if args.only is None else {s for key, pair in PAIRS.items() if key.startswith(args.only) for s in pair}
+    return [s for s in SIDES if s in wanted]
+
+
 def _rank(args: argparse.Namespace) -> dict:
-    return {side: _side(side, args) for side in SIDES}
+    return {side: _side(side, args) for side in _sides(args)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,15 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--only", choices=["fsdp", "ddp"], help="fully_shard's sides or DDP's (default: all)")
     args = parser.parse_args(argv)
     results = launch.run_gloo(_rank, args.world, args, timeout=3600)[0]
     params = sum(p.numel() for p in _model(args).parameters())
     print(f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, {params / 1e6:.1f}M parameters, {args.world} gloo processes")
     print("| side | ms/step | peak tracked MiB/rank |\n|---|---|---|")
-    for side in SIDES:
+    for side in _sides(args):
         r = results[side]
         print(f"| {side} | {r['ms']:.0f} | {r['peak'] / 2**20:.1f} |")
-    for ours, theirs in (("shardops fully_shard", "torch fully_shard"), ("shardops replicate", "torch DDP")):
+    for key, (ours, theirs) in PAIRS.items():
+        if args.only is not None and not key.startswith(args.only):
+            continue
         print(f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory {results[ours]['peak'] / results[theirs]['peak']:.2f}x")
 
 

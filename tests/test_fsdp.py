@@ -248,6 +248,41 @@ def test_collectives_per_step_exact(strict, reshard_after_forward):
         assert step_counts == 0  # nothing left for the optimizer step
 
 
+def _prefetch_rank():
+    """Explicit prefetching (torchtitan's forward and backward chains): whether the next block's
+    gather is started and not yet waited for while the current block computes, the step's
+    collectives, and training."""
+    from shardops.fsdp._state import unit_of
+
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = _shard_blocks(_model(), mesh=mesh)
+    b0, b1 = model.blocks
+    model.set_modules_to_forward_prefetch([b0])
+    b0.set_modules_to_forward_prefetch([b1])
+    b1.set_modules_to_backward_prefetch([b0])
+    in_flight = []
+
+    def record(unit):
+        return lambda *_: in_flight.append(unit.gathering is not None and not unit.gathering.is_completed())
+
+    b0.norm.register_forward_hook(record(unit_of(b1)))  # b0 computes while b1's gather travels
+    b1.w2.register_full_backward_hook(record(unit_of(b0)))  # b1's backward computes while b0's travels
+    x, y = (_batch_slice(mesh, "dp", t) for t in _data(1)[0])
+    with so.CommDebugMode() as comm:
+        _loss(model, x, y).backward()
+    model.zero_grad(set_to_none=True)
+    return in_flight[:2], sorted(comm.log), _train(model, mesh, "dp")
+
+
+def test_explicit_prefetch_trains_the_same_with_the_same_collectives(strict):
+    ref = _reference()
+    plain = {r: sorted(f + b) for r, _, (f, _), (b, _), _ in so.run(_counting_rank, 4, None, None)}
+    for rank, (in_flight, log, ours) in enumerate(so.run(_prefetch_rank, 4)):
+        assert in_flight == [False, False]  # the threads world completes a gather when it starts
+        assert log == plain[rank]
+        _check(ours, ref)
+
+
 def test_mixed_precision_gathers_half_the_bytes(strict):
     full = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, None)}
     half = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, torch.bfloat16)}
@@ -348,6 +383,22 @@ def test_replicate_trains_as_single_device_with_bucketed_all_reduces(strict, cap
         assert [k for k, _ in log] == ["all_reduce"] * buckets
         assert sum(n for _, n in log) == psi_bytes
         _check(ours, ref)
+
+
+def _replicate_overlap_rank():
+    """One bucket per parameter: how many buckets' all_reduces are started and not yet waited for
+    when the first layer's gradient is computed (backward goes on while they travel)."""
+    from shardops.fsdp.replicate import STATE_ATTR
+
+    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = replicate(_model(seed=mesh.get_rank()), device_mesh=mesh, bucket_cap_mb=1 / 2**20)
+    buckets = model.__dict__[STATE_ATTR].buckets
+    in_flight = []
+    model.inp.weight.register_hook(lambda g: in_flight.append(sum(b.work is not None and not b.work.is_completed() for b in buckets)))
+    x, y = (_batch_slice(mesh, "dp", t) for t in _data(1)[0])
+    with so.CommDebugMode() as bwd:
+        _loss(model, x, y).backward()
+    return in_flight[0], bwd.log, _train(model, mesh, "dp")
 
 
 def test_replicate_syncs_parameters_from_the_first_rank(strict):
@@ -501,24 +552,40 @@ def _side_by_side(torch_side: bool, param_dtype, steps: int = 5) -> dict:
 
 def _gloo_rank():
     so.set_strict(True)
+    replicated = _replicate_overlap_rank()
+    prefetched = _prefetch_rank()
     pure = _fsdp_rank(None)
     _, _, fwd, bwd, _ = _counting_rank(None, None)
     dp_tp, layout = _fsdp_tp_rank()
     runs = {(side, str(dtype)): _side_by_side(side == "torch", dtype) for side in ("torch", "shardops") for dtype in (None, torch.bfloat16)}
-    return pure, fwd, bwd, dp_tp, layout, runs
+    return pure, fwd, bwd, dp_tp, layout, runs, replicated, prefetched
 
 
-def test_fully_shard_in_gloo_processes_and_beside_torch_fully_shard():
+def test_fully_shard_and_replicate_in_gloo_processes_and_beside_torch_fully_shard():
     """The same programs in 4 gloo processes: training equals single-device, the collective log
-    (logical and wire bytes) equals the threads world's; beside torch's own fully_shard on the same
+    (logical and wire bytes) equals the threads world's; replicate's bucket all_reduces and
+    fully_shard's explicit prefetches travel while computation goes on; beside torch's own fully_shard on the same
     model and batches, 5 AdamW steps: float32 equal within 1e-5 (losses, every step's gradients,
     parameters), bf16 parameters with float32 reduction within 1e-3 (losses) and 2e-2
     (gradients), gathering half of float32's bytes."""
     from mp import run_gloo
 
     ref = _reference()
+    params = list(_model().parameters())
     threads = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, None)}
-    for rank, (pure, fwd, bwd, dp_tp, layout, runs) in enumerate(run_gloo(_gloo_rank, 4, timeout=600)):
+    for in_flight, log, _ in so.run(_replicate_overlap_rank, 4):
+        assert in_flight == 0  # the threads world completes each all_reduce when it starts
+        assert [k for k, _ in log] == ["all_reduce"] * len(params) and sum(n for _, n in log) == sum(p.numel() for p in params) * 4
+    for rank, (pure, fwd, bwd, dp_tp, layout, runs, replicated, prefetched) in enumerate(run_gloo(_gloo_rank, 4, timeout=600)):
+        in_flight, prefetch_log, prefetch_run = prefetched
+        assert in_flight == [True, True]  # explicit prefetches travel while the current block computes
+        assert prefetch_log == sorted(fwd[0] + bwd[0])  # the same collectives, started earlier
+        _check(prefetch_run, ref)
+        in_flight, replicate_log, replicate_run = replicated
+        # replicate: every bucket but the first layer's two still travelling while its backward runs
+        assert in_flight >= len(params) - 2
+        assert replicate_log == log  # one all_reduce per bucket, Ψ·4 bytes in all, as in the threads world
+        _check(replicate_run, ref)
         _check(pure, ref)
         _check(dp_tp, ref)
         assert (fwd, bwd) == threads[rank]
@@ -559,6 +626,126 @@ def test_state_dict_is_sharded_under_the_original_names(tmp_path):
         assert set(layouts.values()) == {("DTensor", (Shard(0),))}
         for k in names:
             torch.testing.assert_close(loaded[k], trained[k], rtol=0, atol=0)
+
+
+def _sharded_model(torch_side: bool, seed: int, tp: bool):
+    """The test model under torch's fully_shard or shardops', with its AdamW: pure FSDP on (4,), or
+    (dp=2, tp=2) with the blocks' MLPs tensor-parallel (torch's StridedShard layout on both sides)."""
+    if torch_side:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as shard
+        from torch.distributed.tensor.parallel import ColwiseParallel as Col, RowwiseParallel as Row, parallelize_module as parallelize
+    else:
+        init_device_mesh, shard, Col, Row, parallelize = so.init_device_mesh, fully_shard, ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2) if tp else (4,), mesh_dim_names=("dp", "tp") if tp else ("dp",))
+    model = _model(seed)
+    if tp:
+        for block in model.blocks:
+            parallelize(block, mesh["tp"], {"w1": Col(), "w2": Row()})
+    for block in model.blocks:
+        shard(block, mesh=mesh["dp"])
+    shard(model, mesh=mesh["dp"])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, tp: bool) -> None:
+    dp, rank = (2, torch.distributed.get_rank() // 2) if tp else (4, torch.distributed.get_rank())
+    per = BATCH // dp
+    opt.zero_grad()
+    _loss(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+    opt.step()
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Full parameters and full AdamW state by parameter name (either side's DTensors)."""
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    params = {n: whole(p) for n, p in model.named_parameters()}
+    state = {n: {k: whole(v) for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    return {"params": params, "optim": state}
+
+
+def _save(model: nn.Module, opt: torch.optim.Optimizer, how: str, path: str) -> None:
+    if how == "shardops":
+        so.checkpoint.save({"model": model, "optim": opt}, path)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+
+def _load(model: nn.Module, opt: torch.optim.Optimizer, how: str, path: str) -> None:
+    if how == "shardops":
+        so.checkpoint.load({"model": model, "optim": opt}, path)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+# (saved by, saved with, loaded by, loaded with, tensor parallel): torch's DCP both ways, and
+# shardops.checkpoint's files (DCP's format) read by torch and torch's read by shardops.checkpoint
+INTEROP = [
+    ("torch", "dcp", "shardops", "dcp", False),
+    ("torch", "dcp", "shardops", "shardops", False),
+    ("shardops", "dcp", "torch", "dcp", False),
+    ("shardops", "shardops", "torch", "dcp", False),
+    ("torch", "dcp", "shardops", "shardops", True),
+    ("shardops", "shardops", "torch", "dcp", True),
+]
+
+
+def _interop_rank(root: str):
+    """Each case: the saver trains a step and saves model and AdamW state; a fresh model of the
+    other side (other initial weights) loads it; both then train two more steps."""
+    data = _data(3)
+    out = []
+    for i, (saver, saved_with, loader, loaded_with, tp) in enumerate(INTEROP):
+        path = f"{root}/{i}"
+        src, src_opt = _sharded_model(saver == "torch", 0, tp)
+        _step(src, src_opt, *data[0], tp)
+        _save(src, src_opt, saved_with, path)
+        saved = _snapshot(src, src_opt)
+        dst, dst_opt = _sharded_model(loader == "torch", 5, tp)
+        _load(dst, dst_opt, loaded_with, path)
+        loaded = _snapshot(dst, dst_opt)
+        kinds = {type(p).__module__.split(".")[0] for p in dst.parameters()}
+        layout = [type(p).__name__.lstrip("_") for p in dst.blocks[0].w1.weight.placements]
+        for x, y in data[1:]:
+            _step(src, src_opt, x, y, tp)
+            _step(dst, dst_opt, x, y, tp)
+        out.append((saved, loaded, kinds, layout, _snapshot(src, src_opt)["params"], _snapshot(dst, dst_opt)["params"]))
+    return out
+
+
+def test_checkpoints_interoperate_with_torch_fully_shard(tmp_path):
+    """torch fully_shard -> shardops fully_shard and back, 4 gloo processes, model and AdamW state:
+    through torch's DCP (get/set_model_state_dict, get/set_optimizer_state_dict) and through
+    shardops.checkpoint. The loaded parameters and optimizer state equal the saver's exactly, and
+    two more steps on each side stay equal (1e-5)."""
+    from mp import run_gloo
+
+    names = set(dict(_model().named_parameters()))
+    for rank_cases in run_gloo(_interop_rank, 4, str(tmp_path), timeout=600):
+        for (saver, saved_with, loader, loaded_with, tp), (saved, loaded, kinds, layout, src_after, dst_after) in zip(INTEROP, rank_cases):
+            case = f"{saver} {saved_with} -> {loader} {loaded_with}" + (" (dp=2, tp=2)" if tp else "")
+            assert kinds == {"shardops" if loader == "shardops" else "torch"}, case
+            assert layout == (["StridedShard", "Shard"] if tp else ["Shard"]), case
+            assert set(saved["params"]) == set(loaded["params"]) == names, case
+            for name, p in saved["params"].items():
+                torch.testing.assert_close(loaded["params"][name], p, rtol=0, atol=0, msg=f"{case}: {name}")
+                assert set(loaded["optim"][name]) == set(saved["optim"][name]) == {"step", "exp_avg", "exp_avg_sq"}, case
+                for key, v in saved["optim"][name].items():
+                    torch.testing.assert_close(loaded["optim"][name][key], v, rtol=0, atol=0, msg=f"{case}: {name} {key}")
+            for name, p in src_after.items():
+                torch.testing.assert_close(dst_after[name], p, rtol=TOL, atol=TOL, msg=f"{case}: {name} after two more steps")
 
 
 # ------------------------------------------------------------------ memory (gloo processes)

@@ -106,6 +106,29 @@ class P2PWork:
         return self._done
 
 
+class CollectiveWork:
+    """A started collective (`Communicator.all_reduce_async`, `all_gather_async`): `wait()`
+    returns what the synchronous call returns, the same object every time it is called."""
+
+    def __init__(self, wait: Callable[[], Any]) -> None:
+        self._wait: Callable[[], Any] | None = wait
+        self._result: Any = None
+
+    @classmethod
+    def done(cls, result: Any) -> "CollectiveWork":
+        work = cls(lambda: result)
+        work.wait()
+        return work
+
+    def wait(self) -> Any:
+        if self._wait is not None:
+            self._result, self._wait = self._wait(), None
+        return self._result  # type: ignore[return-value]
+
+    def is_completed(self) -> bool:
+        return self._wait is None
+
+
 # ------------------------------------------------------------------ protocol
 
 
@@ -129,13 +152,21 @@ class Communicator:
         record("all_reduce", nbytes(t))
         return self._all_reduce(t.contiguous(), op, group)
 
+    def all_reduce_async(self, t: torch.Tensor, op: str, group: Group) -> CollectiveWork:
+        """Start `all_reduce(t, op, group)` and return at once; the work's `wait()` returns its
+        result. `t` is handed over, as to torch's `all_reduce(async_op=True)`: a world may reduce
+        into it (torch.distributed does), so neither read nor write it before `wait()`. Counted
+        when started. Members start their async collectives in the same order, as any
+        collectives. A world without asynchronous collectives (threads) completes it here."""
+        _check_op(op)
+        if group.size == 1 or (type(t) is not torch.Tensor and _traced(t)):
+            return CollectiveWork.done(self.all_reduce(t, op, group))
+        record("all_reduce", nbytes(t))
+        return self._all_reduce_async(t.contiguous(), op, group)
+
     def all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
         """Every member's tensor, in group order. `shapes`: each member's shape (default: all like `t`)."""
-        if shapes is None:
-            shapes = [tuple(t.shape)] * group.size
-        shapes = [tuple(s) for s in shapes]
-        if shapes[group.index(self.rank)] != tuple(t.shape):
-            raise ShardingError(f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}")
+        shapes = self._gather_shapes(t, group, shapes)
         if group.size == 1:
             return [t]
         if type(t) is not torch.Tensor and _traced(t):
@@ -143,17 +174,37 @@ class Communicator:
         record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
         return self._all_gather(t.contiguous(), group, shapes)
 
+    def all_gather_async(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None) -> CollectiveWork:
+        """Start `all_gather(t, group, shapes)`; the work's `wait()` returns the list (as all_reduce_async)."""
+        shapes = self._gather_shapes(t, group, shapes)
+        if group.size == 1 or (type(t) is not torch.Tensor and _traced(t)):
+            return CollectiveWork.done(self.all_gather(t, group, shapes))
+        record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
+        return self._all_gather_async(t.contiguous(), group, shapes)
+
+    def _gather_shapes(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None) -> list[tuple]:
+        if shapes is None:
+            shapes = [tuple(t.shape)] * group.size
+        shapes = [tuple(s) for s in shapes]
+        if shapes[group.index(self.rank)] != tuple(t.shape):
+            raise ShardingError(f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}")
+        return shapes
+
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
         """chunks[i] goes to member i; returns the op-reduction of every member's chunk for this rank."""
-        _check_op(op)
-        if len(chunks) != group.size:
-            raise ShardingError(f"reduce_scatter: {len(chunks)} chunks for a group of {group.size}")
+        self._check_chunks(chunks, op, group)
         if group.size == 1:
             return chunks[0]
         if type(chunks[0]) is not torch.Tensor and _traced(chunks[0]):
             return _traceable().reduce_scatter(self, chunks, op, group)
         record("reduce_scatter", sum(nbytes(c) for c in chunks), self._reduce_scatter_wire_bytes(chunks, op))
         return self._reduce_scatter([c.contiguous() for c in chunks], op, group)
+
+    @staticmethod
+    def _check_chunks(chunks: Sequence[torch.Tensor], op: str, group: Group) -> None:
+        _check_op(op)
+        if len(chunks) != group.size:
+            raise ShardingError(f"reduce_scatter: {len(chunks)} chunks for a group of {group.size}")
 
     def all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """chunks[i] goes to member i; returns what each member sent here, in group order."""
@@ -242,6 +293,12 @@ class Communicator:
     # -- world-specific
     def _all_reduce(self, t, op, group):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _all_reduce_async(self, t: torch.Tensor, op: str, group: Group) -> CollectiveWork:
+        return CollectiveWork.done(self._all_reduce(t, op, group))
+
+    def _all_gather_async(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> CollectiveWork:
+        return CollectiveWork.done(self._all_gather(t, group, shapes))
 
     def _all_gather(self, t, group, shapes):  # pragma: no cover - abstract
         raise NotImplementedError

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .base import Communicator, Group, P2POp, P2PWork, natively_reducible as _natively_reducible, reduce_stack
+from .base import CollectiveWork, Communicator, Group, P2POp, P2PWork, natively_reducible as _natively_reducible, reduce_stack
 from .wire import pack_padded
 
 _TORCH_OPS = {
@@ -205,11 +205,25 @@ class TorchDistCommunicator(Communicator):
         _c10d("all_reduce", g, dist.all_reduce, wire, op=_wire_op(t.dtype, op))
         return finish(wire)
 
+    def _all_reduce_async(self, t: torch.Tensor, op: str, group: Group) -> CollectiveWork:
+        """c10d's all_reduce with async_op=True: the backend's threads run it (gloo: its worker
+        threads), this rank's thread goes on computing until `wait()`."""
+        g = self._resolve(group)
+        if not _natively_reducible(t.dtype, op):
+            return super()._all_reduce_async(t, op, group)
+        # the caller handed `t` over: reduced in place where it travels as it is (no private copy)
+        wire, finish = (t, lambda w: w) if _travels_as_is(t, op) else _to_wire(t, op, group.size)
+        wait = _c10d_start("all_reduce", g, dist.all_reduce, wire, op=_wire_op(t.dtype, op))
+        return CollectiveWork(lambda: (wait(), finish(wire))[1])
+
     def _all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> list[torch.Tensor]:
+        return self._all_gather_async(t, group, shapes).wait()
+
+    def _all_gather_async(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> CollectiveWork:
         g = self._resolve(group)
         numels = [math.prod(s) for s in shapes]
-        rows = self._all_gather_padded(_bytes_of(t), g, [n * t.element_size() for n in numels])
-        return [_from_bytes(row, t.dtype, s) for row, s in zip(rows, shapes)]
+        rows = self._start_all_gather_padded(_bytes_of(t), g, [n * t.element_size() for n in numels])
+        return CollectiveWork(lambda: [_from_bytes(row, t.dtype, s) for row, s in zip(rows(), shapes)])
 
     def _reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
         g = self._resolve(group)
@@ -274,6 +288,10 @@ class TorchDistCommunicator(Communicator):
 
     def _all_gather_padded(self, payload: torch.Tensor, g: _TorchGroup, sizes: Sequence[int]) -> list[torch.Tensor]:
         """All members' 1-d uint8 payloads (member i's has sizes[i] bytes), in shardops order."""
+        return self._start_all_gather_padded(payload, g, sizes)()
+
+    def _start_all_gather_padded(self, payload: torch.Tensor, g: _TorchGroup, sizes: Sequence[int]) -> Callable[[], list[torch.Tensor]]:
+        """`_all_gather_padded` started asynchronously: returns the wait, which returns the rows."""
         width = max(sizes)
         if payload.numel() < width:
             padded = torch.zeros(width, dtype=torch.uint8, device=payload.device)
@@ -281,9 +299,14 @@ class TorchDistCommunicator(Communicator):
             payload = padded
         # gloo takes only the concatenated output form, not the stacked one
         out = torch.empty(len(sizes) * width, dtype=torch.uint8, device=payload.device)
-        _c10d("all_gather", g, _all_gather_single, out, payload)
-        rows = g.from_pg_order(list(out.view(len(sizes), width).unbind(0)))
-        return [row[:n] for row, n in zip(rows, sizes)]
+        wait = _c10d_start("all_gather", g, _all_gather_single, out, payload)
+
+        def rows() -> list[torch.Tensor]:
+            wait()
+            got = g.from_pg_order(list(out.view(len(sizes), width).unbind(0)))
+            return [row[:n] for row, n in zip(got, sizes)]
+
+        return rows
 
     def _gather_bytes_equal(self, t: torch.Tensor, g: _TorchGroup) -> list[torch.Tensor]:
         """Every member's tensor of t's shape and dtype, in shardops order."""
@@ -319,6 +342,24 @@ def _c10d(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any,
         collective(*args, group=g.pg, **kwargs)
     except RuntimeError as e:  # c10d's DistError family: timeouts, dead peers, backend refusals
         raise _collective_error(kind, g, e) from e
+
+
+def _c10d_start(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[], None]:
+    """`_c10d` with async_op=True: started on the backend's threads; returns the wait."""
+    if args and isinstance(args[0], torch.Tensor):
+        _check_backend_carries(kind, g, args[0].device)
+    try:
+        work = collective(*args, group=g.pg, async_op=True, **kwargs)
+    except RuntimeError as e:
+        raise _collective_error(kind, g, e) from e
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise _collective_error(kind, g, e) from e
+
+    return wait
 
 
 def _check_backend_carries(kind: str, g: _TorchGroup, device: torch.device) -> None:
@@ -359,6 +400,11 @@ def _to_wire(t: torch.Tensor, op: str, n: int) -> tuple[torch.Tensor, Callable[[
     if op != "avg":
         return wire, lambda w: w
     return wire, lambda w: w / n if w.is_floating_point() else w // n
+
+
+def _travels_as_is(t: torch.Tensor, op: str) -> bool:
+    """Whether the backend reduces `t` itself (no uint8/real view, no division afterwards)."""
+    return op != "avg" and t.dtype != torch.bool and not t.is_complex()
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

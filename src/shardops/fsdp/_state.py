@@ -1,12 +1,16 @@
 """The hooks that drive a unit through a step, and the root that closes each backward.
 
     pre-forward    the root's first forward finds every unit below it (lazy init); unshard
-                   (one all_gather); an autograd function on the inputs that need a gradient
-                   runs the unit's post-backward once their gradients are computed
+                   (one all_gather, or finish its prefetch); start gathering
+                   set_modules_to_forward_prefetch's units; an autograd function on the
+                   inputs that need a gradient runs the unit's post-backward once their
+                   gradients are computed
     post-forward   reshard if reshard_after_forward (free the unsharded storage); a hook on
                    the outputs' gradients runs the unit's pre-backward
-    pre-backward   unshard again if resharded; the root queues its end-of-backward callback
-    post-backward  reduce-scatter the unit's gradients; reshard
+    pre-backward   unshard again if resharded (finishing a prefetch); the root queues its
+                   end-of-backward callback; start gathering set_modules_to_backward_prefetch's
+                   units (asynchronous in the torch.distributed world)
+    post-backward  reshard; reduce-scatter the unit's gradients
     end of backward (root) the post-backward of every unit whose inputs needed no gradient
                    (the root's own, whose inputs are data), so nothing is left for the step
 """
@@ -42,6 +46,8 @@ class RootState:
             # whose backward has not run yet keeps the unit pending for that later backward
             unit.pending_backward = unit.inputs_pending > 0
             unit.forwards_in_pass = 0
+            if unit.gathering is not None and not unit.pending_backward:
+                unit.reshard()  # a prefetch whose backward never came
 
 
 def unit_of(module: nn.Module) -> FSDPUnit | None:
@@ -75,6 +81,7 @@ def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
     if mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     unit.unshard()
+    _prefetch_for_forward(unit)
     if torch.is_grad_enabled():
         unit.pending_backward = True
         args, kwargs = _run_post_backward_after_inputs(unit, args, kwargs)
@@ -104,6 +111,23 @@ def _pre_backward(unit: FSDPUnit) -> None:
         root.callback_queued = True
         queue_end_of_backward(root.finish_backward)
     unit.unshard()
+    _prefetch_for_backward(unit)
+
+
+def _prefetch_for_backward(unit: FSDPUnit) -> None:
+    """set_modules_to_backward_prefetch's units start gathering while this unit's backward computes."""
+    for module in unit.backward_prefetch:
+        target = unit_of(module)
+        if target is not None and target.pending_backward:
+            target.start_unshard()
+
+
+def _prefetch_for_forward(unit: FSDPUnit) -> None:
+    """set_modules_to_forward_prefetch's units start gathering while this unit's forward computes."""
+    for module in unit.forward_prefetch:
+        target = unit_of(module)
+        if target is not None:
+            target.start_unshard()
 
 
 def post_backward(unit: FSDPUnit) -> None:

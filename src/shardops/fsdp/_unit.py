@@ -12,12 +12,18 @@ Collectives, per unit and step (d = shard dim size, Ψ_u = the unit's parameter 
                      every gradient's rows for r, in reduce_dtype; logical bytes Ψ_u·itemsize
                      (the whole unpadded input), wire d × the largest chunk. The sum is
                      divided by the data-parallel size (or set_gradient_divide_factor's factor).
+
+A prefetch (set_modules_to_forward_prefetch / _backward_prefetch) starts a unit's all_gather
+early; in the torch.distributed world it travels while other units compute (the threads world
+completes it when it starts). The reduce_scatter's wire buffer is packed once, straight from
+the gradients (`_pack`).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from ..comm.base import CollectiveWork
 from ..errors import ShardingError
 from ._param import DataMesh, FSDPParam
 from .api import MixedPrecisionPolicy
@@ -45,22 +51,31 @@ class FSDPUnit:
         self.forward_prefetch: list = []
         self.backward_prefetch: list = []
         self.is_unsharded = False
+        self.gathering: CollectiveWork | None = None  # a started all_gather (prefetch) not yet written out
         self.pending_backward = False
         self.forwards_in_pass = 0
         self.inputs_pending = 0  # post-backward functions of this forward whose backward has not run yet
         self.root = None  # the RootState of the model this unit runs in (set at the root's first forward)
 
     # -- parameters
-    def unshard(self) -> None:
-        if self.is_unsharded or not self.params:
-            self.is_unsharded = True
+    def start_unshard(self) -> None:
+        """Start the unit's one all_gather (asynchronous in the torch.distributed world: a prefetch
+        travels while other units compute); `unshard` finishes it."""
+        if self.is_unsharded or self.gathering is not None or not self.params:
             return
         for p in self.params:
             p.refresh_sharded()
         flat = torch.cat([p.gather_input() for p in self.params])
         sizes = [sum(p.member_numels[r] for p in self.params) for r in range(self.data.shard_size)]
-        comm = self.data.mesh.comm
-        pieces = comm.all_gather(flat, self.data.shard_group, [(n,) for n in sizes])
+        self.gathering = self.data.mesh.comm.all_gather_async(flat, self.data.shard_group, [(n,) for n in sizes])
+
+    def unshard(self) -> None:
+        if self.is_unsharded or not self.params:
+            self.is_unsharded = True
+            return
+        self.start_unshard()
+        pieces = self.gathering.wait()
+        self.gathering = None
         buffers = [p.alloc() for p in self.params]
         for member, piece in enumerate(pieces):
             offset = 0
@@ -73,6 +88,9 @@ class FSDPUnit:
         self.is_unsharded = True
 
     def reshard(self) -> None:
+        if self.gathering is not None:  # a prefetch nothing used: completed (every member sent), dropped
+            self.gathering.wait()
+            self.gathering = None
         if not self.is_unsharded:
             return
         for p in self.params:
@@ -97,17 +115,45 @@ class FSDPUnit:
 
     def reduce_gradients(self, grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
         """One reduce_scatter of `grads` (emptied as soon as they are packed: their memory goes
-        before the collective's), then under HSDP one all_reduce over the replicate dim."""
+        before the collective's), then the sharded parameters' .grad."""
         if not grads:
             return
-        chunks = [torch.cat([p.grad_chunk(g, r) for p, g in grads]) for r in range(self.data.shard_size)]
+        chunks = self._pack(grads)
         params = [p for p, _ in grads]
         grads.clear()
-        comm = self.data.mesh.comm
-        out = comm.reduce_scatter(chunks, "sum", self.data.shard_group)
+        out = self.data.mesh.comm.reduce_scatter(chunks, "sum", self.data.shard_group)
         del chunks
+        self._set_reduced(params, out)
+
+    def _pack(self, grads: list[tuple[FSDPParam, torch.Tensor]]) -> list[torch.Tensor]:
+        """Member r's chunk (every gradient's rows for r, concatenated) written straight into row
+        pg(r) of one (d, largest chunk) buffer: the reduce_scatter's wire as it is (comm/wire.py),
+        no second copy. Row order is the process group's (the identity where it is unknown)."""
+        d = self.data.shard_size
+        lengths = [sum(p.member_numels[r] for p, _ in grads) for r in range(d)]
+        order = self._wire_order()
+        width = max(lengths)
+        buffer = grads[0][1].new_empty((d, width))
+        chunks = []
+        for r in range(d):
+            row = buffer[order[r], : lengths[r]]
+            offset = 0
+            for p, g in grads:
+                piece = p.grad_chunk(g, r)
+                row[offset : offset + piece.numel()].copy_(piece)
+                offset += piece.numel()
+            chunks.append(row)
+        return chunks
+
+    def _wire_order(self) -> tuple[int, ...]:
+        comm, group = self.data.mesh.comm, self.data.shard_group
+        named = comm.functional_group(group, "reduce_scatter")  # (process group, its rank of each member)
+        return tuple(named[1]) if named else tuple(range(group.size))
+
+    def _set_reduced(self, params: list[FSDPParam], out: torch.Tensor) -> None:
+        """Under HSDP one all_reduce over the replicate dim; divided; the sharded parameters' .grad."""
         if self.data.replicate_group is not None:
-            out = comm.all_reduce(out, "sum", self.data.replicate_group)
+            out = self.data.mesh.comm.all_reduce(out, "sum", self.data.replicate_group)
         factor = self.divide_factor if self.divide_factor is not None else float(self.data.size)
         if factor != 1:
             out.div_(factor)  # the collective's own fresh result

@@ -44,9 +44,14 @@ class FSDPModule:
         self._unit().reshard()
 
     def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
-        """Gather the parameters now (one all_gather); shardops' collectives are synchronous."""
-        self._unit().unshard()
-        return UnshardHandle() if async_op else None
+        """Gather the parameters (one all_gather). async_op: started now, finished by the handle's
+        wait() (or by the module's forward)."""
+        unit = self._unit()
+        if not async_op:
+            unit.unshard()
+            return None
+        unit.start_unshard()
+        return UnshardHandle(unit)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         for unit in self._units(True):
@@ -71,11 +76,13 @@ class FSDPModule:
         self._unit().divide_factor = float(factor)
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """Recorded: shardops' gathers are synchronous, so there is nothing to overlap."""
+        """These modules' gathers start once this module's own is done, before its forward computes."""
         _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
         self._unit().forward_prefetch = list(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """These modules' gathers start at this module's pre-backward, while its backward computes
+        (none by default: see docs/fsdp.md on memory)."""
         _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
         self._unit().backward_prefetch = list(modules)
 
@@ -86,10 +93,13 @@ class FSDPModule:
 
 
 class UnshardHandle:
-    """What `unshard(async_op=True)` returns; the gather has already happened."""
+    """What `unshard(async_op=True)` returns: wait() finishes the gather (the parameters are then unsharded)."""
+
+    def __init__(self, unit: FSDPUnit) -> None:
+        self._unit = unit
 
     def wait(self) -> None:
-        return None
+        self._unit.unshard()
 
 
 def _check_fsdp_modules(modules: Iterable[Any], what: str) -> None:

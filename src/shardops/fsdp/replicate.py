@@ -4,10 +4,12 @@ Parameters stay what they are (plain tensors, or a tensor-parallel plan's DTenso
 sub-mesh): forward runs on local tensors with the local batch. At `replicate` time every
 parameter takes the data mesh's first rank's values (one broadcast of a flat buffer, as DDP's
 init sync). During backward each parameter's gradient lands in a bucket (reverse parameter
-order, by dtype, a bucket closed once it holds `bucket_cap_mb`); a complete bucket is
-all-reduced at once (one all_reduce) and divided by the data-parallel size: ⌈Ψ·itemsize / cap⌉
-all_reduces per step when the parameters fill the buckets evenly, logical bytes Ψ·itemsize.
-The end of backward reduces any bucket a parameter without a gradient left open (as zeros).
+order, by dtype, a bucket closed once it holds `bucket_cap_mb`); a complete bucket's all_reduce
+(one, of the bucket's flat buffer) starts at once and runs while backward goes on (the
+torch.distributed world's asynchronous collectives; the threads world completes it on the
+spot), ⌈Ψ·itemsize / cap⌉ all_reduces per step when the parameters fill the buckets evenly,
+logical bytes Ψ·itemsize. The end of backward starts any bucket a parameter without a gradient
+left open (as zeros), waits for every bucket and writes the averages into the gradients.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
+from ..comm.base import CollectiveWork
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..spec import TensorMeta, TensorSpec
@@ -37,6 +40,8 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.ready = 0
+        self.work: CollectiveWork | None = None  # the bucket's all_reduce, started and not yet waited for
+        self.has_grad: list[bool] = []
 
 
 class ReplicateState:
@@ -56,27 +61,39 @@ class ReplicateState:
         bucket = self.bucket_of[id(param)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
-            self._reduce(bucket)
+            self._start(bucket)
 
     def _finish(self) -> None:
+        """End of backward: start the buckets a parameter without a gradient left open, then wait
+        for every bucket's all_reduce (in the order they started) and write the averages back."""
         self.callback_queued = False
         for bucket in self.buckets:
-            if 0 < bucket.ready < len(bucket.params):
-                self._reduce(bucket)
+            if 0 < bucket.ready <= len(bucket.params):
+                self._start(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                self._write_back(bucket)
             bucket.ready = 0
 
-    def _reduce(self, bucket: _Bucket) -> None:
+    def _start(self, bucket: _Bucket) -> None:
+        """The bucket's gradients in one flat buffer, all-reduced asynchronously: the backward of
+        the earlier layers runs while it travels (as DDP overlaps)."""
         grads = [_local_grad(p) for p in bucket.params]
         flat = torch.cat([g.reshape(-1) if g is not None else _local_zeros(p) for p, g in zip(bucket.params, grads)])
-        total = self.mesh.comm.all_reduce(flat, "sum", self.group)
+        bucket.has_grad = [g is not None for g in grads]
+        bucket.work = self.mesh.comm.all_reduce_async(flat, "sum", self.group)
+        bucket.ready = len(bucket.params) + 1  # started: the end of backward only waits for it
+
+    def _write_back(self, bucket: _Bucket) -> None:
+        total = bucket.work.wait()
+        bucket.work = None
         total.div_(self.group.size)  # a fresh tensor from the collective: divided in place, no second bucket
         offset = 0
-        for p, g in zip(bucket.params, grads):
+        for p, has_grad in zip(bucket.params, bucket.has_grad):
             n = _local_numel(p)
-            if g is not None:
+            if has_grad:
                 _set_grad(p, total[offset : offset + n])
             offset += n
-        bucket.ready = len(bucket.params) + 1  # reduced: the end of backward leaves it alone
 
 
 def _buckets(params: list[nn.Parameter], cap: int) -> list[_Bucket]:
