@@ -521,7 +521,7 @@ def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int], t
             key.append(a._spec.key)
             tensor_pos.append(i)
         elif isinstance(a, torch.Tensor):
-            check_plain_operand(func, a, items)  # torch's rule: only one-element tensors are implicitly Replicate
+            check_plain_operand(func, a)  # torch's rule: only one-element tensors are implicitly Replicate
             key.append(core.plain_key(a))
             tensor_pos.append(i)
         else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator, Sequence
+from typing import Iterator
 
 import torch
 
@@ -45,10 +45,9 @@ def implicit_replication_enabled() -> bool:
     return _IMPLICIT.get()
 
 
-def check_plain_operand(func, t: torch.Tensor, operands: Sequence[Any] = ()) -> None:
-    """Raise unless the plain tensor `t`, an operand of `func` beside DTensors (among `operands`), may be
-    taken as Replicate: it has one element, implicit_replication() is on, or every DTensor among the
-    operands lives on a one-rank mesh (one copy: nothing can differ)."""
+def check_plain_operand(func, t: torch.Tensor) -> None:
+    """Raise unless the plain tensor `t`, an operand of `func` beside DTensors, may be taken as Replicate
+    (as torch, on a one-rank mesh too: the code must not change meaning when the mesh grows)."""
     if t.numel() == 1:
         if t.ndim == 1:  # torch's warning, for the same case
             warnings.warn(
@@ -59,8 +58,6 @@ def check_plain_operand(func, t: torch.Tensor, operands: Sequence[Any] = ()) -> 
         return
     if _IMPLICIT.get() or t.shape == (0,):  # (0,): the empty placeholder torch.cat skips (a cache's first keys)
         return
-    if _on_one_rank(operands):
-        return
     raise ShardingError(
         f"{func}: got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling "
         f"distributed operators! (a plain tensor of shape {list(t.shape)} met a DTensor; shardops cannot know whether "
@@ -70,7 +67,3 @@ def check_plain_operand(func, t: torch.Tensor, operands: Sequence[Any] = ()) -> 
         "where every rank holds the same values, shardops.experimental.implicit_replication() takes them as Replicate."
     )
 
-
-def _on_one_rank(operands: Sequence[Any]) -> bool:
-    meshes = [a.device_mesh for a in operands if hasattr(a, "_spec")]
-    return bool(meshes) and all(m.size() == 1 for m in meshes)
