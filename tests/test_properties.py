@@ -392,7 +392,8 @@ def run_case(case: Case, inputs: list[torch.Tensor], want_grad: bool) -> list[An
 def _mixed_operands_refused(case: Case, inputs: list[torch.Tensor]) -> Case:
     """A plain operand of more than one element beside DTensors raises (torch's rule; ShardingError,
     whatever torch's reference does); the case then goes on with that operand as a Replicate DTensor."""
-    plain = [k for k, pl in enumerate(case.layouts) if pl is None and inputs[k].numel() != 1]
+    # one element: implicit Replicate (torch's rule); shape (0,): the empty placeholder, no values to differ
+    plain = [k for k, pl in enumerate(case.layouts) if pl is None and inputs[k].numel() != 1 and inputs[k].shape != (0,)]
     if not plain:
         return case
     try:
