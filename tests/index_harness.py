@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 import shardops as so
+from shardops.experimental import implicit_replication
 from shardops import Partial, Replicate, Shard
 
 GRAD_SEED = 99
@@ -48,7 +49,9 @@ def run_sharded(
     grad: bool = True,
     wants_grad: Sequence[bool] | None = None,
 ) -> dict:
-    """placements[k] None: tensor k is passed as a plain tensor (an index, a mask)."""
+    """placements[k] None: tensor k (an index, a mask) is passed as a Replicate DTensor without grad, as
+    torch asks of a tensor beside DTensors. `fn` runs inside implicit_replication(): the cases close over
+    constant index tensors, the same on every rank."""
 
     def body():
         so.set_strict(strict)
@@ -57,18 +60,18 @@ def run_sharded(
             args = []
             for t, pl, w in zip(tensors, placements, wants_grad or [True] * len(tensors)):
                 if pl is None:
-                    args.append(t)
+                    args.append(so.distribute_tensor(t, mesh, [Replicate()] * mesh.ndim))
                     continue
                 d = so.distribute_tensor(t, mesh, list(pl))
                 if grad and w and _differentiable(t):
                     d.requires_grad_()
                 args.append(d)
-            with so.CommDebugMode() as fwd:
+            with so.CommDebugMode() as fwd, implicit_replication():
                 y = fn(*args)
             out = dict(layout=tuple(y.placements), value=y.full_tensor().detach(), fwd=fwd.get_total_bytes(), fwd_counts=fwd.get_comm_counts())
             if grad and y.requires_grad:
                 g = so.distribute_tensor(_grad_like(y), mesh, [Replicate() if p.is_partial() else p for p in y.placements])
-                with so.CommDebugMode() as bwd:
+                with so.CommDebugMode() as bwd, implicit_replication():  # the backward reads the saved indices
                     y.backward(g)
                 out["bwd"] = bwd.get_total_bytes()
                 out["grads"] = [a.grad.full_tensor() if isinstance(a, so.DTensor) and a.grad is not None else None for a in args]

@@ -98,7 +98,6 @@ def sharded_training(
     loss_fn=None,
     lr: float = 1e-2,
     foreach: bool | None = None,
-    target_as_dtensor: bool = False,
 ):
     """One rank's run (inside so.run): (losses, first-step gradients, final parameters,
     per step: pending gradient mesh dims before the optimizer step, collectives in the step,
@@ -108,7 +107,7 @@ def sharded_training(
     if mode is None:  # tensor parallel only, the whole mesh is tp
         mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",))
         parallelize_module(model, mesh, plan)
-        tok, tgt = tokens, targets
+        tok, tgt = tokens, so.from_local(targets, mesh, [Replicate()])  # the loss meets DTensor logits: a DTensor target
     else:
         names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
         mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -117,8 +116,8 @@ def sharded_training(
         data_parallel(model, mesh, mode)
         dp = mesh.get_coordinate()[0]
         tok, tgt = tokens.chunk(mesh_shape[0])[dp], targets.chunk(mesh_shape[0])[dp]
-        if target_as_dtensor:  # a loss other than cross-entropy takes the batch-sharded target as a DTensor
-            tgt = so.from_local(tgt, mesh, [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1))
+        # this dp rank's piece of the target, said explicitly (torch's loss_parallel refuses a plain one there)
+        tgt = so.from_local(tgt, mesh, [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAMW_EPS, foreach=foreach)
     losses, grads, pending, step_comms, reread_comms = [], {}, [], [], []
     for step in range(steps):

@@ -303,8 +303,9 @@ def test_explicit_attention_heads_sharded_moves_nothing():
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         dq, dk, dv = (so.distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (q, k, v))
+        mask = so.from_local(torch_mask, mesh, [R])  # the same on every rank, said so (torch's rule for mixing)
         with so.CommDebugMode() as fwd:
-            out = explicit(dq, dk, dv, torch_mask)
+            out = explicit(dq, dk, dv, mask)
         g = so.distribute_tensor(grad, mesh, out.placements)
         with so.CommDebugMode() as bwd:
             out.backward(g)

@@ -13,6 +13,7 @@ import shardops as so
 from shardops.autoparallel import language_model_loss
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 from shardops.parallel import data_parallel, loss_parallel, parallelize_module
+from shardops.parallel.loss import target_placements
 from shardops.world import in_threads_world
 
 from parallel_harness import count_step, strict
@@ -57,8 +58,11 @@ def _hand_step(make, hand_plan, mesh_shape, tokens):
             feed = tokens.chunk(mesh_shape[0])[mesh.get_coordinate()[0]]
 
         def loss_of(out):
-            with loss_parallel():  # a plain target is this rank's batch shard, as the docs' loop feeds it
-                return F.cross_entropy(out[:, :-1].flatten(0, 1), feed[:, 1:].flatten())
+            logits, target = out[:, :-1].flatten(0, 1), feed[:, 1:].flatten()
+            if isinstance(logits, so.DTensor):  # this rank's batch shard, laid out like the logits, said explicitly
+                target = so.from_local(target, logits.device_mesh, target_placements(logits.placements, 1))
+            with loss_parallel():
+                return F.cross_entropy(logits, target)
 
         with strict():
             return count_step(model, feed, loss_of)
@@ -224,7 +228,11 @@ def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-    loss_fn = lambda out, x: ((out - y) ** 2).mean()  # noqa: E731
+
+    def loss_fn(out, x):  # y is the same global target on every rank: said so where it meets DTensor outputs
+        target = so.from_local(y, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim) if isinstance(out, so.DTensor) else y
+        return ((out - target) ** 2).mean()
+
     plan = so.autoparallel(net, (4,), (x,), loss_fn=loss_fn)
     assert plan.candidate.dims == ("dp",)
     weights = sum(p.numel() * p.element_size() for p in net.parameters())

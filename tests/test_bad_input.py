@@ -23,6 +23,7 @@ import shardops as so
 from shardops import Partial, Replicate, Shard
 from shardops.mesh import DeviceMesh
 from shardops.placements import chunk_size_and_offset, dim_positions, local_shape_and_offset
+from shardops.experimental import implicit_replication
 
 try:
     from .test_properties import OPS, missing
@@ -131,6 +132,8 @@ PROMOTIONS = {
 @pytest.mark.parametrize("name", sorted(PROMOTIONS))
 @pytest.mark.parametrize("other_plain", [False, True], ids=["dtensor", "plain"])
 def test_mixed_dtypes_promote_like_torch(name, other_plain):
+    """A plain operand (every rank's same copy) is taken as Replicate only under implicit_replication(),
+    as in torch; its dtype promotes as torch's does either way."""
     a, b = PROMOTIONS[name]
     want = a * b if a.dtype == torch.bool else a + b
 
@@ -138,7 +141,8 @@ def test_mixed_dtypes_promote_like_torch(name, other_plain):
         mesh = so.init_device_mesh("cpu", (2,))
         da = so.distribute_tensor(a, mesh, [Shard(0)])
         db = b if other_plain else so.distribute_tensor(b, mesh, [Shard(1)])
-        got = da * db if a.dtype == torch.bool else da + db
+        with implicit_replication():
+            got = da * db if a.dtype == torch.bool else da + db
         return got.dtype, got.full_tensor()
 
     for dtype, full in so.run(body, 2):
@@ -467,7 +471,7 @@ def test_cross_entropy_with_masked_vocab_entries(reduction):
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         x = so.distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
-        loss = F.cross_entropy(x, target, reduction=reduction)
+        loss = F.cross_entropy(x, so.distribute_tensor(target, mesh, [Replicate()]), reduction=reduction)
         loss.full_tensor().sum().backward()
         return loss.full_tensor(), x.grad.full_tensor()
 

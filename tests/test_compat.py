@@ -276,7 +276,7 @@ def test_class_target_dtypes_as_torch(dtype):
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(logits, mesh, [S1])
         try:
-            return F.cross_entropy(x, target).full_tensor()
+            return F.cross_entropy(x, so.from_local(target, mesh, [R])).full_tensor()
         except so.ShardingError as e:
             return str(e)
 

@@ -59,7 +59,8 @@ def test_a_cached_not_ours_parse_does_not_capture_a_call_that_needs_a_gradient()
         x = so.distribute_tensor(data, mesh, [Shard(1)])
         plain = [x.sum(1).full_tensor() for _ in range(3)]  # the parse cache's hit path
         w = so.distribute_tensor(data, mesh, [Shard(1)]).requires_grad_()
-        (w.sum(1) * torch.arange(8.0, dtype=torch.float64)).sum().backward()
+        weights = so.distribute_tensor(torch.arange(8.0, dtype=torch.float64), mesh, [Replicate()])
+        (w.sum(1) * weights).sum().backward()
         return plain, w.grad.placements, w.grad.full_tensor()
 
     want_grad = torch.arange(8.0, dtype=torch.float64)[:, None].expand(8, 6)

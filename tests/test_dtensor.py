@@ -253,7 +253,8 @@ def test_from_local_uneven_with_shape():
 def _no_strategy():
     mesh = so.init_device_mesh("cpu", (2,))
     x = so.distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
-    return torch.ops.aten.take.default(x, torch.tensor([4, 0, 1])).full_tensor().tolist()
+    index = so.distribute_tensor(torch.tensor([4, 0, 1]), mesh, [Replicate()])
+    return torch.ops.aten.take.default(x, index).full_tensor().tolist()
 
 
 def test_fallback_warns_with_bytes_and_is_exact():

@@ -259,9 +259,10 @@ def _lm_tp_step(mode):
     data_parallel(model, mesh, mode)
     tokens, target = _lm_batch()
     dp = mesh.get_coordinate()[0]
+    mine = so.from_local(target.chunk(2)[dp], mesh, [Shard(0), Replicate()])  # this dp rank's rows, said explicitly
     with loss_parallel():
         with so.CommDebugMode() as fwd:
-            loss = F.cross_entropy(model(tokens.chunk(2)[dp]).flatten(0, 1), target.chunk(2)[dp].flatten(0, 1))
+            loss = F.cross_entropy(model(tokens.chunk(2)[dp]).flatten(0, 1), mine.flatten(0, 1))
         with so.CommDebugMode() as bwd:
             loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}

@@ -217,14 +217,23 @@ def prog_gone(record: dict) -> tuple | str:
 
 
 def prog_disagree(record: dict) -> tuple:
-    """A plain tensor operand, taken as Replicate, that differs between ranks (SHARDOPS_DEBUG on)."""
+    """A plain tensor operand, taken as Replicate under implicit_replication(), that differs between
+    ranks (SHARDOPS_DEBUG on)."""
+    from shardops.experimental import implicit_replication
+
     mesh = so.init_device_mesh("cpu", (WORLD,))
     rank = mesh.get_rank()
     x = so.distribute_tensor(torch.ones(8), mesh, [Shard(0)], src_data_rank=None)
-    (x + torch.ones(8)).full_tensor()
+    with implicit_replication():
+        (x + torch.ones(8)).full_tensor()
     setup_done(mesh)
     mine = torch.full((8,), float(rank == FAULT_RANK))
-    return _attempt(record, rank, lambda: (x + mine).full_tensor())
+
+    def vouched_but_different():
+        with implicit_replication():
+            return (x + mine).full_tensor()
+
+    return _attempt(record, rank, vouched_but_different)
 
 
 def prog_group_made_on_first_use(record: dict):

@@ -160,10 +160,12 @@ def test_in_place_scatter_and_index_put_keep_the_layout():
         try:
             mesh = so.init_device_mesh("cpu", (4,))
             out = []
+            index = so.distribute_tensor(idx, mesh, [R])  # index tensors beside DTensors: DTensors too (torch's rule)
+            rows = so.distribute_tensor(torch.tensor([1, 2]), mesh, [R])
             for pl in ([S0], [S1]):
                 d = so.distribute_tensor(x, mesh, pl)
-                d.scatter_(1, idx, 2.5)
-                d.index_put_((torch.tensor([1, 2]),), torch.tensor(7.0, dtype=torch.float64))
+                d.scatter_(1, index, 2.5)
+                d.index_put_((rows,), torch.tensor(7.0, dtype=torch.float64))
                 out.append((d.placements, d.full_tensor()))
             return out
         finally:

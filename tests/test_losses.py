@@ -28,6 +28,14 @@ def _target_placement(p, class_dim=1):
     return Shard(p.dim if p.dim < class_dim else p.dim - 1)
 
 
+def _replicated(t, mesh):
+    """A plain tensor every rank holds alike, as a Replicate DTensor (plain operands of more than one
+    dim next to DTensors raise, as in torch); 0-d tensors and None pass as they are."""
+    if t is None or t.ndim == 0:
+        return t
+    return so.from_local(t, mesh, [Replicate()] * mesh.ndim)
+
+
 def _inputs(shape, *, weighted, ignore, soft=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     c = shape[1] if len(shape) > 1 else shape[0]
@@ -59,8 +67,8 @@ def _loss_case(fn, shape, mesh_shape, x_layout, target_layout, weight_layout, re
     mesh = so.init_device_mesh("cpu", mesh_shape)
     x, target, weight, upstream = _inputs(shape, weighted=weighted, ignore=ignore, soft=soft)
     xd = so.distribute_tensor(x, mesh, x_layout).requires_grad_()
-    td = so.distribute_tensor(target, mesh, target_layout) if target_layout is not None else target
-    wd = so.distribute_tensor(weight, mesh, weight_layout) if weighted and weight_layout is not None else weight
+    td = so.distribute_tensor(target, mesh, target_layout) if target_layout is not None else _replicated(target, mesh)
+    wd = so.distribute_tensor(weight, mesh, weight_layout) if weighted and weight_layout is not None else _replicated(weight, mesh)
     loss = getattr(F, fn)(xd, td, **_kwargs(reduction, wd, ignore, smoothing))
     value = loss.full_tensor()
     value.backward(upstream if reduction == "none" else None)
@@ -199,7 +207,7 @@ def test_loss_all_targets_ignored(reduction):
     def all_ignored(shape, mesh_shape, reduction):
         mesh = so.init_device_mesh("cpu", mesh_shape)
         x = so.distribute_tensor(torch.randn(shape, dtype=torch.float64), mesh, [Shard(1)]).requires_grad_()
-        loss = F.cross_entropy(x, torch.full(shape[:1], -100), reduction=reduction)
+        loss = F.cross_entropy(x, _replicated(torch.full(shape[:1], -100), mesh), reduction=reduction)
         v = loss.full_tensor()
         v.sum().backward()
         return v.detach(), x.grad.full_tensor()
@@ -286,7 +294,7 @@ def _ce_bytes_case():
     weight = torch.rand(CLASSES, generator=g) + 0.5
     x = so.distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
     with so.CommDebugMode() as comm:
-        loss = F.cross_entropy(x, target, weight=weight, ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(x, _replicated(target, mesh), weight=_replicated(weight, mesh), ignore_index=IGNORE_INDEX)
         value = loss.full_tensor()
         forward_rounds = comm.get_rounds()
         value.backward()
@@ -321,7 +329,7 @@ def _bad_target_case(target, fn, x_layout, t_layout):
     mesh = so.init_device_mesh("cpu", (4,))
     g = torch.Generator().manual_seed(0)
     x = so.distribute_tensor(torch.randn(8, BAD_CLASSES, generator=g), mesh, x_layout)
-    t = so.distribute_tensor(target, mesh, t_layout) if t_layout is not None else target
+    t = so.distribute_tensor(target, mesh, t_layout) if t_layout is not None else _replicated(target, mesh)
     return getattr(F, fn)(x, t).full_tensor()
 
 

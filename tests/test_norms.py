@@ -19,7 +19,9 @@ vector_norm = torch.linalg.vector_norm
 
 
 def _const_like(x):
-    return torch.full(tuple(x.shape), 0.25, dtype=x.dtype)
+    """A constant operand like x: beside a DTensor a Replicate DTensor (a plain one would raise, as in torch)."""
+    c = torch.full(tuple(x.shape), 0.25, dtype=x.dtype)
+    return so.from_local(c, x.device_mesh, [so.Replicate()] * x.device_mesh.ndim) if isinstance(x, so.DTensor) else c
 
 
 OPS = [

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardops as so
+from shardops.experimental import implicit_replication
 from shardops import Replicate, Shard
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 from shardops.parallel import (
@@ -155,6 +156,8 @@ class Recorder(nn.Module):
 
     def forward(self, x, y=None, *, z):
         self.seen = {"x": x, "y": y, "z": z}
+        if isinstance(z, so.DTensor):  # y, left plain, is every rank's same copy: said explicitly (torch's rule)
+            y = so.from_local(y, z.device_mesh, [Replicate()])
         return x + y * z, z
 
 
@@ -266,7 +269,8 @@ def test_loss_parallel_forward_backward(mesh_shape):
         else:
             mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
             dl = so.distribute_tensor(logits.detach(), mesh, [Shard(0), Shard(2)]).requires_grad_()
-            tgt = target.chunk(2)[mesh.get_coordinate()[0]]  # this rank's batch shard, plain
+            # this rank's batch shard, said explicitly (torch's loss_parallel refuses a plain one here)
+            tgt = so.from_local(target.chunk(2)[mesh.get_coordinate()[0]], mesh, [Shard(0), Replicate()])
         with loss_parallel():
             loss = F.cross_entropy(dl.flatten(0, 1), tgt.flatten(0, 1))
             loss.backward()
@@ -395,7 +399,7 @@ def test_mlp_trains_like_single_device(mesh_shape, mode):
     plan = None if (mode is not None and len(mesh_shape) == 1) else MLP_PLAN
     ref = reference_training(model, x, target, loss_fn=_mse)
     with strict(has_strategies("linear")):
-        results = so.run(sharded_training, 4, lambda: copy.deepcopy(model), plan, mesh_shape, mode, x, target, 3, _mse, target_as_dtensor=True)
+        results = so.run(sharded_training, 4, lambda: copy.deepcopy(model), plan, mesh_shape, mode, x, target, 3, _mse)
     check_training(results, ref)
 
 
@@ -641,7 +645,9 @@ def test_tied_scaled_embedding_gradient(embed_style):
         elif embed_style == "colwise":
             plan["embed"] = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(model, mesh, plan)
-        with loss_parallel():
+        # the model mixes the embedding's plain (replicated) output, and outside the plan the plain ids,
+        # with DTensors: torch's opt-in for that
+        with loss_parallel(), implicit_replication():
             F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
         grad = model.embed.weight.grad
         assert model.embed.weight is model.lm_head.weight

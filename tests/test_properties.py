@@ -230,7 +230,7 @@ def _tolerances(dtype: torch.dtype) -> dict[str, float]:
 
 def _layout_of(full: torch.Tensor, mesh, placements, seed: int):
     if placements is None:
-        return full  # a plain tensor operand: taken as Replicate
+        return full  # a plain tensor operand: one element (implicit Replicate), or refused (check())
     if any(p.is_partial() for p in placements):
         return make_source(full, mesh, placements, seed)
     return so.distribute_tensor(full, mesh, placements)
@@ -323,6 +323,7 @@ def check(case: Case, rerun: bool = True) -> None:
     _note(f'reproduce: PYTHONPATH=src python tests/test_properties.py "{case!r}"')
     spec = OPS[case.op]
     inputs = spec.inputs(case) if spec.inputs is not None else float_inputs(case)
+    case = _mixed_operands_refused(case, inputs)
     try:
         expected = reference(case, spec, inputs)
     except Exception as torch_error:  # noqa: BLE001 - shardops must refuse it too
@@ -386,6 +387,22 @@ def run_case(case: Case, inputs: list[torch.Tensor], want_grad: bool) -> list[An
     if case.op in _LABELS:  # a family with forced examples
         EXAMPLES_BY_OP[case.op] = EXAMPLES_BY_OP.get(case.op, 0) + 1
     return [result for result, _, _ in per_rank]
+
+
+def _mixed_operands_refused(case: Case, inputs: list[torch.Tensor]) -> Case:
+    """A plain operand of more than one element beside DTensors raises (torch's rule; ShardingError,
+    whatever torch's reference does); the case then goes on with that operand as a Replicate DTensor."""
+    # one element: implicit Replicate (torch's rule); shape (0,): the empty placeholder, no values to differ
+    plain = [k for k, pl in enumerate(case.layouts) if pl is None and inputs[k].numel() != 1 and inputs[k].shape != (0,)]
+    if not plain:
+        return case
+    try:
+        run_case(case, inputs, False)
+    except so.ShardingError:
+        pass
+    else:
+        raise AssertionError(f"plain operands {plain} of more than one element met DTensors without an error in {case!r}")
+    return replace(case, layouts=tuple((Replicate(),) * len(case.mesh) if k in plain else pl for k, pl in enumerate(case.layouts)))
 
 
 def _check_same_refusal(case: Case, inputs: list[torch.Tensor], torch_error: Exception) -> None:

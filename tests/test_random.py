@@ -69,6 +69,11 @@ def test_each_rank_gets_exactly_its_global_indices(shape, mesh_shape):
 # ------------------------------------------------------------------ layout invariance
 
 
+def _replicated_like(x, t: torch.Tensor):
+    """A constant tensor beside the DTensor x: a Replicate DTensor on x's mesh (torch's rule for mixed operands)."""
+    return so.DTensor.from_local(t, x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+
+
 def _trunc(x):
     return nn.init.trunc_normal_(x, mean=0.5, std=2.0, a=-1.0, b=3.0)
 
@@ -78,7 +83,7 @@ OPS = {
     "uniform_": lambda x: x.uniform_(-2, 3),
     "normal_": lambda x: x.normal_(1.0, 2.0),
     "bernoulli_ float": lambda x: x.bernoulli_(0.3),
-    "bernoulli_ tensor p": lambda x: x.bernoulli_(torch.linspace(0, 1, 6)),
+    "bernoulli_ tensor p": lambda x: x.bernoulli_(_replicated_like(x, torch.linspace(0, 1, 6))),
     "bernoulli(p)": lambda x: torch.bernoulli(x + 0.25),
     "bernoulli(self, p)": lambda x: torch.bernoulli(x, 0.7),
     "rand_like": lambda x: torch.rand_like(x),

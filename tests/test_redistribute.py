@@ -84,7 +84,7 @@ def _two_branches_share_one_gradient():
     full_a, full_b, weight = (torch.randn(3, 5, generator=g) for _ in range(3))
     a, b = (so.distribute_tensor(t, mesh, [so.Replicate()]).requires_grad_() for t in (full_a, full_b))
     y = a.redistribute(placements=[so.Shard(0)]) + b.redistribute(placements=[so.Shard(0)])
-    loss = (y * weight).sum()
+    loss = (y * so.distribute_tensor(weight, mesh, [so.Replicate()])).sum()
     with so.CommDebugMode() as comm:
         loss.backward()
     a_grad, b_grad = a.grad.full_tensor().clone(), b.grad.full_tensor().clone()

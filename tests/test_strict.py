@@ -42,7 +42,7 @@ REPLICATED_ON_PURPOSE = {
     "svd": (lambda x: torch.linalg.svdvals(x), lambda a: torch.linalg.svdvals(a), "_linalg_svd"),
     "qr": (lambda x: torch.linalg.qr(x).R.abs(), lambda a: torch.linalg.qr(a).R.abs(), "linalg_qr"),
     "eigh": (lambda x: torch.linalg.eigvalsh(x), lambda a: torch.linalg.eigvalsh(a), "_linalg_eigh"),
-    "solve_triangular": (lambda x: torch.linalg.solve_triangular(x.triu() + 8 * torch.eye(8), x, upper=True),
+    "solve_triangular": (lambda x: torch.linalg.solve_triangular(x.triu() + so.from_local(8 * torch.eye(8), x.device_mesh, [Replicate()]), x, upper=True),
                          lambda a: torch.linalg.solve_triangular(a.triu() + 8 * torch.eye(8), a, upper=True), "linalg_solve_triangular"),
     "diag_embed": (lambda x: torch.diag_embed(x), lambda a: torch.diag_embed(a), "diag_embed"),
     "sort": (lambda x: torch.sort(x, dim=0).values, lambda a: torch.sort(a, dim=0).values, "sort"),

@@ -36,9 +36,11 @@ def test_index_put_with_the_index_off_the_sharded_dim_stays_sharded():
     idx, values = torch.tensor([0, 2]), torch.ones(2, 8)
 
     def rank():
-        dx = so.distribute_tensor(x, _mesh(), [Shard(1)])
+        mesh = _mesh()
+        dx = so.distribute_tensor(x, mesh, [Shard(1)])
+        didx, dvalues = (so.DTensor.from_local(t, mesh, [Replicate()]) for t in (idx, values))  # torch's test: DTensors too
         with so.CommDebugMode() as comm:
-            y = torch.index_put(dx, (idx,), values)
+            y = torch.index_put(dx, (didx,), dvalues)
         return y.placements, y.full_tensor(), comm.get_total_bytes()
 
     for placements, full, nbytes in so.run(_strict(rank), 4):
@@ -158,14 +160,16 @@ def test_mixing_meshes_says_sharding_propagation_failed():
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_embedding_max_norm_on_a_column_sharded_table_raises_not_implemented(strict):
-    """Renormalising rows of a table sharded on the embedding dim: no sharded strategy (torch has none either)."""
+    """Renormalising rows of a table sharded on the embedding dim: no sharded strategy (torch has none either),
+    torch's message (test_sharded_embedding_colwise_max_norm_errors)."""
     table = torch.randn(10, 8)
 
     def rank():
-        w = so.distribute_tensor(table, _mesh(), [Shard(1)])
-        F.embedding(torch.tensor([1, 2]), w, max_norm=1.0)
+        mesh = _mesh()
+        w = so.distribute_tensor(table, mesh, [Shard(1)])
+        F.embedding(so.DTensor.from_local(torch.tensor([[1, 2], [3, 4]]), mesh, [Replicate()]), w, max_norm=1.0)
 
-    with pytest.raises(NotImplementedError, match="does not have a sharding strategy registered") as info:
+    with pytest.raises(NotImplementedError, match=r"aten\.embedding_renorm_\.default does not have a sharding strategy registered\.") as info:
         so.run(_strict(rank) if strict else rank, 4)
     assert isinstance(info.value, so.ShardingError)
 
@@ -179,3 +183,74 @@ def test_sort_backward_of_an_empty_sharded_tensor():
 
     for shape, placements in so.run(rank, 4):
         assert shape == (0,) and placements == (Shard(0),)
+
+
+def test_aten_linear_under_inference_mode_shards_like_matmul():
+    """torch's test_aten_linear: under inference_mode aten.linear reaches DTensor dispatch whole; a
+    row-sharded weight still gives a Shard(2) output (no gather), equal to single device."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 47, 64, generator=g), torch.randn(64, 64, generator=g)
+
+    def rank():
+        mesh = _mesh()
+        dx, dw = so.distribute_tensor(x, mesh, [Replicate()]), so.distribute_tensor(w, mesh, [Shard(0)])
+        with so.CommDebugMode() as comm, torch.inference_mode():
+            out = F.linear(dx, dw)
+            placements, nbytes = out.placements, comm.get_total_bytes()
+        return placements, nbytes, out.full_tensor()
+
+    for placements, nbytes, full in so.run(_strict(rank), 4):
+        assert placements == (Shard(2),) and nbytes == 0
+        torch.testing.assert_close(full, F.linear(x, w))
+
+
+def test_loss_parallel_plain_target_on_a_batch_sharded_mesh_asks_for_a_dtensor():
+    """torch's test_loss_parallel_plain_tensor_target_rejected_on_multi_dim: a plain target next to logits
+    whose batch is sharded is ambiguous (global or this rank's piece): ValueError, 'requires a DTensor'."""
+    g = torch.Generator().manual_seed(4)
+    x, target = torch.randn(8, 16, generator=g), torch.randint(0, 16, (8,), generator=g)
+
+    def rank():
+        dx = so.distribute_tensor(x, _mesh((2, 2), ("dp", "tp")), [Shard(0), Shard(1)])
+        with loss_parallel():
+            F.cross_entropy(dx, target, reduction="sum")
+
+    with pytest.raises(ValueError, match=r"loss_parallel\(\) requires a DTensor \(not a plain torch.Tensor\)"):
+        so.run(rank, 4)
+
+
+def test_loss_parallel_plain_target_next_to_batch_sharded_logits_on_one_dim():
+    """torch's test_loss_parallel, logits sharded on the batch dim of a 1-d mesh: a plain target raises
+    a ValueError naming loss_parallel (no silent batch-size mismatch)."""
+    x, target = torch.randn(8, 16), torch.randint(0, 16, (8,))
+
+    def rank():
+        dx = so.distribute_tensor(x, _mesh(), [Shard(0)])
+        with loss_parallel():
+            F.cross_entropy(dx, target)
+
+    with pytest.raises(ValueError, match="loss_parallel"):
+        so.run(rank, 4)
+
+
+def test_loss_parallel_takes_a_plain_replicated_target_and_weight_as_torch_does():
+    g = torch.Generator().manual_seed(5)
+    x, target, weight = torch.randn(8, 16, generator=g), torch.randint(0, 16, (8,), generator=g), torch.rand(16, generator=g) + 0.5
+
+    def rank():
+        mesh = _mesh((2, 2), ("dp", "tp"))
+        dx = so.distribute_tensor(x, mesh, [Replicate(), Shard(1)]).requires_grad_()
+        dt = so.distribute_tensor(target, mesh, [Replicate(), Replicate()])
+        with loss_parallel():
+            plain = F.cross_entropy(dx, target, weight, reduction="sum")  # plain target and weight: Replicate
+            as_dtensors = F.cross_entropy(dx, dt, weight, reduction="sum")
+            plain.backward()
+        return plain.full_tensor(), as_dtensors.full_tensor(), dx.grad.full_tensor()
+
+    ref_x = x.clone().requires_grad_()
+    want = F.cross_entropy(ref_x, target, weight, reduction="sum")
+    want.backward()
+    for plain, as_dtensors, grad in so.run(rank, 4):
+        torch.testing.assert_close(plain, want.detach())
+        torch.testing.assert_close(as_dtensors, want.detach())
+        torch.testing.assert_close(grad, ref_x.grad)

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")  # a dev dependency (pyprojec
 import shardops as so  # noqa: E402
 from shardops import Replicate, Shard, StridedShard  # noqa: E402
 from shardops.parallel import data_parallel, from_transformers, loss_parallel  # noqa: E402
+from shardops.parallel.loss import target_placements  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=4)
 MODELS = {
@@ -61,8 +62,11 @@ def build(name: str) -> torch.nn.Module:
 
 
 def next_token_loss(logits, ids):
+    logits, target = logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
+    if isinstance(logits, so.DTensor):  # this rank's rows of the target, laid out like the logits, said explicitly
+        target = so.from_local(target, logits.device_mesh, target_placements(logits.placements, 1))
     with loss_parallel():
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        return F.cross_entropy(logits, target)
 
 
 def train(model, ids, full=lambda t: t):

@@ -123,7 +123,10 @@ def test_split_heads_runs(mesh_shape, layout, heads, moves):
 def test_merge_batch_sequence_then_pointwise_and_back_moves_nothing(mesh_shape, layout):
     """FSDP+SP activations: merged, through pointwise ops on a StridedShard, split back."""
     w = make((8,), 3)
-    fn = lambda x: (torch.tanh(x.reshape(-1, 8)) * w + 1).view(4, 10, 8).flatten(0, 1).unflatten(0, (4, 10))  # noqa: E731
+    def replicated(x):  # beside a DTensor, a constant is a Replicate DTensor (torch's rule for mixed operands)
+        return so.DTensor.from_local(w, x.device_mesh, [Replicate()] * x.device_mesh.ndim) if isinstance(x, so.DTensor) else w
+
+    fn = lambda x: (torch.tanh(x.reshape(-1, 8)) * replicated(x) + 1).view(4, 10, 8).flatten(0, 1).unflatten(0, (4, 10))  # noqa: E731
     r = check(fn, [make((4, 10, 8), 0)], mesh_shape, [layout])
     assert r.nbytes == 0, r.counts
     assert r.out_layout == layout

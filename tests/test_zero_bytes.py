@@ -133,11 +133,12 @@ def test_embedding_max_norm_on_a_vocabulary_sharded_table(norm_type):
     (ref * coef).sum().backward()
 
     def setup(mesh):
-        return so.distribute_tensor(table, mesh, [Shard(0)]).requires_grad_(), so.distribute_tensor(ids, mesh, [Replicate()])
+        table_ = so.distribute_tensor(table, mesh, [Shard(0)]).requires_grad_()
+        return table_, so.distribute_tensor(ids, mesh, [Replicate()]), so.distribute_tensor(coef, mesh, [Replicate()])
 
-    def lookup(t, i):
+    def lookup(t, i, c):
         out = F.embedding(i, t, max_norm=1.0, norm_type=norm_type)
-        (out * coef).sum().backward()
+        (out * c).sum().backward()
         return out, t.detach(), t.grad
 
     for out, renormed, grad in zero_bytes_on_every_rank(setup, lookup):

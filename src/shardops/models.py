@@ -65,10 +65,23 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
     """Rotate (batch, seq, heads, head_dim) queries and keys by the positions' complex frequencies."""
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    freqs = _replicated_like(freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1]), xq_)
     xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def _replicated_like(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A constant table (the same on every rank) next to a distributed tensor `x`: said to be
+    replicated on x's mesh, as mixing plain and distributed tensors in one op requires."""
+    mesh = getattr(x, "device_mesh", None)
+    if mesh is None or hasattr(table, "device_mesh"):
+        return table
+    if type(x).__module__.startswith("shardops"):
+        from .placements import Replicate
+    else:
+        from torch.distributed.tensor import Replicate
+    return type(x).from_local(table, mesh, [Replicate()] * mesh.ndim)
 
 
 class Attention(nn.Module):
@@ -201,7 +214,7 @@ class GPT2(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         # positions per sample (as idx is laid out), so that they split over the batch like idx
-        pos = torch.arange(idx.shape[1], device=idx.device).unsqueeze(0).expand(idx.shape[0], -1)
+        pos = torch.ones_like(idx).cumsum(1) - 1  # computed from idx: a DTensor where idx is one
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)

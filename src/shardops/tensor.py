@@ -9,6 +9,7 @@ import torch
 
 from .dispatch import core
 from .dispatch.debug import check_agreement
+from .dispatch.mixed import check_plain_operand
 from .dispatch.registry import COPYING_VIEW_ALGORITHMS, DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
 from .comm import traceable
@@ -521,6 +522,7 @@ def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int], t
             key.append(a._spec.key)
             tensor_pos.append(i)
         elif isinstance(a, torch.Tensor):
+            check_plain_operand(func, a)  # torch's rule: only one-element tensors are implicitly Replicate
             key.append(core.plain_key(a))
             tensor_pos.append(i)
         else:
@@ -529,7 +531,8 @@ def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int], t
 
 
 def _operand_specs(flat: Sequence[Any], tensor_pos: Sequence[int], func) -> list[TensorSpec]:
-    """Each tensor operand's spec; a plain tensor is taken as Replicate on the DTensors' mesh."""
+    """Each tensor operand's spec; a plain tensor (one element, or inside implicit_replication:
+    _operand_key checked it) is taken as Replicate on the DTensors' mesh."""
     mesh = None
     for i in tensor_pos:
         if isinstance(flat[i], DTensor):

@@ -27,6 +27,8 @@ from ..cost import resolve_links
 from ..errors import ShardingError
 from ..explain.trace import warm_up
 from ..mesh import DeviceMesh
+from ..placements import Replicate
+from ..tensor import DTensor, from_local
 from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
 from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
 from .plan import Plan, Scored, apply_candidate, mesh_names_for
@@ -40,6 +42,8 @@ MAX_RUNNABLE_RANKS = 16  # pricing runs the step on a threads world of this many
 def language_model_loss(output: torch.Tensor, tokens: torch.Tensor, *rest) -> torch.Tensor:
     """Next-token cross-entropy of a language model called on token ids (transformers' outputs: their `.logits`)."""
     logits = getattr(output, "logits", output)
+    if isinstance(logits, DTensor) and not isinstance(tokens, DTensor):  # the global batch, the same on every rank
+        tokens = from_local(tokens, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 

@@ -21,7 +21,8 @@ from ..comm.base import CommDebugMode
 from ..comm.dry import DryCommunicator
 from ..dispatch.core import FallbackWarning
 from ..mesh import init_device_mesh
-from ..tensor import DTensor
+from ..placements import Replicate
+from ..tensor import DTensor, from_local
 from ..world import run, run_dry
 
 __all__ = ["Measurement", "Reference", "extrapolate", "measure", "measure_dry", "on_meta", "reference_step"]
@@ -60,12 +61,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _replicated_like(out, example: tuple) -> tuple:
+    """The example (the global batch, the same on every rank) as Replicate DTensors on the mesh of a
+    DTensor output, for a loss that meets both (a plain tensor meeting a DTensor raises)."""
+    dt = out if isinstance(out, DTensor) else getattr(out, "logits", None)
+    if not isinstance(dt, DTensor):
+        return example
+    mesh = dt.device_mesh
+    return tuple(
+        from_local(t, mesh, [Replicate()] * mesh.ndim) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in example
+    )
+
+
 def _rank_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     m = copy.deepcopy(model)
     apply_fn(m, mesh)
     with CommDebugMode() as fwd:
-        loss = loss_fn(m(*example), *example)
+        out = m(*example)
+        loss = loss_fn(out, *_replicated_like(out, example))
     with CommDebugMode() as bwd:
         loss.backward()
     with CommDebugMode() as sync, torch.no_grad():

@@ -397,7 +397,7 @@ def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=N
         ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=filt, limit=limit)
     if not ranked:
         raise NoShardingStrategyError(  # a NotImplementedError too, as torch's for a layout its rules do not cover
-            f"Operator {schema.name} does not have a sharding strategy registered for {specs[0]!r}: the in-place op "
+            f"Operator {schema.op} does not have a sharding strategy registered. shardops: for {specs[0]!r}, the in-place op "
             "would need self in another layout, and an in-place op never changes its tensor's local shape. "
             "Redistribute the tensor first, or use the out-of-place op."
         )
@@ -483,7 +483,7 @@ def strict_error(d: Decision, how: str) -> ShardingError:
     if d.replicate_only or not how.startswith("has no sharded strategy"):
         return ShardingError(text)
     # a NotImplementedError too, with torch's phrase first, as torch raises for an op with no strategy
-    return NoShardingStrategyError(f"Operator {d.schema.name} does not have a sharding strategy registered. shardops: {text}")
+    return NoShardingStrategyError(f"Operator {d.schema.op} does not have a sharding strategy registered. shardops: {text}")
 
 
 def checked_fallback(d: Decision) -> None:
@@ -505,7 +505,7 @@ def checked_fallback(d: Decision) -> None:
             # The op has a rule but torch refused the call itself (a dtype or shape error): say that, not "layout".
             raise ShardingError(f"{d.schema.name} on {list(specs)}: torch refuses this call: {meta_error}") from meta_error
         raise NoShardingStrategyError(  # a NotImplementedError too, as torch's at this point
-            f"Operator {d.schema.name} does not have a sharding strategy registered for {specs[0]!r}: an in-place op "
+            f"Operator {d.schema.op} does not have a sharding strategy registered. shardops: for {specs[0]!r}, an in-place op "
             "with no sharded strategy would change self's layout. Redistribute self to Replicate first, or use the out-of-place op."
         )
     if not refused:

@@ -2,7 +2,8 @@
 
 Each rank must pick the same candidate and plans (ranks that disagree would issue
 different collectives and deadlock or compute garbage), and a plain torch.Tensor
-operand, taken as Replicate, must really be equal on every rank. The check is one
+operand taken as Replicate (a one-element tensor, or any inside
+`implicit_replication()`: dispatch/mixed.py) must really be equal on every rank. The check is one
 uncounted all_gather of a few int64 checksums over the whole mesh, so it never
 changes what CommDebugMode reports.
 """
@@ -55,5 +56,6 @@ def check_agreement(decision: Any, plain: Sequence[tuple[int, torch.Tensor]]) ->
             if theirs[j] != mine[j]:
                 raise ShardingError(
                     f"{decision.func}: plain tensor operand #{k} is taken as Replicate but differs between rank "
-                    f"{comm.rank} and rank {rank}; distribute it with so.distribute_tensor or make it equal on every rank."
+                    f"{comm.rank} and rank {rank}; make it a DTensor with DTensor.from_local(t, mesh, placements) "
+                    "(this rank's piece) or so.distribute_tensor, or make it equal on every rank."
                 )

@@ -82,15 +82,19 @@ def strategy(*ops: Any, algorithms: Iterable[str] = ()) -> Callable[[Rule], Rule
     return register_rule
 
 
-def torch_level(*torch_callables: Any, apply: Callable[..., Any], signature: CallSignature | None = None) -> Callable[[Parse], Parse]:
+def torch_level(
+    *torch_callables: Any, apply: Callable[..., Any], signature: CallSignature | None = None, around: Callable[[Any], Any] | None = None
+) -> Callable[[Parse], Parse]:
     """Decorator over a parse: calls of `torch_callables` on DTensors that it takes run `apply`.
 
     signature None: each callable is an aten overload, bound by its own schema.
+    around: wraps each entry (a context the whole call runs in, e.g. implicit replication).
     """
 
     def register_parse(parse: Parse) -> Parse:
         for c in torch_callables:
-            TORCH_FUNCTIONS[c] = torch_entry(c, signature or CallSignature.of_op(c), parse, apply)
+            entry = torch_entry(c, signature or CallSignature.of_op(c), parse, apply)
+            TORCH_FUNCTIONS[c] = around(entry) if around is not None else entry
         return parse
 
     return register_parse

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import core
+from ..dispatch.mixed import implicit_replication
 from ..dispatch.registry import call_default, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, static_key
 from ..errors import ShardingError
@@ -542,8 +543,21 @@ def _plan(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool
     return plan
 
 
+def _with_kernel_masks(entry):
+    """Where the call is not ours (dropout, other ndims) torch's math path runs on the DTensors and
+    builds its causal mask as a plain tensor from the shapes alone: the same on every rank, so taken
+    as Replicate on purpose (a plain attn_mask is every rank's own copy there, as in _parse_sdpa)."""
+
+    def sdpa(*args, **kwargs):
+        with implicit_replication():
+            return entry(*args, **kwargs)
+
+    sdpa.not_ours = entry.not_ours
+    return sdpa
+
+
 # F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention (one object)
-@torch_level(F.scaled_dot_product_attention, signature=CallSignature(_sdpa_call), apply=_Attention.apply)
+@torch_level(F.scaled_dot_product_attention, signature=CallSignature(_sdpa_call), apply=_Attention.apply, around=_with_kernel_masks)
 def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     """F.scaled_dot_product_attention on DTensors: (q, k, v, mask, is_causal, scale, layouts); None: torch's path."""
     if not _served(b):

@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from ..dispatch.registry import strategy, torch_level
+from ..dispatch.registry import decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
@@ -108,6 +108,26 @@ def product_rows(schema: OpSchema) -> list[Row]:
 def _out_shape(a: tuple[int, ...], b: tuple[int, ...], lhs: str, rhs: str, out: str) -> tuple[int, ...]:
     sizes = dict(zip(lhs, a)) | dict(zip(rhs, b))
     return tuple(sizes[c] for c in out)
+
+
+# ------------------------------------------------------------------ composite products under inference_mode
+
+
+# torch.inference_mode() skips autograd, whose dispatch key is where torch's composite linear and
+# matmul split into mm/bmm/addmm and views: there they reach DTensor dispatch whole. They are
+# decomposed here the same way (torch's own decomposition, on DTensors), so they shard as in
+# training (a column-parallel weight gives a sharded output, torch's test_aten_linear) rather
+# than replicating.
+
+
+@decomposition(aten.linear.default)
+def _linear_decomposed(*args, **kwargs):
+    return aten.linear.default.decompose(*args, **kwargs)
+
+
+@decomposition(aten.matmul.default)
+def _matmul_decomposed(*args, **kwargs):
+    return aten.matmul.default.decompose(*args, **kwargs)
 
 
 # ------------------------------------------------------------------ uneven leading dims (torch level)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..dispatch.mixed import check_plain_operand
 from ..dispatch.registry import decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
 from ..planner.rows import Row, row
@@ -296,6 +297,7 @@ def _as_dtensor(t, other):
         return t
     if t.requires_grad or not isinstance(other, DTensor):
         return None
+    check_plain_operand(aten.dist.default, t)  # torch's rule for plain operands beside DTensors
     mesh = spec_of(other).mesh
     return wrap(t, TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)))
 

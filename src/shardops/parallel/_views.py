@@ -38,6 +38,9 @@ class LocalView:
 
     grad_placements: tuple[Placement, ...]
     placements: tuple[Placement, ...] | None = None
+    # data_parallel's view for a module outside the plan: only while the module's inputs are plain
+    # (a module fed DTensors reads the DTensor parameter; a plain one beside them would raise)
+    only_for_plain_inputs: bool = False
 
 
 View = Union[tuple[Placement, ...], LocalView]
@@ -59,11 +62,14 @@ def set_compute_layout(module: nn.Module, name: str, layout: Sequence[Placement]
 
 
 def _install_views(module: nn.Module, inputs) -> None:
+    fed_dtensors = any(isinstance(x, DTensor) for x in inputs)
     for name, layout in module.__dict__[VIEWS_ATTR].items():
         p = module._parameters.get(name)
         if not isinstance(p, DTensor):
             continue
         if isinstance(layout, LocalView):
+            if layout.only_for_plain_inputs and fed_dtensors:
+                continue
             compute = layout.placements or (Replicate(),) * p.device_mesh.ndim
             view = (p if p.placements == compute else p.redistribute(placements=compute)).to_local(grad_placements=layout.grad_placements)
         elif p.placements == layout:

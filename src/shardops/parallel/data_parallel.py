@@ -11,8 +11,9 @@ Without a plan, the model's plain tensor inputs become DTensors sharded on
 `batch_dim` (equal batch shards, as a distributed sampler gives; for uneven ones
 pass DTensors with their global shape, e.g. `so.from_local(x, mesh, [Shard(0)],
 shape=...)`, which pass through) and the whole model runs on DTensors. The model's DTensor outputs come
-out sharded on `batch_dim` over dp (a plain target then means this rank's shard
-under loss_parallel). A loss computed on the DTensor
+out sharded on `batch_dim` over dp (a target then comes as this rank's shard, said
+explicitly: `from_local(target, mesh, [Shard(0), ...])`; loss_parallel refuses a plain
+one there, as torch does). A loss computed on the DTensor
 outputs (mean over the batch) is the global loss, exact on uneven batches, and is not
 divided again; a loss computed on plain local tensors (use_local_output=True, or
 `out.to_local()`) is the rank's local loss, and its gradients are averaged over the
@@ -167,7 +168,7 @@ def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout, outside_plan
     """Views given on the tp mesh move to the whole mesh; a module outside the plan reads its
     parameters as local views; FSDP adds a gather view per dp-sharded parameter."""
     views = sub.__dict__.get(VIEWS_ATTR, {})
-    local = LocalView(tuple(Partial() if d in layout.dp_dims else Replicate() for d in range(layout.mesh.ndim)))
+    local = LocalView(tuple(Partial() if d in layout.dp_dims else Replicate() for d in range(layout.mesh.ndim)), only_for_plain_inputs=True)
     for name, p in sub._parameters.items():
         if not isinstance(p, DTensor) or id(p) in experts:
             continue
@@ -201,7 +202,7 @@ def _sub_mesh_of(layout: DataParallelLayout, p: DTensor) -> DeviceMesh:
 
 def _batch_outputs(layout: DataParallelLayout):
     """The root's DTensor outputs come out batch-sharded over dp (whatever layout the planner left),
-    so that a plain target next to them means this rank's batch shard (see loss_parallel)."""
+    so that a target laid out as this rank's batch shard lines up with them (see loss_parallel)."""
 
     def place(x):
         if isinstance(x, DTensor) and x.device_mesh == layout.mesh and x.ndim > layout.batch_dim:

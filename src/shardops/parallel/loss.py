@@ -3,10 +3,13 @@
 shardops' cross-entropy and nll_loss are vocabulary-parallel on any DTensor already
 (one round of small statistics forward, a local backward), so nothing has to be
 switched on: code written for torch runs unchanged inside the block, forward and
-backward, and outside it too. What the block adds: a plain-tensor target next to
-logits whose batch is sharded (data parallelism on a (dp, tp) mesh) is taken as
-this rank's shard of the target, laid out like the logits without the class dim
-(torch refuses a plain target there and asks for a DTensor).
+backward, and outside it too. What the block adds is torch's handling of plain
+operands: a plain `weight`, and a plain target where the logits' layout asks for a
+replicated one, are made Replicate DTensors on the logits' mesh (explicitly, with
+from_local: the caller vouches that every rank holds the same values, as torch
+assumes). A plain target next to logits whose batch (or any non-class dim) is
+sharded raises torch's ValueError: it could be the global target or this rank's
+piece, so it must come as a DTensor (`DTensor.from_local(target, mesh, placements)`).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def _check_placements(placements: tuple[Placement, ...], class_dim: int) -> None
             )
 
 
-class _TargetAsLocalShard(TorchFunctionMode):
+class _PlainOperandsAsTorch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in _LOSSES and len(args) >= 1 and isinstance(args[0], DTensor):
@@ -57,25 +60,42 @@ class _TargetAsLocalShard(TorchFunctionMode):
             logits = args[0]
             _check_placements(logits.placements, 1 if logits.ndim >= 2 else 0)
             if len(args) >= 2:
-                args[1] = self._wrap(logits, args[1])
+                args[1] = _target_dtensor(logits, args[1])
             elif "target" in kwargs:
-                kwargs["target"] = self._wrap(logits, kwargs["target"])
+                kwargs["target"] = _target_dtensor(logits, kwargs["target"])
+            if len(args) >= 3:
+                args[2] = _replicated(logits, args[2])
+            elif kwargs.get("weight") is not None:
+                kwargs["weight"] = _replicated(logits, kwargs["weight"])
         return func(*args, **kwargs)
 
-    @staticmethod
-    def _wrap(logits: DTensor, target):
-        if isinstance(target, DTensor) or not isinstance(target, torch.Tensor):
-            return target
-        class_dim = 1 if logits.ndim >= 2 else 0
-        placements = target_placements(logits.placements, class_dim)
-        if all(p.is_replicate() for p in placements):
-            return target  # a plain operand is taken as Replicate anyway
-        return from_local(target, logits.device_mesh, placements)
+
+def _target_dtensor(logits: DTensor, target):
+    """A plain target as a DTensor laid out like the logits without the class dim: Replicate only
+    (torch's rule); one that would be sharded is ambiguous (global, or this rank's piece?) and raises."""
+    if isinstance(target, DTensor) or not isinstance(target, torch.Tensor):
+        return target
+    placements = target_placements(logits.placements, 1 if logits.ndim >= 2 else 0)
+    if any(p.is_shard() for p in placements):
+        raise ShardingError(
+            f"loss_parallel() requires a DTensor (not a plain torch.Tensor) when the derived placements {list(placements)} "
+            f"contain Shard: the logits {list(logits.placements)} shard a non-class dim (e.g. the batch under data "
+            "parallelism), so a plain target could be the global one or this rank's piece. Wrap it with "
+            f"DTensor.from_local(target, mesh, {list(placements)}) (this rank's piece) or distribute_tensor (the global one)."
+        )
+    return _replicated(logits, target)
+
+
+def _replicated(logits: DTensor, t):
+    """A plain tensor as a Replicate DTensor on the logits' mesh (each rank's copy, as torch's loss_parallel takes it)."""
+    if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
+        return t
+    return from_local(t, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)
 
 
 @contextlib.contextmanager
 def loss_parallel() -> Iterator[None]:
     """Loss parallelism as torch's `loss_parallel()`: F.cross_entropy / nn.CrossEntropyLoss on
     class-sharded DTensor logits, its backward inside or outside the block."""
-    with _TargetAsLocalShard():
+    with _PlainOperandsAsTorch():
         yield

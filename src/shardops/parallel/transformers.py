@@ -53,11 +53,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..dispatch.mixed import implicit_replication
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..tensor import DTensor, from_local
-from ._layout import as_mesh, boundary, distribute_param, move, to_dtensor
+from ._layout import as_mesh, boundary, data_parallel_of, distribute_param, move, to_dtensor
 from ._views import LocalView, set_compute_layout
 from .api import parallelize_module
 from .distribute import distribute_module
@@ -99,7 +100,46 @@ def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = T
         plan = _with_expert_plan(model, plan)
     parallelize_module(model, mesh, _shardops_plan(model, plan, use_local_output))
     _replicate_the_rest(model, mesh, as_dtensors=not use_local_output)
+    if not use_local_output:
+        _rotary_tables_replicated(model, mesh)
+        _model_made_tensors_replicated(model)
     return model
+
+
+def _rotary_tables_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The rotary embedding's (cos, sin), computed from positions alone, come out as Replicate DTensors
+    (explicitly, so that the backward of q * cos meets a DTensor too); on the whole mesh once
+    data_parallel has joined the model."""
+
+    def replicated(module: nn.Module, args: Any, out: Any) -> Any:
+        dp = data_parallel_of(module)
+        m = dp.mesh if dp is not None else mesh
+        wrap = lambda t: from_local(t, m, [Replicate()] * m.ndim) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t  # noqa: E731
+        return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            module.register_forward_hook(replicated)
+
+
+def _model_made_tensors_replicated(model: nn.Module) -> None:
+    """With DTensor boundaries, transformers' forward builds tensors from shapes and positions alone (the
+    rotary cos/sin, causal masks, a cache's empty placeholders): the same on every rank, and they meet
+    DTensors. The model's forward runs inside implicit_replication() so that they are taken as Replicate,
+    on purpose (a plain tensor meeting a DTensor raises elsewhere); its inputs go through the plan's
+    boundaries as usual."""
+    stack: list = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        context = implicit_replication()
+        context.__enter__()
+        stack.append(context)
+
+    def leave(module: nn.Module, args: Any, out: Any) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
 
 
 EXPERT_DISPATCH = "ep_dispatch_experts"

@@ -25,7 +25,8 @@ from .. import checkpoint as so_checkpoint
 from .. import parallel as so_parallel
 from ..comm.base import CommDebugMode
 from ..mesh import init_device_mesh
-from ..tensor import DTensor
+from ..placements import Replicate, Shard
+from ..tensor import DTensor, from_local
 from .config import RunSpec, build, plan
 from .loop import Steps, StepRecord, batch
 
@@ -108,6 +109,8 @@ def train_rank(
     for step in range(first, spec.steps):
         run.start()
         inputs, targets = (t[dp_rank * rows : (dp_rank + 1) * rows] for t in batch(spec.cfg, spec.batch_size, step))
+        if spec.dp > 1:  # this dp rank's rows of the target, said explicitly (as torch's loss_parallel asks)
+            targets = from_local(targets, mesh, [Shard(0), Replicate()])
         with run.timed("zero_grad"):
             opt.zero_grad()
         with run.timed("forward"):
