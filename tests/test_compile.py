@@ -23,6 +23,9 @@ from mp import run_gloo
 from parallel_harness import tiny_model
 
 MESHES = [(4,), (2, 2)]
+# The default suite keeps one mesh of a repeated case; the other runs with `pytest -m slow` (CI time).
+SLOW = pytest.mark.slow
+MESHES_DP2XTP2_DEFAULT = [pytest.param((4,), id="tp4", marks=SLOW), pytest.param((2, 2), id="dp2xtp2")]
 
 
 class _GraphCounter:
@@ -188,7 +191,7 @@ def _training_differences(out: dict, mesh_shape, same_bytes: bool) -> list[str]:
     return wrong
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
+@pytest.mark.parametrize("mesh_shape", MESHES_DP2XTP2_DEFAULT)
 def test_compiled_train_step_with_optimizer_equals_eager(mesh_shape):
     """torch.compile(train_step): the optimizer's step (clip_grad_norm_, AdamW) runs compiled on the DTensor
     parameters after backward's graph break, with eager's values and eager's bytes at every step. With
@@ -282,7 +285,7 @@ def test_gradient_pending_as_shards_reaches_compiled_code_with_eager_bytes():
         assert torch.allclose(compiled_w, w.detach(), atol=1e-6) and torch.allclose(eager_w, w.detach(), atol=1e-6)
 
 
-@pytest.mark.parametrize("compiled_part", ["update", "accumulating"])
+@pytest.mark.parametrize("compiled_part", [pytest.param("update", marks=SLOW), "accumulating"])
 def test_pending_gradients_reach_compiled_code_with_eager_bytes_under_gloo(compiled_part):
     """The two tests above in 4 gloo processes."""
     for r, out in enumerate(run_gloo(_gloo_train_rank, 4, (2, 2), compiled_part, timeout=600)):
@@ -290,7 +293,7 @@ def test_pending_gradients_reach_compiled_code_with_eager_bytes_under_gloo(compi
         assert not wrong, f"rank {r}: {wrong}"
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
+@pytest.mark.parametrize("mesh_shape", MESHES_DP2XTP2_DEFAULT)
 def test_compiled_train_step_with_optimizer_under_gloo(mesh_shape):
     for r, out in enumerate(run_gloo(_gloo_train_rank, 4, mesh_shape, timeout=600)):
         wrong = _training_differences(out, mesh_shape, same_bytes=True)
@@ -401,7 +404,7 @@ def _gloo_rank(mesh_shape, backend):
     }
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=["tp4", "dp2xtp2"])
+@pytest.mark.parametrize("mesh_shape", MESHES_DP2XTP2_DEFAULT)
 def test_compiled_parallel_mlp_under_gloo(mesh_shape):
     """Also: under torch.distributed the traced collectives are torch's own (_c10d_functional), each
     with its wait and shardops' byte counter, which makes a compiled step count what eager counts."""
@@ -498,7 +501,7 @@ def _sharded_algorithm_differences(backend: str = "aot_eager") -> dict[str, list
     return out
 
 
-@pytest.mark.parametrize("world", ["threads", "gloo"])
+@pytest.mark.parametrize("world", ["threads", pytest.param("gloo", marks=SLOW)])
 def test_sharded_algorithms_compile_whole_with_eager_values_and_bytes(world):
     """Over uneven shards. Found on the way: in the threads world a rank whose algorithm did not read
     a collective's result (the first shard of a cumsum needs no prefix) had it removed as dead code:
@@ -634,9 +637,16 @@ def _compiled_model_differences(model_name: str, mesh_shape) -> list[str]:
 
 
 MODEL_CASES = [(name, shape) for name in ("llama", "gpt2") for shape in MESHES]
+DEFAULT_MODEL_CASES = {("llama", (2, 2)), ("gpt2", (4,))}  # each model and each mesh once; the rest: -m slow
 
 
-@pytest.mark.parametrize("model_name, mesh_shape", MODEL_CASES, ids=[f"{n}-{'x'.join(map(str, s))}" for n, s in MODEL_CASES])
+@pytest.mark.parametrize(
+    "model_name, mesh_shape",
+    [
+        pytest.param(n, s, id=f"{n}-{'x'.join(map(str, s))}", marks=() if (n, s) in DEFAULT_MODEL_CASES else SLOW)
+        for n, s in MODEL_CASES
+    ],
+)
 def test_compiled_models_equal_eager_in_the_threads_world(model_name, mesh_shape):
     torch._dynamo.reset()
     for r, wrong in enumerate(so.run(lambda: _compiled_model_differences(model_name, mesh_shape), 4)):
@@ -679,6 +689,7 @@ def _both_models_graphs():
     return {name: _model_graphs(name) for name in ("llama", "gpt2")}
 
 
+@pytest.mark.slow  # about 3 minutes; the 2-D gloo case above keeps compiled models under gloo in the default suite
 def test_llama_and_gpt2_compile_to_one_graph_and_send_what_eager_sends_under_gloo():
     """The tensor-parallel LLaMA- and GPT-2-style models (their plans, 2 gloo ranks): the forward is one
     graph with no break, and a compiled training step issues eager's collectives, in eager's order and

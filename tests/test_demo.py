@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import shardops as so
@@ -78,6 +79,7 @@ def test_training_demo_under_torchrun_style_gloo_launch():
     assert "torch.distributed gloo, 4 processes" in out and "threads world" not in out
 
 
+@pytest.mark.slow  # the training demo's torchrun-style launch above keeps the gloo path in the default suite
 def test_ops_demo_under_torchrun_style_gloo_launch():
     outs = _torchrun(["--ops"])
     assert "torch.distributed gloo, 4 processes" in outs[0]
