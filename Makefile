@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH ?= 2.14.1
 TVENV := .venv-torch-$(TORCH)
 TSTAMP := $(TVENV)/.installed
-TORCH_SENSITIVE := tests/test_compile.py tests/test_rank_random.py tests/test_random.py \
+TORCH_SENSITIVE := tests/test_compile.py tests/test_compile_models.py tests/test_rank_random.py tests/test_random.py \
 	tests/test_checkpoint.py tests/test_checkpoint_gloo.py tests/test_parallel.py \
 	tests/test_resume.py tests/test_transformers.py tests/test_torch_hooks.py tests/test_default_generator.py
 
@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/shardops demo
 
+# Two workers, a test file each at a time (pytest-xdist): CI's 2 cores both busy, a file's tests in one process.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --timeout=600
+	$(BIN)/python -m pytest -q -x --timeout=600 -n 2 --dist loadfile
 
 $(TSTAMP): pyproject.toml constraints.txt
 	test -x $(TVENV)/bin/python || $(PY) -m venv $(TVENV)
@@ -33,7 +34,7 @@ $(TSTAMP): pyproject.toml constraints.txt
 
 test-torch: $(TSTAMP)
 	$(TVENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(TORCH)', torch.__version__"
-	$(TVENV)/bin/python -m pytest -q -x --timeout=600 $(wildcard $(TORCH_SENSITIVE))
+	$(TVENV)/bin/python -m pytest -q -x --timeout=600 -n 2 --dist loadfile $(wildcard $(TORCH_SENSITIVE))
 
 # `make test-gpu`: the device-sensitive tests (tests/test_gpu.py: threads world and nccl) and the
 # ops demo on CUDA tensors, in both worlds. Fails, saying why, on a machine without a CUDA device.
