@@ -201,3 +201,24 @@ def test_mixed_plain_and_dtensor_operands_are_exact_or_raise(case):
     want = OPS[op](*((plain, full) if swap else (full, plain)))
     for _, got, _ in results:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_autograds_own_constant_tensors_in_a_backward_pass_are_taken_as_replicate():
+    """torch's derivative formulas build plain constants from saved shapes (index_put's zeros for values
+    that need no gradient, prod's ones): they meet DTensor gradients inside backward and must pass;
+    the gradients equal single-device torch's."""
+    g = torch.Generator().manual_seed(3)
+    full, values = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    rows = torch.tensor([1, 4, 6])
+    ref = full.clone().requires_grad_()
+    (ref.index_put((rows,), values).sum() + ref.prod(1).sum()).backward()
+
+    def body():
+        mesh = so.init_device_mesh("cpu", (4,))
+        x = so.distribute_tensor(full, mesh, [Shard(1)]).requires_grad_()
+        index, v = (so.distribute_tensor(t, mesh, [Replicate()]) for t in (rows, values))
+        (x.index_put((index,), v).sum() + x.prod(1).sum()).backward()
+        return x.grad.full_tensor()
+
+    for grad in so.run(body, 4):
+        torch.testing.assert_close(grad, ref.grad)

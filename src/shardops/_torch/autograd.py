@@ -4,6 +4,10 @@
 function once the running backward pass has finished (known for torch 2.13, 2.14, 2.15). FSDP2
 and DDP use it so that every gradient reduction has been issued before `backward()` returns;
 shardops.fsdp does the same. A torch without it raises TorchInternalMissing naming the hook.
+
+`in_backward()`: `torch._C._current_graph_task_id` (-1 outside a backward pass; known for torch
+2.13, 2.14, 2.15), read to tell autograd's own constant tensors (the zeros and ones a derivative
+formula makes from a saved shape) from a user's plain operands; bound at import.
 """
 from __future__ import annotations
 
@@ -11,9 +15,17 @@ from typing import Callable
 
 import torch
 
-from . import Hook, require
+from . import Hook, internal, require
 
 END_OF_BACKWARD = Hook("autograd.end_of_backward", "run the data-parallel reductions' finish when a backward ends")
+GRAPH_TASK = Hook("autograd.graph_task", "tell autograd's constant tensors from a user's plain operands")
+
+_current_graph_task_id: Callable[[], int] = internal(GRAPH_TASK, "torch._C._current_graph_task_id")
+
+
+def in_backward() -> bool:
+    """True while this thread runs a backward pass (autograd's engine is executing a graph task)."""
+    return _current_graph_task_id() != -1
 
 
 def install() -> None:

@@ -23,6 +23,7 @@ from typing import Iterator
 
 import torch
 
+from .._torch.autograd import in_backward
 from ..errors import ShardingError
 
 _IMPLICIT = ContextVar("shardops_implicit_replication", default=False)
@@ -57,6 +58,10 @@ def check_plain_operand(func, t: torch.Tensor) -> None:
             )
         return
     if _IMPLICIT.get() or t.shape == (0,):  # (0,): the empty placeholder torch.cat skips (a cache's first keys)
+        return
+    if in_backward():
+        # torch's derivative formulas make constant tensors from saved shapes (index_put's zeros for its
+        # values, prod's ones): plain, the same on every rank, beside the DTensor gradients
         return
     raise ShardingError(
         f"{func}: got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling "
