@@ -74,6 +74,6 @@ def callable_name(fn: Any) -> str:
     for prefix in ("linalg", "special", "fft"):  # linalg_vector_norm in torch's C linalg module -> torch.linalg.vector_norm
         if (namespace is not None and namespace[1] == prefix) or name.startswith(f"{prefix}_"):
             return f"torch.{prefix}.{name.removeprefix(prefix + '_')}"
-    if namespace is not None:  # no public namespace (torch._C._nn's builtins): named where they live
+    if namespace is not None:  # no public namespace (the C bindings' nn builtins): named where they live
         return f"{namespace[0]}.{name}"
     return f"torch.{name}"

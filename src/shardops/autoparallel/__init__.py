@@ -99,7 +99,7 @@ def autoparallel(
     example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     resolve_links(links, len(shape))  # validated; the objective is bytes, which do not depend on links
     how = _pricing_for(pricing, shape, model, example)
-    warmup_s = warm_up() if how == "metadata" else 0.0  # torch's first meta kernel imports torch._dynamo: said apart
+    warmup_s = warm_up() if how == "metadata" else 0.0  # torch's first meta kernel imports dynamo: said apart
     t0 = time.perf_counter()
     if how == "metadata":
         model, example = on_meta(model, example)

@@ -420,7 +420,7 @@ _rank_thread = threading.local()
 def enter_rank_thread(world_size: int) -> None:
     """Called first in each rank thread of a threads world (world.run)."""
     _rank_thread.unscaled = world_size if world_size > 1 else 0
-    seam.keep_watching()  # a torch._dynamo.reset() since the last world dropped the compile watch
+    seam.keep_watching()  # a dynamo reset since the last world dropped the compile watch
 
 
 def scale_limits_in_rank_thread() -> None:

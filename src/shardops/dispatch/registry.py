@@ -137,7 +137,7 @@ def overwrites_self(*ops: Any) -> None:
 
 def call_default(func, args: tuple, kwargs: dict) -> Any:
     """Run a torch function the ordinary way (into __torch_dispatch__), without our override."""
-    with _NO_SUBCLASS_TORCH_FUNCTION():  # (torch._C._disabled_torch_function_impl would enter __torch_function__ again)
+    with _NO_SUBCLASS_TORCH_FUNCTION():  # (the seam's disabled_torch_function_impl would enter __torch_function__ again)
         return func(*args, **kwargs)
 
 

@@ -56,7 +56,7 @@ class Intercepts(TorchFunctionMode):
 
 
 def warm_up() -> float:
-    """torch's first meta-kernel call imports torch._dynamo (seconds); pay it once, and say how long it took."""
+    """torch's first meta-kernel call imports dynamo (seconds); pay it once, and say how long it took."""
     if not _WARM["done"]:
         t0 = time.perf_counter()
         x = torch.empty(2, 3, device="meta")

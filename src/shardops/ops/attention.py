@@ -556,7 +556,7 @@ def _with_kernel_masks(entry):
     return sdpa
 
 
-# F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention (one object)
+# F.scaled_dot_product_attention is the C binding itself (one object, registered once)
 @torch_level(F.scaled_dot_product_attention, signature=CallSignature(_sdpa_call), apply=_Attention.apply, around=_with_kernel_masks)
 def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     """F.scaled_dot_product_attention on DTensors: (q, k, v, mask, is_causal, scale, layouts); None: torch's path."""
