@@ -14,11 +14,13 @@ the search runs on one thread). Times are reported, never asserted.
 
 torch.distributed has no automatic planner to compare with, so there is no DTensor column.
 """
+
 from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -32,9 +34,11 @@ def _plan_text(plan) -> str:
     dims = " x ".join(f"{k}{plan.mesh_shape[d]}" for d, k in enumerate(c.dims))
     if c.tp_dim is None:
         return f"{dims}: pure data parallelism"
-    parts = ["sequence-parallel" if c.sequence_parallel else "no sequence parallelism",
-             "vocab-parallel head" if c.vocab_parallel else "replicated head",
-             "row-parallel embedding" if c.embeddings_parallel else "replicated embedding"]
+    parts = [
+        "sequence-parallel" if c.sequence_parallel else "no sequence parallelism",
+        "vocab-parallel head" if c.vocab_parallel else "replicated head",
+        "row-parallel embedding" if c.embeddings_parallel else "replicated embedding",
+    ]
     return f"{dims}: " + ", ".join(parts)
 
 
@@ -55,15 +59,24 @@ def measure_autoplan(meshes: Sequence[tuple[int, ...]] = tuple(TARGETS_S)) -> di
         plan = autoparallel(model, shape, (tokens,), links=LINKS.get(shape))
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         warm = plan.timings.get("warmup_s", 0.0)
-        rows.append({
-            "mesh": list(shape), "ranks": ranks, "wall_s": wall - warm, "cpu_s": cpu, "warmup_s": warm,
-            "search_s": plan.timings["plan_s"], "candidates": len(plan.considered),
-            "feasible": sum(1 for s in plan.considered if s.measurement.feasible),
-            "plan": _plan_text(plan), "bytes": plan.predicted_bytes, "target_s": TARGETS_S.get(shape),
-            # judged on CPU time: the search is one thread's work, and on a shared machine its wall
-            # time is mostly waiting for a core (both are reported)
-            "met": None if shape not in TARGETS_S else cpu <= TARGETS_S[shape],
-        })
+        rows.append(
+            {
+                "mesh": list(shape),
+                "ranks": ranks,
+                "wall_s": wall - warm,
+                "cpu_s": cpu,
+                "warmup_s": warm,
+                "search_s": plan.timings["plan_s"],
+                "candidates": len(plan.considered),
+                "feasible": sum(1 for s in plan.considered if s.measurement.feasible),
+                "plan": _plan_text(plan),
+                "bytes": plan.predicted_bytes,
+                "target_s": TARGETS_S.get(shape),
+                # judged on CPU time: the search is one thread's work, and on a shared machine its wall
+                # time is mostly waiting for a core (both are reported)
+                "met": None if shape not in TARGETS_S else cpu <= TARGETS_S[shape],
+            }
+        )
     return {"rows": rows, "model": "LLaMA-7B shape (dim 4096, 32 layers, 32 heads, ffn 11008, vocab 32000)", "seq": SEQ}
 
 
@@ -77,8 +90,10 @@ def format_autoplan_table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         mesh = "(" + ", ".join(str(s) for s in r["mesh"]) + ")"
         target = "—" if r["target_s"] is None else f"≤ {r['target_s']:g}" + ("" if r["met"] else " **MISSED**")
-        lines.append(f"| {mesh} | {r['ranks']:,} | {r['search_s']:.1f} | {r['cpu_s']:.1f} | {target} | {r['candidates']} ({r['feasible']}) "
-                     f"| {r['plan']} | {r['bytes']:,} |")
+        lines.append(
+            f"| {mesh} | {r['ranks']:,} | {r['search_s']:.1f} | {r['cpu_s']:.1f} | {target} | {r['candidates']} ({r['feasible']}) "
+            f"| {r['plan']} | {r['bytes']:,} |"
+        )
     return "\n".join(lines)
 
 

@@ -126,7 +126,9 @@ class Case:
             return torch.equal(actual, expected)
         finite = expected[torch.isfinite(expected)]
         scale = finite.abs().max().item() if finite.numel() else 0.0
-        return bool(torch.isclose(actual, expected, rtol=self.rtol, atol=self.atol_scaled * scale, equal_nan=True).all())
+        return bool(
+            torch.isclose(actual, expected, rtol=self.rtol, atol=self.atol_scaled * scale, equal_nan=True).all()
+        )
 
     def lower_bound_bytes(self, mesh_shape: Sequence[int]) -> int:
         """Rough floor of the bytes one rank sends per round (see module docstring)."""
@@ -245,7 +247,9 @@ def _rms_norm_loss(x, upstream, weight):
     return loss_full
 
 
-def _reduction(name: str, op: Callable[[torch.Tensor], Any], row_bytes: int, *, build=_randn_rows, notes: str = "") -> Case:
+def _reduction(
+    name: str, op: Callable[[torch.Tensor], Any], row_bytes: int, *, build=_randn_rows, notes: str = ""
+) -> Case:
     return Case(
         name=name,
         build=build,
@@ -258,7 +262,9 @@ def _reduction(name: str, op: Callable[[torch.Tensor], Any], row_bytes: int, *, 
     )
 
 
-def _scan(name: str, op: Callable[[torch.Tensor], Any], row_bytes: int, *, build=_randn_rows, per_element: bool = False) -> Case:
+def _scan(
+    name: str, op: Callable[[torch.Tensor], Any], row_bytes: int, *, build=_randn_rows, per_element: bool = False
+) -> Case:
     return Case(
         name=name,
         build=build,
@@ -397,7 +403,9 @@ def _attention_loss(q, k, v, upstream, *, causal: bool):
     return loss_full
 
 
-def _attention_case(name: str, layouts: dict[tuple[int, ...], tuple[str, ...]], causal: bool, reduce_dims, row_bytes: int, notes: str) -> Case:
+def _attention_case(
+    name: str, layouts: dict[tuple[int, ...], tuple[str, ...]], causal: bool, reduce_dims, row_bytes: int, notes: str
+) -> Case:
     return Case(
         name=name,
         build=_attention_inputs,
@@ -418,9 +426,15 @@ def _attention_case(name: str, layouts: dict[tuple[int, ...], tuple[str, ...]], 
 # timeout) and then raises NotImplementedError in the backward.
 ATTENTION_CASES = [
     # Sequence sharded (context parallel), causal: K and V must reach every query shard once.
-    _attention_case("attention.context", {(4,): ("S(2)",), (2, 2): ("S(0)", "S(2)")}, True, (2,), 2 * 8 * 4,
-                    "q, k, v sharded on the sequence: floor = each rank's K and V (8 positions per row on 4 ranks; "
-                    "rough on (2, 2), where a rank holds 16)"),
+    _attention_case(
+        "attention.context",
+        {(4,): ("S(2)",), (2, 2): ("S(0)", "S(2)")},
+        True,
+        (2,),
+        2 * 8 * 4,
+        "q, k, v sharded on the sequence: floor = each rank's K and V (8 positions per row on 4 ranks; "
+        "rough on (2, 2), where a rank holds 16)",
+    ),
 ]
 CASES.extend(ATTENTION_CASES)
 CASES_BY_NAME.update({c.name: c for c in ATTENTION_CASES})
@@ -466,27 +480,73 @@ def _mm_inputs(*shapes):
 
 
 def _embedding_inputs(g):
-    return (torch.randn(EMB_VOCAB, MM_HIDDEN, generator=g), torch.randint(0, EMB_VOCAB, EMB_IDS, generator=g), torch.randn(EMB_IDS + (MM_HIDDEN,), generator=g))
+    return (
+        torch.randn(EMB_VOCAB, MM_HIDDEN, generator=g),
+        torch.randint(0, EMB_VOCAB, EMB_IDS, generator=g),
+        torch.randn(EMB_IDS + (MM_HIDDEN,), generator=g),
+    )
 
 
 def _matrix_case(name, build, fn, p1, p2, grads, notes=""):
-    return Case(name=name, build=build, fn=fn, placements={(4,): p1, (2, 2): p2}, kind="fwd_bwd", reduce_dims=tuple(range(len(MM_SHAPE))),
-                floor_row_bytes=4, grad_inputs=grads, seed=3, rtol=1e-4, atol_scaled=1e-5, notes=notes)
+    return Case(
+        name=name,
+        build=build,
+        fn=fn,
+        placements={(4,): p1, (2, 2): p2},
+        kind="fwd_bwd",
+        reduce_dims=tuple(range(len(MM_SHAPE))),
+        floor_row_bytes=4,
+        grad_inputs=grads,
+        seed=3,
+        rtol=1e-4,
+        atol_scaled=1e-5,
+        notes=notes,
+    )
 
 
 _B, _S, _H = MM_SHAPE
 MATRIX_CASES = [
-    _matrix_case("linear.column", _mm_inputs(MM_SHAPE, (MM_FFN, _H), (MM_FFN,), (_B, _S, MM_FFN)), _column_linear_loss,
-                 (("R",), ("S(0)",), ("S(0)",), ("S(2)",)), (("S(0)", "R"), ("R", "S(0)"), ("R", "S(0)"), ("S(0)", "S(2)")), (1, 2)),
-    _matrix_case("linear.row", _mm_inputs((_B, _S, MM_FFN), (_H, MM_FFN), MM_SHAPE), _row_linear_loss,
-                 (("S(2)",), ("S(1)",), ("R",)), (("S(0)", "S(2)"), ("R", "S(1)"), ("S(0)", "R")), (0, 1)),
-    _matrix_case("mlp.megatron", _mm_inputs(MM_SHAPE, (MM_FFN, _H), (MM_FFN,), (_H, MM_FFN), MM_SHAPE), _mlp_loss,
-                 (("R",), ("S(0)",), ("S(0)",), ("S(1)",), ("R",)), (("S(0)", "R"), ("R", "S(0)"), ("R", "S(0)"), ("R", "S(1)"), ("S(0)", "R")), (1, 2, 3),
-                 notes="column -> GELU -> row; x does not require grad"),
-    _matrix_case("einsum.heads", _mm_inputs((_B, MM_HEADS, _S, 32), (_B, MM_HEADS, _S, 32), (_B, MM_HEADS, _S, _S)), _scores_loss,
-                 (("S(1)",), ("S(1)",), ("S(1)",)), (("S(0)", "S(1)"), ("S(0)", "S(1)"), ("S(0)", "S(1)")), (0, 1)),
-    _matrix_case("embedding.vocab", _embedding_inputs, _embedding_loss,
-                 (("S(0)",), ("R",), ("R",)), (("R", "S(0)"), ("S(0)", "R"), ("S(0)", "R")), (0,)),
+    _matrix_case(
+        "linear.column",
+        _mm_inputs(MM_SHAPE, (MM_FFN, _H), (MM_FFN,), (_B, _S, MM_FFN)),
+        _column_linear_loss,
+        (("R",), ("S(0)",), ("S(0)",), ("S(2)",)),
+        (("S(0)", "R"), ("R", "S(0)"), ("R", "S(0)"), ("S(0)", "S(2)")),
+        (1, 2),
+    ),
+    _matrix_case(
+        "linear.row",
+        _mm_inputs((_B, _S, MM_FFN), (_H, MM_FFN), MM_SHAPE),
+        _row_linear_loss,
+        (("S(2)",), ("S(1)",), ("R",)),
+        (("S(0)", "S(2)"), ("R", "S(1)"), ("S(0)", "R")),
+        (0, 1),
+    ),
+    _matrix_case(
+        "mlp.megatron",
+        _mm_inputs(MM_SHAPE, (MM_FFN, _H), (MM_FFN,), (_H, MM_FFN), MM_SHAPE),
+        _mlp_loss,
+        (("R",), ("S(0)",), ("S(0)",), ("S(1)",), ("R",)),
+        (("S(0)", "R"), ("R", "S(0)"), ("R", "S(0)"), ("R", "S(1)"), ("S(0)", "R")),
+        (1, 2, 3),
+        notes="column -> GELU -> row; x does not require grad",
+    ),
+    _matrix_case(
+        "einsum.heads",
+        _mm_inputs((_B, MM_HEADS, _S, 32), (_B, MM_HEADS, _S, 32), (_B, MM_HEADS, _S, _S)),
+        _scores_loss,
+        (("S(1)",), ("S(1)",), ("S(1)",)),
+        (("S(0)", "S(1)"), ("S(0)", "S(1)"), ("S(0)", "S(1)")),
+        (0, 1),
+    ),
+    _matrix_case(
+        "embedding.vocab",
+        _embedding_inputs,
+        _embedding_loss,
+        (("S(0)",), ("R",), ("R",)),
+        (("R", "S(0)"), ("S(0)", "R"), ("S(0)", "R")),
+        (0,),
+    ),
 ]
 CASES.extend(MATRIX_CASES)
 CASES_BY_NAME.update({c.name: c for c in MATRIX_CASES})

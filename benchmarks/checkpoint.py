@@ -16,6 +16,7 @@ Both write torch's DCP format (`FileSystemWriter`), so the save figures differ b
 coordination and the atomic commit only. Files go to a temporary directory (page cache:
 these are not disk figures).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,15 +47,16 @@ def _timed(fn: Any) -> float:
 
 
 def rank_main(directory: str, mib: int, tensors: int, repeats: int) -> dict[str, Any]:
+    import warnings
+
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor as TorchDTensor, Shard as TShard
+    from torch.distributed.tensor import DTensor as TorchDTensor
+    from torch.distributed.tensor import Shard as TShard
 
     import shardops as so
     from shardops import Shard
-
-    import warnings
 
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # dcp.save over its last repeat
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -66,23 +68,49 @@ def rank_main(directory: str, mib: int, tensors: int, repeats: int) -> dict[str,
     so_mesh = so.init_device_mesh("cpu", (world,))
     t_mesh = init_device_mesh("cpu", (world,))
     so_state = {f"w{i}": so.DTensor.from_local(t, so_mesh, [Shard(0)]) for i, t in enumerate(locals_)}
-    t_state = {f"w{i}": TorchDTensor.from_local(t.clone(), t_mesh, [TShard(0)], run_check=False) for i, t in enumerate(locals_)}
+    t_state = {
+        f"w{i}": TorchDTensor.from_local(t.clone(), t_mesh, [TShard(0)], run_check=False) for i, t in enumerate(locals_)
+    }
     my_bytes = sum(t.nbytes for t in locals_)
 
     grid = (2, world // 2)
     so_grid = so.init_device_mesh("cpu", grid)
     t_grid = init_device_mesh("cpu", grid)
-    so_resharded = {k: so.DTensor.from_local(torch.empty(rows // 2, cols // grid[1]), so_grid, [Shard(0), Shard(1)], shape=(rows, cols)) for k in so_state}
-    t_resharded = {k: TorchDTensor.from_local(torch.empty(rows // 2, cols // grid[1]), t_grid, [TShard(0), TShard(1)], run_check=False) for k in t_state}
+    so_resharded = {
+        k: so.DTensor.from_local(
+            torch.empty(rows // 2, cols // grid[1]), so_grid, [Shard(0), Shard(1)], shape=(rows, cols)
+        )
+        for k in so_state
+    }
+    t_resharded = {
+        k: TorchDTensor.from_local(
+            torch.empty(rows // 2, cols // grid[1]), t_grid, [TShard(0), TShard(1)], run_check=False
+        )
+        for k in t_state
+    }
     so_same = {k: so.DTensor.from_local(torch.empty(local_rows, cols), so_mesh, [Shard(0)]) for k in so_state}
-    t_same = {k: TorchDTensor.from_local(torch.empty(local_rows, cols), t_mesh, [TShard(0)], run_check=False) for k in t_state}
+    t_same = {
+        k: TorchDTensor.from_local(torch.empty(local_rows, cols), t_mesh, [TShard(0)], run_check=False) for k in t_state
+    }
     resharded_bytes = sum(t.to_local().nbytes for t in so_resharded.values())
 
     so_dir, t_dir = os.path.join(directory, "shardops"), os.path.join(directory, "torch")
     cases = {
-        "save": (lambda: so.checkpoint.save(so_state, so_dir), lambda: dcp.save(t_state, checkpoint_id=t_dir), my_bytes),
-        "load, same layout": (lambda: so.checkpoint.load(so_same, so_dir), lambda: dcp.load(t_same, checkpoint_id=t_dir), my_bytes),
-        f"load, resharded onto {grid}": (lambda: so.checkpoint.load(so_resharded, so_dir), lambda: dcp.load(t_resharded, checkpoint_id=t_dir), resharded_bytes),
+        "save": (
+            lambda: so.checkpoint.save(so_state, so_dir),
+            lambda: dcp.save(t_state, checkpoint_id=t_dir),
+            my_bytes,
+        ),
+        "load, same layout": (
+            lambda: so.checkpoint.load(so_same, so_dir),
+            lambda: dcp.load(t_same, checkpoint_id=t_dir),
+            my_bytes,
+        ),
+        f"load, resharded onto {grid}": (
+            lambda: so.checkpoint.load(so_resharded, so_dir),
+            lambda: dcp.load(t_resharded, checkpoint_id=t_dir),
+            resharded_bytes,
+        ),
     }
     times: dict[str, dict[str, list[float]]] = {name: {"shardops": [], "torch": []} for name in cases}
     for r in range(repeats + 1):  # the first round warms up
@@ -96,7 +124,12 @@ def rank_main(directory: str, mib: int, tensors: int, repeats: int) -> dict[str,
     correct &= all(torch.equal(t_same[k].to_local(), t_state[k].to_local()) for k in t_state)
     return {
         "rows": [
-            (name, nbytes / MB, nbytes / MB / statistics.median(times[name]["shardops"]), nbytes / MB / statistics.median(times[name]["torch"]))
+            (
+                name,
+                nbytes / MB,
+                nbytes / MB / statistics.median(times[name]["shardops"]),
+                nbytes / MB / statistics.median(times[name]["torch"]),
+            )
             for name, (_, _, nbytes) in cases.items()
         ],
         "total_mib": rows * cols * 4 * tensors / (1 << 20),
@@ -127,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     directory = tempfile.mkdtemp(prefix="shardops-ckpt-bench-")
     try:
-        result = launch.run_gloo(rank_main, args.world, directory, args.mib, args.tensors, args.repeats, timeout=1800)[0]
+        result = launch.run_gloo(rank_main, args.world, directory, args.mib, args.tensors, args.repeats, timeout=1800)[
+            0
+        ]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(report(result, args.world))

@@ -12,6 +12,7 @@ barrier and its time is the slowest rank's; the figure is the median over steps.
 The compiled and eager losses are compared on every rank (the `same loss` column), and
 `torch._dynamo.explain` counts the forward's graphs and graph breaks per side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,25 @@ import torch.nn.functional as F
 
 SIZES = {
     "tiny": {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 64, "hidden_dim": 64, "max_seq_len": 16, "batch": 2},
-    "quick": {"dim": 128, "n_layers": 2, "n_heads": 4, "vocab_size": 512, "hidden_dim": 256, "max_seq_len": 64, "batch": 4},
+    "quick": {
+        "dim": 128,
+        "n_layers": 2,
+        "n_heads": 4,
+        "vocab_size": 512,
+        "hidden_dim": 256,
+        "max_seq_len": 64,
+        "batch": 4,
+    },
     # the issue's size: dim 512, 8 layers, seq 256
-    "full": {"dim": 512, "n_layers": 8, "n_heads": 8, "vocab_size": 4096, "hidden_dim": 1408, "max_seq_len": 256, "batch": 4},
+    "full": {
+        "dim": 512,
+        "n_layers": 8,
+        "n_heads": 8,
+        "vocab_size": 4096,
+        "hidden_dim": 1408,
+        "max_seq_len": 256,
+        "batch": 4,
+    },
 }
 SYSTEMS = ("shardops", "DTensor")
 
@@ -103,7 +120,9 @@ def _rank(systems: tuple[str, ...], model_name: str, size: dict[str, Any], steps
     torch._dynamo.reset()  # the timed compiles start from nothing
     compiled_models = {name: torch.compile(m, backend="inductor") for name, m in models.items()}
     with fresh_cache():  # inductor's one-time start (imports, toolchain checks) is paid here, by neither side
-        torch.compile(lambda x: torch.nn.functional.gelu(x @ x).sum(), backend="inductor")(torch.ones(4, 4, requires_grad=True)).backward()
+        torch.compile(lambda x: torch.nn.functional.gelu(x @ x).sum(), backend="inductor")(
+            torch.ones(4, 4, requires_grad=True)
+        ).backward()
     first = {}
     for name, m in models.items():  # the first compiled step compiles: timed one side at a time
         # from empty caches (on disk and in memory): else the side compiled second reuses the
@@ -113,11 +132,16 @@ def _rank(systems: tuple[str, ...], model_name: str, size: dict[str, Any], steps
             start = time.perf_counter()
             step(m, compiled_models[name])
             first[name] = time.perf_counter() - start
-    compiled, compiled_loss = _interleaved({name: (lambda m=m, c=c: step(m, c)) for (name, m), c in zip(models.items(), compiled_models.values())}, steps)
+    compiled, compiled_loss = _interleaved(
+        {name: (lambda m=m, c=c: step(m, c)) for (name, m), c in zip(models.items(), compiled_models.values())}, steps
+    )
     return {
         name: {
-            "eager": eager[name], "compiled": compiled[name], "first_compiled": first[name],
-            "graphs": explained[name].graph_count, "breaks": explained[name].graph_break_count,
+            "eager": eager[name],
+            "compiled": compiled[name],
+            "first_compiled": first[name],
+            "graphs": explained[name].graph_count,
+            "breaks": explained[name].graph_break_count,
             "same_loss": abs(eager_loss[name] - compiled_loss[name]) <= 1e-4 * max(1.0, abs(eager_loss[name])),
             "loss": compiled_loss[name],
         }
@@ -126,7 +150,10 @@ def _rank(systems: tuple[str, ...], model_name: str, size: dict[str, Any], steps
 
 
 def measure_compile(
-    size: str = "quick", models: tuple[str, ...] = ("llama", "gpt2"), steps: int = 5, world_size: int = 4,
+    size: str = "quick",
+    models: tuple[str, ...] = ("llama", "gpt2"),
+    steps: int = 5,
+    world_size: int = 4,
     systems: tuple[str, ...] = SYSTEMS,
 ) -> dict[str, Any]:
     from shardops.training import launch
@@ -136,20 +163,29 @@ def measure_compile(
         try:
             ranks = launch.run_gloo(_rank, world_size, tuple(systems), model_name, SIZES[size], steps, timeout=3600)
         except Exception as e:  # noqa: BLE001 - a failing run is a result to show
-            first = (str(e).splitlines() or [""])[0]  # a RankFailure's first line: the rank, its exception's type and message
-            rows += [{"model": model_name, "system": system, "error": f"{type(e).__name__}: {first[:300]}"} for system in systems]
+            first = (str(e).splitlines() or [""])[
+                0
+            ]  # a RankFailure's first line: the rank, its exception's type and message
+            rows += [
+                {"model": model_name, "system": system, "error": f"{type(e).__name__}: {first[:300]}"}
+                for system in systems
+            ]
             continue
         for system in systems:
             slowest = lambda key: [max(r[system][key][i] for r in ranks) for i in range(steps)]  # noqa: E731
-            rows.append({
-                "model": model_name, "system": system,
-                "eager_ms": 1e3 * statistics.median(slowest("eager")),
-                "compiled_ms": 1e3 * statistics.median(slowest("compiled")),
-                "first_compiled_s": max(r[system]["first_compiled"] for r in ranks),
-                "same_loss": all(r[system]["same_loss"] for r in ranks),
-                "graphs": max(r[system]["graphs"] for r in ranks), "breaks": max(r[system]["breaks"] for r in ranks),
-                "compiled_steps_ms": [round(1e3 * t, 1) for t in slowest("compiled")],
-            })
+            rows.append(
+                {
+                    "model": model_name,
+                    "system": system,
+                    "eager_ms": 1e3 * statistics.median(slowest("eager")),
+                    "compiled_ms": 1e3 * statistics.median(slowest("compiled")),
+                    "first_compiled_s": max(r[system]["first_compiled"] for r in ranks),
+                    "same_loss": all(r[system]["same_loss"] for r in ranks),
+                    "graphs": max(r[system]["graphs"] for r in ranks),
+                    "breaks": max(r[system]["breaks"] for r in ranks),
+                    "compiled_steps_ms": [round(1e3 * t, 1) for t in slowest("compiled")],
+                }
+            )
     return {"size": size, "world_size": world_size, "steps": steps, "rows": rows}
 
 
@@ -176,7 +212,9 @@ def _side_by_side(rows: list[dict[str, Any]]) -> list[str]:
     for model in dict.fromkeys(r["model"] for r in rows):
         ours, theirs = timed.get((model, "shardops")), timed.get((model, "DTensor"))
         if ours and theirs:
-            line = f"\n{model}: shardops compiled ÷ DTensor compiled = {ours['compiled_ms'] / theirs['compiled_ms']:.3f}×"
+            line = (
+                f"\n{model}: shardops compiled ÷ DTensor compiled = {ours['compiled_ms'] / theirs['compiled_ms']:.3f}×"
+            )
             pairs = list(zip(ours.get("compiled_steps_ms", []), theirs.get("compiled_steps_ms", [])))
             if pairs:  # the sides took turns: step i of one ran next to step i of the other
                 ratios = sorted(a / b for a, b in pairs)
@@ -194,7 +232,7 @@ def compile_caption(result: dict[str, Any]) -> str:
     return (
         f"{result['world_size']} gloo processes, tensor parallel; dim {s['dim']}, {s['n_layers']} layers, seq {s['max_seq_len']}, "
         f"batch {s['batch']}; step = forward + cross-entropy + backward; median of {result['steps']} steps (slowest rank); "
-        "compiled = torch.compile(model, backend=\"inductor\"); "
+        'compiled = torch.compile(model, backend="inductor"); '
         "graphs and breaks: torch._dynamo.explain of the model's forward (slowest rank's count)."
     )
 
@@ -205,7 +243,13 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="*", default=["llama", "gpt2"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--systems", nargs="*", choices=SYSTEMS, default=list(SYSTEMS), help="which sides (they take turns step by step)")
+    parser.add_argument(
+        "--systems",
+        nargs="*",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="which sides (they take turns step by step)",
+    )
     a = parser.parse_args(argv)
     result = measure_compile(a.size, tuple(a.models), a.steps, a.world_size, tuple(a.systems))
     print(compile_caption(result))

@@ -56,6 +56,7 @@ _SEND_ARG_NAMES = ("input", "inputs", "input_tensor", "input_tensors", "input_li
 # In-place c10d ops that send their `tensors` argument itself.
 _SENDS_TENSORS_ARG = ("allreduce", "broadcast", "reduce_", "send", "isend")
 
+
 def collective_kind(op_name: str) -> str | None:
     """'all_gather' for `_c10d_functional.all_gather_into_tensor`, etc.; None for a non-collective."""
     return None if op_name in _NOT_COLLECTIVES else _kind_of(op_name)
@@ -347,7 +348,9 @@ def measure_dtensor(
 
     def per_rank(rank: int, group: Sequence[Case]) -> list[dict[str, Any]]:
         meshes = [init_device_mesh("cpu", s) for s in mesh_shapes]
-        return [_measure_on_rank(c, m, references[c.name], c.dtensor_best if best else None) for c in group for m in meshes]
+        return [
+            _measure_on_rank(c, m, references[c.name], c.dtensor_best if best else None) for c in group for m in meshes
+        ]
 
     # NOTE: a best path such as loss_parallel() swaps DTensor's op handlers process-wide, so it is
     # entered once here, around the rank threads, never inside them.

@@ -17,6 +17,7 @@ sum of those medians over the steps that both systems run (a step that raises
 on one system is timed on the other only, and the report names it). The first
 run of each (system, step) is compared with single-device torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,8 +86,20 @@ def make_systems(world_size: int) -> list[System]:
     so_mesh = so.init_device_mesh("cpu", (world_size,))
     t_mesh = tdt.init_device_mesh("cpu", (world_size,))
     return [
-        System("shardops", so_mesh, so.Shard, so.Replicate, lambda t, pl: so.distribute_tensor(t, so_mesh, pl, src_data_rank=None)),
-        System("DTensor", t_mesh, tdt.Shard, tdt.Replicate, lambda t, pl: tdt.distribute_tensor(t, t_mesh, pl, src_data_rank=None)),
+        System(
+            "shardops",
+            so_mesh,
+            so.Shard,
+            so.Replicate,
+            lambda t, pl: so.distribute_tensor(t, so_mesh, pl, src_data_rank=None),
+        ),
+        System(
+            "DTensor",
+            t_mesh,
+            tdt.Shard,
+            tdt.Replicate,
+            lambda t, pl: tdt.distribute_tensor(t, t_mesh, pl, src_data_rank=None),
+        ),
     ]
 
 
@@ -145,7 +158,9 @@ class Step:
 
     name = ""
 
-    def __init__(self, sys: System, d: dict[str, torch.Tensor], size: Size, refs: dict[str, tuple] | None = None) -> None:
+    def __init__(
+        self, sys: System, d: dict[str, torch.Tensor], size: Size, refs: dict[str, tuple] | None = None
+    ) -> None:
         self.sys, self.d, self.size = sys, d, size
         self.refs = refs if refs is not None else {}
 
@@ -389,13 +404,22 @@ def rank_main(size: Size) -> dict[str, Any]:
         for sys in systems:
             key = (sys.name, cls.name)
             if key in runnable:
-                row[sys.name] = {"ms": statistics.median(times[runnable.index(key)].tolist()) * 1e3,
-                                 "runs_ms": [t * 1e3 for t in times[runnable.index(key)].tolist()],
-                                 "correct": bool(ok_all[keys.index(key)].item()), "error": None}
+                row[sys.name] = {
+                    "ms": statistics.median(times[runnable.index(key)].tolist()) * 1e3,
+                    "runs_ms": [t * 1e3 for t in times[runnable.index(key)].tolist()],
+                    "correct": bool(ok_all[keys.index(key)].item()),
+                    "error": None,
+                }
             else:
                 row[sys.name] = {"ms": None, "runs_ms": [], "correct": None, "error": errors[key]}
         rows.append(row)
-    return {"rows": rows, "world_size": world_size, "backend": dist.get_backend(), "size": asdict(size), "phase_seconds": phases}
+    return {
+        "rows": rows,
+        "world_size": world_size,
+        "backend": dist.get_backend(),
+        "size": asdict(size),
+        "phase_seconds": phases,
+    }
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ forward + backward allocates per rank beyond the resident parameters and optimiz
 CPU profiler's allocator events; the least of three steps, since a collective's buffer freed on
 gloo's thread reads as held to the end), the largest rank's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,28 @@ import torch.nn.functional as F
 
 from shardops.training import launch
 
-SIDES = ("torch fully_shard", "shardops fully_shard", "shardops fully_shard + prefetch", "torch DDP", "shardops replicate")
+SIDES = (
+    "torch fully_shard",
+    "shardops fully_shard",
+    "shardops fully_shard + prefetch",
+    "torch DDP",
+    "shardops replicate",
+)
 
 
 def _model(args: argparse.Namespace):
     from shardops.models import Llama, ModelArgs
 
-    return Llama(ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64), vocab_size=args.vocab, hidden_dim=4 * args.dim, max_seq_len=args.seq))
+    return Llama(
+        ModelArgs(
+            dim=args.dim,
+            n_layers=args.layers,
+            n_heads=max(1, args.dim // 64),
+            vocab_size=args.vocab,
+            hidden_dim=4 * args.dim,
+            max_seq_len=args.seq,
+        )
+    )
 
 
 def _wrap(side: str, model: Any) -> Any:
@@ -50,7 +66,9 @@ def _wrap(side: str, model: Any) -> Any:
     else:
         from shardops.fsdp import replicate
 
-        return replicate(model, device_mesh=so.init_device_mesh("cpu", (torch.distributed.get_world_size(),)), bucket_cap_mb=25)
+        return replicate(
+            model, device_mesh=so.init_device_mesh("cpu", (torch.distributed.get_world_size(),)), bucket_cap_mb=25
+        )
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -103,11 +121,19 @@ def _side(side: str, args: argparse.Namespace) -> dict:
     return {"ms": 1000 * statistics.median(times), "peak": max(int(p) for p in peaks)}
 
 
-PAIRS = {"fsdp": ("shardops fully_shard", "torch fully_shard"), "fsdp+prefetch": ("shardops fully_shard + prefetch", "torch fully_shard"), "ddp": ("shardops replicate", "torch DDP")}
+PAIRS = {
+    "fsdp": ("shardops fully_shard", "torch fully_shard"),
+    "fsdp+prefetch": ("shardops fully_shard + prefetch", "torch fully_shard"),
+    "ddp": ("shardops replicate", "torch DDP"),
+}
 
 
 def _sides(args: argparse.Namespace) -> list[str]:
-    wanted = set(SIDES) if args.only is None else {s for key, pair in PAIRS.items() if key.startswith(args.only) for s in pair}
+    wanted = (
+        set(SIDES)
+        if args.only is None
+        else {s for key, pair in PAIRS.items() if key.startswith(args.only) for s in pair}
+    )
     return [s for s in SIDES if s in wanted]
 
 
@@ -128,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results = launch.run_gloo(_rank, args.world, args, timeout=3600)[0]
     params = sum(p.numel() for p in _model(args).parameters())
-    print(f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, {params / 1e6:.1f}M parameters, {args.world} gloo processes")
+    print(
+        f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, {params / 1e6:.1f}M parameters, {args.world} gloo processes"
+    )
     print("| side | ms/step | peak tracked MiB/rank |\n|---|---|---|")
     for side in _sides(args):
         r = results[side]
@@ -136,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     for key, (ours, theirs) in PAIRS.items():
         if args.only is not None and not key.startswith(args.only):
             continue
-        print(f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory {results[ours]['peak'] / results[theirs]['peak']:.2f}x")
+        print(
+            f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory {results[ours]['peak'] / results[theirs]['peak']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

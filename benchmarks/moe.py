@@ -15,12 +15,14 @@ Bytes: what the busiest rank puts into collectives per step (exact, CommDebugMod
 Time: median step wall time over the repetitions (the slowest rank of each step).
 Both are strict-mode runs, checked against the single-device loss.
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from shardops.training.launch import run_gloo
 
@@ -57,12 +59,17 @@ def _rank(size: dict[str, int]) -> dict[str, Any]:
     ref_layer, x = _layer(size)
     reference = float((ref_layer(x) ** 2).mean().detach())
     out: dict[str, Any] = {}
-    for name, shape, token_layout in (("expert-parallel", (4,), [Shard(0)]), ("tensor-parallel", (1, 4), [Replicate(), Replicate()])):
+    for name, shape, token_layout in (
+        ("expert-parallel", (4,), [Shard(0)]),
+        ("tensor-parallel", (1, 4), [Replicate(), Replicate()]),
+    ):
         mesh = so.init_device_mesh("cpu", shape)
         layer, _ = _layer(size)
         parallelize_module(layer.experts, mesh, ExpertParallel())
         so.distribute_module(layer.router, mesh)
-        xd = so.distribute_tensor(x, mesh, token_layout).requires_grad_()  # a layer inside a model: its input's gradient too
+        xd = so.distribute_tensor(
+            x, mesh, token_layout
+        ).requires_grad_()  # a layer inside a model: its input's gradient too
         times, nbytes, loss = [], 0, None
         for _ in range(size["reps"] + 1):  # the first is a warm-up (plans, caches)
             layer.zero_grad(set_to_none=True)
@@ -92,14 +99,16 @@ def measure_moe(quick: bool = True) -> list[dict[str, Any]]:
     for name in ("expert-parallel", "tensor-parallel"):
         per_rank = [r[name] for r in ranks]
         busiest = max(per_rank, key=lambda r: r["bytes"])
-        rows.append({
-            "layout": name,
-            "size": size,
-            "bytes": busiest["bytes"],
-            "counts": busiest["counts"],
-            "ms": per_rank[0]["ms"],
-            "exact": all(r["loss_error"] < 1e-4 for r in per_rank),
-        })
+        rows.append(
+            {
+                "layout": name,
+                "size": size,
+                "bytes": busiest["bytes"],
+                "counts": busiest["counts"],
+                "ms": per_rank[0]["ms"],
+                "exact": all(r["loss_error"] < 1e-4 for r in per_rank),
+            }
+        )
     return rows
 
 

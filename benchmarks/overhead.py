@@ -23,6 +23,7 @@ over rounds of the median over batches of `BATCH` calls; garbage collection is
 off inside a batch, as in `timeit`. Fallback warnings are silenced while
 timing (their op names are recorded once instead).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -151,7 +152,9 @@ def time_interleaved(
 # --- the measurement -------------------------------------------------------------------
 
 
-def _measure_in_this_world(shardops_mesh: tuple[int, ...], ops: Sequence[str], iters: int, repeats: int) -> dict[str, Any]:
+def _measure_in_this_world(
+    shardops_mesh: tuple[int, ...], ops: Sequence[str], iters: int, repeats: int
+) -> dict[str, Any]:
     tables = {"shardops": _shardops_table(shardops_mesh), "DTensor": _dtensor_table(), **_plain_tables()}
     comm: dict[str, dict[str, Any]] = {"shardops": {}, "DTensor": {}}
     fallbacks: dict[str, list[str]] = {}
@@ -210,7 +213,15 @@ def measure_overhead(ops: Sequence[str] = DEFAULT_OVERHEAD_OPS, iters: int = 200
             result = so.run(_measure_in_this_world, 1, (1,), ops, iters, repeats, timeout=3600)[0]
     finally:
         dist.destroy_process_group()
-    return {**result, "ops": list(ops), "world": world, "note": note, "iters": iters, "repeats": repeats, "batch": BATCH}
+    return {
+        **result,
+        "ops": list(ops),
+        "world": world,
+        "note": note,
+        "iters": iters,
+        "repeats": repeats,
+        "batch": BATCH,
+    }
 
 
 # --- report -------------------------------------------------------------------------------
@@ -292,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=2000, help="calls per (op, system) per round")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
-    parser.add_argument("--ops", nargs="*", default=list(DEFAULT_OVERHEAD_OPS), help=f"ops (default: {' '.join(DEFAULT_OVERHEAD_OPS)})")
+    parser.add_argument(
+        "--ops", nargs="*", default=list(DEFAULT_OVERHEAD_OPS), help=f"ops (default: {' '.join(DEFAULT_OVERHEAD_OPS)})"
+    )
     args = parser.parse_args(argv)
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     threads = torch.get_num_threads()

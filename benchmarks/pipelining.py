@@ -11,18 +11,28 @@ optimizer step, after one warm-up step that also infers the shapes), and the p2p
 send per step (shardops: CommDebugMode's "send" bytes; torch: every tensor its schedule hands
 to `isend`, counted by wrapping torch.distributed.isend), and whether both sides' losses agree.
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from shardops.training.launch import run_gloo
 
 SIZES = {
-    "tiny": {"dim": 32, "layers": 8, "seq": 8, "batch": 8, "microbatches": 4, "vocab": 64, "steps": 1},  # a smoke run: figures meaningless
+    "tiny": {
+        "dim": 32,
+        "layers": 8,
+        "seq": 8,
+        "batch": 8,
+        "microbatches": 4,
+        "vocab": 64,
+        "steps": 1,
+    },  # a smoke run: figures meaningless
     "quick": {"dim": 128, "layers": 8, "seq": 64, "batch": 8, "microbatches": 4, "vocab": 256, "steps": 3},
     "full": {"dim": 512, "layers": 8, "seq": 256, "batch": 8, "microbatches": 4, "vocab": 1024, "steps": 3},
 }
@@ -33,7 +43,14 @@ WORLD = 4
 def _model(size: dict[str, int]):
     from shardops.models import Llama, ModelArgs
 
-    args = ModelArgs(dim=size["dim"], n_layers=size["layers"], n_heads=max(1, size["dim"] // 64), vocab_size=size["vocab"], hidden_dim=4 * size["dim"], max_seq_len=size["seq"])
+    args = ModelArgs(
+        dim=size["dim"],
+        n_layers=size["layers"],
+        n_heads=max(1, size["dim"] // 64),
+        vocab_size=size["vocab"],
+        hidden_dim=4 * size["dim"],
+        max_seq_len=size["seq"],
+    )
     return Llama(args, seed=0)
 
 
@@ -58,7 +75,9 @@ def _stage_module(size: dict[str, int], stage: int, num_stages: int):
             return self.output(self.norm(h)) if self.norm is not None else h
 
     per = size["layers"] // num_stages
-    return Stage(_model(size), [str(i) for i in range(stage * per, (stage + 1) * per)], stage == 0, stage == num_stages - 1)
+    return Stage(
+        _model(size), [str(i) for i in range(stage * per, (stage + 1) * per)], stage == 0, stage == num_stages - 1
+    )
 
 
 def _loss(logits: Any, target: Any) -> Any:
@@ -169,7 +188,9 @@ def _rank(size: dict[str, int], schedules: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def measure_pipelining(size: str | dict[str, int] = "quick", schedules: Sequence[str] = SCHEDULES) -> list[dict[str, Any]]:
+def measure_pipelining(
+    size: str | dict[str, int] = "quick", schedules: Sequence[str] = SCHEDULES
+) -> list[dict[str, Any]]:
     """One row per schedule; `size` a name of SIZES or such a dict."""
     size = SIZES[size] if isinstance(size, str) else size
     ranks = run_gloo(_rank, WORLD, size, list(schedules), timeout=3600)
@@ -180,13 +201,15 @@ def measure_pipelining(size: str | dict[str, int] = "quick", schedules: Sequence
         agree = len(losses["torch"]) == len(losses["shardops"]) > 0 and all(
             abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses["shardops"], losses["torch"])
         )
-        rows.append({
-            "schedule": schedule,
-            "size": size,
-            **{f"{name} ms": 1000 * statistics.median(s["s"]) for name, s in per_side.items()},
-            **{f"{name} bytes": s["bytes"] for name, s in per_side.items()},
-            "losses agree": agree,
-        })
+        rows.append(
+            {
+                "schedule": schedule,
+                "size": size,
+                **{f"{name} ms": 1000 * statistics.median(s["s"]) for name, s in per_side.items()},
+                **{f"{name} bytes": s["bytes"] for name, s in per_side.items()},
+                "losses agree": agree,
+            }
+        )
     return rows
 
 

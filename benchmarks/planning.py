@@ -28,6 +28,7 @@ they are never asserted.
 torch.distributed.tensor has no public metadata-only planning entry point, so
 this benchmark has no DTensor column.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,9 @@ from typing import Any
 
 import torch
 
-from shardops import Replicate, Shard
+from shardops import Replicate, Shard, caches
 from shardops.dispatch import core
 from shardops.mesh import DeviceMesh
-from shardops import caches
 from shardops.planner.choice import with_plans
 from shardops.redistribute import plan
 from shardops.spec import TensorMeta, TensorSpec, contiguous_stride
@@ -50,7 +50,16 @@ from shardops.spec import TensorMeta, TensorSpec, contiguous_stride
 aten = torch.ops.aten
 ROWS, COLS = 1024, 32768  # f32[1024, 32768]: the size only enters the cost model
 
-MESHES_FULL: tuple[tuple[int, ...], ...] = ((4,), (4096,), (2, 2), (64, 64), (2, 2, 2), (16, 16, 16), (2, 2, 2, 2), (8, 8, 8, 8))
+MESHES_FULL: tuple[tuple[int, ...], ...] = (
+    (4,),
+    (4096,),
+    (2, 2),
+    (64, 64),
+    (2, 2, 2),
+    (16, 16, 16),
+    (2, 2, 2, 2),
+    (8, 8, 8, 8),
+)
 MESHES_QUICK: tuple[tuple[int, ...], ...] = ((4096,), (64, 64), (16, 16, 16), (8, 8, 8, 8))
 
 
@@ -109,7 +118,12 @@ def measure_explain(reps: int = 5) -> list[dict[str, Any]]:
             times, last = [], None
             for _ in range(reps):
                 cols = COLS + next(fresh)
-                specs = {"x": f"f32[{ROWS},{cols}]:{layout}", "y": f"f32[{ROWS},{cols}]:{layout}", "w": f"f32[{cols}]", "b": f"f32[{cols}]"}
+                specs = {
+                    "x": f"f32[{ROWS},{cols}]:{layout}",
+                    "y": f"f32[{ROWS},{cols}]:{layout}",
+                    "w": f"f32[{cols}]",
+                    "b": f"f32[{cols}]",
+                }
                 kw = {k: specs[k] for k in tensors}
                 expr = template.format(cols=cols)
                 start = time.process_time()  # CPU time: other work on a shared machine does not count
@@ -118,10 +132,17 @@ def measure_explain(reps: int = 5) -> list[dict[str, Any]]:
             step = last.steps[-1]
             per_mesh[len(shape)] = (min(times), step)
         (t1, _), (t4, s4) = per_mesh[1], per_mesh[4]
-        rows.append({
-            "op": name, "one_d_us": t1 * 1e6, "four_d_us": t4 * 1e6, "ratio": t4 / t1, "candidates_4d": s4.total,
-            "choice_4d": " ".join("[" + ",".join(map(repr, pl)) + "]" for pl in s4.chosen.inputs) + f" ({s4.chosen.label})",
-        })
+        rows.append(
+            {
+                "op": name,
+                "one_d_us": t1 * 1e6,
+                "four_d_us": t4 * 1e6,
+                "ratio": t4 / t1,
+                "candidates_4d": s4.total,
+                "choice_4d": " ".join("[" + ",".join(map(repr, pl)) + "]" for pl in s4.chosen.inputs)
+                + f" ({s4.chosen.label})",
+            }
+        )
     return rows
 
 
@@ -131,7 +152,9 @@ def format_explain_table(rows: Sequence[dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['op']} | {r['one_d_us']:.0f} | {r['four_d_us']:.0f} | {r['ratio']:.1f}× | {r['candidates_4d']} | {r['choice_4d']} |")
+        lines.append(
+            f"| {r['op']} | {r['one_d_us']:.0f} | {r['four_d_us']:.0f} | {r['ratio']:.1f}× | {r['candidates_4d']} | {r['choice_4d']} |"
+        )
     return "\n".join(lines)
 
 
@@ -173,7 +196,12 @@ def measure_planning(
     for shape in meshes:
         shape = tuple(shape)
         mesh = DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape))
-        base = {"mesh": shape, "mesh_ndim": len(shape), "ranks": math.prod(shape), "layout": ",".join(map(repr, layout(len(shape))))}
+        base = {
+            "mesh": shape,
+            "mesh_ndim": len(shape),
+            "ranks": math.prod(shape),
+            "layout": ",".join(map(repr, layout(len(shape)))),
+        }
         for name, (func, args, kwargs) in op_calls(mesh).items():
             _plan_op_cold(func, args, kwargs)  # one-time costs (imports, first meta kernels) are not planning
             props, redists, report = [], [], None
@@ -183,25 +211,40 @@ def measure_planning(
                 props.append(p)
                 redists.append(r)
             best = report.candidates[0] if report.candidates else None
-            rows.append({
-                **base,
-                "op": name,
-                "propagation_us": statistics.median(props) * 1e6,
-                "redistribution_us": statistics.median(redists) * 1e6,
-                "total_us": statistics.median(p + r for p, r in zip(props, redists)) * 1e6,
-                "candidates": getattr(report.candidates, "total", len(report.candidates)),  # the space searched
-                "fallback": report.fallback,
-                "choice": best.describe() if best else "replicate fallback",
-                "choice_label": best.label if best else "",
-                "reps": len(props),
-            })
+            rows.append(
+                {
+                    **base,
+                    "op": name,
+                    "propagation_us": statistics.median(props) * 1e6,
+                    "redistribution_us": statistics.median(redists) * 1e6,
+                    "total_us": statistics.median(p + r for p, r in zip(props, redists)) * 1e6,
+                    "candidates": getattr(report.candidates, "total", len(report.candidates)),  # the space searched
+                    "fallback": report.fallback,
+                    "choice": best.describe() if best else "replicate fallback",
+                    "choice_label": best.label if best else "",
+                    "reps": len(props),
+                }
+            )
         x = _spec(mesh, (ROWS, COLS), layout(mesh.ndim))
-        for name, dst in (("redistribute -> R", (Replicate(),) * mesh.ndim), ("redistribute -> transposed", transposed(mesh.ndim))):
+        for name, dst in (
+            ("redistribute -> R", (Replicate(),) * mesh.ndim),
+            ("redistribute -> transposed", transposed(mesh.ndim)),
+        ):
             t, p = _median_time(lambda: plan(x, dst), min_reps, max_reps, budget_s)
-            rows.append({
-                **base, "op": name, "propagation_us": 0.0, "redistribution_us": t * 1e6, "total_us": t * 1e6,
-                "candidates": None, "fallback": False, "choice": " ; ".join(map(repr, p.steps)), "choice_label": "", "reps": None,
-            })
+            rows.append(
+                {
+                    **base,
+                    "op": name,
+                    "propagation_us": 0.0,
+                    "redistribution_us": t * 1e6,
+                    "total_us": t * 1e6,
+                    "candidates": None,
+                    "fallback": False,
+                    "choice": " ; ".join(map(repr, p.steps)),
+                    "choice_label": "",
+                    "reps": None,
+                }
+            )
     clear_caches()
     return rows
 
@@ -240,7 +283,10 @@ def format_planning_table(rows: Sequence[dict[str, Any]]) -> str:
 def format_growth_table(rows: Sequence[dict[str, Any]]) -> str:
     g = growth(rows)
     ndims = sorted({nd for d in g.values() for nd in d})
-    lines = ["| op | " + " | ".join(f"{nd}-D (µs)" for nd in ndims) + " | growth per added mesh dim |", "|---|" + "---:|" * len(ndims) + "---|"]
+    lines = [
+        "| op | " + " | ".join(f"{nd}-D (µs)" for nd in ndims) + " | growth per added mesh dim |",
+        "|---|" + "---:|" * len(ndims) + "---|",
+    ]
     for op, d in g.items():
         vals = [d.get(nd) for nd in ndims]
         steps = [b / a for a, b in zip(vals, vals[1:]) if a and b]
@@ -258,7 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_planning_table(rows))
     print("\n## Growth with mesh ndim (largest mesh of each ndim)\n")
     print(format_growth_table(rows))
-    print("\n## Cold planning through so.explain, f32[1024, 32768] (CPU time, minimum of 5 calls; target 4-D <= 6x 1-D)\n")
+    print(
+        "\n## Cold planning through so.explain, f32[1024, 32768] (CPU time, minimum of 5 calls; target 4-D <= 6x 1-D)\n"
+    )
     print(format_explain_table(measure_explain(3 if args.quick else 5)))
     return 0
 

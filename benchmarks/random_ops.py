@@ -12,12 +12,14 @@ tensor of the shard's size. Target: the DTensor dropout within 3x of torch's
 bernoulli_ on the shard (it does strictly more work: the scale and the multiply).
 Medians of rank 0's timings; timings are reported, never asserted in tests.
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,16 +76,23 @@ def measure_random(rows_per_rank: int = 2048, cols: int = 2048, repeats: int = 7
     base = ms["torch bernoulli_(0.9), plain shard"]
     rows = [{"case": name, "ms": t, "ratio": t / base} for name, t in ms.items()]
     dropout = rows[0]["ratio"]
-    return {"numel_per_shard": rows_per_rank * cols, "threads": torch.get_num_threads(), "rows": rows,
-            "dropout_ratio": dropout, "met": dropout <= TARGET_RATIO}
+    return {
+        "numel_per_shard": rows_per_rank * cols,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+        "dropout_ratio": dropout,
+        "met": dropout <= TARGET_RATIO,
+    }
 
 
 def format_random_table(r: dict[str, Any]) -> str:
     lines = ["| case | ms (rank 0, median) | ÷ torch bernoulli_ |", "|---|---|---|"]
     lines += [f"| {row['case']} | {row['ms']:.2f} | {row['ratio']:.2f}× |" for row in r["rows"]]
     verdict = "met" if r["met"] else "**MISSED**"
-    lines.append(f"\nTarget: DTensor dropout ≤ {TARGET_RATIO:g}× torch's bernoulli_ on a {r['numel_per_shard']:,}-element shard: "
-                 f"{r['dropout_ratio']:.2f}× ({verdict}; {r['threads']} torch threads).")
+    lines.append(
+        f"\nTarget: DTensor dropout ≤ {TARGET_RATIO:g}× torch's bernoulli_ on a {r['numel_per_shard']:,}-element shard: "
+        f"{r['dropout_ratio']:.2f}× ({verdict}; {r['threads']} torch threads)."
+    )
     return "\n".join(lines)
 
 

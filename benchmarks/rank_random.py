@@ -11,6 +11,7 @@ cache hit (add, softmax over a sharded dim, F.dropout). Medians of per-call µs 
 the rank thread's CPU time (a shared machine's load does not count).
 Timings are reported, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,8 @@ import contextlib
 import gc
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +61,7 @@ def _measure(iters: int, repeats: int) -> dict[str, dict[str, float]]:
     mode = torch._C._pop_torch_dispatch_stack(None)  # this rank's mode, put back for the "on" turns
     try:
         for round_ in range(repeats):
-            for setting in (("on", "off") if round_ % 2 == 0 else ("off", "on")):
+            for setting in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
                 with _mode(mode) if setting == "on" else contextlib.nullcontext():
                     for name, call in cases.items():
                         call()  # warm: the decision caches

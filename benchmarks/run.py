@@ -30,6 +30,7 @@ skips it; a partial run, `--only`/`--cases`, writes it only where `--docs PATH` 
 A benchmark that crashes is reported as such and the others still run; the
 exit code is 1 then, 0 otherwise (a missed target is a result, not a failure).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,18 @@ from typing import Any
 
 import torch
 
-BENCHMARKS = ("comm", "overhead", "end_to_end", "planning", "autoplan", "random", "training", "moe", "compile", "pipelining")
+BENCHMARKS = (
+    "comm",
+    "overhead",
+    "end_to_end",
+    "planning",
+    "autoplan",
+    "random",
+    "training",
+    "moe",
+    "compile",
+    "pipelining",
+)
 TARGET_BYTES_RATIO = 1.0  # shardops bytes / DTensor bytes, every case
 TARGET_GATHER_SAVING = 30.0  # DTensor bytes / shardops bytes where DTensor moves the sharded dim
 
@@ -60,14 +72,38 @@ DOCS_HEADER = (
     "Where torch has a better path than DTensor's default (vocabulary-parallel cross-entropy: "
     "`loss_parallel()`), both are measured and shardops is compared with the better one.\n\n"
 )
-QUICK = {"overhead": {"iters": 400, "repeats": 7}, "end_to_end": {"size": "quick"}, "planning": {"meshes": "quick", "max_reps": 10}, "autoplan": {},
-         "random": {"repeats": 3}, "training": {"quick": True}, "moe": {"quick": True}, "compile": {"size": "quick"},
-         "pipelining": {"size": "quick"}}
+QUICK = {
+    "overhead": {"iters": 400, "repeats": 7},
+    "end_to_end": {"size": "quick"},
+    "planning": {"meshes": "quick", "max_reps": 10},
+    "autoplan": {},
+    "random": {"repeats": 3},
+    "training": {"quick": True},
+    "moe": {"quick": True},
+    "compile": {"size": "quick"},
+    "pipelining": {"size": "quick"},
+}
 # --tiny: a smoke run (the tests run the installed command so); its figures mean nothing.
-TINY = {**QUICK, "overhead": {"iters": 50, "repeats": 3}, "end_to_end": {"size": "tiny"}, "planning": {"meshes": "quick", "max_reps": 2},
-        "random": {"repeats": 1}, "compile": {"size": "tiny"}, "pipelining": {"size": "tiny"}}
-FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"}, "planning": {"meshes": "full", "max_reps": 30}, "autoplan": {}, "random": {},
-        "training": {"quick": False}, "moe": {"quick": False}, "compile": {"size": "full"}, "pipelining": {"size": "full"}}
+TINY = {
+    **QUICK,
+    "overhead": {"iters": 50, "repeats": 3},
+    "end_to_end": {"size": "tiny"},
+    "planning": {"meshes": "quick", "max_reps": 2},
+    "random": {"repeats": 1},
+    "compile": {"size": "tiny"},
+    "pipelining": {"size": "tiny"},
+}
+FULL = {
+    "overhead": {"iters": 2000, "repeats": 7},
+    "end_to_end": {"size": "full"},
+    "planning": {"meshes": "full", "max_reps": 30},
+    "autoplan": {},
+    "random": {},
+    "training": {"quick": False},
+    "moe": {"quick": False},
+    "compile": {"size": "full"},
+    "pipelining": {"size": "full"},
+}
 
 
 # --- 1. communication ------------------------------------------------------------------------
@@ -75,7 +111,7 @@ FULL = {"overhead": {"iters": 2000, "repeats": 7}, "end_to_end": {"size": "full"
 
 def _local_input_bytes(case_name: str, mesh: Sequence[int]) -> int:
     """Bytes of rank 0's shard of the case's first input (the tensor whose dim is reduced)."""
-    from benchmarks.cases import CASES_BY_NAME, _SHARD_RE
+    from benchmarks.cases import _SHARD_RE, CASES_BY_NAME
 
     case = CASES_BY_NAME[case_name]
     t = case.inputs()[0]
@@ -92,7 +128,9 @@ def dtensor_moves_sharded_dim(dt_row: dict[str, Any]) -> bool:
     return any(c["kind"] in ("all_gather", "all_to_all") and c["bytes"] >= threshold for c in dt_row["calls"])
 
 
-def compare_comm(so_rows: Sequence[dict[str, Any]], dt_rows: Sequence[dict[str, Any]], dt_best_rows: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def compare_comm(
+    so_rows: Sequence[dict[str, Any]], dt_rows: Sequence[dict[str, Any]], dt_best_rows: Sequence[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """Join the sides by (case, mesh) and judge the byte targets per row, against torch's best path.
 
     DTensor: its default path; DTensor best: the case's better torch path (e.g. loss_parallel),
@@ -194,7 +232,9 @@ def format_comm_table(rows: Sequence[dict[str, Any]]) -> str:
                 notes.append(f"{name} on {r['case']} {_fmt_mesh(r['mesh'])}: {side['error']}")
                 cells.append(f"error [{len(notes)}]")
             else:
-                cells.append(f"{side['bytes']:,}" + (f" ({side['path']})" if side.get("path", "default") != "default" else ""))
+                cells.append(
+                    f"{side['bytes']:,}" + (f" ({side['path']})" if side.get("path", "default") != "default" else "")
+                )
         if r.get("baseline", "default") != "default":
             d = best  # collectives and rounds of the path shardops is compared with
         so_coll = "—" if s["error"] else _fmt_counts(s["counts"])
@@ -245,7 +285,11 @@ def plot_bytes(rows: Sequence[dict[str, Any]], path: Path) -> str | None:
         return "matplotlib is not installed (pip install 'shardops[plot]'): no chart"
     meshes = sorted({r["mesh"] for r in rows}, key=len)
     fig, axes = plt.subplots(len(meshes), 1, figsize=(14, 4.2 * len(meshes)), squeeze=False)
-    series = (("shardops", "tab:blue"), ("DTensor", "tab:orange"), ("lower bound", "tab:gray"))  # DTensor: its best path
+    series = (
+        ("shardops", "tab:blue"),
+        ("DTensor", "tab:orange"),
+        ("lower bound", "tab:gray"),
+    )  # DTensor: its best path
     for ax, mesh in zip(axes[:, 0], meshes):
         mrows = [r for r in rows if r["mesh"] == mesh]
         width = 0.27
@@ -301,26 +345,36 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if comm and "rows" in comm:
         rows = comm["rows"]
         wrong = [f"{r['case']} {_fmt_mesh(r['mesh'])}" for r in rows if r["shardops"]["status"] != "ok"]
-        out.append({
-            "target": "shardops result equals single-device torch on every case",
-            "verdict": "met" if not wrong else "missed",
-            "detail": f"{len(rows) - len(wrong)}/{len(rows)} ok" + (f"; not ok: {', '.join(wrong)}" if wrong else ""),
-        })
+        out.append(
+            {
+                "target": "shardops result equals single-device torch on every case",
+                "verdict": "met" if not wrong else "missed",
+                "detail": f"{len(rows) - len(wrong)}/{len(rows)} ok"
+                + (f"; not ok: {', '.join(wrong)}" if wrong else ""),
+            }
+        )
         met, n = _count([r["bytes_target"] for r in rows])
         misses = [f"{r['case']} {_fmt_mesh(r['mesh'])}" for r in rows if r["bytes_target"].startswith("missed")]
-        out.append({
-            "target": "bytes/rank ≤ torch's best path's (DTensor default or e.g. loss_parallel) on every case",
-            "verdict": "met" if met == n else "missed",
-            "detail": f"{met}/{n} rows" + (f"; missed: {', '.join(misses)}" if misses else ""),
-        })
+        out.append(
+            {
+                "target": "bytes/rank ≤ torch's best path's (DTensor default or e.g. loss_parallel) on every case",
+                "verdict": "met" if met == n else "missed",
+                "detail": f"{met}/{n} rows" + (f"; missed: {', '.join(misses)}" if misses else ""),
+            }
+        )
         met, n = _count([r["gather_target"] for r in rows])
-        misses = [f"{r['case']} {_fmt_mesh(r['mesh'])} ({r['gather_target'][len('missed: '):] or 'algorithm moves more'})"
-                  for r in rows if r["gather_target"].startswith("missed")]
-        out.append({
-            "target": "≥ 30× fewer bytes where torch's best path gathers or all-to-alls the sharded dim",
-            "verdict": "met" if met == n else "missed",
-            "detail": f"{met}/{n} rows" + (f"; missed: {'; '.join(misses)}" if misses else ""),
-        })
+        misses = [
+            f"{r['case']} {_fmt_mesh(r['mesh'])} ({r['gather_target'][len('missed: ') :] or 'algorithm moves more'})"
+            for r in rows
+            if r["gather_target"].startswith("missed")
+        ]
+        out.append(
+            {
+                "target": "≥ 30× fewer bytes where torch's best path gathers or all-to-alls the sharded dim",
+                "verdict": "met" if met == n else "missed",
+                "detail": f"{met}/{n} rows" + (f"; missed: {'; '.join(misses)}" if misses else ""),
+            }
+        )
     ovh = results.get("overhead")
     if ovh and "us" in ovh:
         from benchmarks.overhead import overhead_rows
@@ -330,21 +384,31 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             sel = [r for r in rows if r["target_kind"] == kind]
             if not sel:
                 continue
-            out.append({
-                "target": f"dispatch overhead ≤ {bound}× DTensor on ops where {kind}",
-                "verdict": "met" if all(r["met"] for r in sel) else "missed",
-                "detail": ", ".join(f"{r['op']} {r['ratio']:.2f}×" if r["ratio"] else f"{r['op']} error" for r in sel),
-            })
+            out.append(
+                {
+                    "target": f"dispatch overhead ≤ {bound}× DTensor on ops where {kind}",
+                    "verdict": "met" if all(r["met"] for r in sel) else "missed",
+                    "detail": ", ".join(
+                        f"{r['op']} {r['ratio']:.2f}×" if r["ratio"] else f"{r['op']} error" for r in sel
+                    ),
+                }
+            )
     e2e = results.get("end_to_end")
     if e2e and "summary" in e2e:
         s = e2e["summary"]
         only = "; ".join(f"{name} only: {', '.join(steps)}" for name, steps in s["only"].items() if steps)
-        out.append({
-            "target": "end-to-end wall time ≤ 0.5× DTensor's",
-            "verdict": "not run" if s["met"] is None else ("met" if s["met"] else "missed"),
-            "detail": (f"{s['ratio']:.2f}× over the {len(s['common_steps'])} steps both run" if s["ratio"] is not None else "no common step")
-            + (f" ({only})" if only else ""),
-        })
+        out.append(
+            {
+                "target": "end-to-end wall time ≤ 0.5× DTensor's",
+                "verdict": "not run" if s["met"] is None else ("met" if s["met"] else "missed"),
+                "detail": (
+                    f"{s['ratio']:.2f}× over the {len(s['common_steps'])} steps both run"
+                    if s["ratio"] is not None
+                    else "no common step"
+                )
+                + (f" ({only})" if only else ""),
+            }
+        )
     plan = results.get("planning")
     if plan and "rows" in plan:
         from benchmarks.planning import growth
@@ -355,27 +419,46 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             nds = sorted(d)
             if len(nds) >= 2:
                 parts.append(f"{op} {d[nds[0]]:.0f}→{d[nds[-1]]:.0f} µs ({nds[0]}-D→{nds[-1]}-D)")
-        out.append({"target": "planning time growth with mesh ndim (report the curve)", "verdict": "reported", "detail": "; ".join(parts)})
+        out.append(
+            {
+                "target": "planning time growth with mesh ndim (report the curve)",
+                "verdict": "reported",
+                "detail": "; ".join(parts),
+            }
+        )
     auto = results.get("autoplan")
     if auto and "rows" in auto:
         timed = [r for r in auto["rows"] if r["target_s"] is not None]
-        out.append({
-            "target": "so.autoparallel planning from metadata: LLaMA-7B shape ≤ 10 s on (8, 8), ≤ 60 s on (8, 8, 16) (CPU time)",
-            "verdict": "met" if all(r["met"] for r in timed) else "missed",
-            "detail": "; ".join(f"({', '.join(map(str, r['mesh']))}) {r['search_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU" for r in timed),
-        })
+        out.append(
+            {
+                "target": "so.autoparallel planning from metadata: LLaMA-7B shape ≤ 10 s on (8, 8), ≤ 60 s on (8, 8, 16) (CPU time)",
+                "verdict": "met" if all(r["met"] for r in timed) else "missed",
+                "detail": "; ".join(
+                    f"({', '.join(map(str, r['mesh']))}) {r['search_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU"
+                    for r in timed
+                ),
+            }
+        )
     rnd = results.get("random")
     if rnd and "rows" in rnd:
         from benchmarks.random_ops import TARGET_RATIO
 
-        out.append({
-            "target": f"sharded dropout ≤ {TARGET_RATIO:g}× torch's bernoulli_ on the same shard size",
-            "verdict": "met" if rnd["met"] else "missed",
-            "detail": f"{rnd['dropout_ratio']:.2f}× on a {rnd['numel_per_shard']:,}-element f32 shard",
-        })
+        out.append(
+            {
+                "target": f"sharded dropout ≤ {TARGET_RATIO:g}× torch's bernoulli_ on the same shard size",
+                "verdict": "met" if rnd["met"] else "missed",
+                "detail": f"{rnd['dropout_ratio']:.2f}× on a {rnd['numel_per_shard']:,}-element f32 shard",
+            }
+        )
     for name in BENCHMARKS:
         if name in results and "error" in results[name]:
-            out.append({"target": f"{name} benchmark runs", "verdict": "missed", "detail": results[name].get("summary") or results[name]["error"].splitlines()[-1]})
+            out.append(
+                {
+                    "target": f"{name} benchmark runs",
+                    "verdict": "missed",
+                    "detail": results[name].get("summary") or results[name]["error"].splitlines()[-1],
+                }
+            )
     return out
 
 
@@ -421,8 +504,12 @@ def machine_info() -> dict[str, Any]:
         info["matplotlib"] = None
     root = Path(__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         info["git"] = commit + (" + uncommitted changes" if dirty else "") if commit else None
     except (OSError, subprocess.SubprocessError):
         info["git"] = None
@@ -449,7 +536,10 @@ def _run_section(name: str, fn, results: dict[str, Any], timings: dict[str, floa
     except Exception as e:  # noqa: BLE001 - one broken benchmark must not hide the others
         # summary: the exception's first line (a gloo rank's failure: the rank, its exception's type and message)
         first = (str(e).splitlines() or [""])[0]
-        results[name] = {"error": traceback.format_exc(), "summary": f"{type(e).__module__}.{type(e).__qualname__}: {first}"}
+        results[name] = {
+            "error": traceback.format_exc(),
+            "summary": f"{type(e).__module__}.{type(e).__qualname__}: {first}",
+        }
         print(f"[bench] {name} FAILED:\n{results[name]['error']}", file=sys.stderr, flush=True)
     timings[name] = time.perf_counter() - start
     print(f"[bench] {name}: {timings[name]:.1f} s", file=sys.stderr, flush=True)
@@ -472,7 +562,10 @@ def _planning(cfg: dict[str, Any]) -> dict[str, Any]:
     meshes = cfg["meshes"]
     if isinstance(meshes, str):
         meshes = {"quick": MESHES_QUICK, "full": MESHES_FULL}[meshes]
-    return {"rows": measure_planning(meshes, max_reps=cfg["max_reps"]), "explain": measure_explain(cfg.get("explain_reps", 3))}
+    return {
+        "rows": measure_planning(meshes, max_reps=cfg["max_reps"]),
+        "explain": measure_explain(cfg.get("explain_reps", 3)),
+    }
 
 
 def _end_to_end(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -481,7 +574,9 @@ def _end_to_end(cfg: dict[str, Any]) -> dict[str, Any]:
     return measure_end_to_end(cfg["size"], cfg.get("world_size", 2))
 
 
-def run_benchmarks(only: Sequence[str], config: dict[str, Any], cases: Sequence[str] | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+def run_benchmarks(
+    only: Sequence[str], config: dict[str, Any], cases: Sequence[str] | None = None
+) -> tuple[dict[str, Any], dict[str, float]]:
     # DTensor warns once per rank about its CPU all_to_all fallback and its sequential
     # all_reduces on 2-D meshes; both show in the tables instead.
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
@@ -492,12 +587,24 @@ def run_benchmarks(only: Sequence[str], config: dict[str, Any], cases: Sequence[
         "overhead": lambda: _overhead(config["overhead"]),
         "end_to_end": lambda: _end_to_end(config["end_to_end"]),
         "planning": lambda: _planning(config["planning"]),
-        "autoplan": lambda: __import__("benchmarks.autoplan", fromlist=["measure_autoplan"]).measure_autoplan(**config["autoplan"]),
-        "random": lambda: __import__("benchmarks.random_ops", fromlist=["measure_random"]).measure_random(**config["random"]),
-        "training": lambda: {"rows": __import__("benchmarks.training", fromlist=["measure_all"]).measure_all(**config["training"])},
+        "autoplan": lambda: __import__("benchmarks.autoplan", fromlist=["measure_autoplan"]).measure_autoplan(
+            **config["autoplan"]
+        ),
+        "random": lambda: __import__("benchmarks.random_ops", fromlist=["measure_random"]).measure_random(
+            **config["random"]
+        ),
+        "training": lambda: {
+            "rows": __import__("benchmarks.training", fromlist=["measure_all"]).measure_all(**config["training"])
+        },
         "moe": lambda: {"rows": __import__("benchmarks.moe", fromlist=["measure_moe"]).measure_moe(**config["moe"])},
-        "compile": lambda: __import__("benchmarks.compile", fromlist=["measure_compile"]).measure_compile(**config["compile"]),
-        "pipelining": lambda: {"rows": __import__("benchmarks.pipelining", fromlist=["measure_pipelining"]).measure_pipelining(**config["pipelining"])},
+        "compile": lambda: __import__("benchmarks.compile", fromlist=["measure_compile"]).measure_compile(
+            **config["compile"]
+        ),
+        "pipelining": lambda: {
+            "rows": __import__("benchmarks.pipelining", fromlist=["measure_pipelining"]).measure_pipelining(
+                **config["pipelining"]
+            )
+        },
     }
     for name in BENCHMARKS:
         if name in only:
@@ -512,7 +619,9 @@ def _section_error(name: str, results: dict[str, Any]) -> str | None:
     return None
 
 
-def render_report(results: dict[str, Any], command: str, machine: dict[str, Any], timings: dict[str, float], chart: str | None) -> str:
+def render_report(
+    results: dict[str, Any], command: str, machine: dict[str, Any], timings: dict[str, float], chart: str | None
+) -> str:
     """Every table, as markdown (the body of report.md and README_SNIPPET.md)."""
     from benchmarks.end_to_end import end_to_end_caption, format_end_to_end_table
     from benchmarks.overhead import format_overhead_table, overhead_caption
@@ -520,7 +629,7 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
 
     parts = [
         "## Benchmarks: shardops vs torch.distributed.tensor",
-        f"Command: `{command}` (the same as `python -m benchmarks.run{command[len('shardops bench'):]}` from the repository root; "
+        f"Command: `{command}` (the same as `python -m benchmarks.run{command[len('shardops bench') :]}` from the repository root; "
         f"{sum(timings.values()):.0f} s).  \nMachine: {format_machine(machine)}.",
         "Ratios are shardops ÷ DTensor (lower is better for shardops).",
         "### Targets\n\n" + format_targets(targets(results)),
@@ -537,17 +646,25 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
             "cross-entropy and norms are forward + backward to a scalar loss. "
             "layout: the first input's placements. DTensor best path: torch's better equivalent where DTensor's default is not it "
             "(cross-entropy: `loss_parallel()`), measured on the same case; the ratio and targets compare with the better of the two. "
-            "\"≥ 30× less\" applies where that path all-gathers or all-to-alls whole shards. "
+            '"≥ 30× less" applies where that path all-gathers or all-to-alls whole shards. '
             "correct: equal to single-device torch (values and gradients, every rank).\n\n"
             + (err or format_comm_table(results["comm"]["rows"]))
-            + ("\n\n![bytes per case](bytes_per_case.png)" if chart is None and not err else (f"\n\n({chart})" if chart else ""))
+            + (
+                "\n\n![bytes per case](bytes_per_case.png)"
+                if chart is None and not err
+                else (f"\n\n({chart})" if chart else "")
+            )
         )
     if "overhead" in results:
         r = results["overhead"]
         parts.append(
             "### Dispatch overhead per op (cache hit)\n\n"
-            + (_section_error("overhead", results) or f"{overhead_caption(r)} floor: a do-nothing `__torch_dispatch__` "
-               "wrapper; plain: eager torch on plain tensors.\n\n" + format_overhead_table(r))
+            + (
+                _section_error("overhead", results)
+                or f"{overhead_caption(r)} floor: a do-nothing `__torch_dispatch__` "
+                "wrapper; plain: eager torch on plain tensors.\n\n"
+                + format_overhead_table(r)
+            )
         )
     if "end_to_end" in results:
         r = results["end_to_end"]
@@ -560,45 +677,71 @@ def render_report(results: dict[str, Any], command: str, machine: dict[str, Any]
         err = _section_error("planning", results)
         parts.append(
             "### Planning time vs mesh ndim (cold: caches cleared)\n\n"
-            + (err or "Propagation (`dispatch.core.plan_op`: the best-first search over each mesh dim's rows, as the "
-               "runtime plans) plus exact redistribution planning (`redistribute.plan`) of the chosen inputs, metadata "
-               "only, f32[1024, 32768]; medians of cold runs. DTensor has no metadata-only planning entry point to compare.\n\n"
-               + format_growth_table(r["rows"]) + "\n\n" + format_planning_table(r["rows"])
-               + ("\n\nCold planning through `so.explain` (a new shape each call; CPU time, minimum of a few calls; "
-                  "target: 4-D ≤ 6× 1-D):\n\n" + format_explain_table(r["explain"]) if r.get("explain") else ""))
+            + (
+                err
+                or "Propagation (`dispatch.core.plan_op`: the best-first search over each mesh dim's rows, as the "
+                "runtime plans) plus exact redistribution planning (`redistribute.plan`) of the chosen inputs, metadata "
+                "only, f32[1024, 32768]; medians of cold runs. DTensor has no metadata-only planning entry point to compare.\n\n"
+                + format_growth_table(r["rows"])
+                + "\n\n"
+                + format_planning_table(r["rows"])
+                + (
+                    "\n\nCold planning through `so.explain` (a new shape each call; CPU time, minimum of a few calls; "
+                    "target: 4-D ≤ 6× 1-D):\n\n" + format_explain_table(r["explain"])
+                    if r.get("explain")
+                    else ""
+                )
+            )
         )
     if "autoplan" in results:
         from benchmarks.autoplan import format_autoplan_table
 
-        parts.append("### so.autoparallel: planning time from metadata alone\n\n"
-                     + (_section_error("autoplan", results) or format_autoplan_table(results["autoplan"])))
+        parts.append(
+            "### so.autoparallel: planning time from metadata alone\n\n"
+            + (_section_error("autoplan", results) or format_autoplan_table(results["autoplan"]))
+        )
     if "random" in results:
-        from benchmarks.random_ops import __doc__ as random_doc, format_random_table
+        from benchmarks.random_ops import __doc__ as random_doc
+        from benchmarks.random_ops import format_random_table
 
         caption = " ".join(random_doc.split("\n\n")[2].split())
-        parts.append("### Random ops: sharded dropout vs torch's bernoulli_\n\n"
-                     + (_section_error("random", results) or f"{caption}\n\n" + format_random_table(results["random"])))
+        parts.append(
+            "### Random ops: sharded dropout vs torch's bernoulli_\n\n"
+            + (_section_error("random", results) or f"{caption}\n\n" + format_random_table(results["random"]))
+        )
     if "training" in results:
-        from benchmarks.training import __doc__ as training_doc, table as training_table
+        from benchmarks.training import __doc__ as training_doc
+        from benchmarks.training import table as training_table
 
         caption = " ".join(training_doc.split("\n\n")[2].split())
-        parts.append("### Training steps: LLaMA- and GPT-2-style models, same model, mesh and plan\n\n"
-                     + (_section_error("training", results) or f"{caption}\n\n" + training_table(results["training"]["rows"])))
+        parts.append(
+            "### Training steps: LLaMA- and GPT-2-style models, same model, mesh and plan\n\n"
+            + (_section_error("training", results) or f"{caption}\n\n" + training_table(results["training"]["rows"]))
+        )
     if "moe" in results:
         from benchmarks.moe import table as moe_table
 
-        parts.append("### Mixture of experts: expert-parallel vs the same experts tensor-parallel\n\n"
-                     + (_section_error("moe", results) or moe_table(results["moe"]["rows"])))
+        parts.append(
+            "### Mixture of experts: expert-parallel vs the same experts tensor-parallel\n\n"
+            + (_section_error("moe", results) or moe_table(results["moe"]["rows"]))
+        )
     if "compile" in results:
         from benchmarks.compile import compile_caption, format_compile_table
 
-        parts.append("### torch.compile: eager and compiled training steps, shardops and DTensor\n\n"
-                     + (_section_error("compile", results) or compile_caption(results["compile"]) + "\n\n" + format_compile_table(results["compile"])))
+        parts.append(
+            "### torch.compile: eager and compiled training steps, shardops and DTensor\n\n"
+            + (
+                _section_error("compile", results)
+                or compile_caption(results["compile"]) + "\n\n" + format_compile_table(results["compile"])
+            )
+        )
     if "pipelining" in results:
         from benchmarks.pipelining import table as pipelining_table
 
-        parts.append("### Pipeline parallelism: shardops.pipelining beside torch.distributed.pipelining\n\n"
-                     + (_section_error("pipelining", results) or pipelining_table(results["pipelining"]["rows"])))
+        parts.append(
+            "### Pipeline parallelism: shardops.pipelining beside torch.distributed.pipelining\n\n"
+            + (_section_error("pipelining", results) or pipelining_table(results["pipelining"]["rows"]))
+        )
     return "\n\n".join(parts) + "\n"
 
 
@@ -614,10 +757,21 @@ def _jsonable(x: Any) -> Any:
     return repr(x)
 
 
-def write_outputs(out_dir: Path, results: dict[str, Any], command: str, machine: dict[str, Any], timings: dict[str, float], plot: bool,
-                  docs: Path | None = None) -> dict[str, Path]:
+def write_outputs(
+    out_dir: Path,
+    results: dict[str, Any],
+    command: str,
+    machine: dict[str, Any],
+    timings: dict[str, float],
+    plot: bool,
+    docs: Path | None = None,
+) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"report": out_dir / "report.md", "snippet": out_dir / "README_SNIPPET.md", "json": out_dir / "results.json"}
+    paths = {
+        "report": out_dir / "report.md",
+        "snippet": out_dir / "README_SNIPPET.md",
+        "json": out_dir / "results.json",
+    }
     chart: str | None = "chart not drawn (--no-plot)"
     comm_rows = results.get("comm", {}).get("rows")
     if comm_rows is None:
@@ -635,7 +789,13 @@ def write_outputs(out_dir: Path, results: dict[str, Any], command: str, machine:
         docs.parent.mkdir(parents=True, exist_ok=True)
         docs.write_text(DOCS_HEADER + report)
         paths["docs"] = docs
-    payload = {"command": command, "machine": machine, "seconds": timings, "targets": targets(results), "results": results}
+    payload = {
+        "command": command,
+        "machine": machine,
+        "seconds": timings,
+        "targets": targets(results),
+        "results": results,
+    }
     paths["json"].write_text(json.dumps(_jsonable(payload), indent=1))
     return paths
 
@@ -647,20 +807,35 @@ def _docs_path(args: argparse.Namespace) -> Path | None:
         return Path(args.docs) if args.docs else None
     partial = set(args.only) != set(BENCHMARKS) or bool(args.cases)
     if partial:
-        print(f"[bench] a partial run: {DOCS_PATH.relative_to(ROOT)} left as it is (--docs PATH writes it)", file=sys.stderr)
+        print(
+            f"[bench] a partial run: {DOCS_PATH.relative_to(ROOT)} left as it is (--docs PATH writes it)",
+            file=sys.stderr,
+        )
         return None
     return DOCS_PATH
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardops bench", description="shardops vs torch.distributed.tensor, side by side.")
+    parser = argparse.ArgumentParser(
+        prog="shardops bench", description="shardops vs torch.distributed.tensor, side by side."
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (< 3 min on 2 cores)")
-    parser.add_argument("--tiny", action="store_true", help="the smallest sizes: a smoke run that the benchmarks work, figures meaningless")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the smallest sizes: a smoke run that the benchmarks work, figures meaningless",
+    )
     parser.add_argument("--out", default="bench_out", help="output dir (default: bench_out/)")
-    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), help="run only these benchmarks")
+    parser.add_argument(
+        "--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), help="run only these benchmarks"
+    )
     parser.add_argument("--cases", nargs="+", help="comm benchmark: only these cases (default: all)")
     parser.add_argument("--no-plot", action="store_true", help="do not draw the bytes chart")
-    parser.add_argument("--docs", default=None, help=f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)} for a whole run, none for --only/--cases; '' for none)")
+    parser.add_argument(
+        "--docs",
+        default=None,
+        help=f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)} for a whole run, none for --only/--cases; '' for none)",
+    )
     args = parser.parse_args(argv)
     config = TINY if args.tiny else QUICK if args.quick else FULL
     given = list(sys.argv[1:] if argv is None else argv)
@@ -671,7 +846,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     docs = _docs_path(args)
     paths = write_outputs(Path(args.out), results, command, machine, timings, plot=not args.no_plot, docs=docs)
     print(paths["report"].read_text())
-    print(f"[bench] wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(
+        f"[bench] wrote {', '.join(str(p) for p in paths.values())} in {time.perf_counter() - start:.0f} s",
+        file=sys.stderr,
+    )
     return 1 if any("error" in results[n] for n in results) else 0
 
 

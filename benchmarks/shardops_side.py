@@ -12,6 +12,7 @@ what gets measured: an op without a strategy falls back to
 replicate-and-run-locally, which shows as its real bytes plus the op's name in
 `fallbacks`; an op that raises shows as an error row, never a crash.
 """
+
 from __future__ import annotations
 
 import re

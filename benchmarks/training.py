@@ -11,14 +11,16 @@ separately. Every shardops run is in strict mode and checked against
 single-device training. Bytes are asserted nowhere; `tests/test_training.py`
 asserts the byte comparison on one configuration.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from shardops.training import torch_side
 from shardops.training.config import SIZES, RunSpec
@@ -72,7 +74,11 @@ def configurations(quick: bool) -> list[RunSpec]:
 
 
 def measure(spec: RunSpec) -> dict[str, Any]:
-    row: dict[str, Any] = {"model": spec.model, "mesh": list(spec.mesh_shape), "sequence_parallel": spec.sequence_parallel}
+    row: dict[str, Any] = {
+        "model": spec.model,
+        "mesh": list(spec.mesh_shape),
+        "sequence_parallel": spec.sequence_parallel,
+    }
     for side, fn in (("shardops", _shardops_gloo_rank), ("torch", torch_side.train_rank)):
         start = time.perf_counter()
         try:

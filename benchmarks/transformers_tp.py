@@ -9,6 +9,7 @@ shardops in strict mode with local outputs, as transformers applies the plan (co
 so.CommDebugMode). Forward, loss, backward and the AdamW step are all inside the count.
 Figures in docs/parallel.md (no test asserts them: each run starts 4 processes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,14 +25,23 @@ def _build(name: str):
     import transformers
 
     cls, extra = {
-        "llama": ("LlamaConfig", {}), "qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {}),
-        "mistral": ("MistralConfig", {}), "gemma2": ("Gemma2Config", {}),
+        "llama": ("LlamaConfig", {}),
+        "qwen2": ("Qwen2Config", {}),
+        "qwen3": ("Qwen3Config", {}),
+        "mistral": ("MistralConfig", {}),
+        "gemma2": ("Gemma2Config", {}),
         "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     }[name]
     torch.manual_seed(0)
     config = getattr(transformers, cls)(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=4, **extra,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=4,
+        **extra,
     )
     config._attn_implementation = "eager"
     return transformers.AutoModelForCausalLM.from_config(config).float()
@@ -120,7 +130,12 @@ def gloo_rank(names: list[str]) -> dict[str, Any]:
             our_bytes, our_losses = _steps(ours, ids, _OurMeter)
         finally:
             so.set_strict(False)
-        out[name] = {"torch": torch_bytes, "shardops": our_bytes, "torch_losses": torch_losses, "shardops_losses": our_losses}
+        out[name] = {
+            "torch": torch_bytes,
+            "shardops": our_bytes,
+            "torch_losses": torch_losses,
+            "shardops_losses": our_losses,
+        }
     return out
 
 

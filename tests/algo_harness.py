@@ -2,11 +2,13 @@
 report what the sharded algorithm did (output layouts, collectives of the op alone) next to
 single-device torch (values and gradients, compared with reduction_harness.assert_same).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -48,7 +50,14 @@ class Outcome:
     grad_layout: tuple | None
 
 
-def run_case(fn: Callable[[Any], Any], full: torch.Tensor, mesh_shape: Sequence[int], placements: Sequence, grad: bool = True, seed: int = 0) -> Outcome:
+def run_case(
+    fn: Callable[[Any], Any],
+    full: torch.Tensor,
+    mesh_shape: Sequence[int],
+    placements: Sequence,
+    grad: bool = True,
+    seed: int = 0,
+) -> Outcome:
     """Run `fn` on `full` laid out as `placements`; assert values (and gradients) equal torch's."""
     op = Op("op", fn, grad=grad and full.is_floating_point())
     outs, weights, want_grad = expected(op, full)
@@ -75,4 +84,6 @@ def run_case(fn: Callable[[Any], Any], full: torch.Tensor, mesh_shape: Sequence[
     if op.grad:
         assert_same(got["grad"], want_grad, "gradient", exact64=exact64)
     comm = got["comm"]
-    return Outcome(got["layouts"], comm.get_total_bytes(), comm.get_rounds(), comm.get_comm_counts(), got.get("grad_layout"))
+    return Outcome(
+        got["layouts"], comm.get_total_bytes(), comm.get_rounds(), comm.get_comm_counts(), got.get("grad_layout")
+    )

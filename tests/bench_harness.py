@@ -1,8 +1,8 @@
 """Benchmark cases the benchmark tests share (import after making benchmarks/ importable)."""
+
 from __future__ import annotations
 
 import torch
-
 from benchmarks.cases import Case
 
 RAISED = "NotImplementedError: no strategy for this op"

@@ -1,5 +1,6 @@
 """Shared by the checkpoint tests: a small Llama/GPT-2 trained by shardops (any mesh) or by
 torch DTensor's own tensor parallelism (gloo processes), one optimizer step at a time."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,7 +22,12 @@ def batch(step: int, args: ModelArgs = ARGS) -> tuple[torch.Tensor, torch.Tensor
 
 
 def shardops_model(
-    mesh_shape: tuple[int, ...], seed: int = 0, kind: str = "llama", dp_mode: str = "replicate", args: ModelArgs = ARGS, invariant_dropout: bool = False
+    mesh_shape: tuple[int, ...],
+    seed: int = 0,
+    kind: str = "llama",
+    dp_mode: str = "replicate",
+    args: ModelArgs = ARGS,
+    invariant_dropout: bool = False,
 ) -> tuple[Any, Any, int]:
     """(model, mesh, dp rank): tensor parallel over 'tp', data parallel over 'dp' on a 2-d mesh.
 
@@ -32,7 +38,8 @@ def shardops_model(
     mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model = (Llama if kind == "llama" else GPT2)(args, seed=seed)
     if invariant_dropout:
-        from shardops.training.config import RunSpec, plan as demo_plan
+        from shardops.training.config import RunSpec
+        from shardops.training.config import plan as demo_plan
 
         plan = demo_plan(RunSpec(model=kind, cfg=args), so.parallel)
     else:
@@ -97,10 +104,19 @@ DROPOUT_ARGS = ModelArgs(**{**ARGS.__dict__, "dropout": 0.1})
 
 
 def train_and_checkpoint(
-    path: str, steps: range, load: bool, save_after: int | None, mesh_shape=(2, 2), with_rng: bool = True, args: ModelArgs = DROPOUT_ARGS, invariant_dropout: bool = False
+    path: str,
+    steps: range,
+    load: bool,
+    save_after: int | None,
+    mesh_shape=(2, 2),
+    with_rng: bool = True,
+    args: ModelArgs = DROPOUT_ARGS,
+    invariant_dropout: bool = False,
 ):
     """GPT-2 (dropout per `args`) on one rank of any world; returns (losses, the step the extra dict held after loading)."""
-    model, mesh, dp_rank = shardops_model(mesh_shape, seed=0, kind="gpt2", args=args, invariant_dropout=invariant_dropout)
+    model, mesh, dp_rank = shardops_model(
+        mesh_shape, seed=0, kind="gpt2", args=args, invariant_dropout=invariant_dropout
+    )
     dp = mesh.shape[0] if len(mesh_shape) == 2 else 1
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(5)

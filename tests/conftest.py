@@ -26,6 +26,7 @@ def pytest_collection_modifyitems(config, items):
     """test_properties' test_every_sharded_algorithm_ran checks what the session's forced property
     examples ran: it stays selected only with some family test that forces algorithms and is not
     skipped at collection (alone it would have nothing to check). Its module marks both kinds."""
+
     def marked(item, attr):
         return getattr(getattr(item, "function", None), attr, False)
 

@@ -2,6 +2,7 @@
 
 Runs without torch too (before the venv is built): then it looks for the NVIDIA driver's GPU list.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,13 @@ def problem() -> str | None:
 if __name__ == "__main__":
     why = problem()
     if why is not None:
-        sys.exit(f"make test-gpu: cannot run here: {why}. Run it on a machine with a CUDA GPU and a CUDA build of torch.")
+        sys.exit(
+            f"make test-gpu: cannot run here: {why}. Run it on a machine with a CUDA GPU and a CUDA build of torch."
+        )
     import torch
 
-    print(f"make test-gpu: {torch.cuda.device_count()} CUDA device(s): {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-          if "torch" in sys.modules else "make test-gpu: NVIDIA GPU present; torch is installed next")
+    print(
+        f"make test-gpu: {torch.cuda.device_count()} CUDA device(s): {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        if "torch" in sys.modules
+        else "make test-gpu: NVIDIA GPU present; torch is installed next"
+    )

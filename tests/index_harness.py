@@ -3,16 +3,18 @@ mode, and compare values and gradients with single-device torch; report bytes pe
 
 The backward is `y.backward(g)` with `g` laid out like `y`, so the bytes counted are the op's backward alone.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 import shardops as so
+from shardops import Replicate, Shard
 from shardops.experimental import implicit_replication
-from shardops import Partial, Replicate, Shard
 
 GRAD_SEED = 99
 
@@ -24,7 +26,9 @@ def _grad_like(y: torch.Tensor) -> torch.Tensor:
     return torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
 
 
-def reference(fn: Callable, tensors: Sequence[torch.Tensor], wants_grad=None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def reference(
+    fn: Callable, tensors: Sequence[torch.Tensor], wants_grad=None
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     wants_grad = wants_grad or [True] * len(tensors)
     leaves = [t.clone().requires_grad_(_differentiable(t) and w) for t, w in zip(tensors, wants_grad)]
     y = fn(*leaves)
@@ -68,14 +72,25 @@ def run_sharded(
                 args.append(d)
             with so.CommDebugMode() as fwd, implicit_replication():
                 y = fn(*args)
-            out = dict(layout=tuple(y.placements), value=y.full_tensor().detach(), fwd=fwd.get_total_bytes(), fwd_counts=fwd.get_comm_counts())
+            out = dict(
+                layout=tuple(y.placements),
+                value=y.full_tensor().detach(),
+                fwd=fwd.get_total_bytes(),
+                fwd_counts=fwd.get_comm_counts(),
+            )
             if grad and y.requires_grad:
-                g = so.distribute_tensor(_grad_like(y), mesh, [Replicate() if p.is_partial() else p for p in y.placements])
+                g = so.distribute_tensor(
+                    _grad_like(y), mesh, [Replicate() if p.is_partial() else p for p in y.placements]
+                )
                 with so.CommDebugMode() as bwd, implicit_replication():  # the backward reads the saved indices
                     y.backward(g)
                 out["bwd"] = bwd.get_total_bytes()
-                out["grads"] = [a.grad.full_tensor() if isinstance(a, so.DTensor) and a.grad is not None else None for a in args]
-                out["grad_layouts"] = [tuple(a.grad.placements) if isinstance(a, so.DTensor) and a.grad is not None else None for a in args]
+                out["grads"] = [
+                    a.grad.full_tensor() if isinstance(a, so.DTensor) and a.grad is not None else None for a in args
+                ]
+                out["grad_layouts"] = [
+                    tuple(a.grad.placements) if isinstance(a, so.DTensor) and a.grad is not None else None for a in args
+                ]
             return out
         finally:
             so.set_strict(False)
@@ -97,7 +112,18 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         assert torch.equal(got, want), f"{what}: {got} != {want}"
 
 
-def check(fn: Callable, tensors: Sequence[torch.Tensor], mesh_shape, placements, *, fwd_bytes=None, bwd_bytes=None, strict=True, grad=True, wants_grad=None) -> dict:
+def check(
+    fn: Callable,
+    tensors: Sequence[torch.Tensor],
+    mesh_shape,
+    placements,
+    *,
+    fwd_bytes=None,
+    bwd_bytes=None,
+    strict=True,
+    grad=True,
+    wants_grad=None,
+) -> dict:
     """Values and gradients equal torch's; bytes per rank as asked (None: not asserted). Returns the run's record.
 
     wants_grad[k] False: input k is a constant (a buffer): no gradient asked for it.
@@ -111,7 +137,9 @@ def check(fn: Callable, tensors: Sequence[torch.Tensor], mesh_shape, placements,
                 assert g is not None, f"input {k}: no gradient"
                 assert_close(g, w, f"gradient of input {k}")
     if fwd_bytes is not None:
-        assert got["fwd"] == fwd_bytes, f"forward moved {got['fwd']} bytes per rank, expected {fwd_bytes} ({got['fwd_counts']})"
+        assert got["fwd"] == fwd_bytes, (
+            f"forward moved {got['fwd']} bytes per rank, expected {fwd_bytes} ({got['fwd_counts']})"
+        )
     if bwd_bytes is not None:
         assert got.get("bwd", 0) == bwd_bytes, f"backward moved {got.get('bwd')} bytes per rank, expected {bwd_bytes}"
     return got

@@ -6,18 +6,18 @@ Backward form: `y.backward(g)` with `g` laid out like `y` (a pending partial's g
 Replicate), sliced on each rank without a collective, so every byte counted is the
 op's own, forward and backward.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 import shardops as so
-from shardops import Replicate
-
 from parallel_harness import strict
-
+from shardops import Replicate
 
 # strict mode for a whole so.run (set once, outside the rank threads, which share it)
 strict_mode = strict
@@ -71,8 +71,16 @@ def check(
                 y.backward(so.distribute_tensor(upstream, mesh, g_layout, src_data_rank=None))
         with torch.no_grad():
             got = [x.grad.full_tensor() if g and x.grad is not None else None for x, g in zip(xs, grads)]
-            return Result(y.placements, [x.grad.placements if g and x.grad is not None else None for x, g in zip(xs, grads)],
-                          comm.get_total_bytes(), dict(comm.get_comm_counts())), y.full_tensor(), got
+            return (
+                Result(
+                    y.placements,
+                    [x.grad.placements if g and x.grad is not None else None for x, g in zip(xs, grads)],
+                    comm.get_total_bytes(),
+                    dict(comm.get_comm_counts()),
+                ),
+                y.full_tensor(),
+                got,
+            )
 
     with strict_mode(strict):
         results = so.run(body, world_size=int(torch.tensor(mesh_shape).prod()))

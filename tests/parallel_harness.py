@@ -1,10 +1,11 @@
 """Helpers for the module-parallel tests: strict mode once the model ops have strategies, and
 a training run (3 AdamW steps) sharded and on one device from the same weights and data."""
+
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +108,10 @@ def sharded_training(
     if mode is None:  # tensor parallel only, the whole mesh is tp
         mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",))
         parallelize_module(model, mesh, plan)
-        tok, tgt = tokens, so.from_local(targets, mesh, [Replicate()])  # the loss meets DTensor logits: a DTensor target
+        tok, tgt = (
+            tokens,
+            so.from_local(targets, mesh, [Replicate()]),
+        )  # the loss meets DTensor logits: a DTensor target
     else:
         names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
         mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -147,8 +151,14 @@ def check_training(results, reference, tol: float = 1e-4) -> None:
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= tol, (losses, ref_losses)
         assert set(grads) == set(ref_grads)
         for name in ref_grads:
-            assert relative_error(grads[name], ref_grads[name]) <= tol, (name, relative_error(grads[name], ref_grads[name]))
-            assert relative_error(params[name], ref_params[name]) <= tol, (name, relative_error(params[name], ref_params[name]))
+            assert relative_error(grads[name], ref_grads[name]) <= tol, (
+                name,
+                relative_error(grads[name], ref_grads[name]),
+            )
+            assert relative_error(params[name], ref_params[name]) <= tol, (
+                name,
+                relative_error(params[name], ref_params[name]),
+            )
         # each pending gradient is resolved at most once per mesh dim in the step, however often clipping and
         # AdamW read it; clip_grad_norm_'s total norm adds at most one collective per mesh dim
         assert all(c <= p + 2 for c, p in zip(step_comms, pending)), (step_comms, pending)

@@ -1,4 +1,5 @@
 """Planner hooks the tests steer the planner with (through shardops.planner.choice.choosing)."""
+
 from __future__ import annotations
 
 from shardops.planner.choice import choosing

@@ -1,4 +1,5 @@
 """Random redistribution cases shared by the threads-world and gloo tests."""
+
 import math
 import random
 
@@ -105,5 +106,7 @@ def run_cases(seed: int, mesh_shape, count: int, byte_log: list | None = None):
         else:
             ok_local = torch.allclose(mine, want, rtol=1e-9, atol=1e-9)
         if not (ok_full and ok_local and comm.get_total_bytes() == expected_bytes):
-            failures.append(f"shape={shape} {list(src)}->{list(dst)} full={ok_full} local={ok_local} bytes={comm.get_total_bytes()} plan={expected_bytes}")
+            failures.append(
+                f"shape={shape} {list(src)}->{list(dst)} full={ok_full} local={ok_local} bytes={comm.get_total_bytes()} plan={expected_bytes}"
+            )
     return failures

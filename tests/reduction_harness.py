@@ -9,11 +9,13 @@ Pending inputs are built unevenly: each rank of a Partial(sum) mesh dim holds th
 integer-valued noise that cancels over the mesh dim, so a rule that forgot to resolve it
 cannot pass by chance.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -156,7 +158,9 @@ def check_case(op: Op, mesh_shape, placements, shape_name: str, seed: int = 0) -
     if op.grad:
         assert_same(got["grad"], grad, f"{op.name} gradient", exact64=full.dtype == torch.float64)
         want_layout = tuple(Replicate() if p.is_partial() else p for p in placements)
-        assert got["grad_layout"] == want_layout, f"{op.name}: gradient layout {got['grad_layout']} != input's {want_layout}"
+        assert got["grad_layout"] == want_layout, (
+            f"{op.name}: gradient layout {got['grad_layout']} != input's {want_layout}"
+        )
 
 
 @dataclass

@@ -4,6 +4,7 @@ Every case runs in strict mode (no fallback may serve it). The global q, k, v, m
 output gradient are built once outside `so.run` and distributed; the reference is
 torch's own F.scaled_dot_product_attention on the same tensors.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,7 +81,19 @@ def _sharded(mesh_shape, q_layout, kv_layout, q, k, v, grad, mask, mask_layout=N
     return so.run(body, math.prod(mesh_shape))
 
 
-def _check(mesh_shape, q_layout, kv_layout, q_shape, *, kv_heads=None, kv_len=None, dtype=torch.float32, mask=None, mask_layout=None, **kw):
+def _check(
+    mesh_shape,
+    q_layout,
+    kv_layout,
+    q_shape,
+    *,
+    kv_heads=None,
+    kv_len=None,
+    dtype=torch.float32,
+    mask=None,
+    mask_layout=None,
+    **kw,
+):
     q, k, v, grad, m = _inputs(q_shape, kv_heads, kv_len, dtype, mask)
     ref = _reference(q, k, v, grad, m, **kw)
     results = _sharded(mesh_shape, q_layout, kv_layout, q, k, v, grad, m, mask_layout, **kw)
@@ -120,7 +133,9 @@ def test_matches_torch(mesh_shape, q_layout, kv_layout, shape, causal):
         out_pl, dq_pl, dk_pl, dv_pl = placements
         assert out_pl == dq_pl == tuple(PL[p] for p in q_layout), "output and dq keep q's layout"
         for got, mine in zip(dk_pl, kv_layout):
-            assert got == PL[mine] or (mine == "R" and got == Partial("sum")), f"dk/dv come back as k/v are laid out: {dk_pl}"
+            assert got == PL[mine] or (mine == "R" and got == Partial("sum")), (
+                f"dk/dv come back as k/v are laid out: {dk_pl}"
+            )
         assert dk_pl == dv_pl
 
 
@@ -263,7 +278,13 @@ def test_aten_flash_ops_direct(layout):
         d = lambda t: so.distribute_tensor(t, mesh, [PL[layout]])  # noqa: E731
         o, l = aten._scaled_dot_product_flash_attention_for_cpu(d(q), d(k), d(v), 0.0, True)
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(d(grad), d(q), d(k), d(v), o, l, 0.0, True)
-        return o.placements, o.full_tensor(), l.full_tensor(), [t.full_tensor() for t in grads], [t.placements for t in grads]
+        return (
+            o.placements,
+            o.full_tensor(),
+            l.full_tensor(),
+            [t.full_tensor() for t in grads],
+            [t.placements for t in grads],
+        )
 
     for o_pl, o, l, grads, pls in so.run(body, 4):
         assert o_pl == (PL[layout],) and pls == [(PL[layout],)] * 3
@@ -309,7 +330,12 @@ def test_explicit_attention_heads_sharded_moves_nothing():
         g = so.distribute_tensor(grad, mesh, out.placements)
         with so.CommDebugMode() as bwd:
             out.backward(g)
-        return fwd.get_total_bytes() + bwd.get_total_bytes(), out.placements, out.full_tensor(), [t.grad.full_tensor() for t in (dq, dk, dv)]
+        return (
+            fwd.get_total_bytes() + bwd.get_total_bytes(),
+            out.placements,
+            out.full_tensor(),
+            [t.grad.full_tensor() for t in (dq, dk, dv)],
+        )
 
     for nbytes, placements, out, grads in so.run(body, 4):
         assert nbytes == 0 and placements == (Shard(1),)
@@ -423,7 +449,9 @@ def test_transposed_inputs_as_models_build_them(layout):
 
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
-        leaves = [so.distribute_tensor(t.transpose(1, 2).contiguous(), mesh, [blhd]).requires_grad_() for t in (q, k, v)]
+        leaves = [
+            so.distribute_tensor(t.transpose(1, 2).contiguous(), mesh, [blhd]).requires_grad_() for t in (q, k, v)
+        ]
         dq, dk, dv = (t.transpose(1, 2) for t in leaves)
         out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
         out.backward(so.distribute_tensor(grad, mesh, out.placements))
@@ -446,7 +474,11 @@ def _context_parallel_program():
         out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
         out.backward(g)
     got = [t.full_tensor() for t in (out, dq.grad, dk.grad, dv.grad)]
-    return comm.get_comm_counts(), comm.get_total_bytes(), [torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, ref)]
+    return (
+        comm.get_comm_counts(),
+        comm.get_total_bytes(),
+        [torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, ref)],
+    )
 
 
 @pytest.mark.slow
@@ -455,7 +487,9 @@ def test_context_parallel_under_gloo():
     from mp import run_gloo
 
     threads = so.run(_context_parallel_program, 4)
-    for (counts, nbytes, ok), (t_counts, t_bytes, _) in zip(run_gloo(_context_parallel_program, 4, timeout=240), threads):
+    for (counts, nbytes, ok), (t_counts, t_bytes, _) in zip(
+        run_gloo(_context_parallel_program, 4, timeout=240), threads
+    ):
         assert all(ok) and counts == t_counts == {"all_gather": 1, "reduce_scatter": 1} and nbytes == t_bytes
 
 

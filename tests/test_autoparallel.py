@@ -1,5 +1,6 @@
 """so.autoparallel: the chosen plan's measured bytes per step equal its prediction, it moves no
 more than the hand plan of docs/parallel.md, and it gives single-device values in strict mode."""
+
 from __future__ import annotations
 
 import copy
@@ -10,13 +11,12 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
+from parallel_harness import count_step, strict
 from shardops.autoparallel import language_model_loss
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 from shardops.parallel import data_parallel, loss_parallel, parallelize_module
 from shardops.parallel.loss import target_placements
 from shardops.world import in_threads_world
-
-from parallel_harness import count_step, strict
 
 ARGS = ModelArgs()
 HAND = {Llama: llama_plan, GPT2: gpt2_plan}
@@ -89,7 +89,11 @@ def _same_pricing_from_metadata(plan, model, mesh_shape, example, **kwargs):
         a, b = run_.measurement, meta.measurement
         assert (a.error is None) == (b.error is None), (run_.candidate, a.error, b.error)
         if a.error is None:
-            assert (a.bytes_per_part, a.rounds_per_part, a.memory_per_rank) == (b.bytes_per_part, b.rounds_per_part, b.memory_per_rank), run_.candidate
+            assert (a.bytes_per_part, a.rounds_per_part, a.memory_per_rank) == (
+                b.bytes_per_part,
+                b.rounds_per_part,
+                b.memory_per_rank,
+            ), run_.candidate
     assert dry.candidate == plan.candidate and dry.predicted_bytes == plan.predicted_bytes
     return dry
 
@@ -230,7 +234,11 @@ def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
     def loss_fn(out, x):  # y is the same global target on every rank: said so where it meets DTensor outputs
-        target = so.from_local(y, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim) if isinstance(out, so.DTensor) else y
+        target = (
+            so.from_local(y, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim)
+            if isinstance(out, so.DTensor)
+            else y
+        )
         return ((out - target) ** 2).mean()
 
     plan = so.autoparallel(net, (4,), (x,), loss_fn=loss_fn)

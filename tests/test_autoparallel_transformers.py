@@ -3,6 +3,7 @@ downloaded): the applied plan's bytes per step equal its prediction, its values 
 single-device torch in strict mode, and it moves no more than transformers' own tensor-parallel
 plan (`base_model_tp_plan` + the head's, applied through shardops' from_transformers, with
 data_parallel on dp for (2, 2)) on the same global batch."""
+
 from __future__ import annotations
 
 import copy
@@ -14,10 +15,9 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")  # a dev dependency (pyproject's dev extra)
 
 import shardops as so  # noqa: E402
+from parallel_harness import count_step, strict  # noqa: E402
 from shardops.autoparallel import language_model_loss  # noqa: E402
 from shardops.parallel import data_parallel, from_transformers, loss_parallel  # noqa: E402
-
-from parallel_harness import count_step, strict  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8, head_dim=4)
 
@@ -76,7 +76,11 @@ def _hand_step(kv_heads, mesh_shape, tokens):
 
 @pytest.mark.parametrize(
     "mesh_shape, kv_heads, batch",
-    [((4,), 4, 4), pytest.param((2, 2), 4, 4, marks=pytest.mark.slow), pytest.param((8,), 8, 8, marks=pytest.mark.slow)],
+    [
+        ((4,), 4, 4),
+        pytest.param((2, 2), 4, 4, marks=pytest.mark.slow),
+        pytest.param((8,), 8, 8, marks=pytest.mark.slow),
+    ],
     ids=["4", "2x2", "8"],
 )
 def test_transformers_llama_measured_equals_predicted_and_no_worse_than_its_own_plan(mesh_shape, kv_heads, batch):
@@ -108,5 +112,8 @@ def test_transformers_llama_priced_from_metadata_equals_the_threads_world():
     for a, b in zip(run.considered, meta.considered):
         assert a.measurement.feasible == b.measurement.feasible, (a.candidate, a.measurement.error, b.measurement.error)
         if a.measurement.feasible:
-            assert (a.measurement.bytes_per_part, a.measurement.rounds_per_part) == (b.measurement.bytes_per_part, b.measurement.rounds_per_part)
+            assert (a.measurement.bytes_per_part, a.measurement.rounds_per_part) == (
+                b.measurement.bytes_per_part,
+                b.measurement.rounds_per_part,
+            )
     assert meta.candidate == run.candidate

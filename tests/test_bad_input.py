@@ -10,10 +10,12 @@ Tests marked xfail(strict=True) pin a check the runtime lacks today; each names 
 in its docstring. When the fix lands the test passes, strict
 xfail turns that into a failure, and the marker is to be removed.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +23,9 @@ import torch.nn.functional as F
 
 import shardops as so
 from shardops import Partial, Replicate, Shard
+from shardops.experimental import implicit_replication
 from shardops.mesh import DeviceMesh
 from shardops.placements import chunk_size_and_offset, dim_positions, local_shape_and_offset
-from shardops.experimental import implicit_replication
 
 try:
     from .test_properties import OPS, missing
@@ -244,7 +246,11 @@ def test_odd_local_tensors_give_right_results(make):
 
     def local_of(rank: int) -> torch.Tensor:
         base = _rank_local(rank)
-        return {"transposed": base.t(), "expanded": base[0].expand(4, 4), "strided_slice": base.repeat(1, 2)[:, ::2].t()}[make]
+        return {
+            "transposed": base.t(),
+            "expanded": base[0].expand(4, 4),
+            "strided_slice": base.repeat(1, 2)[:, ::2].t(),
+        }[make]
 
     want = torch.cat([local_of(r) for r in range(2)])
 
@@ -433,7 +439,11 @@ SPECIAL_KNOWN: dict[tuple[str, str], str] = {}  # (op, layout) -> why it still d
 @pytest.mark.parametrize("layout", ["S1", "S0S1", "S1S1"])
 @pytest.mark.parametrize("name", sorted(SPECIAL_OPS))
 def test_nan_and_inf_give_torchs_values(name, layout, request):
-    mesh_shape, placements = {"S1": ((4,), [Shard(1)]), "S0S1": ((2, 2), [Shard(0), Shard(1)]), "S1S1": ((2, 2), [Shard(1), Shard(1)])}[layout]
+    mesh_shape, placements = {
+        "S1": ((4,), [Shard(1)]),
+        "S0S1": ((2, 2), [Shard(0), Shard(1)]),
+        "S1S1": ((2, 2), [Shard(1), Shard(1)]),
+    }[layout]
     if (name, layout) in SPECIAL_KNOWN:
         request.applymarker(pytest.mark.xfail(strict=True, reason=SPECIAL_KNOWN[name, layout]))
     op_name, fn = SPECIAL_OPS[name]
@@ -575,7 +585,9 @@ def test_distribute_on_a_mesh_without_this_rank_refused(mesh_size):
         rank = so.init_device_mesh("cpu", (4,)).get_rank()
         if rank < mesh_size:
             return "member"
-        return outcome(lambda: so.distribute_tensor(torch.ones(4), mesh, [Shard(0)], src_data_rank=None if mesh_size == 1 else 0))
+        return outcome(
+            lambda: so.distribute_tensor(torch.ones(4), mesh, [Shard(0)], src_data_rank=None if mesh_size == 1 else 0)
+        )
 
     for rank, result in enumerate(so.run(body, 4, timeout=10)):
         if rank >= mesh_size:
@@ -637,7 +649,10 @@ def test_in_place_op_on_a_tensor_sharded_along_a_size_one_dim(name):
 # ------------------------------------------------------------------ failing in-place ops change nothing
 
 IN_PLACE_FAILURES = {  # (dtype of self, the failing in-place call)
-    "broadcast into self": (torch.float64, lambda x, mesh: x.add_(so.distribute_tensor(torch.ones(8, 3, dtype=x.dtype), mesh, [Shard(0)]))),
+    "broadcast into self": (
+        torch.float64,
+        lambda x, mesh: x.add_(so.distribute_tensor(torch.ones(8, 3, dtype=x.dtype), mesh, [Shard(0)])),
+    ),
     "no strategy, sharded self": (torch.float64, lambda x, mesh: x.index_fill_(0, torch.tensor([1, 5]), -1.0)),
     "shape mismatch": (torch.float64, lambda x, mesh: x.mul_(torch.ones(5, 1, dtype=x.dtype))),
     "float into int": (torch.int64, lambda x, mesh: x.add_(torch.full((8, 1), 0.5))),
@@ -646,7 +661,9 @@ IN_PLACE_FAILURES = {  # (dtype of self, the failing in-place call)
 
 # a replicated or pending self needs no layout change for the op without a strategy: it runs
 IN_PLACE_FAILURE_CASES = [
-    (name, layout) for name in sorted(IN_PLACE_FAILURES) for layout in ("S0", "R", "P")
+    (name, layout)
+    for name in sorted(IN_PLACE_FAILURES)
+    for layout in ("S0", "R", "P")
     if name != "no strategy, sharded self" or layout == "S0"
 ]
 

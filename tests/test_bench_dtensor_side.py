@@ -25,6 +25,7 @@ from benchmarks.dtensor_side import (  # noqa: E402
     measure_dtensor,
     run_threaded,
 )
+
 from bench_harness import RAISED, raising_case  # noqa: E402
 
 ROW_F32 = 4096 // 4 * 8 * 4  # bytes of one rank's f32[8, 1024] shard of an f32[8, 4096] tensor
@@ -92,7 +93,17 @@ def test_a_raising_op_is_recorded_not_propagated():
 
 def test_case_table_is_complete_and_runs_single_device():
     names = [c.name for c in CASES]
-    for required in ("sum", "cumsum", "var_mean", "histc", "softmax", "cross_entropy", "layer_norm", "rms_norm", "sort"):
+    for required in (
+        "sum",
+        "cumsum",
+        "var_mean",
+        "histc",
+        "softmax",
+        "cross_entropy",
+        "layer_norm",
+        "rms_norm",
+        "sort",
+    ):
         assert required in names
     for case in CASES:
         inputs = case.inputs()

@@ -4,6 +4,7 @@
 Every expected value is a global tensor made in the test with torch (seeded generators);
 nothing is compared with a value copied from shardops' own output.
 """
+
 from __future__ import annotations
 
 import io
@@ -92,7 +93,11 @@ def _save(path: str) -> None:
 def _load_on(path: str, shape: tuple[int, ...]) -> list[dict]:
     def main():
         mesh = so.init_device_mesh("cpu", shape)
-        state = {"t": {n: _empty_like_layout(mesh, n, _other_placements(mesh, n)) for n in CASES}, "step": 0, "note": ""}
+        state = {
+            "t": {n: _empty_like_layout(mesh, n, _other_placements(mesh, n)) for n in CASES},
+            "step": 0,
+            "note": "",
+        }
         ckpt.load(state, path)
         return {"t": {n: full(t) for n, t in state["t"].items()}, "step": state["step"], "note": state["note"]}
 
@@ -244,9 +249,20 @@ def test_a_checkpoint_missing_shards_fails_loudly(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda s, mesh: s["t"].__setitem__("even", so.distribute_tensor(torch.zeros(8, 7), mesh, [Shard(0)])), r"'t\.even' mismatches: checkpoint float32\[8, 6\], destination float32\[8, 7\]"),
-        (lambda s, mesh: s["t"].__setitem__("even", so.distribute_tensor(torch.zeros(8, 6, dtype=torch.float64), mesh, [Shard(0)])), r"'t\.even' mismatches: checkpoint float32\[8, 6\], destination float64\[8, 6\]"),
-        (lambda s, mesh: s["t"].__setitem__("extra", so.distribute_tensor(torch.zeros(2), mesh, [Shard(0)])), r"'t\.extra' is not in the checkpoint"),
+        (
+            lambda s, mesh: s["t"].__setitem__("even", so.distribute_tensor(torch.zeros(8, 7), mesh, [Shard(0)])),
+            r"'t\.even' mismatches: checkpoint float32\[8, 6\], destination float32\[8, 7\]",
+        ),
+        (
+            lambda s, mesh: s["t"].__setitem__(
+                "even", so.distribute_tensor(torch.zeros(8, 6, dtype=torch.float64), mesh, [Shard(0)])
+            ),
+            r"'t\.even' mismatches: checkpoint float32\[8, 6\], destination float64\[8, 6\]",
+        ),
+        (
+            lambda s, mesh: s["t"].__setitem__("extra", so.distribute_tensor(torch.zeros(2), mesh, [Shard(0)])),
+            r"'t\.extra' is not in the checkpoint",
+        ),
     ],
 )
 def test_mismatches_name_the_key_and_both_sides(tmp_path, change, message):
@@ -255,7 +271,11 @@ def test_mismatches_name_the_key_and_both_sides(tmp_path, change, message):
 
     def main():
         mesh = so.init_device_mesh("cpu", (4,))
-        state = {"t": {n: _empty_like_layout(mesh, n, _other_placements(mesh, n)) for n in CASES}, "step": 0, "note": ""}
+        state = {
+            "t": {n: _empty_like_layout(mesh, n, _other_placements(mesh, n)) for n in CASES},
+            "step": 0,
+            "note": "",
+        }
         change(state, mesh)
         ckpt.load(state, path)
 
@@ -359,8 +379,11 @@ def _fuzz_save(path: str, monkeypatch) -> None:
 
     def main():
         mesh = so.init_device_mesh("cpu", (2, 2))
-        state = {"uneven": so.distribute_tensor(expected["uneven"], mesh, [Shard(0), Shard(1)]),
-                 "rep": so.distribute_tensor(expected["rep"], mesh, [Replicate(), Replicate()]), "step": 11}
+        state = {
+            "uneven": so.distribute_tensor(expected["uneven"], mesh, [Shard(0), Shard(1)]),
+            "rep": so.distribute_tensor(expected["rep"], mesh, [Replicate(), Replicate()]),
+            "step": 11,
+        }
         ckpt.save(state, path)
 
     so.run(main, 4)
@@ -498,13 +521,17 @@ def test_safetensors_weights_load_into_a_parallel_model_reading_only_each_ranks_
     from shardops.models import GPT2
 
     reference = GPT2(ARGS, seed=3)
-    weights = {k: v.clone().contiguous() for k, v in reference.state_dict().items()}  # tied weights saved twice, as files hold them
+    weights = {
+        k: v.clone().contiguous() for k, v in reference.state_dict().items()
+    }  # tied weights saved twice, as files hold them
     save_file(weights, str(tmp_path / "model.safetensors"))
 
     def main():
         model, mesh, _ = shardops_model((2, 2), seed=0, kind="gpt2")
         report = ckpt.load_safetensors(model, tmp_path)
-        local_bytes = sum((t.to_local() if isinstance(t, so.DTensor) else t).nbytes for t in model.state_dict().values())
+        local_bytes = sum(
+            (t.to_local() if isinstance(t, so.DTensor) else t).nbytes for t in model.state_dict().values()
+        )
         return {n: full(t) for n, t in model.state_dict().items()}, report.bytes_read, local_bytes, report.missing
 
     for params, bytes_read, local_bytes, missing in so.run(main, 4):
@@ -559,7 +586,6 @@ def test_tensor_parallel_checkpoint_loads_into_a_data_parallel_sharded_model_and
 def test_torch_save_of_parameters_and_optimizer_state():
     """nn.Parameter-ness survives (torch marks a subclass parameter with _is_param), and an
     optimizer state dict of DTensors round-trips through torch.save/torch.load(weights_only=True)."""
-    from shardops.models import Llama
 
     def main():
         model, mesh, dp_rank = shardops_model((2, 2), seed=1)

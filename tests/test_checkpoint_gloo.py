@@ -12,6 +12,7 @@ with dropout on, bitwise, in new gloo processes (slow).
 The launches are few on purpose (each one spawns 4 processes that import torch): the checks
 share them.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,12 @@ def _checks(tmp: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     import shardops as so
 
@@ -43,7 +49,10 @@ def _checks(tmp: str) -> dict:
     tm = torch_model(seed=0)
     topt = torch.optim.AdamW(tm.parameters(), lr=LR)
     torch_step(tm, topt, 0)
-    dcp.save({"model": get_model_state_dict(tm), "optim": get_optimizer_state_dict(tm, topt)}, checkpoint_id=os.path.join(tmp, "torch"))
+    dcp.save(
+        {"model": get_model_state_dict(tm), "optim": get_optimizer_state_dict(tm, topt)},
+        checkpoint_id=os.path.join(tmp, "torch"),
+    )
     out["torch_losses"] = [torch_step(tm, topt, s) for s in (1, 2)]
 
     sm, mesh, dp_rank = shardops_model((2, 2), seed=7)
@@ -58,7 +67,10 @@ def _checks(tmp: str) -> dict:
     sm, mesh, dp_rank = shardops_model((2, 2), seed=0)
     sopt = torch.optim.AdamW(sm.parameters(), lr=LR)
     shardops_step(sm, sopt, 0, dp=2, dp_rank=dp_rank)
-    dcp.save({"model": get_model_state_dict(sm), "optim": get_optimizer_state_dict(sm, sopt)}, checkpoint_id=os.path.join(tmp, "so_dcp"))
+    dcp.save(
+        {"model": get_model_state_dict(sm), "optim": get_optimizer_state_dict(sm, sopt)},
+        checkpoint_id=os.path.join(tmp, "so_dcp"),
+    )
     so.checkpoint.save({"model": sm, "optim": sopt}, os.path.join(tmp, "so_api"))
     saved_params = {n: full(p).clone() for n, p in sm.state_dict().items()}
     out["shardops_losses"] = [shardops_step(sm, sopt, s, dp=2, dp_rank=dp_rank) for s in (1, 2)]
@@ -79,7 +91,10 @@ def _checks(tmp: str) -> dict:
     path = os.path.join(tmp, f"sd_rank{rank}.pt")
     torch.save(sm.state_dict(), path)
     loaded = torch.load(path)
-    out["pickle_equal"] = all(torch.equal(full(loaded[n]), full(p)) and loaded[n].placements == p.placements for n, p in sm.state_dict().items())
+    out["pickle_equal"] = all(
+        torch.equal(full(loaded[n]), full(p)) and loaded[n].placements == p.placements
+        for n, p in sm.state_dict().items()
+    )
     out["fsdp"] = _fully_shard_both_ways(tmp)
     out["across_rank_sets"] = _load_state_dict_across_rank_sets()
     out["memory"] = _resharding_load_memory(os.path.join(tmp, "big"))
@@ -158,7 +173,11 @@ class _LargestNewStorage:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                inputs = {
+                    t.untyped_storage().data_ptr()
+                    for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor)
+                }
                 for t in torch.utils._pytree.tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                         outer.largest = max(outer.largest, t.untyped_storage().nbytes())
@@ -198,7 +217,9 @@ def _resharding_load_memory(path: str) -> dict:
     mesh4 = so.init_device_mesh("cpu", (4,))
     rank = mesh4.get_rank()
     rows = BIG[0] // 4
-    src = so.DTensor.from_local(torch.randn(rows, BIG[1], generator=torch.Generator().manual_seed(rank)), mesh4, [Shard(0)])
+    src = so.DTensor.from_local(
+        torch.randn(rows, BIG[1], generator=torch.Generator().manual_seed(rank)), mesh4, [Shard(0)]
+    )
     so.checkpoint.save({"big": src}, path)
     del src
     mesh22 = so.init_device_mesh("cpu", (2, 2))
@@ -284,13 +305,15 @@ def test_resume_with_dropout_in_new_gloo_processes_is_bitwise(tmp_path):
 
 
 def _save_maybe_dying(path: str, step: int, die_rank: int | None) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
     import shardops as so
     from shardops import Shard
-    from torch.distributed.checkpoint import FileSystemWriter
 
     mesh = so.init_device_mesh("cpu", (2, 2))
     weights = so.distribute_tensor(torch.full((8, 8), float(step)), mesh, [Shard(0), Shard(1)])
     if die_rank is not None and mesh.get_rank() == die_rank:
+
         def die(self, plan, planner):
             os._exit(3)  # the process is gone mid-save, without a word to the others
 

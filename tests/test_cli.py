@@ -1,4 +1,5 @@
 """The `shardops` command: verify, explain, and the hooks for demo and bench."""
+
 import json
 import os
 import sys
@@ -32,7 +33,9 @@ def test_verify_unknown_op_is_a_clear_error(capsys):
 
 
 def test_explain_subcommand(capsys):
-    code = cli.main(["explain", "softmax(x, dim=1)", "--mesh", "8x8x16", "--links", "nvlink,ib,ib", "--x", "f32[8,4096]:R,R,S(1)"])
+    code = cli.main(
+        ["explain", "softmax(x, dim=1)", "--mesh", "8x8x16", "--links", "nvlink,ib,ib", "--x", "f32[8,4096]:R,R,S(1)"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "aten._softmax.default" in out and "chosen: #1" in out and "1024 ranks" in out
@@ -79,7 +82,11 @@ def test_bench_runs_from_any_directory_of_an_editable_install(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "shardops")
     if not os.path.exists(script):
         script = None
-    cmd = [script, "bench", "--help"] if script else [sys.executable, "-c", "import sys; from shardops.cli import main; sys.exit(main())", "bench", "--help"]
+    cmd = (
+        [script, "bench", "--help"]
+        if script
+        else [sys.executable, "-c", "import sys; from shardops.cli import main; sys.exit(main())", "bench", "--help"]
+    )
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "usage: shardops bench" in done.stdout
@@ -109,7 +116,14 @@ def test_bench_gloo_ranks_import_the_benchmarks_from_any_directory(tmp_path):
         "result = run_gloo(end_to_end.rank_main, 1, end_to_end.SIZES['tiny'], timeout=300)[0]\n"
         "print(sorted({row['shardops']['correct'] for row in result['rows']}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_this_checkouts_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=_this_checkouts_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[True]"
 
@@ -121,7 +135,20 @@ def test_the_installed_bench_commands_gloo_rows_run(tmp_path):
     import subprocess
 
     out = tmp_path / "out"
-    cmd = [sys.executable, "-c", _SHARDOPS, "bench", "--tiny", "--only", "end_to_end", "--no-plot", "--docs", "", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-c",
+        _SHARDOPS,
+        "bench",
+        "--tiny",
+        "--only",
+        "end_to_end",
+        "--no-plot",
+        "--docs",
+        "",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, env=_this_checkouts_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((out / "results.json").read_text())["results"]["end_to_end"]

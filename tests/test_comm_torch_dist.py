@@ -4,6 +4,7 @@ Every program below runs twice: once per rank in 4 gloo processes (`run_gloo`)
 and once per rank in the threads world (`shardops.run`). Both must give the same
 values, and CommDebugMode the same counts, bytes and rounds.
 """
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,17 @@ except ImportError:  # tests/ is not a package: pytest put tests/ on sys.path
     from mp import RankFailure, run_gloo
 
 DTYPES = (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
 )
 # One dtype per path through the communicator (bool cast, native, gathered fallback, complex as reals):
 # enough for checks of group resolution and order, where every dtype would only cost time.
@@ -88,7 +98,13 @@ def _run_groups(groups: dict[str, Group], every_dtype=("dim0", "dim1", "pair"), 
     for tag, group in groups.items():
         with CommDebugMode() as mode:
             _exercise(group, tag, out, DTYPES if tag in every_dtype else few_dtypes)
-        out[tag, "comm"] = (mode.get_comm_counts(), mode.get_total_counts(), mode.get_total_bytes(), mode.get_rounds(), mode.log)
+        out[tag, "comm"] = (
+            mode.get_comm_counts(),
+            mode.get_total_counts(),
+            mode.get_total_bytes(),
+            mode.get_rounds(),
+            mode.log,
+        )
     return out
 
 
@@ -102,7 +118,9 @@ def program_meshes() -> dict:
             import torch.distributed as dist
 
             comm = current_comm()
-            out[shape, "torch_order"] = {tag: tuple(dist.get_process_group_ranks(comm.process_group(g))) for tag, g in _groups_of(mesh).items()}
+            out[shape, "torch_order"] = {
+                tag: tuple(dist.get_process_group_ranks(comm.process_group(g))) for tag, g in _groups_of(mesh).items()
+            }
     # Groups not along mesh dims: ranks {1, 3} and {0, 2}, listed against torch's order.
     # In torch this is a new process group that only its members create.
     rank = current_comm().rank
@@ -132,14 +150,30 @@ def program_from_torch() -> dict:
             else:
                 tmesh = TorchMesh("cpu", torch.tensor(ranks), mesh_dim_names=names)
             mesh = DeviceMesh.from_torch(tmesh)
-            out[name, "torch_view"] = (tuple(tmesh.shape), tmesh.mesh_dim_names, list(tmesh.get_coordinate()), tmesh.mesh.tolist())
-        out[name, "view"] = (mesh.shape, mesh.mesh_dim_names, mesh.get_coordinate(), mesh.mesh.tolist(), mesh.get_rank())
+            out[name, "torch_view"] = (
+                tuple(tmesh.shape),
+                tmesh.mesh_dim_names,
+                list(tmesh.get_coordinate()),
+                tmesh.mesh.tolist(),
+            )
+        out[name, "view"] = (
+            mesh.shape,
+            mesh.mesh_dim_names,
+            mesh.get_coordinate(),
+            mesh.mesh.tolist(),
+            mesh.get_rank(),
+        )
         groups = _groups_of(mesh)
         for dim_name in names:
             sub = mesh[dim_name]
             out[name, "sub", dim_name] = (sub.shape, sub.mesh.tolist(), sub.get_coordinate())
             groups[f"sub_{dim_name}"] = sub.group(0)
-        out.update({(name, *k): v for k, v in _run_groups(groups, every_dtype=(), few_dtypes=(torch.bool, torch.float32)).items()})
+        out.update(
+            {
+                (name, *k): v
+                for k, v in _run_groups(groups, every_dtype=(), few_dtypes=(torch.bool, torch.float32)).items()
+            }
+        )
     out["rank"] = rank
     return out
 
@@ -194,11 +228,18 @@ def program_dry_run() -> dict:
                 comm.all_reduce(torch.ones(3, dtype=torch.int16), "avg", group),
                 *comm.all_gather(torch.ones(me % 3, 2), group, [(i % 3, 2) for i in range(n)]),
                 comm.reduce_scatter([torch.ones(i % 2, 3) for i in range(n)], "max", group),
-                *comm.all_to_all([torch.ones((me + j) % 2) for j in range(n)], group, [((i + me) % 2,) for i in range(n)]),
+                *comm.all_to_all(
+                    [torch.ones((me + j) % 2) for j in range(n)], group, [((i + me) % 2,) for i in range(n)]
+                ),
                 comm.broadcast(torch.ones(2, dtype=torch.complex64), n - 1, group),
             ]
             comm.barrier(group)
-        out[dims] = ([(r.dtype, tuple(r.shape)) for r in results], mode.get_comm_counts(), mode.get_total_bytes(), mode.get_rounds())
+        out[dims] = (
+            [(r.dtype, tuple(r.shape)) for r in results],
+            mode.get_comm_counts(),
+            mode.get_total_bytes(),
+            mode.get_rounds(),
+        )
     return out
 
 
@@ -221,7 +262,9 @@ def _assert_same(gloo: dict, threads: dict, rank: int) -> None:
 
 
 def _assert_tensor(got: torch.Tensor, want: torch.Tensor, key: tuple, where: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{where}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    )
     inexact = any(isinstance(k, str) and k.startswith("randn") for k in key)
     # gloo adds in its own order; integer-valued data makes every other sum exact
     tol = dict(rtol=1e-6, atol=1e-6) if inexact else dict(rtol=0, atol=0)

@@ -5,6 +5,7 @@ parameters of several meshes, prims.* ops, softmax with dtype=, sort/topk on 0-d
 linalg__powsum / _foreach_powsum, var_mean of rows holding +-inf, cat with a 1-d empty DTensor,
 int32 class targets, and one canonical resolution of a norm pending on several mesh dims.
 """
+
 from __future__ import annotations
 
 import math
@@ -161,7 +162,16 @@ def test_prims_pointwise_ops_and_view_of():
     """PyTorch's DTensor test_prims_pointwise_ops / test_prims_view_of: sharded, no fallback."""
     x, y = torch.randn(12, 8, generator=GEN), torch.randn(12, 8, generator=GEN)
     prims = torch.ops.prims
-    unary = [prims.bessel_i0e, prims.bessel_i1, prims.bessel_i1e, prims.bessel_j0, prims.bessel_j1, prims.erfcx, prims.ndtri, prims.spherical_bessel_j0]
+    unary = [
+        prims.bessel_i0e,
+        prims.bessel_i1,
+        prims.bessel_i1e,
+        prims.bessel_j0,
+        prims.bessel_j1,
+        prims.erfcx,
+        prims.ndtri,
+        prims.spherical_bessel_j0,
+    ]
 
     @_strict
     def body():
@@ -172,7 +182,12 @@ def test_prims_pointwise_ops_and_view_of():
             outs += [prims.div(dx, dy), prims.ne(dx, dy), prims.gcd(dx.int(), dy.int()), prims.view_of(dx)]
         return comm.get_total_counts(), [(o.placements, o.full_tensor()) for o in outs]
 
-    want = [op(x.abs().clamp(0.1, 3.0)) for op in unary] + [prims.div(x, y), prims.ne(x, y), prims.gcd(x.int(), y.int()), x]
+    want = [op(x.abs().clamp(0.1, 3.0)) for op in unary] + [
+        prims.div(x, y),
+        prims.ne(x, y),
+        prims.gcd(x.int(), y.int()),
+        x,
+    ]
     for counts, outs in so.run(body, 4):
         assert counts == 0
         for (placements, value), w in zip(outs, want):
@@ -235,10 +250,16 @@ def test_var_mean_of_rows_holding_inf_follows_torchs_welford():
         x = torch.randn(3, 11, generator=g, dtype=torch.float64)
         for r in range(3):
             k = int(torch.randint(0, 3, (1,), generator=g))
-            x[r, torch.randperm(11, generator=g)[:k]] = torch.where(torch.rand(k, generator=g) > 0.5, math.inf, -math.inf).double()
+            x[r, torch.randperm(11, generator=g)[:k]] = torch.where(
+                torch.rand(k, generator=g) > 0.5, math.inf, -math.inf
+            ).double()
         x[trial % 3, -1] = math.inf if trial % 2 else x[trial % 3, -1]
         cases.append(x)
-    fns = [lambda t: torch.var_mean(t, 1), lambda t: torch.std_mean(t, 1, correction=0), lambda t: torch.var_mean(t, (0, 1))]
+    fns = [
+        lambda t: torch.var_mean(t, 1),
+        lambda t: torch.std_mean(t, 1, correction=0),
+        lambda t: torch.var_mean(t, (0, 1)),
+    ]
 
     def body():
         mesh = so.init_device_mesh("cpu", (2, 2))

@@ -1,6 +1,7 @@
 """torch DTensor compatibility of the core types: code written for
 torch.distributed.tensor reads NormPartial as a Partial with a reduce_op, catches
 ShardingError as a RuntimeError, and reads CommDebugMode counts per `with` block."""
+
 from __future__ import annotations
 
 import math
@@ -12,11 +13,12 @@ import shardops as so
 from shardops import NormPartial, Partial, Replicate, Shard
 from shardops.placements import REDUCE_OPS
 
-
 # ---------------------------------------------------------------- NormPartial is a Partial
 
 
-@pytest.mark.parametrize("p,op", [(2, "sum"), (1, "sum"), (0, "sum"), (3.5, "sum"), (math.inf, "max"), (-math.inf, "min")])
+@pytest.mark.parametrize(
+    "p,op", [(2, "sum"), (1, "sum"), (0, "sum"), (3.5, "sum"), (math.inf, "max"), (-math.inf, "min")]
+)
 def test_norm_partial_is_a_partial_with_a_reduce_op(p, op):
     q = NormPartial(p)
     assert isinstance(q, Partial) and q.is_partial()
@@ -58,7 +60,11 @@ def test_norm_partial_algebra_reduces_to_the_norm_of_norms():
 
 @pytest.mark.parametrize("placement", [Partial(op) for op in REDUCE_OPS] + [NormPartial(2), NormPartial(-1)])
 def test_split_then_reduce_gives_the_value_back(placement):
-    x = torch.tensor([[1.5, -2.0], [0.25, 4.0]]) if not isinstance(placement, NormPartial) else torch.tensor([[1.5, 2.0], [0.25, 4.0]])
+    x = (
+        torch.tensor([[1.5, -2.0], [0.25, 4.0]])
+        if not isinstance(placement, NormPartial)
+        else torch.tensor([[1.5, 2.0], [0.25, 4.0]])
+    )
     pieces = [placement.split(x, c) for c in range(3)]
     torch.testing.assert_close(placement.reduce(pieces), x)
 
@@ -131,7 +137,13 @@ def test_call_signature_binds_forms_and_caches_the_call_shape():
     sig = CallSignature(_unbiased, _general, aliases={"input": "self"})
     x = torch.ones(2)
     assert sig.bind((x, True), {}) == {"self": x, "unbiased": True, "dim": None, "keepdim": False}
-    assert sig.bind((x, 1), {"keepdim": True}) == {"self": x, "dim": 1, "unbiased": None, "keepdim": True, "correction": None}
+    assert sig.bind((x, 1), {"keepdim": True}) == {
+        "self": x,
+        "dim": 1,
+        "unbiased": None,
+        "keepdim": True,
+        "correction": None,
+    }
     assert sig.bind((), {"input": x, "correction": 0})["correction"] == 0
     assert sig.bind((x, 1, True, True, 5), {}) is None  # no form takes it: torch decides
     shapes = len(sig._shapes)
@@ -141,7 +153,20 @@ def test_call_signature_binds_forms_and_caches_the_call_shape():
 def test_every_torch_level_entry_comes_from_the_one_factory():
     from shardops.dispatch.registry import TORCH_FUNCTIONS
 
-    families = [torch.sum, torch.Tensor.max, torch.var, torch.std_mean, torch.cumsum, torch.ops.aten.cummax.default,
-                torch.norm, torch.linalg.vector_norm, torch.dist, torch.logsumexp, torch.cat, torch.topk, torch.sort,
-                torch.nn.functional.rms_norm]
+    families = [
+        torch.sum,
+        torch.Tensor.max,
+        torch.var,
+        torch.std_mean,
+        torch.cumsum,
+        torch.ops.aten.cummax.default,
+        torch.norm,
+        torch.linalg.vector_norm,
+        torch.dist,
+        torch.logsumexp,
+        torch.cat,
+        torch.topk,
+        torch.sort,
+        torch.nn.functional.rms_norm,
+    ]
     assert all(TORCH_FUNCTIONS[f].__qualname__.startswith("torch_entry.") for f in families)

@@ -7,6 +7,7 @@ Both worlds: threads (so.run) and 4 gloo processes. Eager shardops is itself
 checked against single-device torch in test_parallel.py; here the reference for
 the values is also single-device torch, computed in the test.
 """
+
 import copy
 import functools
 import os
@@ -16,10 +17,9 @@ import torch
 import torch.nn as nn
 
 import shardops as so
+from mp import run_gloo
 from shardops import Replicate, Shard
 from shardops.parallel import ColwiseParallel, RowwiseParallel, data_parallel, parallelize_module
-
-from mp import run_gloo
 
 MESHES = [(4,), (2, 2)]
 # The default suite keeps one mesh of a repeated case; the other runs with `pytest -m slow` (CI time).
@@ -85,15 +85,26 @@ def _compare_compiled_with_eager(mesh_shape, backend) -> dict:
         compiled = torch.compile(m, backend=backend)
         y, grads, counts, nbytes = _step(m, x, compiled)  # first call: compiles
         y2, grads2, counts2, nbytes2 = _step(m, x, compiled)  # second: the cached graph
-        out = {"requires_grad": y.requires_grad, "eager": (eager_counts, eager_bytes), "compiled": [(counts, nbytes), (counts2, nbytes2)]}
-        out["values"] = [torch.allclose(_full(v), ref_y if len(mesh_shape) == 1 else _full(eager_y), atol=1e-5) for v in (eager_y, y, y2)]
+        out = {
+            "requires_grad": y.requires_grad,
+            "eager": (eager_counts, eager_bytes),
+            "compiled": [(counts, nbytes), (counts2, nbytes2)],
+        }
+        out["values"] = [
+            torch.allclose(_full(v), ref_y if len(mesh_shape) == 1 else _full(eager_y), atol=1e-5)
+            for v in (eager_y, y, y2)
+        ]
         out["grads"] = {}
         for n, g in grads.items():
             e = eager_grads[n]
             out["grads"][n] = (
                 g is not None and grads2[n] is not None,
-                g is not None and type(g) is type(e) and (not isinstance(g, so.DTensor) or g.placements == e.placements),
-                g is not None and torch.allclose(_full(g), _full(e), atol=1e-5) and torch.allclose(_full(grads2[n]), _full(e), atol=1e-5),
+                g is not None
+                and type(g) is type(e)
+                and (not isinstance(g, so.DTensor) or g.placements == e.placements),
+                g is not None
+                and torch.allclose(_full(g), _full(e), atol=1e-5)
+                and torch.allclose(_full(grads2[n]), _full(e), atol=1e-5),
                 # data parallel averages the dp ranks' gradients of their batch shards: single-device torch only on (4,)
                 len(mesh_shape) > 1 or torch.allclose(_full(e), ref_grads[n], atol=1e-5),
             )
@@ -113,7 +124,9 @@ def test_compiled_parallel_mlp_equals_eager_and_torch(mesh_shape):
             assert same_layout, f"rank {r}: {name}.grad has another type or layout than eager's"
             assert same_values, f"rank {r}: the compiled {name}.grad differs from eager's"
             assert eager_right, f"rank {r}: eager {name}.grad differs from single-device torch"
-        assert out["compiled"] == [out["eager"], out["eager"]], f"rank {r}: compiled {out['compiled']} vs eager {out['eager']}"
+        assert out["compiled"] == [out["eager"], out["eager"]], (
+            f"rank {r}: compiled {out['compiled']} vs eager {out['eager']}"
+        )
 
 
 def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, compiled_part: str = "step") -> dict:
@@ -133,12 +146,14 @@ def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, 
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
 
-        compiled_update = torch.compile(update, backend=backend) if mode == "compiled" and compiled_part == "update" else update
+        compiled_update = (
+            torch.compile(update, backend=backend) if mode == "compiled" and compiled_part == "update" else update
+        )
 
         def train_step():
             opt.zero_grad()
             total = 0.0
-            for batch in (x.split(4) if compiled_part == "accumulating" else (x,)):
+            for batch in x.split(4) if compiled_part == "accumulating" else (x,):
                 y = m(batch)
                 loss = (y * y).sum()
                 loss.backward()
@@ -146,7 +161,11 @@ def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, 
             compiled_update()
             return total
 
-        run = torch.compile(train_step, backend=backend) if mode == "compiled" and compiled_part != "update" else train_step
+        run = (
+            torch.compile(train_step, backend=backend)
+            if mode == "compiled" and compiled_part != "update"
+            else train_step
+        )
         out[mode], out[mode + "_grads"] = [], []
         for _ in range(steps):
             with so.CommDebugMode() as comm:
@@ -177,14 +196,34 @@ def _training_differences(out: dict, mesh_shape, same_bytes: bool) -> list[str]:
     """Where a rank's compiled training differs from its eager training (and, tensor parallel only, eager from one device)."""
     losses = lambda mode: [s[0] for s in out[mode]]  # noqa: E731
     close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))  # noqa: E731
-    wrong = [f"losses: compiled {losses('compiled')} vs eager {losses('eager')}"] if not all(map(close, losses("compiled"), losses("eager"))) else []
-    wrong += [f"{n} after compiled training" for n, p in out["eager_params"].items() if not torch.allclose(out["compiled_params"][n], p, atol=1e-5)]
+    wrong = (
+        [f"losses: compiled {losses('compiled')} vs eager {losses('eager')}"]
+        if not all(map(close, losses("compiled"), losses("eager")))
+        else []
+    )
+    wrong += [
+        f"{n} after compiled training"
+        for n, p in out["eager_params"].items()
+        if not torch.allclose(out["compiled_params"][n], p, atol=1e-5)
+    ]
     for step, (compiled, eager) in enumerate(zip(out["compiled_grads"], out["eager_grads"])):
-        wrong += [f"{n}.grad after compiled step {step}" for n, g in eager.items() if not torch.allclose(compiled[n], g, atol=1e-5)]
+        wrong += [
+            f"{n}.grad after compiled step {step}"
+            for n, g in eager.items()
+            if not torch.allclose(compiled[n], g, atol=1e-5)
+        ]
     if len(mesh_shape) == 1:  # tensor parallel only: the same training as one device
         ref_losses, ref_params = _single_device_training(_mlp())
-        wrong += [f"losses: eager {losses('eager')} vs one device {ref_losses}"] if not all(map(close, losses("eager"), ref_losses)) else []
-        wrong += [f"{n}: eager vs one device" for n, p in ref_params.items() if not torch.allclose(out["eager_params"][n], p, atol=1e-5)]
+        wrong += (
+            [f"losses: eager {losses('eager')} vs one device {ref_losses}"]
+            if not all(map(close, losses("eager"), ref_losses))
+            else []
+        )
+        wrong += [
+            f"{n}: eager vs one device"
+            for n, p in ref_params.items()
+            if not torch.allclose(out["eager_params"][n], p, atol=1e-5)
+        ]
     if same_bytes and [s[1:] for s in out["compiled"]] != [s[1:] for s in out["eager"]]:
         wrong.append(f"collectives: compiled {out['compiled']} vs eager {out['eager']}")
     return wrong
@@ -211,7 +250,9 @@ def test_data_parallel_gradient_accumulation_in_a_compiled_step():
     reduction per backward)."""
     torch._dynamo.reset()
     reference = _mlp()
-    for r, out in enumerate(so.run(lambda: _train_rank(reference, (2, 2), "aot_eager", compiled_part="accumulating"), 4)):
+    for r, out in enumerate(
+        so.run(lambda: _train_rank(reference, (2, 2), "aot_eager", compiled_part="accumulating"), 4)
+    ):
         wrong = _training_differences(out, (2, 2), same_bytes=True)
         assert not wrong, f"rank {r}: {wrong}"
 
@@ -390,7 +431,9 @@ def _gloo_rank(mesh_shape, backend):
     y, grads, counts, nbytes = _step(m, x, compiled)
     y2, grads2, counts2, nbytes2 = _step(m, x, compiled)
     same_grads = all(
-        grads[n] is not None and grads[n].placements == eager_grads[n].placements and torch.allclose(_full(grads[n]), _full(eager_grads[n]), atol=1e-5)
+        grads[n] is not None
+        and grads[n].placements == eager_grads[n].placements
+        and torch.allclose(_full(grads[n]), _full(eager_grads[n]), atol=1e-5)
         for n in grads
     )
     return {
@@ -409,12 +452,16 @@ def test_compiled_parallel_mlp_under_gloo(mesh_shape):
     with its wait and shardops' byte counter, which makes a compiled step count what eager counts."""
     for r, out in enumerate(run_gloo(_gloo_rank, 4, mesh_shape, "aot_eager", timeout=600)):
         ops = out["collectives"]
-        assert not [op for op in ops if op.startswith("shardops.") and op != "shardops.count.default"], f"rank {r}: {ops}"
+        assert not [op for op in ops if op.startswith("shardops.") and op != "shardops.count.default"], (
+            f"rank {r}: {ops}"
+        )
         issued = [op for op in ops if op.startswith("_c10d_functional.") and "wait_tensor" not in op]
         waits = [op for op in ops if "wait_tensor" in op]
         counters = [op for op in ops if op == "shardops.count.default"]
         assert issued and len(issued) == len(waits) == len(counters), f"rank {r}: {ops}"
-        assert sum(out["bytes"][1][0].values()) == len(issued), f"rank {r}: eager sends {out['bytes'][1]}, the graphs hold {issued}"
+        assert sum(out["bytes"][1][0].values()) == len(issued), (
+            f"rank {r}: eager sends {out['bytes'][1]}, the graphs hold {issued}"
+        )
         assert out["bytes_again"] == out["bytes"][1], f"rank {r}: second compiled step {out['bytes_again']}"
         if out["graphs"] is not None:
             assert out["graphs"] == (1, 0), f"rank {r}: (graphs, breaks) = {out['graphs']}"
@@ -463,7 +510,12 @@ SHARDED_ALGORITHMS = {
     "flip": (lambda x: torch.flip(x, (1,)), 1),
     "roll": (lambda x: torch.roll(x, 3, 1), 1),
     "row_parallel_matmul": (lambda x, w: x @ w, 1, lambda: torch.ones(COLUMNS, 5)),
-    "causal_attention": (lambda x: torch.nn.functional.scaled_dot_product_attention(*[x.view(1, 1, 4, COLUMNS)] * 3, is_causal=True).view(4, COLUMNS), 0),
+    "causal_attention": (
+        lambda x: torch.nn.functional.scaled_dot_product_attention(
+            *[x.view(1, 1, 4, COLUMNS)] * 3, is_causal=True
+        ).view(4, COLUMNS),
+        0,
+    ),
 }
 
 
@@ -568,14 +620,33 @@ def test_compile_benchmark_section_renders_its_rows_and_failures():
     from benchmarks import run
     from benchmarks.compile import format_compile_table
 
-    result = {"size": "tiny", "world_size": 4, "steps": 2, "rows": [
-        {"model": "gpt2", "system": "shardops", "eager_ms": 20.0, "compiled_ms": 10.0, "first_compiled_s": 3.0, "same_loss": True, "graphs": 1, "breaks": 0},
-        {"model": "gpt2", "system": "DTensor", "error": "RuntimeError: boom"},
-    ]}
+    result = {
+        "size": "tiny",
+        "world_size": 4,
+        "steps": 2,
+        "rows": [
+            {
+                "model": "gpt2",
+                "system": "shardops",
+                "eager_ms": 20.0,
+                "compiled_ms": 10.0,
+                "first_compiled_s": 3.0,
+                "same_loss": True,
+                "graphs": 1,
+                "breaks": 0,
+            },
+            {"model": "gpt2", "system": "DTensor", "error": "RuntimeError: boom"},
+        ],
+    }
     table = format_compile_table(result)
-    assert "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes | 1, 0 |" in table and "failed: RuntimeError: boom" in table
+    assert (
+        "| gpt2 | shardops | 20.0 | 10.0 | 0.50× | 3.0 | yes | 1, 0 |" in table
+        and "failed: RuntimeError: boom" in table
+    )
     assert "compile" in run.BENCHMARKS
-    assert "### torch.compile" in run.render_report({"compile": result}, "shardops bench --quick", run.machine_info(), {}, None)
+    assert "### torch.compile" in run.render_report(
+        {"compile": result}, "shardops bench --quick", run.machine_info(), {}, None
+    )
 
 
 class _GraphOps:
@@ -590,7 +661,9 @@ class _GraphOps:
 
         def note(g, _inputs):
             for n in g.graph.nodes:
-                if n.op == "call_function":  # an effectful op (shardops::count) is wrapped in with_effects(token, op, ...)
+                if (
+                    n.op == "call_function"
+                ):  # an effectful op (shardops::count) is wrapped in with_effects(token, op, ...)
                     self.ops.append(str(n.args[1]) if "with_effects" in str(n.target) else str(n.target))
             return make_boxed_func(g.forward)
 

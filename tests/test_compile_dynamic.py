@@ -1,6 +1,7 @@
 """torch.compile with dynamic shapes on DTensors: a ShardingError naming the op, the symbolic value
 and what to do (dynamic=False), as docs/compile.md promises; never torch's internal tracer errors
 (clip_grad_norm_ under dynamic=True raised `SymFloat ... is not tracked with proxy`, issue 42 item 8)."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,7 +61,11 @@ def _scaled(mesh):
     return (lambda t, s: t * s), (x, 0.5)
 
 
-@pytest.mark.parametrize("case, op", [(_clip_and_adamw, "linalg_vector_norm"), (_scaled, "aten.mul.Tensor")], ids=["clip_grad_norm_adamw", "mul_scalar"])
+@pytest.mark.parametrize(
+    "case, op",
+    [(_clip_and_adamw, "linalg_vector_norm"), (_scaled, "aten.mul.Tensor")],
+    ids=["clip_grad_norm_adamw", "mul_scalar"],
+)
 def test_dynamic_shapes_raise_a_sharding_error(case, op):
     for message in _compile_error(case):
         assert message.startswith(f"torch.compile: {op} got the symbolic float"), message

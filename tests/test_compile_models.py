@@ -3,15 +3,15 @@ training step equals eager's (loss, every gradient's value and layout) and sends
 the threads world and under gloo. In a file of its own so that the suite's workers share test_compile's
 load (pytest -n 2 --dist loadfile).
 """
+
 import pytest
 import torch
 import torch.nn as nn
 
 import shardops as so
-from shardops.parallel import parallelize_module
-
 from mp import run_gloo
 from parallel_harness import tiny_model
+from shardops.parallel import parallelize_module
 from test_compile import MESHES, SLOW, _full
 
 
@@ -23,7 +23,10 @@ def _model_step(model: nn.Module, run, tokens: torch.Tensor, targets: torch.Tens
         out = run(tokens)
         loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), targets.flatten(0, 1))
         loss.backward()
-    grads = {n: (None if p.grad is None else _full(p.grad), getattr(p.grad, "placements", None)) for n, p in model.named_parameters()}
+    grads = {
+        n: (None if p.grad is None else _full(p.grad), getattr(p.grad, "placements", None))
+        for n, p in model.named_parameters()
+    }
     return {"loss": _full(loss).detach(), "grads": grads, "log": list(comm.log)}
 
 

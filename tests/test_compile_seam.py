@@ -13,6 +13,7 @@ are installed by one explicit call, and fail loudly on a torch that lacks what t
   and docstrings are prose about torch, not a use of it, and are not scanned.
 - No caller inspection anywhere in src/ (`sys._getframe`, `f_code`, `co_filename`).
 """
+
 from __future__ import annotations
 
 import ast
@@ -72,7 +73,15 @@ def test_import_shardops_leaves_torch_compile_untouched_and_install_installs():
     assert changed == [], f"import shardops changed {changed}"
     assert (effect, opaque, constant, sourceless) == ("None", False, False, False)
     # the probe sees the hooks once installed (a comparison that could not fail would prove nothing)
-    for hooked in ("OutputGraph", "effect", "from_local opaque", "mesh constant", "mesh sourceless", "pytree nodes", "type handlers"):
+    for hooked in (
+        "OutputGraph",
+        "effect",
+        "from_local opaque",
+        "mesh constant",
+        "mesh sourceless",
+        "pytree nodes",
+        "type handlers",
+    ):
         assert hooked in installed, (hooked, installed)
 
 
@@ -100,7 +109,10 @@ def test_install_before_dynamo_is_imported_marks_it_as_it_loads():
 def test_a_missing_effect_internal_fails_loudly_naming_the_hook(monkeypatch):
     monkeypatch.setattr(seam, "_installed", [False])  # as in a process where nothing installed it yet
     monkeypatch.delattr(torch.library, "_register_effectful_op")
-    with pytest.raises(seam.TorchInternalMissing, match=rf"'keep_in_order'.*torch\.library\._register_effectful_op.*torch {re.escape(torch.__version__)}"):
+    with pytest.raises(
+        seam.TorchInternalMissing,
+        match=rf"'keep_in_order'.*torch\.library\._register_effectful_op.*torch {re.escape(torch.__version__)}",
+    ):
         seam.install()
 
 
@@ -108,7 +120,9 @@ def test_a_missing_dynamo_internal_fails_loudly_naming_the_hook(monkeypatch):
     import torch._dynamo.output_graph as output_graph
 
     monkeypatch.delattr(output_graph.OutputGraph, "call_user_compiler")
-    with pytest.raises(seam.TorchInternalMissing, match=rf"'on_graph_entry'.*call_user_compiler.*torch {re.escape(torch.__version__)}"):
+    with pytest.raises(
+        seam.TorchInternalMissing, match=rf"'on_graph_entry'.*call_user_compiler.*torch {re.escape(torch.__version__)}"
+    ):
         seam._wrap_graph_calls()
 
 
@@ -124,7 +138,9 @@ def test_require_names_the_hook_the_internal_and_the_known_versions():
 
 
 def _is_private(parts: list[str]) -> bool:
-    return parts[0] == "torch" and any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[1:])
+    return parts[0] == "torch" and any(
+        p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts[1:]
+    )
 
 
 def _dotted(node: ast.AST) -> list[str] | None:
@@ -160,7 +176,11 @@ def private_torch_references(source: str) -> list[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] if _is_private(node.module.split(".")) else [f"{node.module}.{a.name}" for a in node.names]
+            names = (
+                [node.module]
+                if _is_private(node.module.split("."))
+                else [f"{node.module}.{a.name}" for a in node.names]
+            )
         elif isinstance(node, ast.Attribute) and id(node) not in inner:
             names = [".".join(d) for d in [_dotted(node)] if d]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
@@ -188,11 +208,18 @@ def f(p):
 
 
 def test_the_private_reference_scan_sees_imports_attribute_chains_and_strings_not_prose():
-    assert sorted(private_torch_references(_SCANNED)) == sorted([
-        "torch._dynamo", "torch._guards", "torch.utils._pytree",
-        "torch._C.DisableTorchFunctionSubclass", "torch.ops._c10d_functional.wait_tensor", "torch.Tensor._make_wrapper_subclass",
-        "torch._inductor", "torch._C._",
-    ])
+    assert sorted(private_torch_references(_SCANNED)) == sorted(
+        [
+            "torch._dynamo",
+            "torch._guards",
+            "torch.utils._pytree",
+            "torch._C.DisableTorchFunctionSubclass",
+            "torch.ops._c10d_functional.wait_tensor",
+            "torch.Tensor._make_wrapper_subclass",
+            "torch._inductor",
+            "torch._C._",
+        ]
+    )
 
 
 def test_every_private_torch_reference_lives_in_the_seam():
@@ -210,5 +237,10 @@ def test_every_private_torch_reference_lives_in_the_seam():
 
 def test_no_caller_inspection():
     pattern = re.compile(r"_getframe|f_code|co_filename")
-    hits = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    hits = [
+        f"{p.relative_to(SRC)}:{i}"
+        for p in SRC.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, hits

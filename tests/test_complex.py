@@ -5,6 +5,7 @@ a complex product, view_as_real, flatten) runs exact and moves nothing on heads-
 sequence-sharded inputs, forward and backward, in strict mode. The lazy conjugate bit that
 `_conj` sets is never dropped: conj(f) * f is |f|^2 on every layout.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,9 @@ ROTARY_LAYOUTS = {
 def test_llama_rotary_embedding_is_exact_and_local(layout, heads, seq):
     mesh_shape, placements = ROTARY_LAYOUTS[layout]
     x = torch.randn(2, seq, heads, 8, generator=GEN)
-    got = check(llama_rotary, [x, _angles(seq, 8)], mesh_shape, placements, wants_grad=[True, False], fwd_bytes=0, bwd_bytes=0)
+    got = check(
+        llama_rotary, [x, _angles(seq, 8)], mesh_shape, placements, wants_grad=[True, False], fwd_bytes=0, bwd_bytes=0
+    )
     assert got["layout"] == tuple(placements[0]), got["layout"]
     assert got["grad_layouts"][0] == tuple(placements[0])
 

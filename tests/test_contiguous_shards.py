@@ -1,9 +1,9 @@
 """Redistributed shards are contiguous: torch's CPU native_layer_norm_backward reads mean/rstd
 as contiguous memory, so a strided shard (a slice of a non-leading dim) would give wrong values."""
+
 import torch
 
 import shardops as so
-from shardops.redistribute import plan
 
 aten = torch.ops.aten
 R = so.Replicate()
@@ -19,7 +19,9 @@ def _layer_norm_backward_with_replicated_stats():
     mesh = so.init_device_mesh("cpu", (4,))
     d = lambda t, p: so.distribute_tensor(t, mesh, [p])  # noqa: E731
     # mean/rstd replicated, grad and x sharded along the sequence: the stats are sliced on dim 1
-    got = aten.native_layer_norm_backward(d(grad, so.Shard(1)), d(x, so.Shard(1)), [8], d(mean, R), d(rstd, R), d(w, R), None, [True, True, False])
+    got = aten.native_layer_norm_backward(
+        d(grad, so.Shard(1)), d(x, so.Shard(1)), [8], d(mean, R), d(rstd, R), d(w, R), None, [True, True, False]
+    )
     return [(g.full_tensor(), t) for g, t in zip(got[:2], want[:2])]
 
 
@@ -34,7 +36,11 @@ def _sliced_local_is_contiguous():
     x = so.distribute_tensor(torch.arange(24.0).reshape(4, 6), mesh, [R])
     inner = x.redistribute(placements=[so.Shard(1)]).to_local()
     outer = x.redistribute(placements=[so.Shard(0)]).to_local()
-    return inner.is_contiguous(), outer.is_contiguous(), outer.data_ptr() == x.to_local()[outer.shape[0] * mesh.get_coordinate()[0]:].data_ptr()
+    return (
+        inner.is_contiguous(),
+        outer.is_contiguous(),
+        outer.data_ptr() == x.to_local()[outer.shape[0] * mesh.get_coordinate()[0] :].data_ptr(),
+    )
 
 
 def test_slices_are_contiguous_and_copied_only_when_strided():

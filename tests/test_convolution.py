@@ -4,6 +4,7 @@ uneven and empty shards (a batch of 5 over 4 ranks: 2, 2, 1, 0; 3 channels over 
 End to end: a small CNN and ResNet-style blocks (GroupNorm, BatchNorm) with the batch
 sharded on (2,) and (2, 2) meshes move no activation bytes, forward and backward.
 """
+
 import copy
 
 import pytest
@@ -54,7 +55,10 @@ def test_grouped_conv_keeps_whole_groups_per_rank(groups):
     """groups 4 on 4 ranks: one group each; groups 8 (depthwise): two channels each."""
     fn = lambda x, w, b: F.conv2d(x, w, b, padding=1, groups=groups)  # noqa: E731
     fulls = [make(X, 3), make((8, 8 // groups, 3, 3), 4), make((8,), 5)]
-    for mesh, layouts, out in [((4,), [(S(1),), (S(0),), (S(0),)], (S(1),)), ((2, 2), [(S(0), S(1)), (R, S(0)), (R, S(0))], (S(0), S(1)))]:
+    for mesh, layouts, out in [
+        ((4,), [(S(1),), (S(0),), (S(0),)], (S(1),)),
+        ((2, 2), [(S(0), S(1)), (R, S(0)), (R, S(0))], (S(0), S(1))),
+    ]:
         r = check(fn, fulls, mesh, layouts)
         assert r.nbytes == 0, r.counts
         assert r.out_layout == out
@@ -133,7 +137,9 @@ def test_weight_gradient_of_a_batch_sharded_conv_is_pending():
         gd, xd = so.distribute_tensor(g, mesh, [S(0)]), so.distribute_tensor(x, mesh, [S(0)])
         wd = so.distribute_tensor(w, mesh, [R])
         with so.CommDebugMode() as comm:
-            outs = aten.convolution_backward(gd, xd, wd, [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True])
+            outs = aten.convolution_backward(
+                gd, xd, wd, [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True]
+            )
         assert comm.get_total_bytes() == 0
         return [o.placements for o in outs], [o.full_tensor() for o in outs]
 
@@ -190,7 +196,9 @@ def test_group_norm_moves_nothing(mesh, layouts):
     assert r.out_layout == layouts[0]
 
 
-@pytest.mark.parametrize("mesh, layouts", [((2, 2), [(S(0), S(2)), (R, R), (R, R)]), ((2, 2), [(S(1), S(3)), (S(0), R), (S(0), R)])])
+@pytest.mark.parametrize(
+    "mesh, layouts", [((2, 2), [(S(0), S(2)), (R, R), (R, R)]), ((2, 2), [(S(1), S(3)), (S(0), R), (S(0), R)])]
+)
 def test_group_norm_over_a_sharded_plane_sends_only_its_statistics(mesh, layouts):
     """Spatial dims sharded (uneven: 3 rows over 2, 7 columns over 2): one all_gather of per
     (sample, group) (mean, M2) forward, one all_reduce of two per (sample, group) sums backward."""
@@ -214,7 +222,10 @@ def _batch_norm_run(mesh_shape, x_layout, stats_layout, training, x, w, b, rm, r
         xd = so.distribute_tensor(x, mesh, list(x_layout)).requires_grad_()
         wd = so.distribute_tensor(w, mesh, list(stats_layout)).requires_grad_()
         bd = so.distribute_tensor(b, mesh, list(stats_layout)).requires_grad_()
-        rmd, rvd = so.distribute_tensor(rm, mesh, list(stats_layout)), so.distribute_tensor(rv, mesh, list(stats_layout))
+        rmd, rvd = (
+            so.distribute_tensor(rm, mesh, list(stats_layout)),
+            so.distribute_tensor(rv, mesh, list(stats_layout)),
+        )
         gd = so.distribute_tensor(g, mesh, list(x_layout))
         with so.CommDebugMode() as fwd:
             y = F.batch_norm(xd, rmd, rvd, wd, bd, training=training, momentum=0.3)
@@ -222,7 +233,16 @@ def _batch_norm_run(mesh_shape, x_layout, stats_layout, training, x, w, b, rm, r
             y.backward(gd)
         assert rmd.placements == tuple(stats_layout)  # the buffers keep their layout
         grads = [t.grad.full_tensor() for t in (xd, wd, bd)]
-        return y.full_tensor(), grads, rmd.full_tensor(), rvd.full_tensor(), fwd.get_comm_counts(), fwd.get_total_bytes(), bwd.get_comm_counts(), bwd.get_total_bytes()
+        return (
+            y.full_tensor(),
+            grads,
+            rmd.full_tensor(),
+            rvd.full_tensor(),
+            fwd.get_comm_counts(),
+            fwd.get_total_bytes(),
+            bwd.get_comm_counts(),
+            bwd.get_total_bytes(),
+        )
 
     with strict_mode():
         results = so.run(main, int(torch.tensor(mesh_shape).prod()))
@@ -246,7 +266,9 @@ def _bn_data(c=6, mean=0.0):
     return make((5, c, 3, 4), 29) + mean, make((c,), 30), make((c,), 31), make((c,), 32), make((c,), 33).abs() + 0.5
 
 
-@pytest.mark.parametrize("mesh, x_layout", [((4,), (S(0),)), ((4,), (S(2),)), ((2, 2), (S(0), S(0))), ((2, 2), (S(0), S(3)))])
+@pytest.mark.parametrize(
+    "mesh, x_layout", [((4,), (S(0),)), ((4,), (S(2),)), ((2, 2), (S(0), S(0))), ((2, 2), (S(0), S(3)))]
+)
 def test_training_batch_norm_uses_the_global_batch_statistics(mesh, x_layout):
     """Exact against torch on the global batch (uneven and empty shards, data with a large mean), in
     one all_gather of per-channel (mean, M2) forward and one all_reduce of two per-channel sums backward."""
@@ -301,13 +323,21 @@ class Block(nn.Module):
 
 def resnet(norm) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), norm(8), nn.ReLU(), nn.MaxPool2d(2), Block(8, norm),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+        nn.Conv2d(3, 8, 3, padding=1),
+        norm(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        Block(8, norm),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
     )
 
 
 MODELS = {
-    "small_cnn": lambda: nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4)),
+    "small_cnn": lambda: nn.Sequential(
+        nn.Conv2d(3, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4)
+    ),
     "resnet_group_norm": lambda: resnet(lambda c: nn.GroupNorm(2, c)),
     "resnet_batch_norm": lambda: resnet(nn.BatchNorm2d),
 }
@@ -344,7 +374,9 @@ def test_cnn_with_a_sharded_batch_moves_no_activations(name, mesh_shape, placeme
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
         for n, b in ref.named_buffers():
             torch.testing.assert_close(buffers[n], b, msg=lambda m: f"{n}: {m}")
-        if channels:  # only the global batch statistics travel: one all_gather forward, one all_reduce backward per layer
+        if (
+            channels
+        ):  # only the global batch statistics travel: one all_gather forward, one all_reduce backward per layer
             assert counts == {"all_gather": len(channels), "all_reduce": len(channels)}, counts
             assert nbytes == sum(2 * 8 * c + 2 * 8 * c for c in channels)
         else:

@@ -6,17 +6,17 @@ gradient scaled by the data-parallel size shows at once; AdamW would hide it):
 - a DTensor loss is already the global loss and is not divided again, also when the user
   assembles it from the ranks' local sums as a Partial DTensor (`from_local(..., [Partial()])`).
 """
+
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import shardops as so
+from parallel_harness import strict
 from shardops import Partial, Replicate, Shard
 from shardops.parallel import ColwiseParallel, RowwiseParallel, data_parallel, parallelize_module
-from parallel_harness import strict
 
 STEPS, LR = 3, 0.1
 
@@ -121,7 +121,9 @@ def test_sgd_training_equals_single_device(form, mode):
         if how in ("dtensor", "partial_sum"):  # the global loss; a rank-local loss is this rank's batch shard's
             assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
         for name, ref in ref_params.items():
-            torch.testing.assert_close(params[name], ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{form}/{mode} {name}: {m}")
+            torch.testing.assert_close(
+                params[name], ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{form}/{mode} {name}: {m}"
+            )
 
 
 def test_local_loss_mean_over_ranks_is_the_global_loss():

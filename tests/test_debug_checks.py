@@ -1,11 +1,12 @@
 """SHARDOPS_DEBUG=1 agreement checks: forced divergences are caught and named; agreement costs no counted bytes."""
+
 import pytest
 import torch
 
 import shardops as so
 from shardops.experimental import implicit_replication
-from shardops.world import current_comm
 from shardops.planner.choice import choosing
+from shardops.world import current_comm
 
 
 @pytest.fixture
@@ -18,6 +19,7 @@ def debug():
 def test_plain_operand_that_differs_between_ranks_is_caught(debug):
     """Plain operands of more than one element raise anyway (torch's rule); inside implicit_replication
     the user vouches they are equal, and debug mode checks it."""
+
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.ones(4), mesh, [so.Shard(0)])
@@ -31,6 +33,7 @@ def test_plain_operand_that_differs_between_ranks_is_caught(debug):
 
 def test_a_zero_dim_plain_operand_that_differs_between_ranks_is_caught(debug):
     """0-d tensors are implicitly Replicate (as in torch): only debug mode can tell they differ."""
+
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.ones(4), mesh, [so.Shard(0)])

@@ -11,6 +11,7 @@ each plain-tensor operand, and raises if ranks disagree. CI runs this file; it r
 The whole suite also runs under SHARDOPS_DEBUG=1 (the checks are uncounted, so figures
 asserted from CommDebugMode stay the same).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -61,11 +62,23 @@ def test_debug_checks_are_on():
 
 
 # the property families on EXAMPLES examples each (the cost model's choices only: none forced)
-test_redistribute_debug = props.property_test("test_redistribute_debug", props.redistribute_cases(), EXAMPLES, force=False)
+test_redistribute_debug = props.property_test(
+    "test_redistribute_debug", props.redistribute_cases(), EXAMPLES, force=False
+)
 test_pointwise_debug = props.property_test("test_pointwise_debug", props.pointwise_cases(), EXAMPLES, force=False)
 test_views_debug = props.property_test("test_views_debug", props.view_cases(), EXAMPLES, force=False)
-test_reductions_debug = props.property_test("test_reductions_debug", props.reduction_cases(), EXAMPLES, skip=props._REDUCTIONS_SKIP, force=False)
-test_softmax_debug = props.property_test("test_softmax_debug", props.softmax_cases(), EXAMPLES, skip=props._SOFTMAX_SKIP, force=False)
-test_cross_entropy_debug = props.property_test("test_cross_entropy_debug", props.loss_cases(), EXAMPLES, skip=props._LOSS_SKIP, force=False)
-test_layer_norm_debug = props.property_test("test_layer_norm_debug", props.normalization_cases(), EXAMPLES, skip=props._NORMALIZE_SKIP, force=False)
-test_moments_debug = props.property_test("test_moments_debug", props.moment_cases(), EXAMPLES, skip=props._MOMENTS_SKIP, force=False)
+test_reductions_debug = props.property_test(
+    "test_reductions_debug", props.reduction_cases(), EXAMPLES, skip=props._REDUCTIONS_SKIP, force=False
+)
+test_softmax_debug = props.property_test(
+    "test_softmax_debug", props.softmax_cases(), EXAMPLES, skip=props._SOFTMAX_SKIP, force=False
+)
+test_cross_entropy_debug = props.property_test(
+    "test_cross_entropy_debug", props.loss_cases(), EXAMPLES, skip=props._LOSS_SKIP, force=False
+)
+test_layer_norm_debug = props.property_test(
+    "test_layer_norm_debug", props.normalization_cases(), EXAMPLES, skip=props._NORMALIZE_SKIP, force=False
+)
+test_moments_debug = props.property_test(
+    "test_moments_debug", props.moment_cases(), EXAMPLES, skip=props._MOMENTS_SKIP, force=False
+)

@@ -7,6 +7,7 @@ of one process: each must see its own rank's state, as a process does. Checked a
 main thread (a process: same seed, same calls) and against 2 gloo processes, with a different
 seed per rank so that a generator shared between the rank threads cannot give the right values.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,19 +23,27 @@ WORLD = 2
 def _draws(rank: int) -> dict:
     """Every use of the default generator by name that a script makes, seeded for `rank`."""
     torch.manual_seed(SEED + rank)
-    out: dict = {"random_split": [list(part) for part in random_split(range(8), [4, 4])]}  # its default arg: the generator
+    out: dict = {
+        "random_split": [list(part) for part in random_split(range(8), [4, 4])]
+    }  # its default arg: the generator
     out["randperm"] = torch.randperm(8, generator=torch.default_generator)
     out["rand"] = torch.rand(4, generator=torch.default_generator)
     out["bernoulli_"] = torch.ones(8).bernoulli_(0.5, generator=torch.default_generator)
     out["normal_"] = torch.empty(3).normal_(generator=torch.default_generator)
-    out["torch.random.default_generator"] = torch.rand(2, generator=torch.random.default_generator)  # a reference taken at import
+    out["torch.random.default_generator"] = torch.rand(
+        2, generator=torch.random.default_generator
+    )  # a reference taken at import
     out["sampler"] = list(RandomSampler(range(10), generator=torch.default_generator))
-    out["loader, generator=default"] = [b.tolist() for b in DataLoader(range(10), batch_size=4, shuffle=True, generator=torch.default_generator)]
+    out["loader, generator=default"] = [
+        b.tolist() for b in DataLoader(range(10), batch_size=4, shuffle=True, generator=torch.default_generator)
+    ]
 
     torch.default_generator.manual_seed(SEED + 10 + rank)  # the generator's own methods
     out["initial_seed"] = (torch.default_generator.initial_seed(), torch.initial_seed())
     out["rand after its manual_seed"] = torch.rand(3)
-    out["loader"] = [b.tolist() for b in DataLoader(range(10), batch_size=4, shuffle=True)]  # RandomSampler draws its seed
+    out["loader"] = [
+        b.tolist() for b in DataLoader(range(10), batch_size=4, shuffle=True)
+    ]  # RandomSampler draws its seed
     state = torch.default_generator.get_state()
     first = torch.rand(3)
     torch.default_generator.set_state(state)

@@ -1,5 +1,6 @@
 """The main job: `shardops demo` (training) and `shardops demo --ops` (math ops), in the threads
 world and under a torchrun-style gloo launch."""
+
 import os
 import socket
 import subprocess
@@ -59,9 +60,25 @@ def _torchrun(args: list[str]) -> list[str]:
     port, world = _free_port(), 4
     procs = []
     for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank), PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "shardops.demo", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "shardops.demo", *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:

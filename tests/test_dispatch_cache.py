@@ -1,15 +1,15 @@
 """The decision cache and the torch-level parse cache: keyed by everything that changes a
 decision, bounded, and a hit gives the same values, layouts and gradients as a miss."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import shardops as so
-from shardops import Replicate, Shard
+from shardops import Replicate, Shard, caches
 from shardops.dispatch import core
 from shardops.dispatch.registry import TORCH_FUNCTIONS
-from shardops import caches
 from shardops.spec import TensorMeta, TensorSpec
 
 
@@ -155,7 +155,9 @@ def _demo_training_cache_sizes(steps: int, mesh_shape: tuple[int, ...]) -> tuple
     from shardops.training.config import SIZES, RunSpec
     from shardops.training.shardops_side import train_rank
 
-    spec = RunSpec(model="gpt2", cfg=replace(SIZES["tiny"], dropout=0.1), mesh_shape=mesh_shape, batch_size=4, steps=steps)
+    spec = RunSpec(
+        model="gpt2", cfg=replace(SIZES["tiny"], dropout=0.1), mesh_shape=mesh_shape, batch_size=4, steps=steps
+    )
     sizes, rss = [], []
 
     def on_step(step, record):

@@ -1,5 +1,6 @@
 """The dry world (comm/dry.py, world.run_dry): one rank of a world of any size on META tensors,
 whose collectives are counted exactly as the threads world counts them and move nothing."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,13 @@ def _redistribute(shape, tensor_shape, src, dst, device):
     dt = so.distribute_tensor(x, mesh, src)
     with so.CommDebugMode() as mode:
         out = dt.redistribute(mesh, dst)
-    return mode.get_total_bytes(), mode.get_wire_bytes(), mode.get_rounds(), tuple(out.to_local().shape), tuple(out.placements)
+    return (
+        mode.get_total_bytes(),
+        mode.get_wire_bytes(),
+        mode.get_rounds(),
+        tuple(out.to_local().shape),
+        tuple(out.placements),
+    )
 
 
 @pytest.mark.parametrize("mesh_shape, tensor_shape, src, dst", CASES)

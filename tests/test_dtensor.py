@@ -1,5 +1,5 @@
 """The DTensor type: pointwise ops with autograd, pending partials, views, in-place ops, errors."""
-import math
+
 
 import pytest
 import torch
@@ -47,7 +47,9 @@ def _pointwise_case(mesh_shape, layouts, shapes):
 @pytest.mark.parametrize("layouts", list(LAYOUTS_1D.values()), ids=list(LAYOUTS_1D))
 @pytest.mark.parametrize("shapes", [((6, 5), (5,), (6, 1)), ((7, 3), (7, 3), (3,))], ids=["bcast", "uneven"])
 def test_pointwise_autograd_mesh4(layouts, shapes):
-    layouts = [pl if all(p.dim < len(s) for p in pl if p.is_shard()) else [Replicate()] for pl, s in zip(layouts, shapes)]
+    layouts = [
+        pl if all(p.dim < len(s) for p in pl if p.is_shard()) else [Replicate()] for pl, s in zip(layouts, shapes)
+    ]
     for vals, loss_ok, grads_ok, _ in so.run(_pointwise_case, 4, (4,), layouts, shapes):
         assert vals and loss_ok and all(grads_ok)
 
@@ -55,7 +57,9 @@ def test_pointwise_autograd_mesh4(layouts, shapes):
 @pytest.mark.parametrize("layouts", list(LAYOUTS_2D.values()), ids=list(LAYOUTS_2D))
 def test_pointwise_autograd_mesh2x2(layouts):
     shapes = ((6, 5), (6, 5), (6, 1))
-    layouts = [[p if not p.is_shard() or shapes[k][p.dim] > 1 else Replicate() for p in pl] for k, pl in enumerate(layouts)]
+    layouts = [
+        [p if not p.is_shard() or shapes[k][p.dim] > 1 else Replicate() for p in pl] for k, pl in enumerate(layouts)
+    ]
     for vals, loss_ok, grads_ok, placements in so.run(_pointwise_case, 4, (2, 2), layouts, shapes):
         assert vals and loss_ok and all(grads_ok)
 
@@ -116,8 +120,14 @@ def test_partial_plus_scalar_adds_it_once():
 def _scalar_cache():
     mesh = so.init_device_mesh("cpu", (2,))
     x = so.distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
-    return [(x * 2).full_tensor().tolist(), (x * 3).full_tensor().tolist(), (x * 2.0).full_tensor().tolist(),
-            (x + True).full_tensor().tolist(), (x + 1).full_tensor().tolist(), (x * -1).full_tensor().tolist()]
+    return [
+        (x * 2).full_tensor().tolist(),
+        (x * 3).full_tensor().tolist(),
+        (x * 2.0).full_tensor().tolist(),
+        (x + True).full_tensor().tolist(),
+        (x + 1).full_tensor().tolist(),
+        (x * -1).full_tensor().tolist(),
+    ]
 
 
 def test_cache_keys_on_scalar_arguments():
@@ -286,8 +296,11 @@ def test_distribute_tensor_takes_source_rank_data():
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         mine = torch.full((4,), float(mesh.get_rank()))
-        return so.distribute_tensor(mine, mesh, [Shard(0)], src_data_rank=1).full_tensor().tolist(), \
-            so.distribute_tensor(mine, mesh, [Replicate()], src_data_rank=None).to_local().tolist()
+        return so.distribute_tensor(
+            mine, mesh, [Shard(0)], src_data_rank=1
+        ).full_tensor().tolist(), so.distribute_tensor(
+            mine, mesh, [Replicate()], src_data_rank=None
+        ).to_local().tolist()
 
     out = so.run(body, 2)
     assert out[0][0] == out[1][0] == [1.0] * 4

@@ -1,5 +1,6 @@
 """Embeddings (ops/embedding.py) against single-device torch: values, table gradients, layouts,
 bytes (forward and backward), strict mode. 10 ids of vocabulary on 4 ranks (3,3,3,1), hidden 66."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,11 @@ def test_ids_sharded_with_frequency_scaling_is_exact():
     check(_lookup(None, True), [make((VOCAB, HID), 0), _ids((5, 6))], (4,), [(R,), (S(0),)])
 
 
-@pytest.mark.parametrize("layouts", [[(R, S(0)), (S(0), R)], [(S(0), S(1)), (R, R)], [(S(1), R), (R, S(0))], [(S(0), S(0)), (R, R)]], ids=["table-vocab-ids-batch", "vocab-hidden", "hidden-ids", "vocab-nested"])
+@pytest.mark.parametrize(
+    "layouts",
+    [[(R, S(0)), (S(0), R)], [(S(0), S(1)), (R, R)], [(S(1), R), (R, S(0))], [(S(0), S(0)), (R, R)]],
+    ids=["table-vocab-ids-batch", "vocab-hidden", "hidden-ids", "vocab-nested"],
+)
 def test_2d_mesh(layouts):
     r = check(_lookup(2), [make((VOCAB, HID), 0), _ids((4, 5))], (2, 2), layouts)
     assert r.nbytes == 0, r.counts

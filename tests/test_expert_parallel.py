@@ -5,20 +5,23 @@ ranks, so one rank holds none), and the bytes of every all_to_all are computed h
 from that routing: per MoE layer, forward = one small count exchange + dispatch +
 combine, backward = the two token all_to_alls mirrored, nothing else over ep.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import shardops as so
+from mp import run_gloo
 from shardops import Partial, Replicate, Shard
 from shardops.models import _init
 from shardops.models_moe import GroupedExperts, LlamaMoE, MoE, MoEArgs, llama_moe_plan, llama_moe_tp_plan
 from shardops.parallel import ExpertParallel, data_parallel, loss_parallel, parallelize_module
 from shardops.placements import chunk_size_and_offset
-from mp import run_gloo
 
 ARGS = MoEArgs(dim=8, n_heads=2, num_experts=5, top_k=2, moe_hidden_dim=6, vocab_size=16, max_seq_len=8)
-X = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(1)) + 1.5  # a mean along (1, ..., 1): the router's bias below bites
+X = (
+    torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(1)) + 1.5
+)  # a mean along (1, ..., 1): the router's bias below bites
 MESHES = [(4,), (2, 2)]
 TOL = 1e-4
 
@@ -117,7 +120,11 @@ def _local_mode(shape, x):
     mine = x.chunk(shape[0])[mesh.get_coordinate()[0]].clone().requires_grad_()
     loss = (m(mine) ** 2).sum()
     loss.backward()
-    return loss.detach(), mine.grad, {n: p.grad.full_tensor() if isinstance(p.grad, so.DTensor) else p.grad for n, p in m.named_parameters()}
+    return (
+        loss.detach(),
+        mine.grad,
+        {n: p.grad.full_tensor() if isinstance(p.grad, so.DTensor) else p.grad for n, p in m.named_parameters()},
+    )
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=["ep4", "ep2xtp2"])
@@ -162,7 +169,9 @@ def test_partial_output_over_tp(strict):
 
 def _lm_batch():
     g = torch.Generator().manual_seed(2)
-    return torch.randint(0, ARGS.vocab_size, (4, 6), generator=g), torch.randint(0, ARGS.vocab_size, (4, 6), generator=g)
+    return torch.randint(0, ARGS.vocab_size, (4, 6), generator=g), torch.randint(
+        0, ARGS.vocab_size, (4, 6), generator=g
+    )
 
 
 def _model():
@@ -179,7 +188,9 @@ def _model():
 def _lm_routing(model, tokens):
     """Every MoE layer's expert ids [tokens, k] for the whole batch on one device, in layer order."""
     ids = []
-    hooks = [layer.moe.router.register_forward_hook(lambda m, a, out: ids.append(out[1])) for layer in model.layers.values()]
+    hooks = [
+        layer.moe.router.register_forward_hook(lambda m, a, out: ids.append(out[1])) for layer in model.layers.values()
+    ]
     with torch.no_grad():
         model(tokens)
     for h in hooks:
@@ -282,11 +293,14 @@ def test_llama_moe_tensor_sequence_expert_and_data_parallel(mode, strict):
         assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
         for name, p in model.named_parameters():
             assert torch.allclose(grads[name], p.grad, atol=TOL), name
-        assert len(fwd) == ARGS.n_layers * 3 and len(bwd) == ARGS.n_layers * 2  # per MoE layer: counts, dispatch, combine; 2 back
+        assert (
+            len(fwd) == ARGS.n_layers * 3 and len(bwd) == ARGS.n_layers * 2
+        )  # per MoE layer: counts, dispatch, combine; 2 back
         assert (fwd, bwd) == _lm_expected_a2a_bytes(routing, 2, dp)
 
 
 # ------------------------------------------------------------------ transformers' MoE blocks
+
 
 def _hf_block(kind):
     transformers = pytest.importorskip("transformers")
@@ -294,12 +308,19 @@ def _hf_block(kind):
     if kind == "mixtral":
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-        block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=5, num_experts_per_tok=2))
+        block = MixtralSparseMoeBlock(
+            transformers.MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=5, num_experts_per_tok=2)
+        )
     else:
         from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
         config = transformers.Qwen2MoeConfig(
-            hidden_size=8, moe_intermediate_size=6, shared_expert_intermediate_size=4, num_experts=5, num_experts_per_tok=2, norm_topk_prob=False
+            hidden_size=8,
+            moe_intermediate_size=6,
+            shared_expert_intermediate_size=4,
+            num_experts=5,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
         )
         block = Qwen2MoeSparseMoeBlock(config)
     g = torch.Generator().manual_seed(3)
@@ -319,7 +340,12 @@ def _hf_step(kind, shape, x):
     with so.CommDebugMode() as comm:
         loss = (block(xd) ** 2).sum()
         loss.backward()
-    return loss.full_tensor().detach(), xd.grad.full_tensor(), {n: p.grad.full_tensor() for n, p in block.named_parameters()}, comm.get_comm_counts()
+    return (
+        loss.full_tensor().detach(),
+        xd.grad.full_tensor(),
+        {n: p.grad.full_tensor() for n, p in block.named_parameters()},
+        comm.get_comm_counts(),
+    )
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
@@ -383,7 +409,6 @@ def test_tp_layout_missing_names_the_parameter():
 
 
 def _gloo_layer(shape):
-    import shardops as so  # noqa: F811 - a fresh process
 
     loss, xg, grads, fwd, bwd, ep_rank = _moe_layer(shape, X)
     return loss, xg, grads, _a2a(fwd), _a2a(bwd), ep_rank
@@ -425,7 +450,11 @@ def _balanced_routing_bytes():
     ids = torch.stack([torch.arange(tokens) * 2 % 8, (torch.arange(tokens) * 2 + 1) % 8], 1)
     x = so.distribute_tensor(torch.randn(tokens, args.dim), mesh, [Shard(0)])
     with so.CommDebugMode() as comm:
-        experts(x, so.distribute_tensor(ids, mesh, [Shard(0)]), so.distribute_tensor(torch.ones(tokens, 2), mesh, [Shard(0)]))
+        experts(
+            x,
+            so.distribute_tensor(ids, mesh, [Shard(0)]),
+            so.distribute_tensor(torch.ones(tokens, 2), mesh, [Shard(0)]),
+        )
     return _a2a(comm.log)
 
 

@@ -1,4 +1,5 @@
 """so.explain: planning only, for any mesh; its byte figures are what the runtime really sends."""
+
 import json
 import time
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 import shardops as so
 from shardops import Partial, Replicate, Shard
 from shardops.dispatch import registry
-from shardops.explain import explain, parse_spec, parse_mesh
+from shardops.explain import explain, parse_mesh, parse_spec
 from shardops.mesh import DeviceMesh
 
 aten = torch.ops.aten
@@ -28,22 +29,61 @@ def _needs(*ops):
 BYTE_CASES = {
     "add S0+S1 (all_to_all)": (torch.add, [((8, 6), torch.float32, [S0]), ((8, 6), torch.float32, [S1])], {}, []),
     "add uneven S0+S0 (local)": (torch.add, [((5, 3), torch.float32, [S0]), ((5, 3), torch.float32, [S0])], {}, []),
-    "mul P(sum)*R (stays pending)": (torch.mul, [((8, 6), torch.float64, [Partial()]), ((8, 6), torch.float64, [R])], {}, []),
+    "mul P(sum)*R (stays pending)": (
+        torch.mul,
+        [((8, 6), torch.float64, [Partial()]), ((8, 6), torch.float64, [R])],
+        {},
+        [],
+    ),
     "exp P(sum) (resolve)": (torch.exp, [((6, 5), torch.float32, [Partial()])], {}, []),
-    "maximum P(max),P(max)": (torch.maximum, [((6, 5), torch.float32, [Partial("max")]), ((6, 5), torch.float32, [Partial("max")])], {}, []),
-    "add P(max)+P(max) (resolve both)": (torch.add, [((6, 5), torch.float32, [Partial("max")]), ((6, 5), torch.float32, [Partial("max")])], {}, []),
+    "maximum P(max),P(max)": (
+        torch.maximum,
+        [((6, 5), torch.float32, [Partial("max")]), ((6, 5), torch.float32, [Partial("max")])],
+        {},
+        [],
+    ),
+    "add P(max)+P(max) (resolve both)": (
+        torch.add,
+        [((6, 5), torch.float32, [Partial("max")]), ((6, 5), torch.float32, [Partial("max")])],
+        {},
+        [],
+    ),
     "neg P(max)": (torch.neg, [((6, 5), torch.float32, [Partial("max")])], {}, []),
     "view S1 -> flat": (lambda x: x.view(-1), [((8, 6), torch.float32, [S1])], {}, []),
     "transpose S0": (lambda x: x.t(), [((8, 6), torch.float32, [S0])], {}, []),
-    "where R,S0,S1": (torch.where, [((8, 6), torch.bool, [R]), ((8, 6), torch.float32, [S0]), ((8, 6), torch.float32, [S1])], {}, []),
+    "where R,S0,S1": (
+        torch.where,
+        [((8, 6), torch.bool, [R]), ((8, 6), torch.float32, [S0]), ((8, 6), torch.float32, [S1])],
+        {},
+        [],
+    ),
     "softmax over sharded dim": (torch.softmax, [((8, 12), torch.float32, [S1])], {"dim": 1}, [aten._softmax.default]),
     "softmax of P(sum)": (torch.softmax, [((8, 12), torch.float32, [Partial()])], {"dim": 0}, [aten._softmax.default]),
-    "sum over sharded dim": (aten.sum.dim_IntList, [((8, 6), torch.float32, [S1])], {"dim": [1]}, [aten.sum.dim_IntList]),
+    "sum over sharded dim": (
+        aten.sum.dim_IntList,
+        [((8, 6), torch.float32, [S1])],
+        {"dim": [1]},
+        [aten.sum.dim_IntList],
+    ),
     "var over sharded dim": (aten.var.correction, [((8, 6), torch.float64, [S1])], {"dim": [1]}, [aten.var.correction]),
-    "logsumexp over sharded dim": (aten.logsumexp.default, [((8, 6), torch.float32, [S1])], {"dim": [1]}, [aten.logsumexp.default]),
-    "cumsum over sharded dim": (aten.cumsum.default, [((8, 6), torch.float32, [S1])], {"dim": 1}, [aten.cumsum.default]),
+    "logsumexp over sharded dim": (
+        aten.logsumexp.default,
+        [((8, 6), torch.float32, [S1])],
+        {"dim": [1]},
+        [aten.logsumexp.default],
+    ),
+    "cumsum over sharded dim": (
+        aten.cumsum.default,
+        [((8, 6), torch.float32, [S1])],
+        {"dim": 1},
+        [aten.cumsum.default],
+    ),
     "cross_entropy vocab-parallel": (
-        F.cross_entropy, [((8, 12), torch.float32, [S1]), ((8,), torch.int64, [R])], {}, [aten._log_softmax.default, aten.nll_loss_forward.default]),
+        F.cross_entropy,
+        [((8, 12), torch.float32, [S1]), ((8,), torch.int64, [R])],
+        {},
+        [aten._log_softmax.default, aten.nll_loss_forward.default],
+    ),
 }
 
 
@@ -72,8 +112,10 @@ def test_explain_bytes_match_comm_debug_mode(name):
     fn, inputs, kwargs, needs = BYTE_CASES[name]
     _needs(*needs)
     mesh = parse_mesh(4)
-    specs = [f"{ {torch.float32: 'f32', torch.float64: 'f64', torch.bool: 'bool', torch.int64: 'i64'}[dt]}{list(shape)}:{','.join(map(repr, pl))}"
-             for shape, dt, pl in inputs]
+    specs = [
+        f"{ {torch.float32: 'f32', torch.float64: 'f64', torch.bool: 'bool', torch.int64: 'i64'}[dt] }{list(shape)}:{','.join(map(repr, pl))}"
+        for shape, dt, pl in inputs
+    ]
     e = explain(fn, *specs, mesh=mesh, **kwargs)
     counted = _counted(fn, inputs, kwargs)
     planned = [(e.bytes_at(mesh.coordinate_of(r)), e.rounds) for r in range(4)]

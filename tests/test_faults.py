@@ -26,6 +26,7 @@ rank went through. Its processes fork from a forkserver with torch already
 imported (a spawned process spends seconds importing torch). One test checks
 run_gloo itself: it reports the failure and leaves no process behind.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,20 +36,20 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as torch_mp
 
 import shardops as so
-from shardops import Replicate, Shard
+from shardops import Replicate, Shard, caches
 from shardops.dispatch import core
 from shardops.dispatch.registry import RULES, strategy
-from shardops import caches
-from shardops.planner.rows import row
 from shardops.mesh import DeviceMesh
+from shardops.planner.rows import row
 
 try:
     from .mp import RankFailure, run_gloo
@@ -265,7 +266,9 @@ def _context() -> Any:
     return _FORKSERVER
 
 
-def _gloo_child(fn, args, rank: int, world_size: int, port: int, pg_timeout: float, debug: bool, linger: bool, conn) -> None:
+def _gloo_child(
+    fn, args, rank: int, world_size: int, port: int, pg_timeout: float, debug: bool, linger: bool, conn
+) -> None:
     """One rank: join the gloo world, run `fn`, report; a rank that raised exits at once (as a crashed worker).
 
     With `linger`, a rank that returned stays alive with its connections open until
@@ -302,7 +305,13 @@ class GlooRun:
 
 
 def gloo_outcomes(
-    fn, world_size: int, *args, pg_timeout: float = PG_TIMEOUT, deadline: float = 60, debug: bool = False, linger: bool = True
+    fn,
+    world_size: int,
+    *args,
+    pg_timeout: float = PG_TIMEOUT,
+    deadline: float = 60,
+    debug: bool = False,
+    linger: bool = True,
 ) -> GlooRun:
     """Run `fn(*args)` on `world_size` gloo processes; each rank's outcome, never raising for a rank's failure.
 
@@ -320,7 +329,11 @@ def gloo_outcomes(
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_gloo_child, args=(fn, args, rank, world_size, port, pg_timeout, debug, linger, child_end), daemon=True)
+            proc = ctx.Process(
+                target=_gloo_child,
+                args=(fn, args, rank, world_size, port, pg_timeout, debug, linger, child_end),
+                daemon=True,
+            )
             proc.start()
             child_end.close()
             procs.append(proc)
@@ -435,7 +448,9 @@ def test_raise_inside_op_threads(fault_op):
     assert isinstance(error, RuntimeError) and "injected fault inside shardops_faults::total on rank 1" in str(error)
     assert seconds < 10
     for rank in (0, 2, 3):
-        _assert_collective_error(record[rank], 10, "all_reduce over ranks [0, 1, 2, 3] aborted", "rank 1 raised RuntimeError")
+        _assert_collective_error(
+            record[rank], 10, "all_reduce over ranks [0, 1, 2, 3] aborted", "rank 1 raised RuntimeError"
+        )
     assert_threads_world_healthy()
 
 
@@ -445,7 +460,9 @@ def test_raise_inside_op_gloo():
     results = _rank_results(run)
     assert sorted(results) == [0, 2, 3], run.outcomes
     for rank in (0, 2, 3):
-        _assert_collective_error(results[rank], GLOO_BOUND, "all_reduce over ranks [0, 1, 2, 3] failed in torch.distributed")
+        _assert_collective_error(
+            results[rank], GLOO_BOUND, "all_reduce over ranks [0, 1, 2, 3] failed in torch.distributed"
+        )
     assert_processes_gone(run.pids)
 
 
@@ -490,7 +507,9 @@ def test_rank_returns_without_joining_threads():
     assert seconds < 10  # no wait for the 30 s timeout: a rank that returned will never arrive
     # The ranks that shared a collective with rank 1 see it gone; the rest see the world fail.
     messages = [record[r][1] for r in (0, 2, 3)]
-    assert any("rank(s) [1] returned from their function without joining this collective" in m for m in messages), messages
+    assert any("rank(s) [1] returned from their function without joining this collective" in m for m in messages), (
+        messages
+    )
     for rank in (0, 2, 3):
         _assert_collective_error(record[rank], 10)
     assert_threads_world_healthy()
@@ -522,7 +541,9 @@ def test_ranks_disagree_on_replicated_operand_threads(debug_checks):
     assert error is None
     for rank in range(WORLD):
         kind, message, _ = record[rank]
-        assert kind == "ShardingError" and "plain tensor operand #1 is taken as Replicate but differs" in message, record[rank]
+        assert kind == "ShardingError" and "plain tensor operand #1 is taken as Replicate but differs" in message, (
+            record[rank]
+        )
     assert_threads_world_healthy()
 
 
@@ -532,7 +553,9 @@ def test_ranks_disagree_on_replicated_operand_gloo():
     assert sorted(results) == list(range(WORLD)), run.outcomes
     for rank in range(WORLD):
         kind, message, _ = results[rank]
-        assert kind == "ShardingError" and "plain tensor operand #1 is taken as Replicate but differs" in message, results[rank]
+        assert kind == "ShardingError" and "plain tensor operand #1 is taken as Replicate but differs" in message, (
+            results[rank]
+        )
     assert_processes_gone(run.pids)
 
 
@@ -616,7 +639,9 @@ def test_interrupted_caller_releases_rank_threads(sigint_raises_keyboard_interru
     for t in rank_threads():
         t.join(10)
     for rank in (0, 1):
-        _assert_collective_error(record[rank], 5, "aborted", "the caller of shardops.run stopped waiting (KeyboardInterrupt)")
+        _assert_collective_error(
+            record[rank], 5, "aborted", "the caller of shardops.run stopped waiting (KeyboardInterrupt)"
+        )
     assert_threads_world_healthy()
 
 

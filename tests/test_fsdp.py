@@ -4,6 +4,7 @@ The models are tiny and run in the threads world (one gloo test at the end). Eve
 is single-device training computed here from the same initial weights on the global batch;
 each data-parallel rank trains on its slice of that batch with a rank-local mean loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -153,7 +154,12 @@ def _fsdp_tp_rank():
     model = _shard_blocks(model, mesh=mesh["dp"])
     w1 = model.blocks[0].w1.weight
     # stored on the (dp, tp) mesh: FSDP's dim-0 chunks of the tp shard (strided), tp's Shard(0)
-    layout = (w1.device_mesh.mesh_dim_names, w1.placements, model.blocks[0].w2.weight.placements, model.blocks[0].norm.weight.placements)
+    layout = (
+        w1.device_mesh.mesh_dim_names,
+        w1.placements,
+        model.blocks[0].w2.weight.placements,
+        model.blocks[0].norm.weight.placements,
+    )
     return _train(model, mesh, "dp"), layout
 
 
@@ -219,19 +225,31 @@ def _counting_rank(reshard_after_forward, param_dtype):
         loss.backward()
     with so.CommDebugMode() as step:
         opt.step()
-    return mesh.get_rank(), units, (fwd.log, fwd.get_wire_bytes()), (bwd.log, bwd.get_wire_bytes()), step.get_total_counts()
+    return (
+        mesh.get_rank(),
+        units,
+        (fwd.log, fwd.get_wire_bytes()),
+        (bwd.log, bwd.get_wire_bytes()),
+        step.get_total_counts(),
+    )
 
 
 @pytest.mark.parametrize("reshard_after_forward", [None, True, False])
 def test_collectives_per_step_exact(strict, reshard_after_forward):
     """Per unit: one all_gather in forward, one in backward when it resharded (the root keeps its
     parameters by default), one reduce_scatter during backward; bytes from the units' sizes."""
-    for rank, units, (fwd, fwd_wire), (bwd, bwd_wire), step_counts in so.run(_counting_rank, 4, reshard_after_forward, None):
+    for rank, units, (fwd, fwd_wire), (bwd, bwd_wire), step_counts in so.run(
+        _counting_rank, 4, reshard_after_forward, None
+    ):
         d = 4
         order = ["root", "blocks.0", "blocks.1"]  # forward order of the units' gathers
         assert fwd == [("all_gather", _gather_bytes(units[u], d, rank)) for u in order]
         assert fwd_wire == sum(_padded_bytes(units[u], d) for u in order)
-        regather = {"root": reshard_after_forward is True, "blocks.0": reshard_after_forward is not False, "blocks.1": reshard_after_forward is not False}
+        regather = {
+            "root": reshard_after_forward is True,
+            "blocks.0": reshard_after_forward is not False,
+            "blocks.1": reshard_after_forward is not False,
+        }
         expected = []
         for u in ["blocks.1", "blocks.0"]:  # backward: gather (if resharded), then its reduce_scatter, unit by unit
             if regather[u]:
@@ -365,7 +383,9 @@ def test_several_forwards_before_their_backwards_reduce_every_gradient(strict, r
 
 def _replicate_rank(bucket_cap_mb):
     mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    model = replicate(_model(seed=mesh.get_rank()), device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)  # rank 0's weights win
+    model = replicate(
+        _model(seed=mesh.get_rank()), device_mesh=mesh, bucket_cap_mb=bucket_cap_mb
+    )  # rank 0's weights win
     x, y = (_batch_slice(mesh, "dp", t) for t in _data(1)[0])
     with so.CommDebugMode() as bwd:
         _loss(model, x, y).backward()
@@ -394,7 +414,9 @@ def _replicate_overlap_rank():
     model = replicate(_model(seed=mesh.get_rank()), device_mesh=mesh, bucket_cap_mb=1 / 2**20)
     buckets = model.__dict__[STATE_ATTR].buckets
     in_flight = []
-    model.inp.weight.register_hook(lambda g: in_flight.append(sum(b.work is not None and not b.work.is_completed() for b in buckets)))
+    model.inp.weight.register_hook(
+        lambda g: in_flight.append(sum(b.work is not None and not b.work.is_completed() for b in buckets))
+    )
     x, y = (_batch_slice(mesh, "dp", t) for t in _data(1)[0])
     with so.CommDebugMode() as bwd:
         _loss(model, x, y).backward()
@@ -458,7 +480,9 @@ MODELS = {"attention": (Attention, (6, DIM)), "encoder": (Encoder, (6, DIM)), "c
 
 def _inputs(kind: str, steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(BATCH, *MODELS[kind][1], generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(BATCH, *MODELS[kind][1], generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(steps)
+    ]
 
 
 def _single(kind: str) -> dict:
@@ -520,7 +544,8 @@ def _side_by_side(torch_side: bool, param_dtype, steps: int = 5) -> dict:
     every step's global loss and gradients, the final parameters, the forward's all_gather bytes."""
     if torch_side:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy as Policy, fully_shard as shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
+        from torch.distributed.fsdp import fully_shard as shard
 
         mesh = init_device_mesh("cpu", (4,))
         rank, comm = mesh.get_rank(), None
@@ -547,7 +572,12 @@ def _side_by_side(torch_side: bool, param_dtype, steps: int = 5) -> dict:
         losses.append(total.item() / 4)
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
         opt.step()
-    return {"losses": losses, "grads": grads, "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()}, "gathered": gathered}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
+        "gathered": gathered,
+    }
 
 
 def _gloo_rank():
@@ -557,7 +587,11 @@ def _gloo_rank():
     pure = _fsdp_rank(None)
     _, _, fwd, bwd, _ = _counting_rank(None, None)
     dp_tp, layout = _fsdp_tp_rank()
-    runs = {(side, str(dtype)): _side_by_side(side == "torch", dtype) for side in ("torch", "shardops") for dtype in (None, torch.bfloat16)}
+    runs = {
+        (side, str(dtype)): _side_by_side(side == "torch", dtype)
+        for side in ("torch", "shardops")
+        for dtype in (None, torch.bfloat16)
+    }
     return pure, fwd, bwd, dp_tp, layout, runs, replicated, prefetched
 
 
@@ -575,8 +609,12 @@ def test_fully_shard_and_replicate_in_gloo_processes_and_beside_torch_fully_shar
     threads = {r: (f, b) for r, _, f, b, _ in so.run(_counting_rank, 4, None, None)}
     for in_flight, log, _ in so.run(_replicate_overlap_rank, 4):
         assert in_flight == 0  # the threads world completes each all_reduce when it starts
-        assert [k for k, _ in log] == ["all_reduce"] * len(params) and sum(n for _, n in log) == sum(p.numel() for p in params) * 4
-    for rank, (pure, fwd, bwd, dp_tp, layout, runs, replicated, prefetched) in enumerate(run_gloo(_gloo_rank, 4, timeout=600)):
+        assert [k for k, _ in log] == ["all_reduce"] * len(params) and sum(n for _, n in log) == sum(
+            p.numel() for p in params
+        ) * 4
+    for rank, (pure, fwd, bwd, dp_tp, layout, runs, replicated, prefetched) in enumerate(
+        run_gloo(_gloo_rank, 4, timeout=600)
+    ):
         in_flight, prefetch_log, prefetch_run = prefetched
         assert in_flight == [True, True]  # explicit prefetches travel while the current block computes
         assert prefetch_log == sorted(fwd[0] + bwd[0])  # the same collectives, started earlier
@@ -634,9 +672,23 @@ def _sharded_model(torch_side: bool, seed: int, tp: bool):
     if torch_side:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as shard
-        from torch.distributed.tensor.parallel import ColwiseParallel as Col, RowwiseParallel as Row, parallelize_module as parallelize
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel as Col,
+        )
+        from torch.distributed.tensor.parallel import (
+            RowwiseParallel as Row,
+        )
+        from torch.distributed.tensor.parallel import (
+            parallelize_module as parallelize,
+        )
     else:
-        init_device_mesh, shard, Col, Row, parallelize = so.init_device_mesh, fully_shard, ColwiseParallel, RowwiseParallel, parallelize_module
+        init_device_mesh, shard, Col, Row, parallelize = (
+            so.init_device_mesh,
+            fully_shard,
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
     mesh = init_device_mesh("cpu", (2, 2) if tp else (4,), mesh_dim_names=("dp", "tp") if tp else ("dp",))
     model = _model(seed)
     if tp:
@@ -682,7 +734,12 @@ def _load(model: nn.Module, opt: torch.optim.Optimizer, how: str, path: str) -> 
         so.checkpoint.load({"model": model, "optim": opt}, path)
         return
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
@@ -734,18 +791,26 @@ def test_checkpoints_interoperate_with_torch_fully_shard(tmp_path):
 
     names = set(dict(_model().named_parameters()))
     for rank_cases in run_gloo(_interop_rank, 4, str(tmp_path), timeout=600):
-        for (saver, saved_with, loader, loaded_with, tp), (saved, loaded, kinds, layout, src_after, dst_after) in zip(INTEROP, rank_cases):
+        for (saver, saved_with, loader, loaded_with, tp), (saved, loaded, kinds, layout, src_after, dst_after) in zip(
+            INTEROP, rank_cases
+        ):
             case = f"{saver} {saved_with} -> {loader} {loaded_with}" + (" (dp=2, tp=2)" if tp else "")
             assert kinds == {"shardops" if loader == "shardops" else "torch"}, case
             assert layout == (["StridedShard", "Shard"] if tp else ["Shard"]), case
             assert set(saved["params"]) == set(loaded["params"]) == names, case
             for name, p in saved["params"].items():
                 torch.testing.assert_close(loaded["params"][name], p, rtol=0, atol=0, msg=f"{case}: {name}")
-                assert set(loaded["optim"][name]) == set(saved["optim"][name]) == {"step", "exp_avg", "exp_avg_sq"}, case
+                assert set(loaded["optim"][name]) == set(saved["optim"][name]) == {"step", "exp_avg", "exp_avg_sq"}, (
+                    case
+                )
                 for key, v in saved["optim"][name].items():
-                    torch.testing.assert_close(loaded["optim"][name][key], v, rtol=0, atol=0, msg=f"{case}: {name} {key}")
+                    torch.testing.assert_close(
+                        loaded["optim"][name][key], v, rtol=0, atol=0, msg=f"{case}: {name} {key}"
+                    )
             for name, p in src_after.items():
-                torch.testing.assert_close(dst_after[name], p, rtol=TOL, atol=TOL, msg=f"{case}: {name} after two more steps")
+                torch.testing.assert_close(
+                    dst_after[name], p, rtol=TOL, atol=TOL, msg=f"{case}: {name} after two more steps"
+                )
 
 
 # ------------------------------------------------------------------ memory (gloo processes)
@@ -757,7 +822,10 @@ class _Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(MEM_WIDTH, MEM_WIDTH), nn.ReLU(), nn.Linear(MEM_WIDTH, MEM_WIDTH)) for _ in range(MEM_LAYERS))
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(MEM_WIDTH, MEM_WIDTH), nn.ReLU(), nn.Linear(MEM_WIDTH, MEM_WIDTH))
+            for _ in range(MEM_LAYERS)
+        )
         self.head = nn.Linear(MEM_WIDTH, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -780,7 +848,7 @@ def _memory_rank(torch_side: bool) -> int:
     optimizer state (every unit resharding after forward). The least of 10 steps: the CPU
     profiler records the allocator's events of this thread only, and a collective's buffers
     are now and then freed on gloo's thread (when its work object goes), which then reads as
-    held to the end, on either side.""" 
+    held to the end, on either side."""
     from torch.autograd.profiler import profile
 
     if torch_side:
@@ -819,7 +887,9 @@ def test_peak_memory_per_rank_within_fsdp_bound_and_torch(capsys):
     unit = sum(p.numel() for p in model.layers[0].parameters()) * 4
     for theirs, ours in run_gloo(_memory_both, 4, timeout=600):
         with capsys.disabled():
-            print(f"\npeak tracked bytes per rank: shardops {ours}, torch fully_shard {theirs} (Ψ/d {psi // 4}, unit {unit})")
+            print(
+                f"\npeak tracked bytes per rank: shardops {ours}, torch fully_shard {theirs} (Ψ/d {psi // 4}, unit {unit})"
+            )
         assert ours <= theirs
         assert ours <= psi // 4 + 4 * unit
 
@@ -858,7 +928,14 @@ def test_defaults_and_user_errors(strict):
     for layout, errors, ours in so.run(_defaults_and_errors_rank, 4):
         assert layout == ((4,), (Shard(0),))
         _check(ours, ref)
-        assert set(errors) == {"twice", "replicate a fully_shard model", "reshard to a smaller world", "mixed dtypes", "unknown keyword", "shared between units"}
+        assert set(errors) == {
+            "twice",
+            "replicate a fully_shard model",
+            "reshard to a smaller world",
+            "mixed dtypes",
+            "unknown keyword",
+            "shared between units",
+        }
         assert "already fully sharded" in errors["twice"]
         assert "reshard_after_forward=2" in errors["reshard to a smaller world"]
         assert "torch.float64" in errors["mixed dtypes"] and "param_dtype" in errors["mixed dtypes"]
@@ -900,7 +977,9 @@ def _unshard_reshard_rank():
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     model.unshard()
     # (cloned: reshard frees the unsharded storage, as torch's does)
-    root_gathered = {n: (type(p), p.detach().clone()) for n, p in model.named_parameters() if not n.startswith("blocks")}
+    root_gathered = {
+        n: (type(p), p.detach().clone()) for n, p in model.named_parameters() if not n.startswith("blocks")
+    }
     block_kinds = {type(p).__name__ for n, p in model.named_parameters() if n.startswith("blocks")}
     model.reshard()
     kinds_after = {type(p).__name__ for p in model.parameters()}

@@ -6,6 +6,7 @@ global token count, and the FSDP modules' gradient divide factor is 1 (a plain s
 `apply_fsdp` gives single-device training's gradients; under `apply_ddp` torch's DDP averages
 the gradients once more, giving 1/dp of them (torch's behaviour, kept).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,15 +14,17 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
-from shardops.models import Llama, ModelArgs, llama_plan
-from shardops.parallel import parallelize_module
 
 # -- the swapped imports: torch.distributed.fsdp / torch.distributed._composable -> shardops.fsdp
 from shardops.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, replicate
+from shardops.models import Llama, ModelArgs, llama_plan
+from shardops.parallel import parallelize_module
 
 
 # ---------------------------------------------------------------- torchtitan (parallelize_llama.py)
-def apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, pp_enabled, cpu_offload=False, reshard_after_forward_policy="default"):
+def apply_fsdp(
+    model, dp_mesh, param_dtype, reduce_dtype, pp_enabled, cpu_offload=False, reshard_after_forward_policy="default"
+):
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fsdp_config = {"mesh": dp_mesh, "mp_policy": mp_policy}
     if cpu_offload:
@@ -49,6 +52,8 @@ def apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, pp_enabled, cpu_offloa
 
 def apply_ddp(model, dp_mesh, enable_compile, enable_compiled_autograd):
     replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)
+
+
 # ---------------------------------------------------------------- end of torchtitan's code
 
 
@@ -58,7 +63,13 @@ BATCH, SEQ, STEPS, TOL = 4, 16, 3, 1e-4
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(2)
-    return [(torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g), torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g),
+            torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def _step_loss(model, tokens, labels, global_tokens: int) -> torch.Tensor:

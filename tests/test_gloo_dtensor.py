@@ -1,5 +1,5 @@
 """The same layouts, ops and autograd under torch.distributed (gloo, 4 processes on 127.0.0.1)."""
-import math
+
 
 import pytest
 import torch
@@ -15,19 +15,27 @@ def _pointwise_and_autograd(mesh_shape):
     a, b, c = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True) for s in ((7, 5), (5,), (7, 1)))
     pa = [so.Shard(0)] + [so.Shard(1)] * (len(mesh_shape) - 1)
     da = so.distribute_tensor(a.detach(), mesh, pa).requires_grad_()
-    db = so.distribute_tensor(b.detach(), mesh, [so.Shard(0)] + [so.Replicate()] * (len(mesh_shape) - 1)).requires_grad_()
+    db = so.distribute_tensor(
+        b.detach(), mesh, [so.Shard(0)] + [so.Replicate()] * (len(mesh_shape) - 1)
+    ).requires_grad_()
     dc = so.distribute_tensor(c.detach(), mesh, [so.Replicate()] * len(mesh_shape)).requires_grad_()
     out = da * db + dc.exp() - 2
     (out * out).full_tensor().sum().backward()
     ref = ((a * b + c.exp() - 2) ** 2).sum()
     ga, gb, gc = torch.autograd.grad(ref, (a, b, c))
-    return [torch.allclose(out.full_tensor(), a * b + c.exp() - 2), torch.allclose(da.grad.full_tensor(), ga),
-            torch.allclose(db.grad.full_tensor(), gb), torch.allclose(dc.grad.full_tensor(), gc), da.grad.placements == da.placements]
+    return [
+        torch.allclose(out.full_tensor(), a * b + c.exp() - 2),
+        torch.allclose(da.grad.full_tensor(), ga),
+        torch.allclose(db.grad.full_tensor(), gb),
+        torch.allclose(dc.grad.full_tensor(), gc),
+        da.grad.placements == da.placements,
+    ]
 
 
 def _interop_round_trip():
-    from torch.distributed.tensor import DTensor as TorchDTensor, Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor as TorchDTensor
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
     tmesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     full = torch.arange(35.0).reshape(7, 5)
@@ -37,11 +45,25 @@ def _interop_round_trip():
         ours = so.from_torch(t)
         back = so.to_torch(ours)
         same_storage = back._local_tensor.untyped_storage().data_ptr() == t._local_tensor.untyped_storage().data_ptr()
-        results.append((same_storage, torch.equal(ours.full_tensor(), full), isinstance(back, TorchDTensor), back.placements == t.placements))
+        results.append(
+            (
+                same_storage,
+                torch.equal(ours.full_tensor(), full),
+                isinstance(back, TorchDTensor),
+                back.placements == t.placements,
+            )
+        )
     local = torch.ones(3) * (tmesh.get_rank() + 1)
     p = TorchDTensor.from_local(local, tmesh, [Partial(), Replicate()])
     ours = so.from_torch(p)
-    results.append((ours.placements == (so.Partial(), so.Replicate()), torch.equal(ours.full_tensor(), p.full_tensor()), True, True))
+    results.append(
+        (
+            ours.placements == (so.Partial(), so.Replicate()),
+            torch.equal(ours.full_tensor(), p.full_tensor()),
+            True,
+            True,
+        )
+    )
     return results
 
 

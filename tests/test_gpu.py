@@ -10,6 +10,7 @@ torch on the same device, and every sharded result must live on that device:
 - the torch.distributed world: one process per GPU over nccl (CPU tensors, such as the
   metadata shardops exchanges, go over gloo: backend "cpu:gloo,cuda:nccl"); on CPU, gloo.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -37,8 +38,10 @@ pytestmark = pytest.mark.gpu
 def device_present():
     """Fail (not skip): `pytest -m gpu` on a machine without the device must not pass quietly."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
-        pytest.fail("SHARDOPS_TEST_DEVICE=cuda but torch.cuda.is_available() is False "
-                    f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); set SHARDOPS_TEST_DEVICE=cpu to run on CPU")
+        pytest.fail(
+            "SHARDOPS_TEST_DEVICE=cuda but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); set SHARDOPS_TEST_DEVICE=cpu to run on CPU"
+        )
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:
@@ -174,7 +177,11 @@ def test_ops_whose_indices_are_planned_on_the_host():
         # grouped-query attention, q heads sharded, K/V heads whole: each local q head picks its K/V head
         sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
         ref, ref_grads = grads(sdpa, q, k, v)
-        dq, dk, dv = _dist(q, mesh, [Shard(1)], grad=True), _dist(k, mesh, [Replicate()], grad=True), _dist(v, mesh, [Replicate()], grad=True)
+        dq, dk, dv = (
+            _dist(q, mesh, [Shard(1)], grad=True),
+            _dist(k, mesh, [Replicate()], grad=True),
+            _dist(v, mesh, [Replicate()], grad=True),
+        )
         out = sdpa(dq, dk, dv)
         out.full_tensor().sum().backward()
         _check(out, ref.detach(), atol=1e-5, rtol=1e-5)
@@ -190,7 +197,12 @@ def test_redistribute_between_layouts():
     def main():
         mesh = so.init_device_mesh(DEVICE, (2, 2))
         d = _dist(x, mesh, [Shard(0), Shard(1)])
-        for placements in ([Shard(1), Shard(0)], [Replicate(), Shard(1)], [Replicate(), Replicate()], [Shard(0), Shard(0)]):
+        for placements in (
+            [Shard(1), Shard(0)],
+            [Replicate(), Shard(1)],
+            [Replicate(), Replicate()],
+            [Shard(0), Shard(0)],
+        ):
             _check(d.redistribute(mesh, placements), x)
         # a pending sum: each rank holds x / 4
         pending = so.DTensor.from_local(x / 4, mesh, [Partial(), Partial()])
@@ -204,8 +216,18 @@ def test_matmul_of_sharded_operands():
 
     def main():
         mesh = so.init_device_mesh(DEVICE, (2, 2))
-        _check(_dist(a, mesh, [Shard(0), Replicate()]) @ _dist(b, mesh, [Replicate(), Shard(1)]), a @ b, atol=1e-5, rtol=1e-5)
-        _check(_dist(a, mesh, [Replicate(), Shard(1)]) @ _dist(b, mesh, [Replicate(), Shard(0)]), a @ b, atol=1e-5, rtol=1e-5)
+        _check(
+            _dist(a, mesh, [Shard(0), Replicate()]) @ _dist(b, mesh, [Replicate(), Shard(1)]),
+            a @ b,
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        _check(
+            _dist(a, mesh, [Replicate(), Shard(1)]) @ _dist(b, mesh, [Replicate(), Shard(0)]),
+            a @ b,
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
     so.run(main, 4)
 
@@ -261,6 +283,7 @@ def test_dropout_draws_the_same_mask_on_every_layout():
             y = F.dropout(_dist(x.to(device), mesh, placements), p=0.3)
             assert y.to_local().device.type == device
             return y.full_tensor()
+
         return so.run(main, math.prod(mesh_shape))[0]
 
     single = draw((1,), [Replicate()])
@@ -278,11 +301,18 @@ def test_checkpoint_save_and_load_round_trip(tmp_path):
 
     def save():
         mesh = so.init_device_mesh(DEVICE, (2, 2))
-        ckpt.save({"w": _dist(w, mesh, [Shard(0), Shard(1)]), "v": _dist(v, mesh, [Replicate(), Shard(0)]), "step": 3}, str(tmp_path))
+        ckpt.save(
+            {"w": _dist(w, mesh, [Shard(0), Shard(1)]), "v": _dist(v, mesh, [Replicate(), Shard(0)]), "step": 3},
+            str(tmp_path),
+        )
 
     def load():
         mesh = so.init_device_mesh(DEVICE, (4,))
-        state = {"w": _dist(torch.zeros_like(w), mesh, [Shard(1)]), "v": _dist(torch.zeros_like(v), mesh, [Replicate()]), "step": 0}
+        state = {
+            "w": _dist(torch.zeros_like(w), mesh, [Shard(1)]),
+            "v": _dist(torch.zeros_like(v), mesh, [Replicate()]),
+            "step": 0,
+        }
         ckpt.load(state, str(tmp_path))
         _check(state["w"], w)
         _check(state["v"], v)
@@ -321,8 +351,13 @@ def _rand_on(device: str, *shape: int, seed: int) -> torch.Tensor:
 def _dist_rank(rank: int, world: int, port: int, backend: str, device: str, out_dir: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         torch.save(_dist_world_program(device), os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
@@ -350,8 +385,16 @@ def test_torch_distributed_world(tmp_path):
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     yr = torch.softmax(xr, dim=1) @ wr
     yr.sum().backward()
-    expected = {"y": yr, "x_grad": xr.grad, "w_grad": wr.grad, "flip": torch.flip(x, dims=[1]), "cumsum": torch.cumsum(x, dim=1)}
+    expected = {
+        "y": yr,
+        "x_grad": xr.grad,
+        "w_grad": wr.grad,
+        "flip": torch.flip(x, dims=[1]),
+        "cumsum": torch.cumsum(x, dim=1),
+    }
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for name, ref in expected.items():
-            torch.testing.assert_close(got[name], ref.detach().cpu(), atol=1e-5, rtol=1e-5, msg=lambda m: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(
+                got[name], ref.detach().cpu(), atol=1e-5, rtol=1e-5, msg=lambda m: f"rank {rank}, {name}: {m}"
+            )

@@ -1,12 +1,13 @@
 """histc on every layout against single-device torch (exact bin counts), and its byte counts."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import shardops as so
-from shardops import Partial, Shard
 from reduction_harness import Grid, Op, check_case
+from shardops import Partial, Shard
 
 OPS = [
     Op("histc_auto", lambda x: torch.histc(x, bins=10), partial_ok=False),
@@ -55,7 +56,11 @@ def test_histc_without_bounds_moves_range_and_counts_only():
     # all_reduce in full_tensor; gathering the 32 KiB shards instead would make every rank bin all 128 KiB
     full = torch.randn(8, 4096, generator=torch.Generator().manual_seed(9))
     fn = lambda x: torch.histc(x, bins=BINS)  # noqa: E731
-    assert _bytes(fn, full, [Shard(1)]) == (RANGE_BYTES + HIST_BYTES, {"all_gather": 1, "all_reduce": 1}, (Partial("sum"),))
+    assert _bytes(fn, full, [Shard(1)]) == (
+        RANGE_BYTES + HIST_BYTES,
+        {"all_gather": 1, "all_reduce": 1},
+        (Partial("sum"),),
+    )
 
 
 def test_histc_with_bounds_moves_counts_only():

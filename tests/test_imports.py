@@ -13,6 +13,7 @@ ones (the planner's caches, for instance, sit below spec and cost, which use the
 A further check: DTensor's private fields are read only by tensor.py and its seam
 (wrapping.py); every other module goes through the seam.
 """
+
 from __future__ import annotations
 
 import ast
@@ -84,7 +85,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -132,7 +133,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("shardops.planner",),
     ("shardops.dispatch",),
     ("shardops.tensor", "shardops.wrapping"),
-    ("shardops.ops", "shardops.interop", "shardops.explain", "shardops.checkpoint", "shardops.parallel", "shardops.fsdp"),
+    (
+        "shardops.ops",
+        "shardops.interop",
+        "shardops.explain",
+        "shardops.checkpoint",
+        "shardops.parallel",
+        "shardops.fsdp",
+    ),
     ("shardops.remesh", "shardops.pipelining"),  # remesh gathers layouts with checkpoint's object exchange
     ("shardops.models", "shardops.models_moe", "shardops.verify", "shardops.autoparallel"),
     ("shardops",),  # the public API (__init__)
@@ -165,7 +173,9 @@ def test_every_module_has_a_layer():
 
 
 def test_the_layer_check_sees_an_upward_import():
-    assert upward_imports({"shardops.spec": {"shardops.planner.choice"}}) == ["shardops.spec -> shardops.planner.choice"]
+    assert upward_imports({"shardops.spec": {"shardops.planner.choice"}}) == [
+        "shardops.spec -> shardops.planner.choice"
+    ]
     assert upward_imports({"shardops.planner.choice": {"shardops.spec"}}) == []
     assert layer_of("shardops.planner.search") == layer_of("shardops.planner") > layer_of("shardops.caches")
 
@@ -210,7 +220,11 @@ def test_the_library_never_imports_its_tools():
 
 def test_the_library_does_not_import_rich():
     mods = _modules()
-    users = sorted(m for m, path in mods.items() if m.startswith("shardops") and not _is_tool(m) and "rich" in _external_imports(path))
+    users = sorted(
+        m
+        for m, path in mods.items()
+        if m.startswith("shardops") and not _is_tool(m) and "rich" in _external_imports(path)
+    )
     assert set(users) <= set(RICH_PRINTERS), users
 
 
@@ -238,7 +252,15 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
-PRIVATE_FIELDS = {"_local_tensor", "_make", "_spec", "_set_spec", "_redistribute_local", "_pending_layout", "_resolve_pending"}
+PRIVATE_FIELDS = {
+    "_local_tensor",
+    "_make",
+    "_spec",
+    "_set_spec",
+    "_redistribute_local",
+    "_pending_layout",
+    "_resolve_pending",
+}
 SEAM = {"shardops.tensor", "shardops.wrapping"}
 
 
@@ -262,10 +284,20 @@ def test_the_private_field_scan_sees_reads_writes_and_calls(tmp_path):
 
 def test_only_tensor_and_its_seam_touch_dtensor_private_fields():
     uses = private_field_uses()
-    assert not uses, "use shardops.wrapping (wrap, local_of, spec_of, local_in, relabel, become) instead: " + ", ".join(uses)
+    assert not uses, "use shardops.wrapping (wrap, local_of, spec_of, local_in, relabel, become) instead: " + ", ".join(
+        uses
+    )
 
 
-REGISTRY_TABLES = {"RULES", "TORCH_FUNCTIONS", "DECOMPOSITIONS", "ALGORITHMS", "REPLICATE_ONLY", "REPLICATE_WHEN", "OVERWRITES_SELF"}
+REGISTRY_TABLES = {
+    "RULES",
+    "TORCH_FUNCTIONS",
+    "DECOMPOSITIONS",
+    "ALGORITHMS",
+    "REPLICATE_ONLY",
+    "REPLICATE_WHEN",
+    "OVERWRITES_SELF",
+}
 MUTATORS = {"add", "update", "setdefault", "pop", "discard", "remove", "clear", "__setitem__"}
 
 
@@ -273,14 +305,27 @@ def registry_writes(source: str) -> list[int]:
     """Lines of `source` that write one of the registry's tables (item assignment, deletion or a mutating call)."""
 
     def table(node) -> bool:
-        return (isinstance(node, ast.Name) and node.id in REGISTRY_TABLES) or (isinstance(node, ast.Attribute) and node.attr in REGISTRY_TABLES)
+        return (isinstance(node, ast.Name) and node.id in REGISTRY_TABLES) or (
+            isinstance(node, ast.Attribute) and node.attr in REGISTRY_TABLES
+        )
 
     lines = []
     for node in ast.walk(ast.parse(source)):
-        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target] if isinstance(node, ast.AugAssign) else []
+        targets = (
+            node.targets
+            if isinstance(node, (ast.Assign, ast.Delete))
+            else [node.target]
+            if isinstance(node, ast.AugAssign)
+            else []
+        )
         if any(isinstance(t, ast.Subscript) and table(t.value) for t in targets):
             lines.append(node.lineno)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS and table(node.func.value):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in MUTATORS
+            and table(node.func.value)
+        ):
             lines.append(node.lineno)
     return lines
 
@@ -292,6 +337,13 @@ def test_the_registry_write_scan_sees_items_and_calls():
 
 def test_ops_register_only_through_the_registry_decorators():
     """One way in: the library writes the registry's tables only inside dispatch/registry.py (the decorators)."""
-    writes = [f"{name}:{line}" for name, path in _modules().items() if name.startswith("shardops") and name != "shardops.dispatch.registry"
-              for line in registry_writes(path.read_text())]
-    assert not writes, "register with @strategy / @torch_level / @decomposition / @replicate_when (dispatch/registry.py): " + ", ".join(writes)
+    writes = [
+        f"{name}:{line}"
+        for name, path in _modules().items()
+        if name.startswith("shardops") and name != "shardops.dispatch.registry"
+        for line in registry_writes(path.read_text())
+    ]
+    assert not writes, (
+        "register with @strategy / @torch_level / @decomposition / @replicate_when (dispatch/registry.py): "
+        + ", ".join(writes)
+    )

@@ -5,6 +5,7 @@ and (2, 2), even and uneven shards. Along a dim the op does not touch, the op mo
 0 bytes per rank forward and backward (asserted). Along the op's dim the result is exact
 whatever the cost model picks (re-indexing all_to_all, pick -> Partial(sum), or a gather).
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,16 @@ CASES = {
     "index": (lambda x: x[:, IDX], [], 1),
     "gather": (lambda x: x.gather(1, GIDX.expand(x.shape[0], 4)), [], 1),
     "scatter_value": (lambda x: x.scatter(1, SIDX.repeat(x.shape[0] // 2 + 1, 1)[: x.shape[0]], 1.5), [], 1),
-    "scatter_src": (lambda x, s: x.scatter(1, SIDX.repeat(x.shape[0] // 2 + 1, 1)[: x.shape[0]], s), [lambda r, c: (r, 2)], 1),
-    "scatter_add": (lambda x, s: x.scatter_add(1, SIDX.repeat(x.shape[0] // 2 + 1, 1)[: x.shape[0]], s), [lambda r, c: (r, 2)], 1),
+    "scatter_src": (
+        lambda x, s: x.scatter(1, SIDX.repeat(x.shape[0] // 2 + 1, 1)[: x.shape[0]], s),
+        [lambda r, c: (r, 2)],
+        1,
+    ),
+    "scatter_add": (
+        lambda x, s: x.scatter_add(1, SIDX.repeat(x.shape[0] // 2 + 1, 1)[: x.shape[0]], s),
+        [lambda r, c: (r, 2)],
+        1,
+    ),
     "scatter_reduce": (
         lambda x, s: x.scatter_reduce(1, SIDX.repeat(x.shape[0] // 2 + 1, 1)[: x.shape[0]], s, "amax"),
         [lambda r, c: (r, 2)],
@@ -57,7 +66,11 @@ CASES = {
     "index_add": (lambda x, s: x.index_add(1, AIDX, s, alpha=2.0), [lambda r, c: (r, 3)], 1),
     # along dim 0 (index_put takes leading indices): the untouched dim is 1
     "index_put": (lambda x, v: x.index_put((torch.tensor([1, 4, 2]),), v), [lambda r, c: (3, c)], 0),
-    "index_put_accumulate": (lambda x, v: x.index_put((torch.tensor([1, 1, 6]),), v, accumulate=True), [lambda r, c: (3, c)], 0),
+    "index_put_accumulate": (
+        lambda x, v: x.index_put((torch.tensor([1, 1, 6]),), v, accumulate=True),
+        [lambda r, c: (3, c)],
+        0,
+    ),
     "index_dim0": (lambda x: x[torch.tensor([5, 0, 0, 7])], [], 0),
     "flip_dim0": (lambda x: x.flip(0), [], 0),
 }

@@ -8,6 +8,7 @@ op, the view op and what to do, leaving the input unchanged. Views of a pending 
 raises too, instead of leaving the other with its P label over resolved values.
 Each case is compared with the same code on one device; uneven shards, (4,) and (2, 2).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,11 @@ def _set(index, value):
 
 
 def _copy_rows(t):
-    t[2:5].copy_(torch.full((3, t.shape[1]), -2.0) if not isinstance(t, so.DTensor) else _replicated(t, torch.full((3, t.shape[1]), -2.0)))
+    t[2:5].copy_(
+        torch.full((3, t.shape[1]), -2.0)
+        if not isinstance(t, so.DTensor)
+        else _replicated(t, torch.full((3, t.shape[1]), -2.0))
+    )
 
 
 def _replicated(like: so.DTensor, value: torch.Tensor) -> so.DTensor:

@@ -1,5 +1,6 @@
 """Pending partials on several mesh dims resolve in ONE all_reduce over the joint group,
 and a sharded algorithm's collectives over several mesh dims are priced as one."""
+
 import math
 
 import pytest
@@ -7,9 +8,9 @@ import torch
 
 import shardops as so
 from shardops import cost
+from shardops.mesh import DeviceMesh
 from shardops.planner.pricing import comm_time
 from shardops.planner.rows import row
-from shardops.mesh import DeviceMesh
 from shardops.redistribute import plan
 from shardops.spec import TensorMeta, TensorSpec, contiguous_stride
 
@@ -70,7 +71,9 @@ def test_joint_group_skips_the_sharded_mesh_dim():
     # rank r = 4*c0 + 2*c1 + c2; the ranks sharing c1 hold (r + 1) for r in {c1*2 + 0, +1, +4, +5}
     for full, counts, rounds, nbytes, local_bytes in results:
         assert dict(counts) == {"all_reduce": 1} and rounds == 1 and nbytes == local_bytes
-    want = torch.cat([FULL[:3] * sum(2 * 0 + k + 1 for k in (0, 1, 4, 5)), FULL[3:] * sum(2 * 1 + k + 1 for k in (0, 1, 4, 5))])
+    want = torch.cat(
+        [FULL[:3] * sum(2 * 0 + k + 1 for k in (0, 1, 4, 5)), FULL[3:] * sum(2 * 1 + k + 1 for k in (0, 1, 4, 5))]
+    )
     for full, *_ in results:
         assert torch.equal(full, want)
 
@@ -107,4 +110,6 @@ def test_algorithm_collectives_over_two_mesh_dims_are_priced_as_one():
     want = (1 + 3) * link.latency + 7 * piece / link.bandwidth  # 7 pieces received, hierarchical latency
     assert got == pytest.approx(want, rel=1e-12)
     # one mesh dim: the plain ring formula
-    assert comm_time((gather, local, local), (2, 3, 4), links) == pytest.approx(link.latency + piece / link.bandwidth, rel=1e-12)
+    assert comm_time((gather, local, local), (2, 3, 4), links) == pytest.approx(
+        link.latency + piece / link.bandwidth, rel=1e-12
+    )

@@ -1,6 +1,7 @@
 """run_gloo, the launcher of gloo processes (benchmarks, the demo's torch side, the tests): a rank
 that raises or cannot even import its function comes back as a RankFailure naming the cause
 (its exception's type, message and the rank's own traceback), never as a bare exit code."""
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,10 @@ def test_a_raising_rank_carries_its_exception():
     assert e.rank == 1
     assert e.error_type == "shardops.errors.ShardingError"
     assert e.error_message == "rank one found a bad layout"
-    assert "in rank_one_raises" in e.rank_traceback and 'raise ShardingError("rank one found a bad layout")' in e.rank_traceback
+    assert (
+        "in rank_one_raises" in e.rank_traceback
+        and 'raise ShardingError("rank one found a bad layout")' in e.rank_traceback
+    )
     first, *rest = str(e).splitlines()
     assert first == "run_gloo: rank 1 raised: shardops.errors.ShardingError: rank one found a bad layout"
     assert e.rank_traceback.strip() in str(e)  # the report shows the rank's own traceback

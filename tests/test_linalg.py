@@ -3,6 +3,7 @@
 Decompositions run replicated on purpose (no fallback warning, listed in REPLICATE_ONLY);
 tril/triu and diagonal keep sharded layouts with no communication.
 """
+
 import warnings
 
 import pytest
@@ -31,8 +32,15 @@ def _sharded(fn, shape, placements):
     gd = so.distribute_tensor(grad, mesh, [R if p.is_partial() else p for p in y.placements])
     with so.CommDebugMode() as backward:
         y.backward(gd)
-    return {"y": y.full_tensor(), "dx": xd.grad.full_tensor(), "grad": grad, "y_layout": y.placements,
-            "dx_layout": xd.grad.placements, "forward": forward.log, "backward": backward.log}
+    return {
+        "y": y.full_tensor(),
+        "dx": xd.grad.full_tensor(),
+        "grad": grad,
+        "y_layout": y.placements,
+        "dx_layout": xd.grad.placements,
+        "forward": forward.log,
+        "backward": backward.log,
+    }
 
 
 def _check(fn, shape, placements):
@@ -72,8 +80,14 @@ def test_replicated_on_purpose(name):
 
 
 def test_replicate_registry():
-    for op in (aten._linalg_svd.default, aten.linalg_qr.default, aten._linalg_eigh.default, aten.diag.default,
-               aten.diag_embed.default, aten.linalg_solve_triangular.default):
+    for op in (
+        aten._linalg_svd.default,
+        aten.linalg_qr.default,
+        aten._linalg_eigh.default,
+        aten.diag.default,
+        aten.diag_embed.default,
+        aten.linalg_solve_triangular.default,
+    ):
         assert op in REPLICATE_ONLY and op not in RULES
 
 
@@ -132,10 +146,13 @@ def test_triangle_rows_and_columns_sharded():
 # ------------------------------------------------------------------ diagonal
 
 
-@pytest.mark.parametrize("name,fn,placements,out_layout", [
-    pytest.param("batch", lambda a: torch.diagonal(a, 1, -2, -1), [Shard(0)], (Shard(0),), id="batch-dim0"),
-    pytest.param("middle", lambda a: torch.diagonal(a, -1, 0, 2), [Shard(1)], (Shard(0),), id="kept-dim1"),
-])
+@pytest.mark.parametrize(
+    "name,fn,placements,out_layout",
+    [
+        pytest.param("batch", lambda a: torch.diagonal(a, 1, -2, -1), [Shard(0)], (Shard(0),), id="batch-dim0"),
+        pytest.param("middle", lambda a: torch.diagonal(a, -1, 0, 2), [Shard(1)], (Shard(0),), id="kept-dim1"),
+    ],
+)
 def test_diagonal_batch_shard_local(name, fn, placements, out_layout):
     res = _check(fn, (6, 5, 7), placements)
     assert res["forward"] == [] and res["backward"] == []

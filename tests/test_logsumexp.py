@@ -1,5 +1,6 @@
 """logsumexp on every layout against single-device torch; the one-round merge of (shift, sum) pairs
 on uneven and empty shards with extreme values; bytes; the local backward."""
+
 from __future__ import annotations
 
 import math
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 import shardops as so
-from shardops import Replicate, Shard
 from algo_harness import latency_only_links, run_case  # noqa: F401  (fixture)
 from reduction_harness import Grid, Op, check_bad_dim_refused
+from shardops import Replicate, Shard
 
 f64, f32 = torch.float64, torch.float32
 INF = math.inf
@@ -63,7 +64,10 @@ def test_merge_of_extreme_rows_one_round(latency_only_links, case, mesh_shape, p
     finite = full[[0, 1, 3, 6]]  # gradients where torch's are finite
     for x, grad in ((full, False), (finite, True)):
         got = run_case(lambda t: torch.logsumexp(t, dims), x, mesh_shape, placements, grad=grad)
-        want = tuple(q if not (q.is_shard() and q.dim in ((dims,) if isinstance(dims, int) else dims)) else Replicate() for q in placements)
+        want = tuple(
+            q if not (q.is_shard() and q.dim in ((dims,) if isinstance(dims, int) else dims)) else Replicate()
+            for q in placements
+        )
         want = tuple(Shard(0) if q == Shard(0) and dims == 1 else q for q in want)
         assert got.layouts == [want]
         assert (got.rounds, got.counts) == (1, {"all_gather": 1})
@@ -91,7 +95,10 @@ def test_bytes_rounds_and_local_backward():
             y.backward(g)
         return (
             (op_only.get_rounds(), tuple(y.placements), with_full.get_total_bytes(), with_full.get_comm_counts()),
-            backward.get_total_counts(), tuple(x.grad.placements), value, x.grad.full_tensor(),
+            backward.get_total_counts(),
+            tuple(x.grad.placements),
+            value,
+            x.grad.full_tensor(),
         )
 
     forward, backward_counts, grad_layout, value, grad = so.run(body, RANKS)[0]

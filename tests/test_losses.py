@@ -5,22 +5,25 @@ from the materialised value; the loss and the input's gradient must equal torch'
 Layouts: the class dim sharded (vocabulary parallel), batch dims sharded with the
 target sharded alike or replicated, both on a 2-D mesh, and replicated.
 """
+
 import contextlib
-import warnings
 import math
 import random
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import shardops as so
-from shardops import Replicate, Shard
 from planner_harness import inputs_stay_put
+from shardops import Replicate, Shard
 
 REDUCTIONS = ("none", "mean", "sum")
 PLACEMENTS = {"S0": Shard(0), "S1": Shard(1), "S2": Shard(2), "R": Replicate()}
 IGNORE = {"noignore": None, "ignore-100": -100, "ignore3": 3}  # 3 is also a real class
+
+
 def _target_placement(p, class_dim=1):
     """The target's placement 'alike' the input's: batch dims follow, the class dim is replicated."""
     if not p.is_shard() or p.dim == class_dim:
@@ -63,12 +66,18 @@ def _kwargs(reduction, weight, ignore, smoothing):
     return kw
 
 
-def _loss_case(fn, shape, mesh_shape, x_layout, target_layout, weight_layout, reduction, weighted, ignore, smoothing, soft):
+def _loss_case(
+    fn, shape, mesh_shape, x_layout, target_layout, weight_layout, reduction, weighted, ignore, smoothing, soft
+):
     mesh = so.init_device_mesh("cpu", mesh_shape)
     x, target, weight, upstream = _inputs(shape, weighted=weighted, ignore=ignore, soft=soft)
     xd = so.distribute_tensor(x, mesh, x_layout).requires_grad_()
     td = so.distribute_tensor(target, mesh, target_layout) if target_layout is not None else _replicated(target, mesh)
-    wd = so.distribute_tensor(weight, mesh, weight_layout) if weighted and weight_layout is not None else _replicated(weight, mesh)
+    wd = (
+        so.distribute_tensor(weight, mesh, weight_layout)
+        if weighted and weight_layout is not None
+        else _replicated(weight, mesh)
+    )
     loss = getattr(F, fn)(xd, td, **_kwargs(reduction, wd, ignore, smoothing))
     value = loss.full_tensor()
     value.backward(upstream if reduction == "none" else None)
@@ -76,8 +85,21 @@ def _loss_case(fn, shape, mesh_shape, x_layout, target_layout, weight_layout, re
         return loss.placements, xd.placements, xd.grad.placements, value.detach(), xd.grad.full_tensor()
 
 
-def _check(fn, shape, mesh_shape, x_layout, target_alike=True, reduction="mean", weighted=False, ignore=None,
-           smoothing=0.0, soft=False, weight_layout=None, keeps_layout=False, tol=1e-10):
+def _check(
+    fn,
+    shape,
+    mesh_shape,
+    x_layout,
+    target_alike=True,
+    reduction="mean",
+    weighted=False,
+    ignore=None,
+    smoothing=0.0,
+    soft=False,
+    weight_layout=None,
+    keeps_layout=False,
+    tol=1e-10,
+):
     x_pl = [PLACEMENTS[p] if isinstance(p, str) else p for p in x_layout]
     class_dim = 1 if len(shape) > 1 else 0
     if isinstance(target_alike, (list, tuple)):
@@ -87,8 +109,21 @@ def _check(fn, shape, mesh_shape, x_layout, target_alike=True, reduction="mean",
     if t_pl is not None and len(shape) == 1:
         t_pl = None  # a 0-d target cannot be sharded
     with inputs_stay_put() if keeps_layout else contextlib.nullcontext():
-        results = so.run(_loss_case, math.prod(mesh_shape), fn, shape, mesh_shape, x_pl, t_pl, weight_layout,
-                         reduction, weighted, ignore, smoothing, soft)
+        results = so.run(
+            _loss_case,
+            math.prod(mesh_shape),
+            fn,
+            shape,
+            mesh_shape,
+            x_pl,
+            t_pl,
+            weight_layout,
+            reduction,
+            weighted,
+            ignore,
+            smoothing,
+            soft,
+        )
     x, target, weight, upstream = _inputs(shape, weighted=weighted, ignore=ignore, soft=soft)
     x = x.requires_grad_()
     ref = getattr(F, fn)(x, target, **_kwargs(reduction, weight, ignore, smoothing))
@@ -121,10 +156,23 @@ def _grid():
                         for reduction in REDUCTIONS:
                             for weighted in (False, True):
                                 for iname, ignore in IGNORE.items():
-                                    ident = "-".join([fn, sname, "x".join(map(str, mesh_shape)), ".".join(layout),
-                                                      "target-alike" if alike else "target-R", reduction,
-                                                      "weight" if weighted else "noweight", iname])
-                                    cases.append(pytest.param(fn, shape, mesh_shape, layout, alike, reduction, weighted, ignore, id=ident))
+                                    ident = "-".join(
+                                        [
+                                            fn,
+                                            sname,
+                                            "x".join(map(str, mesh_shape)),
+                                            ".".join(layout),
+                                            "target-alike" if alike else "target-R",
+                                            reduction,
+                                            "weight" if weighted else "noweight",
+                                            iname,
+                                        ]
+                                    )
+                                    cases.append(
+                                        pytest.param(
+                                            fn, shape, mesh_shape, layout, alike, reduction, weighted, ignore, id=ident
+                                        )
+                                    )
     return cases
 
 
@@ -165,7 +213,9 @@ KINDS = [
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["cost-model", "inputs-stay"])
-@pytest.mark.parametrize("fn,shape,mesh_shape,layout,alike,reduction,weighted,ignore", KINDS, ids=lambda v: str(v).replace(" ", ""))
+@pytest.mark.parametrize(
+    "fn,shape,mesh_shape,layout,alike,reduction,weighted,ignore", KINDS, ids=lambda v: str(v).replace(" ", "")
+)
 def test_loss_layout_kinds(fn, shape, mesh_shape, layout, alike, reduction, weighted, ignore, sharded):
     _check(fn, shape, mesh_shape, layout, alike, reduction, weighted, ignore, keeps_layout=sharded)
 
@@ -197,13 +247,23 @@ def test_weight_cut_across_nested_class_shards(shape, reduction, sharded):
     """Classes nested over both mesh dims, the weight R then S(0) (found by tests/test_properties.py):
     the weight's chunk does not hold the rank's classes and must be gathered, not sliced."""
     with inputs_stay_put() if sharded else contextlib.nullcontext():
-        _check("nll_loss", shape, (2, 2), ("S0" if len(shape) == 1 else "S1", "R"), False, reduction, True, -100,
-               weight_layout=[Replicate(), Shard(0)])
+        _check(
+            "nll_loss",
+            shape,
+            (2, 2),
+            ("S0" if len(shape) == 1 else "S1", "R"),
+            False,
+            reduction,
+            True,
+            -100,
+            weight_layout=[Replicate(), Shard(0)],
+        )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_loss_all_targets_ignored(reduction):
     """mean over no target is 0/0 = NaN in torch; the gradient is 0."""
+
     def all_ignored(shape, mesh_shape, reduction):
         mesh = so.init_device_mesh("cpu", mesh_shape)
         x = so.distribute_tensor(torch.randn(shape, dtype=torch.float64), mesh, [Shard(1)]).requires_grad_()
@@ -221,9 +281,30 @@ def test_loss_all_targets_ignored(reduction):
 def test_weight_sharded_like_the_classes():
     """A weight laid out Shard(0) next to Shard(1) logits is used as local slices (no gather)."""
     for reduction in REDUCTIONS:
-        _check("cross_entropy", (8, 16), (4,), ("S1",), False, reduction, True, 3, weight_layout=[Shard(0)], keeps_layout=True)
-        _check("nll_loss", (8, 16, 12), (2, 2), ("S0", "S1"), True, reduction, True, -100,
-               weight_layout=[Replicate(), Shard(0)], keeps_layout=True)
+        _check(
+            "cross_entropy",
+            (8, 16),
+            (4,),
+            ("S1",),
+            False,
+            reduction,
+            True,
+            3,
+            weight_layout=[Shard(0)],
+            keeps_layout=True,
+        )
+        _check(
+            "nll_loss",
+            (8, 16, 12),
+            (2, 2),
+            ("S0", "S1"),
+            True,
+            reduction,
+            True,
+            -100,
+            weight_layout=[Replicate(), Shard(0)],
+            keeps_layout=True,
+        )
 
 
 # ------------------------------------------------------------------ label smoothing, probability targets
@@ -244,15 +325,27 @@ def test_label_smoothing(shape, mesh_shape, layout, reduction, sharded):
     with warnings.catch_warnings():
         warnings.simplefilter("error", so.FallbackWarning)
         _check("cross_entropy", shape, mesh_shape, layout, True, reduction, True, 3, smoothing=0.1)
-    _check("cross_entropy", shape, mesh_shape, layout, True, reduction, False, -100, smoothing=0.3, keeps_layout=sharded)
+    _check(
+        "cross_entropy", shape, mesh_shape, layout, True, reduction, False, -100, smoothing=0.3, keeps_layout=sharded
+    )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape", [(1, 1), (8, 16)], ids=lambda v: "x".join(map(str, v)))
 def test_label_smoothing_with_sharded_weight(shape, reduction):
     """weight.gather(0, target) on a sharded weight: picks from the owning shard, P(sum)."""
-    _check("cross_entropy", shape, (2, 2), ("R", "R"), False, reduction, True, -100, smoothing=0.1,
-           weight_layout=[Replicate(), Shard(0)])
+    _check(
+        "cross_entropy",
+        shape,
+        (2, 2),
+        ("R", "R"),
+        False,
+        reduction,
+        True,
+        -100,
+        smoothing=0.1,
+        weight_layout=[Replicate(), Shard(0)],
+    )
     _check("cross_entropy", shape, (4,), ("S1",), False, reduction, True, 0, smoothing=0.1, weight_layout=[Shard(0)])
 
 
@@ -262,8 +355,22 @@ def test_label_smoothing_with_sharded_weight(shape, reduction):
 def test_probability_targets(layout, weighted, sharded):
     """Float targets: log_softmax, mul (by target and weight), sum, neg, div (torch 2.13 CPU)."""
     mesh_shape = (4,) if len(layout) == 1 else (2, 2)
-    _check("cross_entropy", (8, 16), mesh_shape, layout, False, "mean", weighted, None, smoothing=0.2, soft=True, keeps_layout=sharded)
-    _check("cross_entropy", (8, 16, 3), mesh_shape, layout, False, "sum", weighted, None, soft=True, keeps_layout=sharded)
+    _check(
+        "cross_entropy",
+        (8, 16),
+        mesh_shape,
+        layout,
+        False,
+        "mean",
+        weighted,
+        None,
+        smoothing=0.2,
+        soft=True,
+        keeps_layout=sharded,
+    )
+    _check(
+        "cross_entropy", (8, 16, 3), mesh_shape, layout, False, "sum", weighted, None, soft=True, keeps_layout=sharded
+    )
     _check("cross_entropy", (8, 16), mesh_shape, layout, False, "none", weighted, None, soft=True, keeps_layout=sharded)
 
 
@@ -294,15 +401,23 @@ def _ce_bytes_case():
     weight = torch.rand(CLASSES, generator=g) + 0.5
     x = so.distribute_tensor(logits, mesh, [Shard(1)]).requires_grad_()
     with so.CommDebugMode() as comm:
-        loss = F.cross_entropy(x, _replicated(target, mesh), weight=_replicated(weight, mesh), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(
+            x, _replicated(target, mesh), weight=_replicated(weight, mesh), ignore_index=IGNORE_INDEX
+        )
         value = loss.full_tensor()
         forward_rounds = comm.get_rounds()
         value.backward()
     ref_x = logits.clone().requires_grad_()
     ref = F.cross_entropy(ref_x, target, weight=weight, ignore_index=IGNORE_INDEX)
     ref.backward()
-    return (comm.get_comm_counts(), comm.get_total_bytes(), forward_rounds, x.grad.placements,
-            torch.allclose(value, ref), torch.allclose(x.grad.full_tensor(), ref_x.grad, atol=1e-7))
+    return (
+        comm.get_comm_counts(),
+        comm.get_total_bytes(),
+        forward_rounds,
+        x.grad.placements,
+        torch.allclose(value, ref),
+        torch.allclose(x.grad.full_tensor(), ref_x.grad, atol=1e-7),
+    )
 
 
 def test_cross_entropy_bytes_and_rounds():
@@ -343,7 +458,10 @@ def test_target_out_of_range_names_the_op(fn, bad, x_layout, t_layout):
     with pytest.raises(IndexError):
         getattr(F, fn)(torch.randn(8, BAD_CLASSES), target)  # torch's own behaviour
     # With a sharded target only the rank holding the bad value raises; the others are released.
-    with pytest.raises(so.ShardingError, match=rf"nll_loss_forward.default: target value {bad} is out of range for {BAD_CLASSES} classes"):
+    with pytest.raises(
+        so.ShardingError,
+        match=rf"nll_loss_forward.default: target value {bad} is out of range for {BAD_CLASSES} classes",
+    ):
         so.run(_bad_target_case, 4, target, fn, x_layout, t_layout)
 
 

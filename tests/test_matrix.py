@@ -4,6 +4,7 @@ bytes (forward and backward), all in strict mode.
 Bytes are asserted on mesh (4,) for the layouts of Megatron-style tensor parallelism; a grid
 over operand layouts x matmul ranks 1-D..4-D is sampled by default and exhaustive with -m slow.
 """
+
 import itertools
 import random
 
@@ -110,7 +111,12 @@ def test_heads_sharded_attention_scores_move_nothing(form):
 def test_sequence_parallel_linear_after_merging_batch_and_sequence_moves_nothing(mesh_shape, layout):
     """[b, s, h] with s sharded -> [b*s, h] is StridedShard(0, b) (with batches sharded on dp too:
     (S(0), StridedShard(0, b/dp))): the product and the view back keep it."""
-    r = check(linear, [make((4, 10, 8), 0), make((OUT, 8), 1), make((OUT,), 2)], mesh_shape, [layout, (R,) * len(mesh_shape), (R,) * len(mesh_shape)])
+    r = check(
+        linear,
+        [make((4, 10, 8), 0), make((OUT, 8), 1), make((OUT,), 2)],
+        mesh_shape,
+        [layout, (R,) * len(mesh_shape), (R,) * len(mesh_shape)],
+    )
     assert r.nbytes == 0, r.counts
     assert r.out_layout == layout
     assert r.grad_layouts[0] == layout
@@ -120,7 +126,11 @@ def test_sequence_parallel_linear_after_merging_batch_and_sequence_moves_nothing
 
 
 @pytest.mark.parametrize("beta,alpha", [(1, 1), (0.5, 2.0), (0, 1)])
-@pytest.mark.parametrize("layouts", [[(R,), (S(1),), (S(0),)], [(S(0),), (R,), (S(1),)], [(S(1),), (S(0),), (R,)], [(R,), (S(0),), (R,)]], ids=["row", "col", "rowbias", "m1"])
+@pytest.mark.parametrize(
+    "layouts",
+    [[(R,), (S(1),), (S(0),)], [(S(0),), (R,), (S(1),)], [(S(1),), (S(0),), (R,)], [(R,), (S(0),), (R,)]],
+    ids=["row", "col", "rowbias", "m1"],
+)
 def test_addmm_bias_added_once(beta, alpha, layouts):
     fn = lambda bias, a, b: torch.addmm(bias, a, b, beta=beta, alpha=alpha)  # noqa: E731
     fulls = [make((OUT,), 0), make((SEQ, HID), 1), make((HID, OUT), 2)]
@@ -176,9 +186,21 @@ def test_partial_times_replicate_stays_pending():
         torch.testing.assert_close(z, (a @ b).t(), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("mesh_shape,layouts", [((4,), [(R,), (S(0),), (S(0),)]), ((4,), [(S(2),), (S(1),), (R,)]), ((2, 2), [(S(0), R), (R, S(0)), (R, S(0))]), ((2, 2), [(S(1), S(2)), (R, S(1)), (R, R)])])
+@pytest.mark.parametrize(
+    "mesh_shape,layouts",
+    [
+        ((4,), [(R,), (S(0),), (S(0),)]),
+        ((4,), [(S(2),), (S(1),), (R,)]),
+        ((2, 2), [(S(0), R), (R, S(0)), (R, S(0))]),
+        ((2, 2), [(S(1), S(2)), (R, S(1)), (R, R)]),
+    ],
+)
 def test_linear_bfloat16(mesh_shape, layouts):
-    fulls = [make((4, SEQ, HID), 0, torch.bfloat16), make((OUT, HID), 1, torch.bfloat16), make((OUT,), 2, torch.bfloat16)]
+    fulls = [
+        make((4, SEQ, HID), 0, torch.bfloat16),
+        make((OUT, HID), 1, torch.bfloat16),
+        make((OUT,), 2, torch.bfloat16),
+    ]
     check(linear, fulls, mesh_shape, layouts)
 
 
@@ -196,8 +218,8 @@ def test_2d_mesh_data_and_tensor_parallel_mlp_moves_nothing():
 def _matmul_shapes(na: int, nb: int) -> tuple[tuple, tuple]:
     """Operand shapes for torch.matmul of ranks na, nb: batch (3, 2), m 5, k 6 (uneven on 4), n 7."""
     m, k, n = 5, 6, 7
-    a = (k,) if na == 1 else (3, 2, m, k)[4 - na:]
-    b = (k,) if nb == 1 else (3, 2, k, n)[4 - nb:]
+    a = (k,) if na == 1 else (3, 2, m, k)[4 - na :]
+    b = (k,) if nb == 1 else (3, 2, k, n)[4 - nb :]
     if na >= 3 and nb >= 3 and na != nb:  # broadcast one batch dim
         b = b[:-3] + (1,) + b[-2:] if nb == 4 else b
     return a, b
@@ -259,6 +281,8 @@ def test_explain_matmul_on_8x8():
 def test_explain_cli_matmul(capsys):
     from shardops import cli
 
-    code = cli.main(["explain", "matmul(x, w)", "--mesh", "8x8", "--x", "f32[1024,4096]:S(0),R", "--w", "f32[4096,4096]:R,S(1)"])
+    code = cli.main(
+        ["explain", "matmul(x, w)", "--mesh", "8x8", "--x", "f32[1024,4096]:S(0),R", "--w", "f32[4096,4096]:R,S(1)"]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "aten.mm.default" in out and "no sharded strategy" not in out

@@ -7,6 +7,7 @@ cross-entropy over f32[64, 128000] on 4 ranks holds a local shard of f32[64, 320
 (8 MB); every temporary must stay within 2x of that. A gather of the vocabulary would make
 a 32 MB tensor, which the control test shows the recorder catches.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardops as so
-from shardops.parallel import loss_parallel
 from shardops import Shard
+from shardops.parallel import loss_parallel
 
 try:
     from .test_properties import OPS, missing
@@ -95,7 +96,9 @@ def _peak_during(step) -> tuple[tuple[int, str, tuple[int, ...]], int, int]:
 CROSS_ENTROPY_MISSING = missing(OPS["loss.cross_entropy"].needs)
 
 
-@pytest.mark.xfail(bool(CROSS_ENTROPY_MISSING), reason=f"cross-entropy is not sharded yet: {CROSS_ENTROPY_MISSING}", strict=True)
+@pytest.mark.xfail(
+    bool(CROSS_ENTROPY_MISSING), reason=f"cross-entropy is not sharded yet: {CROSS_ENTROPY_MISSING}", strict=True
+)
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_vocab_parallel_loss_temporaries_within_2x_local_shard(name):
     loss_fn = LOSSES[name]

@@ -6,6 +6,7 @@ results); 0-d tensors and Python scalars are implicit Replicate; inside
 `shardops.experimental.implicit_replication()` the caller vouches for equal copies.
 Every result is compared with single-device torch computed here.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,7 +66,12 @@ def test_scalars_zero_dim_tensors_and_the_opt_in_stay_replicate():
         torch.testing.assert_close(c, full + 1)
         assert placements == [(Shard(0),)] * 3
     with implicit_replication():  # a block around so.run reaches every rank thread (a copy of the context)
-        out = so.run(lambda: (so.distribute_tensor(full, so.init_device_mesh("cpu", (2,)), [Shard(0)]) + torch.ones(8)).full_tensor(), 2)
+        out = so.run(
+            lambda: (
+                so.distribute_tensor(full, so.init_device_mesh("cpu", (2,)), [Shard(0)]) + torch.ones(8)
+            ).full_tensor(),
+            2,
+        )
     torch.testing.assert_close(out[0], full + 1)
 
 
@@ -208,7 +214,10 @@ def test_autograds_own_constant_tensors_in_a_backward_pass_are_taken_as_replicat
     that need no gradient, prod's ones): they meet DTensor gradients inside backward and must pass;
     the gradients equal single-device torch's."""
     g = torch.Generator().manual_seed(3)
-    full, values = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    full, values = (
+        torch.randn(8, 6, generator=g, dtype=torch.float64),
+        torch.randn(3, 6, generator=g, dtype=torch.float64),
+    )
     rows = torch.tensor([1, 4, 6])
     ref = full.clone().requires_grad_()
     (ref.index_put((rows,), values).sum() + ref.prod(1).sum()).backward()

@@ -1,14 +1,15 @@
 """var / std / var_mean / std_mean on every layout against single-device torch, the one-round Chan
 merge (bytes, rounds, accuracy for data with a large mean), and the local backward."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import shardops as so
-from shardops import Replicate, Shard
 from algo_harness import latency_only_links, run_case  # noqa: F401  (fixture)
 from reduction_harness import Grid, Op, check_bad_dim_refused
+from shardops import Replicate, Shard
 
 f64, f32 = torch.float64, torch.float32
 
@@ -35,7 +36,11 @@ OPS = [
     Op("std_mean_all_unbiased_false", lambda x: torch.std_mean(x, unbiased=False), grad=True),
     # aten overloads called directly take the same local backward
     Op("aten_var_default", lambda x: torch.ops.aten.var.default(x, False), grad=True),
-    Op("aten_var_correction_keepdim", lambda x: torch.ops.aten.var.correction(x, [1], correction=0, keepdim=True), grad=True),
+    Op(
+        "aten_var_correction_keepdim",
+        lambda x: torch.ops.aten.var.correction(x, [1], correction=0, keepdim=True),
+        grad=True,
+    ),
     Op("aten_std_dim", lambda x: torch.ops.aten.std.dim(x, [0]), grad=True),
     Op("aten_std_mean_dim", lambda x: torch.ops.aten.std_mean.dim(x, [-1], True, True), grad=True),
     Op("aten_var_mean_correction", lambda x: torch.ops.aten.var_mean.correction(x, None, correction=2), grad=True),
@@ -53,8 +58,22 @@ ALGO_CASES = [
     ("var-mesh4-empty", (4,), [Shard(1)], (3, 9), lambda x: x.var(1), (Replicate(),)),
     ("std-mesh4-uneven-keepdim", (4,), [Shard(0)], (10, 3), lambda x: x.std(0, keepdim=True), (Replicate(),)),
     ("var_mean-mesh4-all", (4,), [Shard(1)], (3, 9), lambda x: torch.var_mean(x), (Replicate(),)),
-    ("var-nested-empty", (2, 2), [Shard(1), Shard(1)], (4, 3), lambda x: x.var(1, correction=0), (Replicate(), Replicate())),
-    ("std_mean-2d-both-reduced", (2, 2), [Shard(0), Shard(1)], (3, 5), lambda x: torch.std_mean(x, (0, 1)), (Replicate(), Replicate())),
+    (
+        "var-nested-empty",
+        (2, 2),
+        [Shard(1), Shard(1)],
+        (4, 3),
+        lambda x: x.var(1, correction=0),
+        (Replicate(), Replicate()),
+    ),
+    (
+        "std_mean-2d-both-reduced",
+        (2, 2),
+        [Shard(0), Shard(1)],
+        (3, 5),
+        lambda x: torch.std_mean(x, (0, 1)),
+        (Replicate(), Replicate()),
+    ),
     ("var-2d-kept-shard", (2, 2), [Shard(1), Shard(0)], (6, 7), lambda x: x.var(1), (Replicate(), Shard(0))),
 ]
 
@@ -64,7 +83,10 @@ def test_chan_merge_one_round(latency_only_links, case, mesh_shape, placements, 
     full = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=f64)
     got = run_case(fn, full, mesh_shape, placements)
     assert all(pl == want for pl in got.layouts)
-    assert (got.rounds, got.counts) == (1, {"all_gather": 1})  # one gather over every mesh dim that shards a reduced dim
+    assert (got.rounds, got.counts) == (
+        1,
+        {"all_gather": 1},
+    )  # one gather over every mesh dim that shards a reduced dim
     assert got.grad_layout == tuple(placements)
 
 
@@ -149,7 +171,9 @@ def test_backward_is_local():
     assert (counts, layout) == (0, (Shard(1),))
 
 
-@pytest.mark.parametrize("call", [lambda x: x.var(-3), lambda x: torch.std_mean(x, 2), lambda x: torch.var(x, (0, 7), correction=0)])
+@pytest.mark.parametrize(
+    "call", [lambda x: x.var(-3), lambda x: torch.std_mean(x, 2), lambda x: torch.var(x, (0, 7), correction=0)]
+)
 def test_bad_dim_is_a_sharding_error(call):
     check_bad_dim_refused(call, r"dim .* out of range")
 

@@ -4,6 +4,7 @@ gradients, layouts, bytes and rounds.
 Backward form: `y.backward(g)` with g a DTensor laid out like y, so the bytes counted are
 the norm's own (a `.sum()` would add a reduction's collectives).
 """
+
 import math
 import random
 
@@ -49,8 +50,8 @@ def _data(shape, k, affine, dtype, large_mean=False):
     x = torch.randn(shape, generator=g, dtype=torch.float64)
     if large_mean:  # a float32 sum of squares loses everything here; (mean, M2) in float64 does not
         x = x + 1e4
-    w = torch.randn(shape[len(shape) - k:], generator=g, dtype=torch.float64) if affine else None
-    b = torch.randn(shape[len(shape) - k:], generator=g, dtype=torch.float64) if affine else None
+    w = torch.randn(shape[len(shape) - k :], generator=g, dtype=torch.float64) if affine else None
+    b = torch.randn(shape[len(shape) - k :], generator=g, dtype=torch.float64) if affine else None
     grad = torch.randn(shape, generator=g, dtype=torch.float64)
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     return cast(x), cast(w), cast(b), cast(grad)
@@ -65,7 +66,7 @@ def _call(kind, x, normalized_shape, w, b, eps):
 def _reference(kind, shape, k, affine, dtype, eps, large_mean=False):
     x, w, b, grad = _data(shape, k, affine, dtype, large_mean)
     leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
-    y = _call(kind, leaves[0], shape[len(shape) - k:], leaves[1], leaves[2] if kind == "layer_norm" else None, eps)
+    y = _call(kind, leaves[0], shape[len(shape) - k :], leaves[1], leaves[2] if kind == "layer_norm" else None, eps)
     y.backward(grad)
     return y.detach(), [t.grad if t is not None else None for t in leaves]
 
@@ -85,9 +86,20 @@ def _sharded(kind, mesh_shape, placements, k, affine, affine_like_input, shape, 
     with so.CommDebugMode() as backward:
         y.backward(g)
     grads = [t.grad.full_tensor() if t is not None else None for t in (xd, wd, bd)]
-    layouts = {"y": y.placements, "x": xd.placements, "dx": xd.grad.placements,
-               "dw": wd.grad.placements if affine else None, "db": bd.grad.placements if bd is not None else None}
-    return y.full_tensor(), grads, layouts, (forward.get_total_bytes(), forward.get_rounds(), forward.log), forward.log + backward.log
+    layouts = {
+        "y": y.placements,
+        "x": xd.placements,
+        "dx": xd.grad.placements,
+        "dw": wd.grad.placements if affine else None,
+        "db": bd.grad.placements if bd is not None else None,
+    }
+    return (
+        y.full_tensor(),
+        grads,
+        layouts,
+        (forward.get_total_bytes(), forward.get_rounds(), forward.log),
+        forward.log + backward.log,
+    )
 
 
 def _assert_close(got, want, dtype):
@@ -95,10 +107,13 @@ def _assert_close(got, want, dtype):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-def _check(kind, mesh_shape, placements, k, affine, affine_like_input=False, shape=SHAPE, dtype=torch.float64, eps=1e-5):
+def _check(
+    kind, mesh_shape, placements, k, affine, affine_like_input=False, shape=SHAPE, dtype=torch.float64, eps=1e-5
+):
     want_y, want_grads = _reference(kind, shape, k, affine, dtype, eps)
-    y, grads, layouts, _, _ = so.run(_sharded, math.prod(mesh_shape), kind, mesh_shape, placements, k, affine,
-                                     affine_like_input, shape, dtype, eps)[0]
+    y, grads, layouts, _, _ = so.run(
+        _sharded, math.prod(mesh_shape), kind, mesh_shape, placements, k, affine, affine_like_input, shape, dtype, eps
+    )[0]
     _assert_close(y, want_y, dtype)
     for got, want in zip(grads, want_grads):
         if want is not None and got is not None:
@@ -110,6 +125,7 @@ def _check(kind, mesh_shape, placements, k, affine, affine_like_input=False, sha
 
 
 # ------------------------------------------------------------------ the (20, 5, 10) grid
+
 
 def _grid_id(kind, mesh, name, k, affine, like):
     weights = ("-affine-wsharded" if like else "-affine") if affine else "-plain"
@@ -170,7 +186,8 @@ ALGO_ROWS = 6
 def test_sharded_algorithm_empty_shard_exact_bytes(kind, affine):
     want_y, want_grads = _reference(kind, ALGO_SHAPE, 2, affine, torch.float64, 1e-5)
     y, grads, layouts, (fwd_bytes, fwd_rounds, _), log = so.run(
-        _sharded, 4, kind, (4,), [Shard(1)], 2, affine, True, ALGO_SHAPE, torch.float64, 1e-5)[0]
+        _sharded, 4, kind, (4,), [Shard(1)], 2, affine, True, ALGO_SHAPE, torch.float64, 1e-5
+    )[0]
     _assert_close(y, want_y, torch.float64)
     for got, want in zip(grads, want_grads):
         if want is not None:
@@ -186,16 +203,20 @@ def test_sharded_algorithm_empty_shard_exact_bytes(kind, affine):
 
 
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("placements,dw", [
-    pytest.param([Shard(0), Shard(2)], (Replicate(), Shard(1)), id="outer+normalized"),
-    pytest.param([Shard(2), Shard(2)], (Shard(1), Shard(1)), id="nested"),
-    pytest.param([StridedShard(2, 2), Shard(2)], (StridedShard(1, 2), Shard(1)), id="strided"),
-])
+@pytest.mark.parametrize(
+    "placements,dw",
+    [
+        pytest.param([Shard(0), Shard(2)], (Replicate(), Shard(1)), id="outer+normalized"),
+        pytest.param([Shard(2), Shard(2)], (Shard(1), Shard(1)), id="nested"),
+        pytest.param([StridedShard(2, 2), Shard(2)], (StridedShard(1, 2), Shard(1)), id="strided"),
+    ],
+)
 def test_sharded_algorithm_mesh2x2(kind, placements, dw):
     shape = (4, 3, 64)
     want_y, want_grads = _reference(kind, shape, 2, True, torch.float64, 1e-5)
     y, grads, layouts, (_, fwd_rounds, _), _ = so.run(
-        _sharded, 4, kind, (2, 2), placements, 2, True, True, shape, torch.float64, 1e-5)[0]
+        _sharded, 4, kind, (2, 2), placements, 2, True, True, shape, torch.float64, 1e-5
+    )[0]
     _assert_close(y, want_y, torch.float64)
     for got, want in zip(grads, want_grads):
         if want is not None:
@@ -228,7 +249,11 @@ def _acceptance(kind):
     g = torch.Generator().manual_seed(7)
     x = so.distribute_tensor(torch.randn(8, 16, 1024, generator=g), mesh, [Shard(2)]).requires_grad_()
     w = so.distribute_tensor(torch.randn(1024, generator=g), mesh, [R]).requires_grad_()
-    b = so.distribute_tensor(torch.randn(1024, generator=g), mesh, [R]).requires_grad_() if kind == "layer_norm" else None
+    b = (
+        so.distribute_tensor(torch.randn(1024, generator=g), mesh, [R]).requires_grad_()
+        if kind == "layer_norm"
+        else None
+    )
     grad = so.distribute_tensor(torch.randn(8, 16, 1024, generator=g), mesh, [Shard(2)])
     with so.CommDebugMode() as comm:
         y = _call(kind, x, (1024,), w, b, 1e-5)
@@ -310,10 +335,14 @@ def test_inplace_add_resolves_pending_sum(source):
     torch.testing.assert_close(value, full.pow(2).mean(-1, keepdim=True) + 1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "runtime: the decomposed backward resolves the pending row sum by reduce_scatter onto S(0) "
-    "(cheaper than all_reduce, one op at a time), expands it, then meets x in S(2): two all_to_alls "
-    "of the whole shard. F.rms_norm itself never takes this path (ops/normalization.rms_norm)."))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "runtime: the decomposed backward resolves the pending row sum by reduce_scatter onto S(0) "
+        "(cheaper than all_reduce, one op at a time), expands it, then meets x in S(2): two all_to_alls "
+        "of the whole shard. F.rms_norm itself never takes this path (ops/normalization.rms_norm)."
+    ),
+)
 def test_decomposed_rms_norm_backward_stays_small():
     _need_mean()
     *_, backward, dx_layout = so.run(_decomposed, 4, (8, 16, 1024))[0]

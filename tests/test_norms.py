@@ -1,6 +1,7 @@
 """Vector norms (linalg_vector_norm, norm, dist, _foreach_norm) on every layout against single-device
 torch, pending NormPartial outputs, the sharded backward, stack/cat of pending norms, and
 clip_grad_norm_ over many sharded parameters with one collective per reducing mesh dim."""
+
 from __future__ import annotations
 
 import math
@@ -9,9 +10,9 @@ import pytest
 import torch
 
 import shardops as so
-from shardops import NormPartial, Partial, Replicate, Shard
 from algo_harness import bandwidth_only_links, run_case  # noqa: F401  (fixture)
 from reduction_harness import Grid, Op, check_bad_dim_refused
+from shardops import NormPartial, Partial, Replicate, Shard
 
 f64, f32 = torch.float64, torch.float32
 INF = math.inf
@@ -143,7 +144,12 @@ def test_stack_keeps_pending_norms_together(bandwidth_only_links, op):
         with so.CommDebugMode() as comm:
             joined = torch.stack(norms) if op == "stack" else torch.cat([n.reshape(1) for n in norms])
             total = vector_norm(joined, 2.5)
-        return [tuple(n.placements) for n in norms], tuple(total.placements), comm.get_total_counts(), total.full_tensor()
+        return (
+            [tuple(n.placements) for n in norms],
+            tuple(total.placements),
+            comm.get_total_counts(),
+            total.full_tensor(),
+        )
 
     norms_layouts, total_layout, counts, got = so.run(body, 4)[0]
     P = NormPartial(2.5)
@@ -194,7 +200,13 @@ def test_bytes_of_norm_over_sharded_dim(wide, p):
             y = vector_norm(x, p, 1)
         with so.CommDebugMode() as with_full:
             full = vector_norm(x, p, 1).full_tensor()
-        return op_only.get_total_counts(), tuple(y.placements), with_full.get_total_bytes(), with_full.get_comm_counts(), full
+        return (
+            op_only.get_total_counts(),
+            tuple(y.placements),
+            with_full.get_total_bytes(),
+            with_full.get_comm_counts(),
+            full,
+        )
 
     counts, layout, nbytes, kinds, got = so.run(body, RANKS)[0]
     # the local norm is pending; full_tensor() all-reduces one f32 per row
@@ -246,7 +258,11 @@ CLIP_SHAPES = [(64, 30), (26, 72), (48, 47), (33, 64)]
 def _clip_params():
     g = torch.Generator().manual_seed(11)
     return [
-        (torch.randn(CLIP_SHAPES[i % 4], generator=g), torch.randn(CLIP_SHAPES[i % 4], generator=g), CLIP_LAYOUTS[i % 8])
+        (
+            torch.randn(CLIP_SHAPES[i % 4], generator=g),
+            torch.randn(CLIP_SHAPES[i % 4], generator=g),
+            CLIP_LAYOUTS[i % 8],
+        )
         for i in range(16)
     ]
 
@@ -269,7 +285,12 @@ def test_clip_grad_norm_one_collective_per_reducing_mesh_dim(foreach, p):
             dparams.append(prm)
         with so.CommDebugMode() as comm:
             total = torch.nn.utils.clip_grad_norm_(dparams, max_norm=1.0, norm_type=p, foreach=foreach)
-        return comm.get_comm_counts(), comm.get_total_bytes(), total.full_tensor(), [q.grad.full_tensor() for q in dparams]
+        return (
+            comm.get_comm_counts(),
+            comm.get_total_bytes(),
+            total.full_tensor(),
+            [q.grad.full_tensor() for q in dparams],
+        )
 
     counts, nbytes, total, grads = so.run(body, 4)[0]
     ref = [torch.nn.Parameter(w.clone()) for w, _, _ in params]
@@ -293,7 +314,9 @@ def test_clip_grad_norm_one_collective_per_reducing_mesh_dim(foreach, p):
 # ------------------------------------------------------------------ errors and other dtypes
 
 
-@pytest.mark.parametrize("call", [lambda x: vector_norm(x, 2, 3), lambda x: x.norm(dim=(0, 4)), lambda x: torch.norm(x, 3, -3)])
+@pytest.mark.parametrize(
+    "call", [lambda x: vector_norm(x, 2, 3), lambda x: x.norm(dim=(0, 4)), lambda x: torch.norm(x, 3, -3)]
+)
 def test_bad_dim_is_a_sharding_error(call):
     check_bad_dim_refused(call, r"dim .* out of range")
 

@@ -1,12 +1,13 @@
 """median, nanmedian, kthvalue and mode on every layout against single-device torch."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import shardops as so
-from shardops import Shard
 from reduction_harness import Grid, Op
+from shardops import Shard
 
 OPS = [
     Op("median", lambda x: x.median(), data="ties", grad=True),
@@ -17,7 +18,9 @@ OPS = [
     Op("nanmedian", lambda x: x.nanmedian(), data="nan", grad=True, partial_ok=False),
     Op("nanmedian_dim0", lambda x: torch.nanmedian(x, 0), data="nan", grad=True, partial_ok=False),
     Op("nanmedian_dim-1_keepdim", lambda x: x.nanmedian(-1, keepdim=True), data="ties", grad=True),
-    Op("kthvalue_k1_dim0", lambda x: torch.kthvalue(x, 1, 0), data="ties", grad=True, shapes=("even", "uneven", "tiny")),
+    Op(
+        "kthvalue_k1_dim0", lambda x: torch.kthvalue(x, 1, 0), data="ties", grad=True, shapes=("even", "uneven", "tiny")
+    ),
     Op("kthvalue_k2_last", lambda x: x.kthvalue(2), data="ties", grad=True),
     Op("kthvalue_k3_dim1_keepdim", lambda x: torch.kthvalue(x, 3, 1, keepdim=True), data="randn", grad=True),
     Op("kthvalue_int", lambda x: x.kthvalue(2, 0), data="int", dtype=torch.int64),

@@ -4,6 +4,7 @@ optimizers on DTensor parameters, and small models trained against single-device
 The styles against torch's own parallelize_module (same module, same inputs, 4 gloo
 processes) are in test_parallel_torch.py.
 """
+
 import copy
 
 import pytest
@@ -12,8 +13,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardops as so
-from shardops.experimental import implicit_replication
+from parallel_harness import (
+    check_training,
+    has_strategies,
+    reference_training,
+    sharded_training,
+    strict,
+    tied_gpt2_reference,
+)
 from shardops import Replicate, Shard
+from shardops.experimental import implicit_replication
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 from shardops.parallel import (
     ColwiseParallel,
@@ -26,7 +35,6 @@ from shardops.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from parallel_harness import check_training, has_strategies, reference_training, sharded_training, strict, tied_gpt2_reference
 
 MESHES = [((4,), None), ((2, 2), "replicate"), ((2, 2), "shard")]
 MESH_IDS = ["tp4", "dp2xtp2-replicate", "dp2xtp2-shard"]
@@ -71,7 +79,9 @@ def test_plan_keys_with_wildcards_and_dotted_paths():
     def main():
         m = copy.deepcopy(ref)
         plan = {
-            "layers.*.w1": ColwiseParallel(), "layers.[02].w2": RowwiseParallel(), "layers.1.w2": RowwiseParallel(use_local_output=False),
+            "layers.*.w1": ColwiseParallel(),
+            "layers.[02].w2": RowwiseParallel(),
+            "layers.1.w2": RowwiseParallel(use_local_output=False),
             "nothing.*": ColwiseParallel(),
         }
         parallelize_module(m, _tp_mesh(), plan)
@@ -79,7 +89,9 @@ def test_plan_keys_with_wildcards_and_dotted_paths():
         out = m(x)
         return placements, out.full_tensor() if isinstance(out, so.DTensor) else out
 
-    with pytest.warns(UserWarning, match="'nothing.*' could not be resolved"):  # (warnings from rank threads: checked here)
+    with pytest.warns(
+        UserWarning, match="'nothing.*' could not be resolved"
+    ):  # (warnings from rank threads: checked here)
         placements, out = so.run(main, 4)[0]
     for i in range(3):
         assert placements[f"layers.{i}.w1.weight"] == (Shard(0),) and placements[f"layers.{i}.w1.bias"] == (Shard(0),)
@@ -130,9 +142,15 @@ def test_tied_embeddings_stay_tied(layouts):
     """torch's parallelize_module unties them silently; here the gradient equals single-device."""
     args, tokens, targets, ref = tied_gpt2_reference(3)
     if layouts == "same":  # table Shard(0) for both (vocabulary parallel)
-        plan = {"wte": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        plan = {
+            "wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
     else:  # embedding sharded on its hidden dim (Shard(1)), output projection on the vocabulary (Shard(0))
-        plan = {"wte": ColwiseParallel(output_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        plan = {
+            "wte": ColwiseParallel(output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
 
     def main():
         m = GPT2(args)
@@ -170,10 +188,14 @@ def test_prepare_module_input_positional_and_keyword(use_local):
         rank = mesh.get_local_rank()
         m = Recorder()
         parallelize_module(
-            m, mesh,
+            m,
+            mesh,
             PrepareModuleInput(
-                input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None),
-                input_kwarg_layouts={"z": Shard(0)}, desired_input_kwarg_layouts={"z": Replicate()}, use_local_output=use_local,
+                input_layouts=(Shard(0), None),
+                desired_input_layouts=(Replicate(), None),
+                input_kwarg_layouts={"z": Shard(0)},
+                desired_input_kwarg_layouts={"z": Replicate()},
+                use_local_output=use_local,
             ),
         )
         out, _ = m(x.chunk(4)[rank], y, z=z.chunk(4)[rank])
@@ -202,14 +224,22 @@ def test_prepare_module_output_and_input_output():
         mesh = _tp_mesh()
         rank = mesh.get_local_rank()
         only_out = Double()
-        parallelize_module(only_out, mesh, PrepareModuleOutput(output_layouts=(Replicate(), None), desired_output_layouts=(Shard(0), None)))
+        parallelize_module(
+            only_out,
+            mesh,
+            PrepareModuleOutput(output_layouts=(Replicate(), None), desired_output_layouts=(Shard(0), None)),
+        )
         a, s = only_out(x)
         both = Double()
         parallelize_module(
-            both, mesh,
+            both,
+            mesh,
             PrepareModuleInputOutput(
-                input_layouts=Shard(0), desired_input_layouts=Replicate(), output_layouts=(Replicate(), Replicate()),
-                desired_output_layouts=(Shard(0), Replicate()), use_local_output=False,
+                input_layouts=Shard(0),
+                desired_input_layouts=Replicate(),
+                output_layouts=(Replicate(), Replicate()),
+                desired_output_layouts=(Shard(0), Replicate()),
+                use_local_output=False,
             ),
         )
         b, t = both(x.chunk(4)[rank])
@@ -234,10 +264,14 @@ def test_distribute_module_partition_and_hooks():
 
         def partition(name, module, mesh):
             if isinstance(module, nn.Linear):
-                module.register_parameter("weight", nn.Parameter(so.distribute_tensor(module.weight.detach(), mesh, [Shard(0)])))
+                module.register_parameter(
+                    "weight", nn.Parameter(so.distribute_tensor(module.weight.detach(), mesh, [Shard(0)]))
+                )
 
         so.distribute_module(
-            m, mesh, partition,
+            m,
+            mesh,
+            partition,
             input_fn=lambda mod, inputs, mesh: so.DTensor.from_local(inputs[0], mesh, [Replicate()]),
             output_fn=lambda mod, out, mesh: out.full_tensor(),
         )
@@ -379,7 +413,9 @@ class MLP(nn.Module):
 
 
 MLP_PLAN = {
-    "": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1)),  # the root: sequence-shard the input
+    "": PrepareModuleInput(
+        input_layouts=Replicate(), desired_input_layouts=Shard(1)
+    ),  # the root: sequence-shard the input
     "norm": SequenceParallel(),
     "w1": ColwiseParallel(input_layouts=Shard(1)),
     "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
@@ -390,8 +426,9 @@ def _mse(out, target):
     return ((out - target) ** 2).mean()
 
 
-@pytest.mark.parametrize("mesh_shape,mode", MESHES + [((4,), "replicate"), ((4,), "shard")],
-                         ids=MESH_IDS + ["dp4-replicate", "dp4-shard"])
+@pytest.mark.parametrize(
+    "mesh_shape,mode", MESHES + [((4,), "replicate"), ((4,), "shard")], ids=MESH_IDS + ["dp4-replicate", "dp4-shard"]
+)
 def test_mlp_trains_like_single_device(mesh_shape, mode):
     g = torch.Generator().manual_seed(12)
     x, target = torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 16, generator=g)
@@ -405,7 +442,9 @@ def test_mlp_trains_like_single_device(mesh_shape, mode):
 
 def _lm_data(args, batch=4, seq=8, seed=13):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, args.vocab_size, (batch, seq), generator=g), torch.randint(0, args.vocab_size, (batch, seq), generator=g)
+    return torch.randint(0, args.vocab_size, (batch, seq), generator=g), torch.randint(
+        0, args.vocab_size, (batch, seq), generator=g
+    )
 
 
 LM = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}
@@ -462,7 +501,11 @@ class Scale(nn.Module):
 
 EXPECTED_DP_COMMS = {  # per step, for the 2 parameters (see data_parallel's module doc)
     "replicate": ({}, {}, {"all_reduce": 2}),  # forward, backward, optimizer step: each gradient synchronised once
-    "shard": ({"all_gather": 2}, {"reduce_scatter": 2}, {}),  # gathered for compute, gradient reduce-scattered, local step
+    "shard": (
+        {"all_gather": 2},
+        {"reduce_scatter": 2},
+        {},
+    ),  # gathered for compute, gradient reduce-scattered, local step
 }
 
 
@@ -497,7 +540,11 @@ def test_data_parallel_collectives_per_step(mode):
                 with so.CommDebugMode() as step:
                     opt.step()
                 comms.append((fwd.get_comm_counts(), bwd.get_comm_counts(), step.get_comm_counts()))
-        return comms, {n: p.detach().full_tensor() for n, p in m.named_parameters()}, [p.placements for p in m.parameters()]
+        return (
+            comms,
+            {n: p.detach().full_tensor() for n, p in m.named_parameters()},
+            [p.placements for p in m.parameters()],
+        )
 
     for comms, params, placements in so.run(main, 4):
         assert placements == ([(Replicate(),)] * 2 if mode == "replicate" else [(Shard(0),)] * 2)
@@ -548,7 +595,10 @@ def test_tied_embeddings_with_two_layouts_under_data_parallel(mode):
     a view, and the rest of the model outside the plan, on a (dp, tp) mesh."""
     args = ModelArgs(n_layers=1)
     tokens, targets = _lm_data(args)
-    plan = {"wte": ColwiseParallel(output_layouts=Replicate()), "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    plan = {
+        "wte": ColwiseParallel(output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
     ref = reference_training(GPT2(args), tokens, targets)
     results = so.run(sharded_training, 4, lambda: GPT2(args), plan, (2, 2), mode, tokens, targets)
     check_training(results, ref)

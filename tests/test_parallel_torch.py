@@ -10,6 +10,7 @@ Where shardops differs on purpose, the test says so:
 - a SequenceParallel norm's Partial gradient is all-reduced once by AdamW's step
   (torch: once per read, 3 per parameter with foreach=False).
 """
+
 import copy
 
 import pytest
@@ -39,23 +40,40 @@ def _cases():
     return {
         "colwise-linear": (lambda: nn.Linear(8, 12), lambda api: api.ColwiseParallel(), full(x8)),
         "colwise-linear-replicate-dtensor-out": (
-            lambda: nn.Linear(8, 12), lambda api: api.ColwiseParallel(output_layouts=Replicate(), use_local_output=False), full(x8),
+            lambda: nn.Linear(8, 12),
+            lambda api: api.ColwiseParallel(output_layouts=Replicate(), use_local_output=False),
+            full(x8),
         ),
         "rowwise-linear": (lambda: nn.Linear(12, 8), lambda api: api.RowwiseParallel(), chunk(x12, -1)),
         "rowwise-linear-seq-out": (
-            lambda: nn.Linear(8, 8), lambda api: api.RowwiseParallel(output_layouts=Shard(1), use_local_output=False), chunk(seq, -1),
+            lambda: nn.Linear(8, 8),
+            lambda api: api.RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            chunk(seq, -1),
         ),
         "colwise-embedding": (lambda: nn.Embedding(16, 8), lambda api: api.ColwiseParallel(), full(ids)),
-        "rowwise-embedding": (lambda: nn.Embedding(16, 8), lambda api: api.RowwiseParallel(input_layouts=Replicate()), full(ids)),
+        "rowwise-embedding": (
+            lambda: nn.Embedding(16, 8),
+            lambda api: api.RowwiseParallel(input_layouts=Replicate()),
+            full(ids),
+        ),
         "rowwise-embedding-seq-out": (
-            lambda: nn.Embedding(16, 8), lambda api: api.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), full(ids),
+            lambda: nn.Embedding(16, 8),
+            lambda api: api.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            full(ids),
         ),
         "sequence-parallel-layernorm": (lambda: nn.LayerNorm(8), lambda api: api.SequenceParallel(), chunk(seq, 1)),
-        "sequence-parallel-rmsnorm": (lambda: nn.RMSNorm(8), lambda api: api.SequenceParallel(use_local_output=True), chunk(seq, 1)),
+        "sequence-parallel-rmsnorm": (
+            lambda: nn.RMSNorm(8),
+            lambda api: api.SequenceParallel(use_local_output=True),
+            chunk(seq, 1),
+        ),
         "prepare-input-output": (
             lambda: Double(),
             lambda api: api.PrepareModuleInputOutput(
-                input_layouts=Shard(0), desired_input_layouts=Replicate(), output_layouts=Replicate(), desired_output_layouts=Shard(1)
+                input_layouts=Shard(0),
+                desired_input_layouts=Replicate(),
+                output_layouts=Replicate(),
+                desired_output_layouts=Shard(1),
             ),
             chunk(batch, 0),
         ),
@@ -72,14 +90,19 @@ def _run_side(api, mesh, module, style, x, is_ours):
     out = module(x)
     is_dtensor = hasattr(out, "placements")
     value = out.to_local() if is_dtensor else out
-    loss = (out.full_tensor() ** 2).sum() if is_dtensor else (out ** 2).sum()
+    loss = (out.full_tensor() ** 2).sum() if is_dtensor else (out**2).sum()
     loss.backward()
     params = {n: conv(p.placements) for n, p in module.named_parameters()}
     grad_placements = {n: conv(p.grad.placements) for n, p in module.named_parameters()}
     grads = {n: p.grad.full_tensor() for n, p in module.named_parameters()}
     return {
-        "kind": "DTensor" if is_dtensor else "Tensor", "out_placements": conv(out.placements) if is_dtensor else None,
-        "value": value.detach(), "input_grad": x.grad, "params": params, "grad_placements": grad_placements, "grads": grads,
+        "kind": "DTensor" if is_dtensor else "Tensor",
+        "out_placements": conv(out.placements) if is_dtensor else None,
+        "value": value.detach(),
+        "input_grad": x.grad,
+        "params": params,
+        "grad_placements": grad_placements,
+        "grads": grads,
     }
 
 
@@ -123,13 +146,16 @@ def program():
             "out_placements": (ours["out_placements"], theirs["out_placements"]),
             "params": (ours["params"], theirs["params"]),
             "grads": {n: torch.allclose(ours["grads"][n], theirs["grads"][n], atol=1e-5) for n in theirs["grads"]},
-            "input_grad": theirs["input_grad"] is None or torch.allclose(ours["input_grad"], theirs["input_grad"], atol=1e-5),
+            "input_grad": theirs["input_grad"] is None
+            or torch.allclose(ours["input_grad"], theirs["input_grad"], atol=1e-5),
             "grad_placements": (ours["grad_placements"], theirs["grad_placements"]),
         }
         if name.startswith("sequence-parallel"):
             results[name]["optimizer_all_reduces"] = (
                 _optimizer_all_reduces(our_parallel, mesh, copy.deepcopy(module), style(our_parallel), x, True),
-                _optimizer_all_reduces(torch_parallel, torch_mesh, copy.deepcopy(module), style(torch_parallel), x, False),
+                _optimizer_all_reduces(
+                    torch_parallel, torch_mesh, copy.deepcopy(module), style(torch_parallel), x, False
+                ),
             )
     results["tied-gpt2"] = _tied_gpt2(torch_parallel, torch_mesh, our_parallel, mesh)
     return results
@@ -149,7 +175,10 @@ def _tied_gpt2(torch_parallel, torch_mesh, our_parallel, mesh):
         with api.loss_parallel():
             F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(0, 1)).backward()
         grad = model.wte.weight.grad.full_tensor()
-        out[name] = (model.wte.weight is model.lm_head.weight, float((grad - ref.wte.weight.grad).norm() / ref.wte.weight.grad.norm()))
+        out[name] = (
+            model.wte.weight is model.lm_head.weight,
+            float((grad - ref.wte.weight.grad).norm() / ref.wte.weight.grad.norm()),
+        )
     return out
 
 

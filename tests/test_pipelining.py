@@ -6,10 +6,11 @@ first step is about lr*sign(g), which turns rounding in near-zero gradients into
 moves). Bytes are asserted exactly, the bubble is read from the executed action order, and the
 layout/shape errors are raised on every rank.
 """
+
 from __future__ import annotations
 
-import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardops as so
+from mp import run_gloo
 from shardops.comm.base import P2POp
 from shardops.models import Llama, ModelArgs
 from shardops.pipelining import (
@@ -30,8 +32,6 @@ from shardops.pipelining import (
     get_schedule_class,
 )
 from shardops.world import current_comm
-
-from mp import run_gloo
 
 ARGS = ModelArgs(dim=32, n_layers=8, n_heads=4, vocab_size=64, hidden_dim=48, max_seq_len=16)
 BATCH, SEQ, M, STEPS, LR, EPS = 8, 8, 4, 3, 1e-2, 1e-4
@@ -49,7 +49,13 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g), torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g),
+            torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 class LlamaStage(nn.Module):
@@ -112,7 +118,11 @@ def _pipeline_rank(schedule_name: str, stages_per_rank: int = 1) -> dict:
         opt.zero_grad()
         losses: list[torch.Tensor] = []
         with so.CommDebugMode() as cm:
-            schedule.step(*((tokens,) if 0 in indices else ()), target=target if num_stages - 1 in indices else None, losses=losses)
+            schedule.step(
+                *((tokens,) if 0 in indices else ()),
+                target=target if num_stages - 1 in indices else None,
+                losses=losses,
+            )
         out["losses"].append([x.item() for x in losses])
         out["grads"].append({n: q.grad.clone() for m in modules for n, q in m.named_parameters()})
         out["counts"].append(cm.get_comm_counts())
@@ -144,10 +154,17 @@ def _check_equals_reference(results: list[dict], ref: dict, tol: float = TOL, lo
         assert _rel(params[name], t) <= tol, name
 
 
-COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # a backward is about two forwards; its halves one each (the zero-bubble paper's)
+COST = {
+    "F": 1,
+    "B": 2,
+    "I": 1,
+    "W": 1,
+}  # a backward is about two forwards; its halves one each (the zero-bubble paper's)
 
 
-def _slots(actions_by_rank: list[list[str]], layers_per_stage: int = 1, cost: dict[str, int] | None = None) -> tuple[int, list[int]]:
+def _slots(
+    actions_by_rank: list[list[str]], layers_per_stage: int = 1, cost: dict[str, int] | None = None
+) -> tuple[int, list[int]]:
     """Replay the executed orders, each action after what it depends on, and return (makespan, idle time
     per rank). An action takes one slot, or with `cost`, cost[kind] x layers_per_stage units of one layer's
     forward (so schedules of different stage sizes compare). Independent of timing.
@@ -155,7 +172,10 @@ def _slots(actions_by_rank: list[list[str]], layers_per_stage: int = 1, cost: di
     F depends on the previous stage's F; B or I on the next stage's B or I; W on its own I (same rank, earlier)."""
     import re
 
-    parsed = [[tuple(int(x) if x.isdigit() else x for x in re.fullmatch(r"(\d+)([FBIW])(\d+)", a).groups()) for a in acts] for acts in actions_by_rank]
+    parsed = [
+        [tuple(int(x) if x.isdigit() else x for x in re.fullmatch(r"(\d+)([FBIW])(\d+)", a).groups()) for a in acts]
+        for acts in actions_by_rank
+    ]
     last_stage = max(s for acts in parsed for s, _, _ in acts)
     done: dict[tuple, int] = {}
     pos, clock, busy = [0] * len(parsed), [0] * len(parsed), [0] * len(parsed)
@@ -165,7 +185,9 @@ def _slots(actions_by_rank: list[list[str]], layers_per_stage: int = 1, cost: di
             return (s - 1, "F", mb) if s > 0 else None
         if kind == "W":
             return (s, "I", mb)
-        return next(((s + 1, k, mb) for k in "BI" if (s + 1, k, mb) in done), (s + 1, "?", mb)) if s < last_stage else None
+        return (
+            next(((s + 1, k, mb) for k in "BI" if (s + 1, k, mb) in done), (s + 1, "?", mb)) if s < last_stage else None
+        )
 
     while any(pos[r] < len(parsed[r]) for r in range(len(parsed))):
         progressed = False
@@ -253,7 +275,9 @@ def test_zero_bubble_two_stages_per_rank(reference, schedule):
         for a in acts:  # each micro-batch's W after its I, on the same rank
             if "W" in a:
                 assert acts.index(a.replace("W", "I")) < acts.index(a), acts
-        assert sorted(acts) == sorted(f"{s}{k}{mb}" for s in range(4) for k in "FIW" for mb in range(M) if f"{s}F{mb}" in acts)
+        assert sorted(acts) == sorted(
+            f"{s}{k}{mb}" for s in range(4) for k in "FIW" for mb in range(M) if f"{s}F{mb}" in acts
+        )
     stages_by_rank = [sorted({int(a[0]) for a in r["actions"][1]}) for r in results]
     if schedule == "ZBVZeroBubble":
         assert stages_by_rank == [[0, 3], [1, 2]]
@@ -264,7 +288,9 @@ def test_zero_bubble_two_stages_per_rank(reference, schedule):
         assert sum(r["bytes"][1] for r in results) == 3 * 2 * M * ACT_BYTES
     one_f_one_b = so.run(_pipeline_rank, p, "1F1B")
     _, idle_1f1b = _slots([r["actions"][1] for r in one_f_one_b], ARGS.n_layers // p, COST)
-    assert idle_1f1b == [(p - 1) * (COST["F"] + COST["B"]) * ARGS.n_layers // p] * p  # 1F1B's bubble: (p-1)(F+B) per rank
+    assert (
+        idle_1f1b == [(p - 1) * (COST["F"] + COST["B"]) * ARGS.n_layers // p] * p
+    )  # 1F1B's bubble: (p-1)(F+B) per rank
     _, idle = _slots([r["actions"][1] for r in results], ARGS.n_layers // (p * v), COST)
     assert all(z < b for z, b in zip(idle, idle_1f1b)), (idle, idle_1f1b)
     # 1 slot per rank, the least there is: rank 1 waits for stage 0's first forward, then never again
@@ -299,7 +325,11 @@ def _zbv_parallel_rank(kind: str) -> dict:
     for tokens, target in _batches():
         opt.zero_grad()
         losses: list[torch.Tensor] = []
-        schedule.step(*((tokens[d * rows : (d + 1) * rows],) if r == 0 else ()), target=target[d * rows : (d + 1) * rows] if r == 0 else None, losses=losses)
+        schedule.step(
+            *((tokens[d * rows : (d + 1) * rows],) if r == 0 else ()),
+            target=target[d * rows : (d + 1) * rows] if r == 0 else None,
+            losses=losses,
+        )
         out["losses"].append([(x.full_tensor() if hasattr(x, "full_tensor") else x).item() for x in losses])
         out["grads"].append({n: q.grad.full_tensor().clone() for m in modules for n, q in m.named_parameters()})
         opt.step()
@@ -321,7 +351,9 @@ def _gloo_rank(schedule: str) -> dict:
         "errors": [_error_rank(case) for case, _ in ERROR_CASES],
         "p2p": _p2p_rank(),
         "pp_tp": _pp_tp_rank(),  # the pp groups {0, 2} and {1, 3}: torch sub-groups of the mesh
-        "zbv": {k: v for k, v in _pipeline_rank("ZBVZeroBubble", 2).items() if k in ("losses", "grads", "params", "actions")},
+        "zbv": {
+            k: v for k, v in _pipeline_rank("ZBVZeroBubble", 2).items() if k in ("losses", "grads", "params", "actions")
+        },
     }
 
 
@@ -340,7 +372,9 @@ def test_gloo_equals_single_device_training(reference):
     _check_equals_reference([r["pp_tp"] for r in results], reference, tol=3e-5)
     # pp=4 ZBV, 8 stages of one layer: the same order as in the threads world
     _check_equals_reference([r["zbv"] for r in results], reference)
-    assert [r["zbv"]["actions"] for r in results] == [r["actions"] for r in so.run(_pipeline_rank, 4, "ZBVZeroBubble", 2)]
+    assert [r["zbv"]["actions"] for r in results] == [
+        r["actions"] for r in so.run(_pipeline_rank, 4, "ZBVZeroBubble", 2)
+    ]
     # its bubble against 1F1B's on the same layers, in one layer's forward: 3 (rank 3 waits 3 forwards to start,
     # the least there is) against (p-1)(F+B) = 18
     _, idle_zbv = _slots([r["zbv"]["actions"][1] for r in results], 1, COST)
@@ -364,7 +398,9 @@ def _error_rank(case: str) -> str:
         module = nn.Linear(ARGS.dim + 3, ARGS.dim)
     stage = PipelineStage(module, rank, num_stages, "cpu", input_args=input_args)
     try:
-        if case == "interleaved_microbatches":  # fewer than its rounds of p need: raised where it is built, by every rank
+        if (
+            case == "interleaved_microbatches"
+        ):  # fewer than its rounds of p need: raised where it is built, by every rank
             ScheduleInterleaved1F1B([stage], p - 1, loss_fn=_loss)
         schedule = Schedule1F1B(stage, M, loss_fn=_loss)
     except so.ShardingError as e:
@@ -425,7 +461,9 @@ def test_later_step_with_another_batch_shape_raises_on_the_first_stage():
         twice = torch.cat([tokens, tokens]), torch.cat([target, target])
         schedule.step(*((twice[0],) if rank == 0 else ()), target=twice[1] if rank == 1 else None)
 
-    with pytest.raises(so.ShardingError, match=r"micro-batch \(int64\[4, 8\]\) differs from the first step's \(int64\[2, 8\]\)"):
+    with pytest.raises(
+        so.ShardingError, match=r"micro-batch \(int64\[4, 8\]\) differs from the first step's \(int64\[2, 8\]\)"
+    ):
         so.run(body, 2, timeout=10)
 
 
@@ -453,7 +491,9 @@ def test_schedule_arguments():
             ScheduleInterleavedZeroBubble([stage], 5)  # torch's rule: rounds of max(1, m // p)
         from shardops.fsdp import fully_shard
 
-        sharded = PipelineStage(fully_shard(nn.Linear(2, 2), mesh=so.init_device_mesh("cpu", (2,))), current_comm().rank, 2, "cpu")
+        sharded = PipelineStage(
+            fully_shard(nn.Linear(2, 2), mesh=so.init_device_mesh("cpu", (2,))), current_comm().rank, 2, "cpu"
+        )
         with pytest.raises(so.ShardingError, match="does not compose with fully_shard yet"):
             ScheduleInterleavedZeroBubble([sharded], 2)
 
@@ -531,7 +571,12 @@ def test_get_group_is_the_ranks_along_the_dim():
             mesh.get_group()
         return mesh.get_group("pp").ranks, mesh.get_group(1).ranks, mesh["pp"].get_group().ranks
 
-    assert so.run(body, 4) == [((0, 2), (0, 1), (0, 2)), ((1, 3), (0, 1), (1, 3)), ((0, 2), (2, 3), (0, 2)), ((1, 3), (2, 3), (1, 3))]
+    assert so.run(body, 4) == [
+        ((0, 2), (0, 1), (0, 2)),
+        ((1, 3), (0, 1), (1, 3)),
+        ((0, 2), (2, 3), (0, 2)),
+        ((1, 3), (2, 3), (1, 3)),
+    ]
 
 
 # ------------------------------------------------------------------ with tensor parallelism
@@ -546,7 +591,11 @@ def _pp_tp_rank() -> dict:
     mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     s = mesh.get_local_rank("pp")
     module = _stage_module(s, 2)
-    plan = {k: v for k, v in llama_plan(loss_parallel=False).items() if k.startswith("layers") or getattr(module, k, None) is not None}
+    plan = {
+        k: v
+        for k, v in llama_plan(loss_parallel=False).items()
+        if k.startswith("layers") or getattr(module, k, None) is not None
+    }
     parallelize_module(module, mesh["tp"], plan)
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, M, loss_fn=_loss)
@@ -558,10 +607,17 @@ def _pp_tp_rank() -> dict:
         with so.CommDebugMode() as cm:
             schedule.step(*((tokens,) if s == 0 else ()), target=target if s == 1 else None, losses=losses)
         out["losses"].append([x.item() for x in losses])
-        out["grads"].append({n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).clone() for n, q in module.named_parameters()})
+        out["grads"].append(
+            {
+                n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).clone()
+                for n, q in module.named_parameters()
+            }
+        )
         out["sends"].append([b for kind, b in cm.log if kind == "send"])
         opt.step()
-    out["params"] = {n: (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone() for n, q in module.named_parameters()}
+    out["params"] = {
+        n: (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone() for n, q in module.named_parameters()
+    }
     return out
 
 
@@ -592,7 +648,10 @@ def _dtensor_boundary_rank() -> dict:
     parallelize_module(layer, mesh["tp"], style)
     stage = PipelineStage(layer, s, 2, "cpu", group=mesh["pp"].get_group())
     schedule = ScheduleGPipe(stage, M, loss_fn=F.mse_loss)
-    x, y = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(2)), torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3))
+    x, y = (
+        torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(2)),
+        torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3)),
+    )
     schedule.step(*((x,) if s == 0 else ()), target=y if s == 1 else None)  # the first step also checks the shapes
     layer.zero_grad()
     with so.CommDebugMode() as cm:
@@ -604,7 +663,10 @@ def _dtensor_boundary_rank() -> dict:
 
 def test_dtensor_crosses_a_boundary_as_its_local_shard(strict):
     model = _two_linears()
-    x, y = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(2)), torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3))
+    x, y = (
+        torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(2)),
+        torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(3)),
+    )
     loss = sum(F.mse_loss(model(xm), ym) for xm, ym in zip(x.chunk(M), y.chunk(M))) / M
     loss.backward()
     results = so.run(_dtensor_boundary_rank, 4)
@@ -654,7 +716,9 @@ def test_p2p_in_the_dry_world_is_counted_and_moves_nothing():
 # ------------------------------------------------------------------ with data parallelism
 
 
-def _train_stage(module: nn.Module, schedule: Any, s: int, d: int, rows: int, loss_value: Callable[[torch.Tensor], float]) -> dict:
+def _train_stage(
+    module: nn.Module, schedule: Any, s: int, d: int, rows: int, loss_value: Callable[[torch.Tensor], float]
+) -> dict:
     """3 AdamW steps of stage `s` of a pp=2 pipeline fed dp rank `d`'s rows: each step's micro-batch losses,
     gradients (whole), sends and reduce_scatters, and the final parameters (whole)."""
     opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
@@ -663,7 +727,11 @@ def _train_stage(module: nn.Module, schedule: Any, s: int, d: int, rows: int, lo
         opt.zero_grad()
         losses: list[torch.Tensor] = []
         with so.CommDebugMode() as cm:
-            schedule.step(*((tokens[d * rows : (d + 1) * rows],) if s == 0 else ()), target=target[d * rows : (d + 1) * rows] if s == 1 else None, losses=losses)
+            schedule.step(
+                *((tokens[d * rows : (d + 1) * rows],) if s == 0 else ()),
+                target=target[d * rows : (d + 1) * rows] if s == 1 else None,
+                losses=losses,
+            )
         out["losses"].append([loss_value(x) for x in losses])
         out["grads"].append({n: q.grad.full_tensor().clone() for n, q in module.named_parameters()})
         out["sends"].append([b for kind, b in cm.log if kind == "send"])
@@ -684,7 +752,9 @@ def _pp_dp_rank() -> dict:
     data_parallel(module, mesh["dp"], mode="replicate")
     dp_mesh, rows = mesh["dp"], BATCH // 2
 
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # this rank's target rows, as the outputs' shard
+    def loss_fn(
+        out: torch.Tensor, target: torch.Tensor
+    ) -> torch.Tensor:  # this rank's target rows, as the outputs' shard
         return _loss(out, so.from_local(target, dp_mesh, [so.Shard(0)]))
 
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
@@ -707,7 +777,11 @@ def _pp_dp_tp_rank() -> dict:
     mesh = so.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     module = _stage_module(s, 2)
-    plan = {k: v for k, v in llama_plan(loss_parallel=False).items() if k.startswith("layers") or getattr(module, k, None) is not None}
+    plan = {
+        k: v
+        for k, v in llama_plan(loss_parallel=False).items()
+        if k.startswith("layers") or getattr(module, k, None) is not None
+    }
     parallelize_module(module, mesh["tp"], plan)
     data_parallel(module, mesh["dp", "tp"], mode="replicate")
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
@@ -738,7 +812,9 @@ def _pp_fsdp_rank(schedule_name: str) -> dict:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(module, mesh=mesh["dp"])
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
-    out = _train_stage(module, get_schedule_class(schedule_name)(stage, M, loss_fn=_loss), s, d, BATCH // 2, lambda x: x.item())
+    out = _train_stage(
+        module, get_schedule_class(schedule_name)(stage, M, loss_fn=_loss), s, d, BATCH // 2, lambda x: x.item()
+    )
     out["units"] = len(module.layers) + 1  # every layer, and the stage's own (embedding or norm + output)
     return out
 
@@ -762,11 +838,18 @@ def test_pp2_with_fully_shard_stages_equals_single_device_training(strict, refer
 def _tp_plan(module: nn.Module) -> dict:
     from shardops.models import llama_plan
 
-    return {k: v for k, v in llama_plan(loss_parallel=False).items() if k.startswith("layers") or getattr(module, k, None) is not None}
+    return {
+        k: v
+        for k, v in llama_plan(loss_parallel=False).items()
+        if k.startswith("layers") or getattr(module, k, None) is not None
+    }
 
 
 def _whole(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in module.state_dict().items()}
+    return {
+        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+        for n, t in module.state_dict().items()
+    }
 
 
 def _pp2_tp2_save_rank(path: str) -> dict[str, torch.Tensor]:

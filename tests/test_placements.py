@@ -1,10 +1,12 @@
 """Layout math against torch.distributed.tensor's own functions."""
+
 import math
 import random
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate as TR, Shard as TS
+from torch.distributed.tensor import Replicate as TR
+from torch.distributed.tensor import Shard as TS
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as TSS
 
@@ -24,7 +26,11 @@ def _random_case(rng: random.Random):
     mesh_shape = rng.choice([(1,), (2,), (3,), (4,), (8,), (2, 2), (2, 3), (3, 2), (2, 2, 2)])
     ndim = rng.randint(1, 3)
     shape = tuple(rng.choice([0, 1, 2, 3, 4, 5, 7, 8, 9, 16]) for _ in range(ndim))
-    opts = [so.Replicate()] + [so.Shard(d) for d in range(ndim)] + [so.StridedShard(d, rng.choice([2, 3])) for d in range(ndim)]
+    opts = (
+        [so.Replicate()]
+        + [so.Shard(d) for d in range(ndim)]
+        + [so.StridedShard(d, rng.choice([2, 3])) for d in range(ndim)]
+    )
     placements = tuple(rng.choice(opts) for _ in mesh_shape)
     coord = tuple(rng.randrange(n) for n in mesh_shape)
     return shape, mesh_shape, placements, coord
@@ -45,7 +51,14 @@ def test_local_shape_and_offset_match_torch(seed):
 
 @pytest.mark.parametrize(
     "length,n,expected",
-    [(10, 4, [3, 3, 3, 1]), (5, 4, [2, 2, 1, 0]), (2, 4, [1, 1, 0, 0]), (0, 3, [0, 0, 0]), (8, 4, [2, 2, 2, 2]), (6, 4, [2, 2, 2, 0])],
+    [
+        (10, 4, [3, 3, 3, 1]),
+        (5, 4, [2, 2, 1, 0]),
+        (2, 4, [1, 1, 0, 0]),
+        (0, 3, [0, 0, 0]),
+        (8, 4, [2, 2, 2, 2]),
+        (6, 4, [2, 2, 2, 0]),
+    ],
     ids=lambda v: str(v),
 )
 def test_chunk_sizes_like_torch_chunk(length, n, expected):
@@ -57,8 +70,9 @@ def test_chunk_sizes_like_torch_chunk(length, n, expected):
 
 def test_placements_are_frozen_hashable_with_short_reprs():
     assert {so.Shard(1), so.Shard(1), so.Replicate()} == {so.Shard(1), so.Replicate()}
-    assert [repr(p) for p in (so.Shard(1), so.Replicate(), so.Partial("max"), so.NormPartial(2), so.StridedShard(0, 2))] == [
-        "S(1)", "R", "P(max)", "NormP(2)", "_S(0,2)"]
+    assert [
+        repr(p) for p in (so.Shard(1), so.Replicate(), so.Partial("max"), so.NormPartial(2), so.StridedShard(0, 2))
+    ] == ["S(1)", "R", "P(max)", "NormP(2)", "_S(0,2)"]
     with pytest.raises(Exception):
         so.Shard(1).dim = 2  # type: ignore[misc]
     assert so.Partial().is_partial("sum") and so.Shard(0).is_shard(0) and not so.Shard(0).is_shard(1)

@@ -5,6 +5,7 @@ included), link models and meshes of 1-4 dims: the best k candidates of the sear
 are the first k of `all_candidates`, compared by the whole rank key and the layouts.
 Metadata only (TensorSpec operands on planning meshes): no world, no data.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,11 +19,11 @@ import shardops as so
 from shardops import cost
 from shardops.dispatch import core
 from shardops.dispatch.registry import RULES
+from shardops.mesh import DeviceMesh
+from shardops.placements import NormPartial, Partial, Replicate, Shard
 from shardops.planner.choice import candidates
 from shardops.planner.rows import rank_key
 from shardops.planner.search import all_candidates
-from shardops.mesh import DeviceMesh
-from shardops.placements import NormPartial, Partial, Replicate, Shard
 from shardops.spec import TensorMeta, TensorSpec, contiguous_stride
 
 aten = torch.ops.aten
@@ -58,8 +59,28 @@ def _call(rng: random.Random, mesh):
     x = _spec(mesh, shape, _layout(rng, nd, m, partials=rng.random() < 0.3))
     y = _spec(mesh, shape, _layout(rng, nd, m, partials=rng.random() < 0.3))
     d = rng.randrange(nd)
-    kind = rng.choice(["add", "mul", "add_", "where", "sum", "amax", "mean", "softmax", "log_softmax", "var", "cumsum",
-                       "layer_norm", "topk", "logsumexp", "sort", "norm", "mm", "view"])
+    kind = rng.choice(
+        [
+            "add",
+            "mul",
+            "add_",
+            "where",
+            "sum",
+            "amax",
+            "mean",
+            "softmax",
+            "log_softmax",
+            "var",
+            "cumsum",
+            "layer_norm",
+            "topk",
+            "logsumexp",
+            "sort",
+            "norm",
+            "mm",
+            "view",
+        ]
+    )
     if kind == "mm":  # matrix rows: batch, column/row parallel, Partial(sum) x Replicate
         a, b, c = shape[0], shape[-1], rng.choice([3, 64, 4096])
         lhs = _spec(mesh, (a, b), _layout(rng, 2, m, partials=rng.random() < 0.3))
@@ -113,7 +134,12 @@ def _rows(func, args, kwargs):
         return None
     rows = RULES[func](schema)
     inplace = func._schema.arguments[0].alias_info is not None and func._schema.arguments[0].alias_info.is_write
-    return rows, specs, [(mt.shape, mt.dtype.itemsize) for mt in metas[0]], core._inplace_filter(specs) if inplace else None
+    return (
+        rows,
+        specs,
+        [(mt.shape, mt.dtype.itemsize) for mt in metas[0]],
+        core._inplace_filter(specs) if inplace else None,
+    )
 
 
 def _links(rng, ndim):

@@ -27,6 +27,7 @@ Op families that have not landed yet (no rule in shardops.dispatch.registry for 
 the call reaches) are skipped with the missing op named; each test starts running when its
 family registers.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,9 @@ import os
 import sys
 import warnings
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -48,12 +50,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import shardops as so  # noqa: E402
+from redistribute_cases import make_source  # noqa: E402
 from shardops import NormPartial, Partial, Replicate, Shard, StridedShard  # noqa: E402
 from shardops.dispatch.registry import DECOMPOSITIONS, REPLICATE_ONLY, RULES, TORCH_FUNCTIONS  # noqa: E402
 from shardops.ops._view_layout import view_layout  # noqa: E402
-from shardops.placements import local_shape_and_offset  # noqa: E402
 from shardops.verify import forcing  # noqa: E402
-from redistribute_cases import make_source  # noqa: E402
 
 aten = torch.ops.aten
 inf = math.inf
@@ -146,8 +147,18 @@ class Case:
     force: str | None = None  # a sharded algorithm (row label) forced instead of the cost model's pick
 
     def __repr__(self) -> str:
-        layouts = "(" + ", ".join("None" if pl is None else _value_repr(pl) for pl in self.layouts) + ("," if len(self.layouts) == 1 else "") + ")"
-        kwargs = "(" + ", ".join(f"({k!r}, {_value_repr(v)})" for k, v in self.kwargs) + ("," if len(self.kwargs) == 1 else "") + ")"
+        layouts = (
+            "("
+            + ", ".join("None" if pl is None else _value_repr(pl) for pl in self.layouts)
+            + ("," if len(self.layouts) == 1 else "")
+            + ")"
+        )
+        kwargs = (
+            "("
+            + ", ".join(f"({k!r}, {_value_repr(v)})" for k, v in self.kwargs)
+            + ("," if len(self.kwargs) == 1 else "")
+            + ")"
+        )
         return (
             f"Case(op={self.op!r}, mesh={self.mesh}, shapes={self.shapes}, layouts={layouts}, kwargs={kwargs}, "
             f"dtype={self.dtype!r}, data={self.data!r}, seed={self.seed}"
@@ -204,7 +215,9 @@ def make_data(shape: Sequence[int], dtype: torch.dtype, kind: str, seed: int) ->
         x = x + 1e4
     elif kind == "special":
         pick = torch.rand(shape, generator=gen)
-        specials = torch.tensor([math.nan, inf, -inf], dtype=torch.float64)[torch.randint(0, 3, tuple(shape), generator=gen)]
+        specials = torch.tensor([math.nan, inf, -inf], dtype=torch.float64)[
+            torch.randint(0, 3, tuple(shape), generator=gen)
+        ]
         x = torch.where(pick < 0.2, specials, x)
     elif kind == "positive":
         x = x.abs() + 0.5
@@ -249,7 +262,9 @@ def _is_float(t: Any) -> bool:
 
 
 def _grad_weights(outputs: list[Any], seed: int) -> list[torch.Tensor | None]:
-    return [make_data(o.shape, o.dtype, "randn", seed + 7919 * k) if _is_float(o) else None for k, o in enumerate(outputs)]
+    return [
+        make_data(o.shape, o.dtype, "randn", seed + 7919 * k) if _is_float(o) else None for k, o in enumerate(outputs)
+    ]
 
 
 def reference(case: Case, spec: OpSpec, inputs: list[torch.Tensor]) -> list[Any]:
@@ -265,10 +280,16 @@ def reference_grads(case: Case, spec: OpSpec, inputs: list[torch.Tensor]) -> lis
     try:
         outputs = _flat_outputs(spec.fn(*leaves, **case.kw))
         weights = _grad_weights(outputs, case.seed)
-        pairs = [(o, w) for o, w in zip(outputs, weights) if w is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        pairs = [
+            (o, w)
+            for o, w in zip(outputs, weights)
+            if w is not None and isinstance(o, torch.Tensor) and o.requires_grad
+        ]
         if not (pairs and at):
             return None
-        return list(torch.autograd.grad(sum((o * w).sum() for o, w in pairs), [leaves[k] for k in at], allow_unused=True))
+        return list(
+            torch.autograd.grad(sum((o * w).sum() for o, w in pairs), [leaves[k] for k in at], allow_unused=True)
+        )
     except RuntimeError:  # e.g. a backward torch does not implement
         return None
 
@@ -292,7 +313,9 @@ def rank_body(case: Case, inputs: list[torch.Tensor], want_grad: bool):
     fulls, facts = [], []
     for o in outputs:
         if isinstance(o, so.DTensor):
-            facts.append((o.dtype, tuple(o.shape), tuple(o.to_local().shape), tuple(o._spec.local_shape()), o.placements))
+            facts.append(
+                (o.dtype, tuple(o.shape), tuple(o.to_local().shape), tuple(o._spec.local_shape()), o.placements)
+            )
             fulls.append(o.full_tensor())
         else:
             facts.append(None)
@@ -300,7 +323,11 @@ def rank_body(case: Case, inputs: list[torch.Tensor], want_grad: bool):
     grads = None
     if grad_at:
         weights = _grad_weights(fulls, case.seed)
-        terms = [(f * w).sum() for f, w in zip(fulls, weights) if w is not None and isinstance(f, torch.Tensor) and f.requires_grad]
+        terms = [
+            (f * w).sum()
+            for f, w in zip(fulls, weights)
+            if w is not None and isinstance(f, torch.Tensor) and f.requires_grad
+        ]
         if terms:
             sum(terms).backward()
             grads = []
@@ -376,8 +403,11 @@ def run_case(case: Case, inputs: list[torch.Tensor], want_grad: bool) -> list[An
     with warnings.catch_warnings(record=True) as caught, forcing.forcing(case.force):
         warnings.simplefilter("always", so.FallbackWarning)  # process-wide: set here, around the rank threads
         per_rank = so.run(_recorded_rank_body, case.world_size, case, inputs, want_grad, timeout=30)
-    unexpected = [str(w.message) for w in caught if issubclass(w.category, so.FallbackWarning)
-                  and not any(op in str(w.message) for op in EXPECTED_FALLBACKS)]
+    unexpected = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, so.FallbackWarning) and not any(op in str(w.message) for op in EXPECTED_FALLBACKS)
+    ]
     assert not unexpected, f"unexpected fallback in {case!r}: {unexpected[0]}"
     for label in set().union(*(ran for _, ran, _ in per_rank)):
         ALGORITHMS_RAN[(case.op, label)] = ALGORITHMS_RAN.get((case.op, label), 0) + 1
@@ -393,7 +423,9 @@ def _mixed_operands_refused(case: Case, inputs: list[torch.Tensor]) -> Case:
     """A plain operand of more than one element beside DTensors raises (torch's rule; ShardingError,
     whatever torch's reference does); the case then goes on with that operand as a Replicate DTensor."""
     # one element: implicit Replicate (torch's rule); shape (0,): the empty placeholder, no values to differ
-    plain = [k for k, pl in enumerate(case.layouts) if pl is None and inputs[k].numel() != 1 and inputs[k].shape != (0,)]
+    plain = [
+        k for k, pl in enumerate(case.layouts) if pl is None and inputs[k].numel() != 1 and inputs[k].shape != (0,)
+    ]
     if not plain:
         return case
     try:
@@ -401,8 +433,12 @@ def _mixed_operands_refused(case: Case, inputs: list[torch.Tensor]) -> Case:
     except so.ShardingError:
         pass
     else:
-        raise AssertionError(f"plain operands {plain} of more than one element met DTensors without an error in {case!r}")
-    return replace(case, layouts=tuple((Replicate(),) * len(case.mesh) if k in plain else pl for k, pl in enumerate(case.layouts)))
+        raise AssertionError(
+            f"plain operands {plain} of more than one element met DTensors without an error in {case!r}"
+        )
+    return replace(
+        case, layouts=tuple((Replicate(),) * len(case.mesh) if k in plain else pl for k, pl in enumerate(case.layouts))
+    )
 
 
 def _check_same_refusal(case: Case, inputs: list[torch.Tensor], torch_error: Exception) -> None:
@@ -416,7 +452,9 @@ def _check_same_refusal(case: Case, inputs: list[torch.Tensor], torch_error: Exc
             f"torch raised {type(torch_error).__name__}: {torch_error}; shardops raised {type(e).__name__}: {e}"
         )
         return
-    raise AssertionError(f"torch raised {type(torch_error).__name__}: {torch_error}, but shardops returned a result for {case!r}")
+    raise AssertionError(
+        f"torch raised {type(torch_error).__name__}: {torch_error}, but shardops returned a result for {case!r}"
+    )
 
 
 # How far torch's own float64 answer can be trusted on "offset" data (mean 1e4, spread 1): each value
@@ -472,7 +510,9 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, where: str, slack: torc
     if slack is None or not want.is_floating_point():
         torch.testing.assert_close(got, want, equal_nan=True, **tol, msg=lambda m: f"{where}: {m}")
         return
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{where}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    )
     assert torch.equal(got.isnan(), want.isnan()), f"{where}: NaN in other places than torch's"
     same = (got == want) | (got.isnan() & want.isnan())  # equal infinities too
     bound = tol["atol"] + tol["rtol"] * want.abs() + SPREAD_FACTOR * slack
@@ -485,7 +525,9 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, where: str, slack: torc
         )
 
 
-def _check_output(spec: OpSpec, case: Case, k: int, got, want, fact, where: str, slack: torch.Tensor | None = None) -> None:
+def _check_output(
+    spec: OpSpec, case: Case, k: int, got, want, fact, where: str, slack: torch.Tensor | None = None
+) -> None:
     if not isinstance(want, torch.Tensor):
         assert got == want, f"{where}: {got!r} != {want!r}"
         return
@@ -494,8 +536,12 @@ def _check_output(spec: OpSpec, case: Case, k: int, got, want, fact, where: str,
         dtype, shape, local_shape, spec_local_shape, placements = fact
         assert dtype == want.dtype, f"{where}: dtype {dtype} != torch's {want.dtype}"
         assert shape == tuple(want.shape), f"{where}: shape {shape} != torch's {tuple(want.shape)}"
-        assert local_shape == spec_local_shape, f"{where}: local shard {local_shape} but its layout {placements} says {spec_local_shape}"
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+        assert local_shape == spec_local_shape, (
+            f"{where}: local shard {local_shape} but its layout {placements} says {spec_local_shape}"
+        )
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{where}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+    )
     if spec.compare is not None:
         spec.compare(case, k, got, want, where)
         return
@@ -534,10 +580,24 @@ REGRESSIONS = [
     # squeeze(dim) dropped a dim whose local size was 1 but whose global size was not
     Case(op="view.squeeze", mesh=(4,), shapes=((5, 3),), layouts=((Shard(0),),), kwargs=(("dim", 0),)),
     # max()/max.dim over an empty region returned (-inf, an index) where torch raises
-    Case(op="reduce.max_dim", mesh=(2,), shapes=((0,),), layouts=((Shard(0),),), kwargs=(("dim", None), ("keepdim", False))),
-    Case(op="reduce.min_dim", mesh=(1, 2), shapes=((0,),), layouts=((Shard(0), Replicate()),), kwargs=(("dim", 0), ("keepdim", False))),
+    Case(
+        op="reduce.max_dim",
+        mesh=(2,),
+        shapes=((0,),),
+        layouts=((Shard(0),),),
+        kwargs=(("dim", None), ("keepdim", False)),
+    ),
+    Case(
+        op="reduce.min_dim",
+        mesh=(1, 2),
+        shapes=((0,),),
+        layouts=((Shard(0), Replicate()),),
+        kwargs=(("dim", 0), ("keepdim", False)),
+    ),
     # in-place pointwise ops (autograd's fill_ of a gradient buffer here) on a tensor sharded along a size-1 dim were refused
-    Case(op="pointwise.lerp", mesh=(2,), shapes=((0,), (), (1,)), layouts=((Replicate(),), None, (Shard(0),)), kwargs=()),
+    Case(
+        op="pointwise.lerp", mesh=(2,), shapes=((0,), (), (1,)), layouts=((Replicate(),), None, (Shard(0),)), kwargs=()
+    ),
     # squeeze() dropped a dim of local size 1 that the global tensor keeps
     Case(op="view.squeeze", mesh=(2,), shapes=((1, 2),), layouts=((Shard(0),),), kwargs=(("dim", None),)),
     Case(op="view.squeeze", mesh=(2,), shapes=((2,),), layouts=((Shard(0),),), kwargs=(("dim", None),)),
@@ -545,11 +605,38 @@ REGRESSIONS = [
     Case(op="view.unbind", mesh=(2,), shapes=((2, 4),), layouts=((Shard(1),),), kwargs=(("dim", 0),)),
     Case(op="view.unbind", mesh=(2,), shapes=((1, 0, 1),), layouts=((Shard(0),),), kwargs=(("dim", 0),)),
     # nll_loss with a class weight sharded on another mesh dim than the classes: wrong loss and gradient
-    Case(op="loss.nll_loss", mesh=(2, 2), shapes=((3, 8), (3,), (8,)), layouts=((Shard(1), Replicate()), None, (Replicate(), Shard(0))), kwargs=(("reduction", "sum"),)),
-    Case(op="loss.nll_loss", mesh=(2, 2), shapes=((2,), (), (2,)), layouts=((Shard(0), Replicate()), None, (Replicate(), Shard(0))), kwargs=(("reduction", "mean"),)),
-    Case(op="loss.cross_entropy", mesh=(2, 2), shapes=((8,), (), (8,)), layouts=((Shard(0), Replicate()), None, (Replicate(), Shard(0))), kwargs=(("reduction", "none"),)),
+    Case(
+        op="loss.nll_loss",
+        mesh=(2, 2),
+        shapes=((3, 8), (3,), (8,)),
+        layouts=((Shard(1), Replicate()), None, (Replicate(), Shard(0))),
+        kwargs=(("reduction", "sum"),),
+    ),
+    Case(
+        op="loss.nll_loss",
+        mesh=(2, 2),
+        shapes=((2,), (), (2,)),
+        layouts=((Shard(0), Replicate()), None, (Replicate(), Shard(0))),
+        kwargs=(("reduction", "mean"),),
+    ),
+    Case(
+        op="loss.cross_entropy",
+        mesh=(2, 2),
+        shapes=((8,), (), (8,)),
+        layouts=((Shard(0), Replicate()), None, (Replicate(), Shard(0))),
+        kwargs=(("reduction", "none"),),
+    ),
     # var_mean/std_mean: torch's (Welford) mean of a row holding +-inf is NaN unless the only infinity is the last element
-    Case(op="moment.var_mean", mesh=(2,), shapes=((6,),), layouts=((Shard(0),),), kwargs=(("dim", 0), ("correction", 1), ("keepdim", False)), dtype="float64", data="special", seed=1),
+    Case(
+        op="moment.var_mean",
+        mesh=(2,),
+        shapes=((6,),),
+        layouts=((Shard(0),),),
+        kwargs=(("dim", 0), ("correction", 1), ("keepdim", False)),
+        dtype="float64",
+        data="special",
+        seed=1,
+    ),
     # torch.cat: a 1-d empty DTensor input got a plain-tensor gradient (torch's backward makes it with at::zeros)
     Case(op="concat.cat", mesh=(2,), shapes=((0,), (3,)), layouts=((Shard(0),), (Shard(0),)), kwargs=(("dim", 0),)),
 ]
@@ -600,6 +687,7 @@ def algorithm_labels(op_name: str) -> list[str]:
 
 def forced(cases: st.SearchStrategy) -> st.SearchStrategy:
     """Each example either leaves the choice to the cost model or forces one of its op's algorithms."""
+
     # The choice is a hash of the drawn case, not a draw of its own: hypothesis favours the first
     # option of a draw, and the labels at the end of the list would then hardly ever be forced.
     # Labels the op's examples were offered but have not run yet go first: some reach only rare
@@ -630,7 +718,15 @@ def shape_strategy(min_dims: int = 0, max_dims: int = 3, min_side: int = 0, max_
 
 
 @st.composite
-def layouts(draw, ndim: int, mesh_ndim: int, partial: bool = True, strided: bool = True, plain: bool = False, exact: bool = False):
+def layouts(
+    draw,
+    ndim: int,
+    mesh_ndim: int,
+    partial: bool = True,
+    strided: bool = True,
+    plain: bool = False,
+    exact: bool = False,
+):
     """Placements for one tensor: Replicate, Shard, StridedShard, Partial (one kind per tensor).
 
     Pass partial=False for data with NaN/inf (shares of inf cannot add back up to inf) and for
@@ -644,7 +740,11 @@ def layouts(draw, ndim: int, mesh_ndim: int, partial: bool = True, strided: bool
     if strided and ndim:
         options += [StridedShard(d, 2) for d in range(ndim)]
     if partial:
-        options += [Partial("max"), Partial("min")] if exact else [Partial("sum"), Partial("max"), Partial("avg"), Partial("min")]
+        options += (
+            [Partial("max"), Partial("min")]
+            if exact
+            else [Partial("sum"), Partial("max"), Partial("avg"), Partial("min")]
+        )
     placements = [draw(st.sampled_from(options)) for _ in range(mesh_ndim)]
     kinds = [p for p in placements if p.is_partial()]
     return tuple(kinds[0] if p.is_partial() else p for p in placements)
@@ -677,7 +777,9 @@ def _skip_unless(*names: str):
     """Skip a test when none of its ops' families has landed (the reason names what is missing)."""
     gaps = {n: missing(OPS[n].needs) for n in names}
     ready = [n for n, g in gaps.items() if not g]
-    reason = "; ".join(f"{n}: {', '.join(g)} not registered in shardops.dispatch.registry yet" for n, g in gaps.items() if g)
+    reason = "; ".join(
+        f"{n}: {', '.join(g)} not registered in shardops.dispatch.registry yet" for n, g in gaps.items() if g
+    )
     return pytest.mark.skipif(not ready, reason=f"op family not landed ({reason})"), ready
 
 
@@ -780,7 +882,10 @@ def pointwise_cases(draw):
     dtype = draw(FLOAT_DTYPES)
     data = draw(st.sampled_from(["randn", "ints", "special"]))
     discrete = name in ("gt", "where") or data == "ints"
-    lay = tuple(draw(layouts(len(s), len(mesh), partial=data != "special", plain=k > 0, exact=discrete)) for k, s in enumerate(shapes))
+    lay = tuple(
+        draw(layouts(len(s), len(mesh), partial=data != "special", plain=k > 0, exact=discrete))
+        for k, s in enumerate(shapes)
+    )
     return Case(f"pointwise.{name}", mesh, shapes, lay, (), dtype, data, draw(SEEDS))
 
 
@@ -800,7 +905,9 @@ def _aliasing_or_refused(x, view: Callable, copy: Callable, justified: Callable)
         if not isinstance(x, so.DTensor) or "a view must alias its input" not in str(e):
             raise
     out = copy()
-    assert justified(out), f"{x.placements} {tuple(x.shape)} -> {tuple(out.shape)}: the view was refused, yet a layout aliases"
+    assert justified(out), (
+        f"{x.placements} {tuple(x.shape)} -> {tuple(out.shape)}: the view was refused, yet a layout aliases"
+    )
     return out
 
 
@@ -815,7 +922,9 @@ def _view_fn(kind: str):
         if kind == "view":
             if not isinstance(x, so.DTensor):
                 return x.contiguous().view(kw["size"])
-            return _aliasing_or_refused(x, lambda: x.view(kw["size"]), lambda: x.reshape(kw["size"]), _no_aliasing_layout(x))
+            return _aliasing_or_refused(
+                x, lambda: x.view(kw["size"]), lambda: x.reshape(kw["size"]), _no_aliasing_layout(x)
+            )
         if kind == "permute":
             return x.permute(kw["dims"])
         if kind == "transpose":
@@ -848,7 +957,21 @@ def _view_fn(kind: str):
     return fn
 
 
-VIEWS = ["reshape", "view", "permute", "transpose", "unsqueeze", "squeeze", "expand", "select", "narrow", "slice_step", "split", "unbind", "flatten"]
+VIEWS = [
+    "reshape",
+    "view",
+    "permute",
+    "transpose",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "select",
+    "narrow",
+    "slice_step",
+    "split",
+    "unbind",
+    "flatten",
+]
 for _kind in VIEWS:
     op(f"view.{_kind}", _view_fn(_kind))
 
@@ -893,7 +1016,9 @@ def view_cases(draw):
         kw["dim"] = draw(st.one_of(st.none(), st.integers(-nd, nd - 1)))
     elif kind == "expand":
         lead = tuple(draw(st.lists(st.integers(0, 3), max_size=1)))
-        kw["size"] = lead + tuple(draw(st.sampled_from([s, -1, 3])) if s == 1 else draw(st.sampled_from([s, -1])) for s in shape)
+        kw["size"] = lead + tuple(
+            draw(st.sampled_from([s, -1, 3])) if s == 1 else draw(st.sampled_from([s, -1])) for s in shape
+        )
     elif kind in ("select", "narrow", "slice_step", "split", "unbind"):
         d = draw(st.integers(0, nd - 1))
         assume(kind not in ("select", "narrow") or shape[d] > 0)
@@ -920,18 +1045,58 @@ test_views = property_test("test_views", view_cases(), 100, force=False)
 # ------------------------------------------------------------------ reductions
 
 REDUCTIONS = {
-    "sum": (lambda x, dim=None, keepdim=False: x.sum() if dim is None and not keepdim else x.sum(dim, keepdim=keepdim), (aten.sum.default, aten.sum.dim_IntList)),
+    "sum": (
+        lambda x, dim=None, keepdim=False: x.sum() if dim is None and not keepdim else x.sum(dim, keepdim=keepdim),
+        (aten.sum.default, aten.sum.dim_IntList),
+    ),
     "mean": (lambda x, dim=None, keepdim=False: x.mean(dim, keepdim=keepdim), (aten.mean.dim,)),
     "nansum": (lambda x, dim=None, keepdim=False: x.nansum(dim, keepdim=keepdim), (aten.nansum.default,)),
-    "prod": (lambda x, dim=None, keepdim=False: x.prod() if dim is None else x.prod(dim if isinstance(dim, int) else dim[0], keepdim=keepdim), (aten.prod.default, aten.prod.dim_int)),
-    "amax": (lambda x, dim=None, keepdim=False: x.amax(() if dim is None else dim, keepdim=keepdim), (aten.amax.default,)),
-    "amin": (lambda x, dim=None, keepdim=False: x.amin(() if dim is None else dim, keepdim=keepdim), (aten.amin.default,)),
-    "argmax": (lambda x, dim=None, keepdim=False: x.argmax(dim if dim is None or isinstance(dim, int) else dim[0], keepdim=keepdim), (aten.argmax.default,)),
-    "argmin": (lambda x, dim=None, keepdim=False: x.argmin(dim if dim is None or isinstance(dim, int) else dim[0], keepdim=keepdim), (aten.argmin.default,)),
-    "max_dim": (lambda x, dim=None, keepdim=False: x.max() if dim is None else x.max(dim if isinstance(dim, int) else dim[0], keepdim=keepdim), (aten.max.default, aten.max.dim)),
-    "min_dim": (lambda x, dim=None, keepdim=False: x.min() if dim is None else x.min(dim if isinstance(dim, int) else dim[0], keepdim=keepdim), (aten.min.default, aten.min.dim)),
-    "any": (lambda x, dim=None, keepdim=False: (x > 0).any() if dim is None else (x > 0).any(dim, keepdim=keepdim), (aten.any.default, aten.any.dims)),
-    "all": (lambda x, dim=None, keepdim=False: (x > 0).all() if dim is None else (x > 0).all(dim, keepdim=keepdim), (aten.all.default, aten.all.dims)),
+    "prod": (
+        lambda x, dim=None, keepdim=False: (
+            x.prod() if dim is None else x.prod(dim if isinstance(dim, int) else dim[0], keepdim=keepdim)
+        ),
+        (aten.prod.default, aten.prod.dim_int),
+    ),
+    "amax": (
+        lambda x, dim=None, keepdim=False: x.amax(() if dim is None else dim, keepdim=keepdim),
+        (aten.amax.default,),
+    ),
+    "amin": (
+        lambda x, dim=None, keepdim=False: x.amin(() if dim is None else dim, keepdim=keepdim),
+        (aten.amin.default,),
+    ),
+    "argmax": (
+        lambda x, dim=None, keepdim=False: x.argmax(
+            dim if dim is None or isinstance(dim, int) else dim[0], keepdim=keepdim
+        ),
+        (aten.argmax.default,),
+    ),
+    "argmin": (
+        lambda x, dim=None, keepdim=False: x.argmin(
+            dim if dim is None or isinstance(dim, int) else dim[0], keepdim=keepdim
+        ),
+        (aten.argmin.default,),
+    ),
+    "max_dim": (
+        lambda x, dim=None, keepdim=False: (
+            x.max() if dim is None else x.max(dim if isinstance(dim, int) else dim[0], keepdim=keepdim)
+        ),
+        (aten.max.default, aten.max.dim),
+    ),
+    "min_dim": (
+        lambda x, dim=None, keepdim=False: (
+            x.min() if dim is None else x.min(dim if isinstance(dim, int) else dim[0], keepdim=keepdim)
+        ),
+        (aten.min.default, aten.min.dim),
+    ),
+    "any": (
+        lambda x, dim=None, keepdim=False: (x > 0).any() if dim is None else (x > 0).any(dim, keepdim=keepdim),
+        (aten.any.default, aten.any.dims),
+    ),
+    "all": (
+        lambda x, dim=None, keepdim=False: (x > 0).all() if dim is None else (x > 0).all(dim, keepdim=keepdim),
+        (aten.all.default, aten.all.dims),
+    ),
 }
 _REDUCTIONS_SKIP, READY_REDUCTIONS = op_family("reduce", REDUCTIONS)
 
@@ -943,7 +1108,17 @@ def reduction_cases(draw):
     dtype = draw(st.sampled_from(["float64", "float32", "int64"]))
     data = draw(st.sampled_from(["randn", "ints", "special"]))
     discrete = name.split(".")[1] in ("argmax", "argmin", "max_dim", "min_dim", "any", "all")
-    return one_operand(draw, name, mesh, shape, tuple(kw.items()), dtype, data, partial=dtype != "int64" and data != "special", exact=discrete or data == "ints")
+    return one_operand(
+        draw,
+        name,
+        mesh,
+        shape,
+        tuple(kw.items()),
+        dtype,
+        data,
+        partial=dtype != "int64" and data != "special",
+        exact=discrete or data == "ints",
+    )
 
 
 test_reductions = property_test("test_reductions", reduction_cases(), 120, skip=_REDUCTIONS_SKIP)
@@ -954,7 +1129,10 @@ test_reductions = property_test("test_reductions", reduction_cases(), 120, skip=
 SCANS = {
     "cumsum": (lambda x, dim: x.cumsum(dim), ((aten.cumsum.default, torch.cumsum, torch.Tensor.cumsum),)),
     "cumprod": (lambda x, dim: x.cumprod(dim), ((aten.cumprod.default, torch.cumprod, torch.Tensor.cumprod),)),
-    "logcumsumexp": (lambda x, dim: x.logcumsumexp(dim), ((aten.logcumsumexp.default, torch.logcumsumexp, torch.Tensor.logcumsumexp),)),
+    "logcumsumexp": (
+        lambda x, dim: x.logcumsumexp(dim),
+        ((aten.logcumsumexp.default, torch.logcumsumexp, torch.Tensor.logcumsumexp),),
+    ),
     "cummax": (lambda x, dim: x.cummax(dim), ((aten.cummax.default, torch.cummax, torch.Tensor.cummax),)),
     "cummin": (lambda x, dim: x.cummin(dim), ((aten.cummin.default, torch.cummin, torch.Tensor.cummin),)),
 }
@@ -967,7 +1145,17 @@ def scan_cases(draw):
     dim = draw(st.integers(-len(shape), len(shape) - 1))
     dtype = draw(st.sampled_from(["float64", "float32", "int32"] if name == "scan.cumsum" else ["float64", "float32"]))
     data = draw(st.sampled_from(["randn", "ints", "special"]))
-    return one_operand(draw, name, mesh, shape, (("dim", dim),), dtype, data, partial=dtype != "int32" and data != "special", exact=name in ("scan.cummax", "scan.cummin") or data == "ints")
+    return one_operand(
+        draw,
+        name,
+        mesh,
+        shape,
+        (("dim", dim),),
+        dtype,
+        data,
+        partial=dtype != "int32" and data != "special",
+        exact=name in ("scan.cummax", "scan.cummin") or data == "ints",
+    )
 
 
 test_scans = property_test("test_scans", scan_cases(), 80, skip=_SCANS_SKIP)
@@ -976,10 +1164,22 @@ test_scans = property_test("test_scans", scan_cases(), 80, skip=_SCANS_SKIP)
 # ------------------------------------------------------------------ moments
 
 MOMENTS = {
-    "var": (lambda x, dim=None, correction=1, keepdim=False: x.var(dim, correction=correction, keepdim=keepdim), (aten.var.correction,)),
-    "std": (lambda x, dim=None, correction=1, keepdim=False: x.std(dim, correction=correction, keepdim=keepdim), (aten.std.correction,)),
-    "var_mean": (lambda x, dim=None, correction=1, keepdim=False: torch.var_mean(x, dim, correction=correction, keepdim=keepdim), (aten.var_mean.correction,)),
-    "std_mean": (lambda x, dim=None, correction=1, keepdim=False: torch.std_mean(x, dim, correction=correction, keepdim=keepdim), (aten.std_mean.correction,)),
+    "var": (
+        lambda x, dim=None, correction=1, keepdim=False: x.var(dim, correction=correction, keepdim=keepdim),
+        (aten.var.correction,),
+    ),
+    "std": (
+        lambda x, dim=None, correction=1, keepdim=False: x.std(dim, correction=correction, keepdim=keepdim),
+        (aten.std.correction,),
+    ),
+    "var_mean": (
+        lambda x, dim=None, correction=1, keepdim=False: torch.var_mean(x, dim, correction=correction, keepdim=keepdim),
+        (aten.var_mean.correction,),
+    ),
+    "std_mean": (
+        lambda x, dim=None, correction=1, keepdim=False: torch.std_mean(x, dim, correction=correction, keepdim=keepdim),
+        (aten.std_mean.correction,),
+    ),
 }
 _MOMENTS_SKIP, READY_MOMENTS = op_family("moment", MOMENTS)
 
@@ -987,9 +1187,23 @@ _MOMENTS_SKIP, READY_MOMENTS = op_family("moment", MOMENTS)
 @st.composite
 def moment_cases(draw):
     name, mesh, shape = op_mesh_shape(draw, READY_MOMENTS or ["moment.var"], 0)
-    kw = {"dim": draw(dims_strategy(len(shape))), "correction": draw(st.sampled_from([1, 0, 2])), "keepdim": draw(st.booleans())}
+    kw = {
+        "dim": draw(dims_strategy(len(shape))),
+        "correction": draw(st.sampled_from([1, 0, 2])),
+        "keepdim": draw(st.booleans()),
+    }
     data = draw(st.sampled_from(["randn", "offset", "ints", "special"]))
-    return one_operand(draw, name, mesh, shape, tuple(kw.items()), _dtype_for(draw, data), data, partial=data != "special", exact=data == "ints")
+    return one_operand(
+        draw,
+        name,
+        mesh,
+        shape,
+        tuple(kw.items()),
+        _dtype_for(draw, data),
+        data,
+        partial=data != "special",
+        exact=data == "ints",
+    )
 
 
 test_moments = property_test("test_moments", moment_cases(), 80, skip=_MOMENTS_SKIP)
@@ -997,8 +1211,16 @@ test_moments = property_test("test_moments", moment_cases(), 80, skip=_MOMENTS_S
 
 # ------------------------------------------------------------------ norms and logsumexp
 
-op("norm.vector_norm", lambda x, ord=2, dim=None, keepdim=False: torch.linalg.vector_norm(x, ord, dim, keepdim), (aten.linalg_vector_norm.default,))
-op("lse.logsumexp", lambda x, dim=(), keepdim=False: torch.logsumexp(x, dim, keepdim), ((aten.logsumexp.default, torch.logsumexp, torch.Tensor.logsumexp),))
+op(
+    "norm.vector_norm",
+    lambda x, ord=2, dim=None, keepdim=False: torch.linalg.vector_norm(x, ord, dim, keepdim),
+    (aten.linalg_vector_norm.default,),
+)
+op(
+    "lse.logsumexp",
+    lambda x, dim=(), keepdim=False: torch.logsumexp(x, dim, keepdim),
+    ((aten.logsumexp.default, torch.logsumexp, torch.Tensor.logsumexp),),
+)
 _NORM_SKIP, _ = _skip_unless("norm.vector_norm")
 _LSE_SKIP, _ = _skip_unless("lse.logsumexp")
 
@@ -1006,9 +1228,23 @@ _LSE_SKIP, _ = _skip_unless("lse.logsumexp")
 @st.composite
 def norm_cases(draw):
     name, mesh, shape = op_mesh_shape(draw, ["norm.vector_norm"], 0)
-    kw = {"ord": draw(st.sampled_from([2.0, 1.0, inf, -inf, 0.0, 3.0, 0.5])), "dim": draw(dims_strategy(len(shape))), "keepdim": draw(st.booleans())}
+    kw = {
+        "ord": draw(st.sampled_from([2.0, 1.0, inf, -inf, 0.0, 3.0, 0.5])),
+        "dim": draw(dims_strategy(len(shape))),
+        "keepdim": draw(st.booleans()),
+    }
     data = draw(st.sampled_from(["randn", "ints", "special"]))
-    return one_operand(draw, name, mesh, shape, tuple(kw.items()), draw(FLOAT_DTYPES), data, partial=data != "special", exact=data == "ints")
+    return one_operand(
+        draw,
+        name,
+        mesh,
+        shape,
+        tuple(kw.items()),
+        draw(FLOAT_DTYPES),
+        data,
+        partial=data != "special",
+        exact=data == "ints",
+    )
 
 
 test_vector_norm = property_test("test_vector_norm", norm_cases(), 80, skip=_NORM_SKIP)
@@ -1020,7 +1256,9 @@ def logsumexp_cases(draw):
     dim = draw(dims_strategy(len(shape), allow_none=False))
     kw = {"dim": dim, "keepdim": draw(st.booleans())}
     data = draw(st.sampled_from(["randn", "offset", "special"]))
-    return one_operand(draw, name, mesh, shape, tuple(kw.items()), _dtype_for(draw, data), data, partial=data != "special")
+    return one_operand(
+        draw, name, mesh, shape, tuple(kw.items()), _dtype_for(draw, data), data, partial=data != "special"
+    )
 
 
 test_logsumexp = property_test("test_logsumexp", logsumexp_cases(), 60, skip=_LSE_SKIP)
@@ -1038,7 +1276,17 @@ def softmax_cases(draw):
     name, mesh, shape = op_mesh_shape(draw, READY_SOFTMAX or ["softmax.softmax"], 0)
     dim = draw(st.integers(-max(len(shape), 1), max(len(shape), 1) - 1))
     data = draw(st.sampled_from(["randn", "offset", "special"]))
-    return one_operand(draw, name, mesh, shape, (("dim", dim),), _dtype_for(draw, data), data, partial=data != "special", exact=data == "ints")
+    return one_operand(
+        draw,
+        name,
+        mesh,
+        shape,
+        (("dim", dim),),
+        _dtype_for(draw, data),
+        data,
+        partial=data != "special",
+        exact=data == "ints",
+    )
 
 
 test_softmax = property_test("test_softmax", softmax_cases(), 80, skip=_SOFTMAX_SKIP)
@@ -1071,8 +1319,20 @@ def _nll(logits, target, weight=None, **kw):
     return F.nll_loss(F.log_softmax(logits, 1 if logits.ndim >= 2 else 0), target, weight=weight, **kw)
 
 
-op("loss.cross_entropy", _cross_entropy, (aten.nll_loss_forward.default, aten._log_softmax.default), inputs=_loss_inputs, grad_inputs=(0,))
-op("loss.nll_loss", _nll, (aten.nll_loss_forward.default, aten._log_softmax.default), inputs=_loss_inputs, grad_inputs=(0,))
+op(
+    "loss.cross_entropy",
+    _cross_entropy,
+    (aten.nll_loss_forward.default, aten._log_softmax.default),
+    inputs=_loss_inputs,
+    grad_inputs=(0,),
+)
+op(
+    "loss.nll_loss",
+    _nll,
+    (aten.nll_loss_forward.default, aten._log_softmax.default),
+    inputs=_loss_inputs,
+    grad_inputs=(0,),
+)
 _LOSS_SKIP, READY_LOSSES = _skip_unless("loss.cross_entropy", "loss.nll_loss")
 
 
@@ -1090,7 +1350,10 @@ def loss_cases(draw):
         kw["ignore_index"] = draw(st.sampled_from([-100, 0, 2]))
     if name == "loss.cross_entropy" and draw(st.integers(0, 3)) == 0:
         kw["label_smoothing"] = 0.1
-    lay = [draw(layouts(len(logits_shape), len(mesh))), draw(layouts(len(target_shape), len(mesh), partial=False, plain=True))]
+    lay = [
+        draw(layouts(len(logits_shape), len(mesh))),
+        draw(layouts(len(target_shape), len(mesh), partial=False, plain=True)),
+    ]
     if draw(st.booleans()):
         shapes.append((c,))
         lay.append(draw(layouts(1, len(mesh), partial=False, plain=True)))
@@ -1137,7 +1400,9 @@ def normalization_cases(draw):
     return Case(name, mesh, shapes, lay, tuple(kw.items()), _dtype_for(draw, data), data, draw(SEEDS))
 
 
-test_layer_norm_and_rms_norm = property_test("test_layer_norm_and_rms_norm", normalization_cases(), 60, skip=_NORMALIZE_SKIP)
+test_layer_norm_and_rms_norm = property_test(
+    "test_layer_norm_and_rms_norm", normalization_cases(), 60, skip=_NORMALIZE_SKIP
+)
 
 
 # ------------------------------------------------------------------ topk / sort
@@ -1151,11 +1416,24 @@ def _compare_selected(case: Case, k: int, got: torch.Tensor, want: torch.Tensor,
     dim = case.kw["dim"]
     inputs = float_inputs(case)
     picked = inputs[0].gather(dim, got)
-    torch.testing.assert_close(picked, inputs[0].gather(dim, want), rtol=0, atol=0, msg=lambda m: f"{where} (tied values): {m}")
+    torch.testing.assert_close(
+        picked, inputs[0].gather(dim, want), rtol=0, atol=0, msg=lambda m: f"{where} (tied values): {m}"
+    )
 
 
-op("select.topk", lambda x, k, dim, largest, sorted=True: torch.topk(x, k, dim, largest, sorted), (aten.topk.default,), compare=_compare_selected, ties_move_gradient=True)
-op("select.sort", lambda x, dim, descending: torch.sort(x, dim=dim, descending=descending, stable=True), (aten.sort.stable,), ties_move_gradient=True)
+op(
+    "select.topk",
+    lambda x, k, dim, largest, sorted=True: torch.topk(x, k, dim, largest, sorted),
+    (aten.topk.default,),
+    compare=_compare_selected,
+    ties_move_gradient=True,
+)
+op(
+    "select.sort",
+    lambda x, dim, descending: torch.sort(x, dim=dim, descending=descending, stable=True),
+    (aten.sort.stable,),
+    ties_move_gradient=True,
+)
 _SELECT_SKIP, READY_SELECT = _skip_unless("select.topk", "select.sort")
 
 
@@ -1208,7 +1486,9 @@ op("order.kthvalue", lambda x, k, dim, keepdim: x.kthvalue(k, dim, keepdim), (at
 op("order.median", lambda x: x.median(), (aten.median.default,))
 op("order.histc", lambda x, bins, lo, hi: torch.histc(x, bins, lo, hi), (aten.histc.default,))
 op("order.dist", lambda a, b, p: torch.dist(a, b, p), (aten.dist.default,))
-_ORDER_SKIP, READY_ORDER = _skip_unless("order.median_dim", "order.kthvalue", "order.median", "order.histc", "order.dist")
+_ORDER_SKIP, READY_ORDER = _skip_unless(
+    "order.median_dim", "order.kthvalue", "order.median", "order.histc", "order.dist"
+)
 
 
 @st.composite
@@ -1230,7 +1510,9 @@ def order_cases(draw):
     return Case(name, mesh, shapes, lay, tuple(kw.items()), draw(FLOAT_DTYPES), "randn", draw(SEEDS))
 
 
-test_order_statistics_histc_dist = property_test("test_order_statistics_histc_dist", order_cases(), 60, skip=_ORDER_SKIP)
+test_order_statistics_histc_dist = property_test(
+    "test_order_statistics_histc_dist", order_cases(), 60, skip=_ORDER_SKIP
+)
 
 
 # ------------------------------------------------------------------ every algorithm ran (runs after the families above)
@@ -1262,7 +1544,10 @@ test_every_sharded_algorithm_ran.checks_forced_examples = True
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=reason), id=case.op) for reason, (_, case) in KNOWN_ISSUES.items()],
+    [
+        pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=reason), id=case.op)
+        for reason, (_, case) in KNOWN_ISSUES.items()
+    ],
 )
 def test_known_issue_still_reproduces(case):
     check(case)
@@ -1276,7 +1561,9 @@ def test_regression(case):
 def test_strided_shard_gradient_keeps_its_layout():  # pointwise/view rules offer StridedShard rows
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
-        x = so.distribute_tensor(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), mesh, [StridedShard(0, 2)])
+        x = so.distribute_tensor(
+            torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), mesh, [StridedShard(0, 2)]
+        )
         x.requires_grad_()
         with so.CommDebugMode() as comm:
             y = x.exp()

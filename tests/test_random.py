@@ -11,6 +11,7 @@ here compares with torch's draws. What is checked instead:
     for bernoulli/randint, moments, dropout fraction), so a broken generator fails;
   - a sharded dropout's largest local temporary stays within 2x the shard.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,15 +23,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardops as so
-from test_memory import LargestLocalTensor  # the one recorder of local temporaries
-from shardops import Partial, Replicate, Shard, StridedShard
-from shardops import rng
+from shardops import Partial, Replicate, Shard, StridedShard, rng
 from shardops.placements import dim_positions
+from test_memory import LargestLocalTensor  # the one recorder of local temporaries
 
 aten = torch.ops.aten
 SHAPE = (10, 6)  # on 4 ranks: dim 0 -> 3,3,3,1 rows; dim 1 -> 2,2,2,0 (an empty shard)
 SEED = 1234
-
 
 
 # ------------------------------------------------------------------ the generator itself
@@ -55,7 +54,11 @@ def _brute_indices(shape, mesh_shape, coord, placements) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(10,), (10, 6), (3, 5, 7), (0, 4), (4, 1, 3)])
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2), (3,)])
 def test_each_rank_gets_exactly_its_global_indices(shape, mesh_shape):
-    kinds = [Replicate(), Partial()] + [Shard(d) for d in range(len(shape))] + [StridedShard(d, 2) for d in range(len(shape))]
+    kinds = (
+        [Replicate(), Partial()]
+        + [Shard(d) for d in range(len(shape))]
+        + [StridedShard(d, 2) for d in range(len(shape))]
+    )
     for placements in itertools.product(kinds, repeat=len(mesh_shape)):
         if sum(p.is_partial() for p in placements) > 1:
             continue
@@ -203,9 +206,18 @@ def test_fill_of_a_pending_tensor_is_replicated_with_no_bytes(strict):
         with so.CommDebugMode() as comm:
             y = OPS["uniform_"](x)
             z = torch.rand_like(x)
-            pending = [so.DTensor.from_local(torch.full(SHAPE, 1.0 + mesh.get_rank()), mesh, [Partial()]) for _ in range(3)]
+            pending = [
+                so.DTensor.from_local(torch.full(SHAPE, 1.0 + mesh.get_rank()), mesh, [Partial()]) for _ in range(3)
+            ]
             inits = [nn.init.zeros_(pending[0]), nn.init.ones_(pending[1]), nn.init.constant_(pending[2], 0.5)]
-        return y is x, y.placements, z.placements, y.to_local().clone(), comm.get_total_bytes(), [(t.placements, t.full_tensor()) for t in inits]
+        return (
+            y is x,
+            y.placements,
+            z.placements,
+            y.to_local().clone(),
+            comm.get_total_bytes(),
+            [(t.placements, t.full_tensor()) for t in inits],
+        )
 
     for same, yp, zp, local, moved, inits in so.run(body, 4):
         assert same and yp == (Replicate(),) and zp == (Replicate(),) and moved == 0
@@ -272,6 +284,7 @@ def _local_draw() -> torch.Tensor:
 
 def test_debug_mode_names_ranks_seeded_differently():
     """The first draw takes rank 0's state (as torch DTensor does); a later per-rank re-seed is the user's mistake."""
+
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0)])
@@ -297,7 +310,9 @@ def test_activation_checkpointing_recomputes_the_same_dropout_mask():
     def body(use_checkpoint):
         mesh = so.init_device_mesh("cpu", (2,))
         torch.manual_seed(SEED)
-        x = so.distribute_tensor(torch.arange(60, dtype=torch.float32).reshape(SHAPE), mesh, [Shard(0)]).requires_grad_()
+        x = so.distribute_tensor(
+            torch.arange(60, dtype=torch.float32).reshape(SHAPE), mesh, [Shard(0)]
+        ).requires_grad_()
         block = lambda t: F.dropout(t * 2.0, 0.5) * t  # noqa: E731 - the gradient depends on the mask
         y = checkpoint(block, x, use_reentrant=False) if use_checkpoint else block(x)
         y.sum().backward()
@@ -447,7 +462,10 @@ def test_trunc_normal_distribution():
     t = _sample(lambda x: nn.init.trunc_normal_(x, mean=0.0, std=1.0, a=-2.0, b=2.0)).double()
     assert t.min() >= -2 and t.max() <= 2
     z = _normal_cdf(torch.tensor(2.0, dtype=torch.float64)) - _normal_cdf(torch.tensor(-2.0, dtype=torch.float64))
-    assert ks_statistic(t, lambda x: (_normal_cdf(x) - _normal_cdf(torch.tensor(-2.0, dtype=torch.float64))) / z) < KS_CRITICAL
+    assert (
+        ks_statistic(t, lambda x: (_normal_cdf(x) - _normal_cdf(torch.tensor(-2.0, dtype=torch.float64))) / z)
+        < KS_CRITICAL
+    )
     assert abs(t.var() - 0.7737) < 0.01  # variance of N(0,1) truncated to [-2, 2]
 
 
@@ -474,7 +492,11 @@ def test_sharded_dropout_temporaries_within_2x_the_shard(placements):
 
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
-        x = so.DTensor.from_local(torch.ones(rows // 4, cols) if placements[0].dim == 0 else torch.ones(rows, cols // 4), mesh, list(placements))
+        x = so.DTensor.from_local(
+            torch.ones(rows // 4, cols) if placements[0].dim == 0 else torch.ones(rows, cols // 4),
+            mesh,
+            list(placements),
+        )
         shard = x.to_local().numel() * 4
         recorder = LargestLocalTensor()
         with recorder:
@@ -500,9 +522,12 @@ def test_init_functions_on_a_dtensor_parameter(strict):
         out = {}
         with so.CommDebugMode() as comm:
             for name, init in [
-                ("xavier_uniform_", nn.init.xavier_uniform_), ("kaiming_normal_", nn.init.kaiming_normal_),
-                ("trunc_normal_", lambda t: nn.init.trunc_normal_(t, std=0.02)), ("constant_", lambda t: nn.init.constant_(t, 0.5)),
-                ("zeros_", nn.init.zeros_), ("ones_", nn.init.ones_),
+                ("xavier_uniform_", nn.init.xavier_uniform_),
+                ("kaiming_normal_", nn.init.kaiming_normal_),
+                ("trunc_normal_", lambda t: nn.init.trunc_normal_(t, std=0.02)),
+                ("constant_", lambda t: nn.init.constant_(t, 0.5)),
+                ("zeros_", nn.init.zeros_),
+                ("ones_", nn.init.ones_),
             ]:
                 assert init(w) is w and w.placements == (Shard(0), Shard(1))
                 out[name] = w.full_tensor()

@@ -5,6 +5,7 @@ ops, bitwise the same values), against 4 gloo processes (one launch for every ch
 plain draws, DTensor draws, dropout masks, GPT-2 with dropout over 5 steps), and through
 activation checkpointing, repeated (the shared-generator bug was intermittent).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -176,7 +177,9 @@ def test_checkpointed_dropout_gives_the_gradient_of_the_plain_run(dtensor, use_r
 def _spec():
     from shardops.training.config import SIZES, RunSpec
 
-    return RunSpec(model="gpt2", cfg=replace(SIZES["tiny"], dropout=0.1), mesh_shape=(2, 2), steps=5, sequence_parallel=False)
+    return RunSpec(
+        model="gpt2", cfg=replace(SIZES["tiny"], dropout=0.1), mesh_shape=(2, 2), steps=5, sequence_parallel=False
+    )
 
 
 def _same_script() -> dict:

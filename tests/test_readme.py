@@ -1,4 +1,5 @@
 """The README's example runs as written, and the README stays short and links its docs."""
+
 import os
 import re
 
@@ -16,7 +17,9 @@ def _blocks() -> list[str]:
 
 def test_readme_example_runs(capsys):
     blocks = _blocks()
-    assert len(blocks) == 3, "the README has three python examples: the softmax, the training step, a transformers model"
+    assert len(blocks) == 3, (
+        "the README has three python examples: the softmax, the training step, a transformers model"
+    )
     exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme_example"})  # noqa: S102 - our own example
     out = capsys.readouterr().out
     assert out.count("bytes sent by this rank") == 4  # one line per rank
@@ -41,7 +44,14 @@ def test_readme_transformers_example_runs():
     source = _blocks()[2]
     assert source.rstrip().endswith("so.run(main, world_size=4)")
     namespace = {"__name__": "readme_transformers"}
-    exec(compile(source.rstrip()[: -len("so.run(main, world_size=4)")] + "RESULTS = so.run(main, world_size=4)", "README.md", "exec"), namespace)  # noqa: S102
+    exec(
+        compile(
+            source.rstrip()[: -len("so.run(main, world_size=4)")] + "RESULTS = so.run(main, world_size=4)",
+            "README.md",
+            "exec",
+        ),
+        namespace,
+    )  # noqa: S102
     assert len(namespace["RESULTS"]) == 4
 
 

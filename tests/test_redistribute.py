@@ -1,4 +1,5 @@
 """Redistribution between random layouts in the threads world: values, local shards and byte counts."""
+
 import math
 
 import pytest

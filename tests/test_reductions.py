@@ -1,12 +1,13 @@
 """Linear reductions and arg-reductions on every layout against single-device torch, plus their byte counts."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import shardops as so
-from shardops import NormPartial, Partial, Replicate, Shard, StridedShard
 from reduction_harness import Grid, Op, check_case
+from shardops import NormPartial, Partial, Replicate, Shard, StridedShard
 
 f64, f32 = torch.float64, torch.float32
 
@@ -83,18 +84,33 @@ test_reduction_sample, test_reduction_grid = GRID.tests("test_reduction", per_op
 CUBE = (4, 3, 5)
 SPECIAL = [
     (Op("sum_dims02", lambda x: x.sum((0, 2)), grad=True), (2, 2), (Shard(0), Shard(2)), CUBE),
-    (Op("mean_dims-1-3_keepdim", lambda x: x.mean((-1, -3), keepdim=True), grad=True), (2, 2), (Shard(2), Shard(1)), CUBE),
+    (
+        Op("mean_dims-1-3_keepdim", lambda x: x.mean((-1, -3), keepdim=True), grad=True),
+        (2, 2),
+        (Shard(2), Shard(1)),
+        CUBE,
+    ),
     (Op("argmax_flat", lambda x: x.argmax(), data="ties"), (2, 2), (Shard(2), Shard(0)), CUBE),
     (Op("argmin_flat_keepdim", lambda x: x.argmin(keepdim=True), data="ties"), (4,), (Shard(1),), CUBE),
     (Op("max_dim1", lambda x: x.max(1), data="ties", grad=True), (2, 2), (Shard(1), Shard(1)), CUBE),
     (Op("prod_dim2", lambda x: x.prod(2), data="pos", grad=True), (2, 2), (Shard(2), Shard(0)), CUBE),
     (Op("amax_dims12", lambda x: x.amax((1, 2)), data="ties", grad=True), (2, 2), (Shard(1), Shard(2)), CUBE),
-    (Op("count_nonzero_dims01", lambda x: torch.count_nonzero(x, (0, 1)), data="int", dtype=torch.int64), (2, 2), (Shard(0), Shard(1)), CUBE),
+    (
+        Op("count_nonzero_dims01", lambda x: torch.count_nonzero(x, (0, 1)), data="int", dtype=torch.int64),
+        (2, 2),
+        (Shard(0), Shard(1)),
+        CUBE,
+    ),
     # a strided shard: dim 0 in 2 pieces, each chunked over the ranks (FSDP+TP after a view)
     (Op("sum_dim0_strided", lambda x: x.sum(0), grad=True), (2, 2), (StridedShard(0, 2), Shard(0)), (8, 6)),
     (Op("mean_dim0_strided", lambda x: x.mean(0), grad=True), (2, 2), (StridedShard(0, 2), Shard(0)), (10, 6)),
     (Op("argmax_dim0_strided", lambda x: x.argmax(0), data="ties"), (2, 2), (StridedShard(0, 2), Shard(0)), (8, 6)),
-    (Op("max_dim0_strided", lambda x: x.max(0), data="ties", grad=True), (2, 2), (StridedShard(0, 2), Shard(0)), (10, 6)),
+    (
+        Op("max_dim0_strided", lambda x: x.max(0), data="ties", grad=True),
+        (2, 2),
+        (StridedShard(0, 2), Shard(0)),
+        (10, 6),
+    ),
     (Op("min_strided_flat", lambda x: x.min(), data="ties", grad=True), (4,), (StridedShard(1, 3),), (10, 6)),
     (Op("argmin_strided_flat", lambda x: x.argmin(), data="ties"), (4,), (StridedShard(1, 3),), (10, 6)),
     (Op("prod_strided_flat", lambda x: x.prod(), data="pos", grad=True), (4,), (StridedShard(0, 2),), (10, 6)),
@@ -122,16 +138,16 @@ def _layouts_after(fn, full, placements, mesh_shape=(4,)):
 
 
 LAYOUT_CASES = [
-        ("sum of P(sum) stays pending", lambda x: x.sum(0), Partial("sum"), Partial("sum")),
-        ("mean of P(sum) stays pending", lambda x: x.mean(1), Partial("sum"), Partial("sum")),
-        ("amax of P(max) stays pending", lambda x: x.amax(0), Partial("max"), Partial("max")),
-        ("prod of P(product) stays pending", lambda x: x.prod(1), Partial("product"), Partial("product")),
-        ("sum over a sharded dim is pending", lambda x: x.sum(0), Shard(0), Partial("sum")),
-        ("mean over a sharded dim is pending", lambda x: x.mean(1), Shard(1), Partial("sum")),
-        ("amin over a sharded dim is pending", lambda x: x.amin(0), Shard(0), Partial("min")),
-        ("sum over a kept dim keeps the shard", lambda x: x.sum(0), Shard(1), Shard(0)),
-        ("keepdim keeps the shard in place", lambda x: x.sum(0, keepdim=True), Shard(1), Shard(1)),
-    ]
+    ("sum of P(sum) stays pending", lambda x: x.sum(0), Partial("sum"), Partial("sum")),
+    ("mean of P(sum) stays pending", lambda x: x.mean(1), Partial("sum"), Partial("sum")),
+    ("amax of P(max) stays pending", lambda x: x.amax(0), Partial("max"), Partial("max")),
+    ("prod of P(product) stays pending", lambda x: x.prod(1), Partial("product"), Partial("product")),
+    ("sum over a sharded dim is pending", lambda x: x.sum(0), Shard(0), Partial("sum")),
+    ("mean over a sharded dim is pending", lambda x: x.mean(1), Shard(1), Partial("sum")),
+    ("amin over a sharded dim is pending", lambda x: x.amin(0), Shard(0), Partial("min")),
+    ("sum over a kept dim keeps the shard", lambda x: x.sum(0), Shard(1), Shard(0)),
+    ("keepdim keeps the shard in place", lambda x: x.sum(0, keepdim=True), Shard(1), Shard(1)),
+]
 
 
 @pytest.mark.parametrize("name,fn,src,want", LAYOUT_CASES, ids=[c[0] for c in LAYOUT_CASES])

@@ -2,6 +2,7 @@
 --resume. Expected values come from runs that were never stopped, made in the test (and, for the
 demo, from its single-device reference), never from numbers copied from shardops' output.
 """
+
 from __future__ import annotations
 
 import io
@@ -24,7 +25,12 @@ def test_resume_with_dropout_is_bitwise_on_the_same_mesh_and_within_1e6_on_anoth
     path = str(tmp_path / "ckpt")
 
     def train(steps: range, load: bool, save_after: int | None, mesh_shape=(2, 2), with_rng: bool = True):
-        return so.run(lambda: train_and_checkpoint(path, steps, load, save_after, mesh_shape=mesh_shape, with_rng=with_rng, invariant_dropout=True), 4)
+        return so.run(
+            lambda: train_and_checkpoint(
+                path, steps, load, save_after, mesh_shape=mesh_shape, with_rng=with_rng, invariant_dropout=True
+            ),
+            4,
+        )
 
     whole = train(range(6), False, None)
     saved = train(range(3), False, 2)
@@ -89,7 +95,9 @@ def test_demo_save_and_resume_equals_the_run_never_stopped(tmp_path):
     # What the demo prints: the resumed run against the single-device run that was never stopped.
     spec = demo.spec_from(demo.parse_args(TINY + ["--steps", "4"]))
     assert spec.cfg.dropout > 0
-    check = report.check("shardops", "", resumed[0]["records"], resumed[0]["params"], demo.resumed_reference(spec, resumed[0]))
+    check = report.check(
+        "shardops", "", resumed[0]["records"], resumed[0]["params"], demo.resumed_reference(spec, resumed[0])
+    )
     assert check.ok, check
 
 
@@ -100,7 +108,12 @@ def test_demo_resume_past_the_last_step_and_bad_flags_are_clear_errors(tmp_path,
     _demo(["--steps", "2", "--save-every", "2", "--checkpoint", path])
     assert demo.main(TINY + ["--steps", "2", "--resume", path]) == 2
     assert "nothing left" in capsys.readouterr().out
-    for bad in (["--save-every", "2"], ["--checkpoint", path], ["--save-every", "-1", "--checkpoint", path], ["--resume", str(tmp_path / "missing")]):
+    for bad in (
+        ["--save-every", "2"],
+        ["--checkpoint", path],
+        ["--save-every", "-1", "--checkpoint", path],
+        ["--resume", str(tmp_path / "missing")],
+    ):
         with pytest.raises(SystemExit):
             demo.parse_args(bad)
 
@@ -120,7 +133,11 @@ def _demo_rank_in_gloo(tmp: str) -> dict:
         finally:
             so.set_strict(False)
 
-    return {"whole": run(["--steps", "4"]), "first": run(["--steps", "2", "--save-every", "2", "--checkpoint", path]), "resumed": run(["--steps", "4", "--resume", path])}
+    return {
+        "whole": run(["--steps", "4"]),
+        "first": run(["--steps", "2", "--save-every", "2", "--checkpoint", path]),
+        "resumed": run(["--steps", "4", "--resume", path]),
+    }
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Scans (cumsum, cumprod, logcumsumexp, cummax, cummin) on every layout against single-device torch,
 their sharded algorithm (output stays Shard(d), only shard totals move), gradients, and byte counts."""
+
 from __future__ import annotations
 
 import math
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 import shardops as so
-from shardops import Partial, Replicate, Shard
 from algo_harness import latency_only_links, run_case  # noqa: F401  (fixture)
-from reduction_harness import Grid, Op, assert_same, distribute, expected, check_bad_dim_refused
+from reduction_harness import Grid, Op, assert_same, check_bad_dim_refused, distribute, expected
+from shardops import Partial, Replicate, Shard
 
 f64, f32 = torch.float64, torch.float32
 
@@ -33,7 +34,13 @@ OPS = [
     Op("cummax_int", lambda x: x.cummax(1), data="int", dtype=torch.int64),
     # aten overloads called directly take the same sharded backward
     Op("aten_cumsum", lambda x: torch.ops.aten.cumsum.default(x, 1), grad=True),
-    Op("aten_cumprod_dtype", lambda x: torch.ops.aten.cumprod.default(x, 0, dtype=f64), data="pos", dtype=f32, grad=True),
+    Op(
+        "aten_cumprod_dtype",
+        lambda x: torch.ops.aten.cumprod.default(x, 0, dtype=f64),
+        data="pos",
+        dtype=f32,
+        grad=True,
+    ),
     Op("aten_cummin", lambda x: torch.ops.aten.cummin.default(x, -1), data="ties", grad=True),
 ]
 GRID = Grid(OPS)
@@ -68,7 +75,11 @@ def _data(kind: str, shape, seed: int = 0) -> torch.Tensor:
         x = 0.5 + torch.rand(shape, generator=g, dtype=f64)
         x.view(-1)[3::7] = 0.0  # zeros in several shards: cumprod's backward must find the first one globally
         return x
-    x = torch.randint(-2, 3, shape, generator=g).to(f64) if kind in ("ties", "nan") else torch.randn(shape, generator=g, dtype=f64)
+    x = (
+        torch.randint(-2, 3, shape, generator=g).to(f64)
+        if kind in ("ties", "nan")
+        else torch.randn(shape, generator=g, dtype=f64)
+    )
     if kind == "nan":
         x.view(-1)[2::5] = math.nan
     return x
@@ -171,7 +182,13 @@ def _scan_comm(fn, full):
         with so.CommDebugMode() as comm:
             y = fn(x)
         ys = list(y) if isinstance(y, tuple) else [y]
-        return comm.get_total_bytes(), comm.get_comm_counts(), comm.get_rounds(), tuple(ys[0].placements), [t.full_tensor() for t in ys]
+        return (
+            comm.get_total_bytes(),
+            comm.get_comm_counts(),
+            comm.get_rounds(),
+            tuple(ys[0].placements),
+            [t.full_tensor() for t in ys],
+        )
 
     results = so.run(body, RANKS)
     want = fn(full)

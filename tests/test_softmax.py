@@ -4,6 +4,7 @@ Backward form: `y.backward(grad)` with a grad DTensor laid out like `y`. It need
 reduction of its own, so the bytes counted are the softmax's alone (a `(y * w).sum()`
 would add the sum's own collectives).
 """
+
 import contextlib
 import math
 import random
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 import shardops as so
-from shardops import Partial, Replicate, Shard
 from planner_harness import inputs_stay_put
+from shardops import Partial, Replicate, Shard
 
 aten = torch.ops.aten
 OPS = {
@@ -89,7 +90,9 @@ def _check(op, dim, mesh_shape, layout, shape=SHAPE, dtype=torch.float64, kind="
 
 def _grid():
     return [
-        pytest.param(op, dim, mesh_shape, layout, id=f"{op}-dim{dim}-{'x'.join(map(str, mesh_shape))}-{'.'.join(layout)}")
+        pytest.param(
+            op, dim, mesh_shape, layout, id=f"{op}-dim{dim}-{'x'.join(map(str, mesh_shape))}-{'.'.join(layout)}"
+        )
         for op in OPS
         for dim in range(3)
         for mesh_shape, layouts in LAYOUTS.items()
@@ -243,7 +246,9 @@ LONG_ROWS = (40, 40, 40)  # 10+ entries of a row per rank: gathering statistics 
 )
 def test_softmax_keeps_layout_over_sharded_dim_by_cost(op, dim, mesh_shape, layout):
     """Under the default link model too, once a rank holds enough of each row."""
-    results = so.run(_softmax_case, math.prod(mesh_shape), op, dim, mesh_shape, layout, LONG_ROWS, torch.float64, "randn")
+    results = so.run(
+        _softmax_case, math.prod(mesh_shape), op, dim, mesh_shape, layout, LONG_ROWS, torch.float64, "randn"
+    )
     y_ref, g_ref = _reference(op, dim, LONG_ROWS, torch.float64, "randn")
     for x_pl, y_pl, g_pl, y, g in results:
         assert x_pl == y_pl == g_pl

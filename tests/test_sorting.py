@@ -6,6 +6,7 @@ top-k breaks them like a stable sort (smallest global index first). The referenc
 data on the sharded path is therefore `torch.sort(x, stable=True)[..., :k]`; values always
 equal torch's bitwise, and the local path (whole rows on a rank) gives torch's own indices.
 """
+
 import math
 import random
 
@@ -57,8 +58,14 @@ def _sharded(op, mesh_shape, placements, shape, dim, kwargs, kind, dtype):
         gd = so.distribute_tensor(grad, mesh, values.placements)
         with so.CommDebugMode() as backward:
             values.backward(gd)
-        out.update(grad_out=grad, dx=xd.grad.full_tensor(), dx_layout=xd.grad.placements, backward=backward.log,
-                   x_layout=xd.placements, local_numel=xd.to_local().numel())
+        out.update(
+            grad_out=grad,
+            dx=xd.grad.full_tensor(),
+            dx_layout=xd.grad.placements,
+            backward=backward.log,
+            x_layout=xd.placements,
+            local_numel=xd.to_local().numel(),
+        )
     return out
 
 
@@ -144,11 +151,14 @@ def test_topk_int64():
     assert res["forward"] == [("all_gather", _topk_bytes(1, 3, 8))]
 
 
-@pytest.mark.parametrize("placements,rows", [
-    pytest.param([Shard(0), Shard(1)], 2, id="rows-and-dim"),
-    pytest.param([Shard(1), Shard(1)], 4, id="nested"),
-    pytest.param([StridedShard(1, 2), Shard(1)], 4, id="strided"),
-])
+@pytest.mark.parametrize(
+    "placements,rows",
+    [
+        pytest.param([Shard(0), Shard(1)], 2, id="rows-and-dim"),
+        pytest.param([Shard(1), Shard(1)], 4, id="nested"),
+        pytest.param([StridedShard(1, 2), Shard(1)], 4, id="strided"),
+    ],
+)
 def test_topk_sharded_mesh2x2(placements, rows):
     # rows wide enough that moving them (an all_to_all onto dim 0) costs more than one joint
     # all_gather of k per rank over 4 ranks (at 64 columns the two are within bytes of each other)
@@ -181,16 +191,21 @@ def test_sort_sharded_dim(op, kwargs, kind):
         assert res["backward"] == [("all_gather", n * 16)]
 
 
-@pytest.mark.parametrize("placements", [
-    pytest.param([Shard(0), Shard(0)], id="nested"),
-    pytest.param([StridedShard(0, 2), Shard(0)], id="strided"),
-])
+@pytest.mark.parametrize(
+    "placements",
+    [
+        pytest.param([Shard(0), Shard(0)], id="nested"),
+        pytest.param([StridedShard(0, 2), Shard(0)], id="strided"),
+    ],
+)
 @pytest.mark.parametrize("op,kwargs", [("sort", {"stable": True}), ("topk", {"k": 2})], ids=["sort", "topk"])
 def test_sort_topk_1d_mesh2x2(op, kwargs, placements):
     _check(op, (2, 2), placements, (30,), 0, kwargs, "ties", tie_rule="stable" if op == "topk" else "torch")
 
 
-@pytest.mark.parametrize("op,kwargs", [("topk", {"k": 3}), ("sort", {}), ("argsort", {"stable": True})], ids=["topk", "sort", "argsort"])
+@pytest.mark.parametrize(
+    "op,kwargs", [("topk", {"k": 3}), ("sort", {}), ("argsort", {"stable": True})], ids=["topk", "sort", "argsort"]
+)
 def test_unsharded_dim_is_local(op, kwargs):
     res = _check(op, (4,), [Shard(0)], (8, 6), 1, kwargs, "ties" if op != "topk" else "randn")
     assert res["forward"] == [] and res["layout"] == (Shard(0),)
@@ -208,7 +223,12 @@ GRID_OPS = {
 }
 GRID_LAYOUTS = {
     (4,): {"S0": [Shard(0)], "S1": [Shard(1)], "R": [R]},
-    (2, 2): {"S0,S1": [Shard(0), Shard(1)], "S1,S0": [Shard(1), Shard(0)], "S1,S1": [Shard(1), Shard(1)], "R,S1": [R, Shard(1)]},
+    (2, 2): {
+        "S0,S1": [Shard(0), Shard(1)],
+        "S1,S0": [Shard(1), Shard(0)],
+        "S1,S1": [Shard(1), Shard(1)],
+        "R,S1": [R, Shard(1)],
+    },
 }
 GRID = [
     pytest.param(name, mesh, layout, dim, kind, id=f"{name}-{'x'.join(map(str, mesh))}-{layout}-dim{dim}-{kind}")
@@ -231,7 +251,9 @@ def _grid_case(name, mesh, layout, dim, kind):
         _assert_values(res["values"], want_v)
         picked = x.gather(dim, res["indices"])  # the indices point at those values, each once
         _assert_values(picked, want_v)
-        assert all(len(set(row.tolist())) == row.numel() for row in res["indices"].movedim(dim, -1).reshape(-1, kwargs["k"]))
+        assert all(
+            len(set(row.tolist())) == row.numel() for row in res["indices"].movedim(dim, -1).reshape(-1, kwargs["k"])
+        )
         if kind == "randn":
             _check(op, mesh, GRID_LAYOUTS[mesh][layout], shape, dim, kwargs, kind)
     else:
@@ -255,7 +277,10 @@ def _topk_k_too_large():
     mesh = so.init_device_mesh("cpu", (4,))
     xd = so.distribute_tensor(torch.zeros(3, 8), mesh, [Shard(1)])
     with so.CommDebugMode() as comm:
-        with pytest.raises(so.ShardingError, match=r"topk: k=9 is out of range for dim 1 of size 8 of float32\[3, 8\]:S\(1\); use 0 <= k <= 8\."):
+        with pytest.raises(
+            so.ShardingError,
+            match=r"topk: k=9 is out of range for dim 1 of size 8 of float32\[3, 8\]:S\(1\); use 0 <= k <= 8\.",
+        ):
             torch.topk(xd, 9, dim=1)
     return comm.get_total_counts()
 

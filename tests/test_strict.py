@@ -4,14 +4,15 @@
 - a plan that gathers a sharded input to run replicated (a rule's implicit all-Replicate row) raises;
 - inputs that are all Replicate already run locally: 0 bytes, no warning, in either mode.
 """
+
 import warnings
 
 import pytest
 import torch
 
 import shardops as so
-from shardops import Replicate, Shard
 from parallel_harness import strict
+from shardops import Replicate, Shard
 
 A = torch.randn(8, 8, generator=torch.Generator().manual_seed(51))
 
@@ -42,8 +43,13 @@ REPLICATED_ON_PURPOSE = {
     "svd": (lambda x: torch.linalg.svdvals(x), lambda a: torch.linalg.svdvals(a), "_linalg_svd"),
     "qr": (lambda x: torch.linalg.qr(x).R.abs(), lambda a: torch.linalg.qr(a).R.abs(), "linalg_qr"),
     "eigh": (lambda x: torch.linalg.eigvalsh(x), lambda a: torch.linalg.eigvalsh(a), "_linalg_eigh"),
-    "solve_triangular": (lambda x: torch.linalg.solve_triangular(x.triu() + so.from_local(8 * torch.eye(8), x.device_mesh, [Replicate()]), x, upper=True),
-                         lambda a: torch.linalg.solve_triangular(a.triu() + 8 * torch.eye(8), a, upper=True), "linalg_solve_triangular"),
+    "solve_triangular": (
+        lambda x: torch.linalg.solve_triangular(
+            x.triu() + so.from_local(8 * torch.eye(8), x.device_mesh, [Replicate()]), x, upper=True
+        ),
+        lambda a: torch.linalg.solve_triangular(a.triu() + 8 * torch.eye(8), a, upper=True),
+        "linalg_solve_triangular",
+    ),
     "diag_embed": (lambda x: torch.diag_embed(x), lambda a: torch.diag_embed(a), "diag_embed"),
     "sort": (lambda x: torch.sort(x, dim=0).values, lambda a: torch.sort(a, dim=0).values, "sort"),
     "argsort": (lambda x: torch.argsort(x, dim=0), lambda a: torch.argsort(a, dim=0), "sort"),
@@ -74,10 +80,13 @@ def test_allow_replicate_takes_torch_functions_and_a_global_call():
         for out, _, _ in _on_four_ranks(lambda x: torch.sort(x, dim=0).values, [Shard(0)]):
             torch.testing.assert_close(out, torch.sort(A, dim=0).values)
         assert "so.allow_replicate lets these ops replicate in strict mode: _linalg_svd, sort" in str(
-            so.explain("torch.linalg.svd(x)", mesh=(4,), x="f32[8,8]:S(0)"))
+            so.explain("torch.linalg.svd(x)", mesh=(4,), x="f32[8,8]:S(0)")
+        )
     finally:
         allowance.__exit__(None, None, None)
-    assert all(isinstance(r[0], so.ShardingError) for r in _on_four_ranks(lambda x: torch.linalg.svdvals(x), [Shard(0)]))
+    assert all(
+        isinstance(r[0], so.ShardingError) for r in _on_four_ranks(lambda x: torch.linalg.svdvals(x), [Shard(0)])
+    )
     with pytest.raises(so.ShardingError, match="not an op"):
         so.allow_replicate(3)
 
@@ -91,7 +100,11 @@ def test_explain_says_strict_mode_would_raise():
 GATHERING_ROWS = {  # ops with rules whose only plan for this layout gathers a sharded input and runs replicated
     "einsum_ii": (lambda x: torch.einsum("ii->", x), lambda a: torch.einsum("ii->", a), "diagonal"),
     "diag": (lambda x: torch.diag(x), lambda a: torch.diag(a), "diagonal_copy"),
-    "cat_1d": (lambda x: torch.cat([x.flatten()[:3], x.flatten()]), lambda a: torch.cat([a.flatten()[:3], a.flatten()]), "cat"),
+    "cat_1d": (
+        lambda x: torch.cat([x.flatten()[:3], x.flatten()]),
+        lambda a: torch.cat([a.flatten()[:3], a.flatten()]),
+        "cat",
+    ),
 }
 
 
@@ -115,7 +128,10 @@ def test_strict_mode_prefers_a_sharded_candidate_to_a_replicating_gather():
 
 
 ALL_REPLICATE = {
-    "floor_divide_int64 (no strategy)": (lambda x: torch.floor_divide((x * 10).to(torch.int64), 3), lambda a: torch.floor_divide((a * 10).to(torch.int64), 3)),
+    "floor_divide_int64 (no strategy)": (
+        lambda x: torch.floor_divide((x * 10).to(torch.int64), 3),
+        lambda a: torch.floor_divide((a * 10).to(torch.int64), 3),
+    ),
     "svd (replicated on purpose)": (lambda x: torch.linalg.svdvals(x), lambda a: torch.linalg.svdvals(a)),
     "sort": (lambda x: torch.sort(x, dim=0).values, lambda a: torch.sort(a, dim=0).values),
     "einsum_ii": (lambda x: torch.einsum("ii->", x), lambda a: torch.einsum("ii->", a)),

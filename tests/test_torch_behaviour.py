@@ -4,6 +4,7 @@
 Errors: where torch raises another built-in class than ValueError at that point, shardops'
 error is also an instance of that class, and its message starts with torch's phrase.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,13 @@ import torch.nn.functional as F
 
 import shardops as so
 from shardops import Partial, Replicate, Shard
-from shardops.parallel import PrepareModuleInput, PrepareModuleOutput, loss_parallel, parallelize_module, ColwiseParallel
+from shardops.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    loss_parallel,
+    parallelize_module,
+)
 
 
 def _mesh(shape=(4,), names=None):
@@ -38,7 +45,9 @@ def test_index_put_with_the_index_off_the_sharded_dim_stays_sharded():
     def rank():
         mesh = _mesh()
         dx = so.distribute_tensor(x, mesh, [Shard(1)])
-        didx, dvalues = (so.DTensor.from_local(t, mesh, [Replicate()]) for t in (idx, values))  # torch's test: DTensors too
+        didx, dvalues = (
+            so.DTensor.from_local(t, mesh, [Replicate()]) for t in (idx, values)
+        )  # torch's test: DTensors too
         with so.CommDebugMode() as comm:
             y = torch.index_put(dx, (didx,), dvalues)
         return y.placements, y.full_tensor(), comm.get_total_bytes()
@@ -134,11 +143,15 @@ def test_loss_parallel_on_logits_with_an_unsharded_class_dim_is_exact():
 @pytest.mark.parametrize(
     "make, phrase",
     [
-        (lambda: PrepareModuleInput(input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(),)),
-         "input_layouts and desired_input_layouts should have same length!"),
+        (
+            lambda: PrepareModuleInput(input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(),)),
+            "input_layouts and desired_input_layouts should have same length!",
+        ),
         (lambda: PrepareModuleInput(input_layouts=Shard(0)), "desired module inputs should not be None!"),
-        (lambda: PrepareModuleOutput(output_layouts=(Shard(0), Shard(1)), desired_output_layouts=(Replicate(),)),
-         "output_layouts and desired_output_layouts should have same length!"),
+        (
+            lambda: PrepareModuleOutput(output_layouts=(Shard(0), Shard(1)), desired_output_layouts=(Replicate(),)),
+            "output_layouts and desired_output_layouts should have same length!",
+        ),
     ],
 )
 def test_prepare_module_layouts_that_do_not_pair_raise_assertion_error(make, phrase):
@@ -169,7 +182,9 @@ def test_embedding_max_norm_on_a_column_sharded_table_raises_not_implemented(str
         w = so.distribute_tensor(table, mesh, [Shard(1)])
         F.embedding(so.DTensor.from_local(torch.tensor([[1, 2], [3, 4]]), mesh, [Replicate()]), w, max_norm=1.0)
 
-    with pytest.raises(NotImplementedError, match=r"aten\.embedding_renorm_\.default does not have a sharding strategy registered\.") as info:
+    with pytest.raises(
+        NotImplementedError, match=r"aten\.embedding_renorm_\.default does not have a sharding strategy registered\."
+    ) as info:
         so.run(_strict(rank) if strict else rank, 4)
     assert isinstance(info.value, so.ShardingError)
 
@@ -235,7 +250,11 @@ def test_loss_parallel_plain_target_next_to_batch_sharded_logits_on_one_dim():
 
 def test_loss_parallel_takes_a_plain_replicated_target_and_weight_as_torch_does():
     g = torch.Generator().manual_seed(5)
-    x, target, weight = torch.randn(8, 16, generator=g), torch.randint(0, 16, (8,), generator=g), torch.rand(16, generator=g) + 0.5
+    x, target, weight = (
+        torch.randn(8, 16, generator=g),
+        torch.randint(0, 16, (8,), generator=g),
+        torch.rand(16, generator=g) + 0.5,
+    )
 
     def rank():
         mesh = _mesh((2, 2), ("dp", "tp"))

@@ -2,6 +2,7 @@
 
 Each check runs in a fresh interpreter: this test process has long since installed the hooks.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,9 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 def _run_python(code: str) -> dict:
     """Run `code` in a fresh interpreter with this tree's shardops; it prints one JSON object last."""
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -70,8 +73,15 @@ print(json.dumps({"import": changes(before, imported), "install": changes(before
     # torch.default_generator still reads as torch's own object outside so.run's rank threads.
     assert result["install"] == sorted(
         [f"torch.{f} replaced" for f in ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state")]
-        + [f"torch.random.{f} replaced" for f in ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state")]
-        + ["torch.nn.init.trunc_normal_ replaced", "torch.nn.init.sparse_ replaced", "type(torch) is now TorchModuleWithRankDefaultGenerator"]
+        + [
+            f"torch.random.{f} replaced"
+            for f in ("manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state")
+        ]
+        + [
+            "torch.nn.init.trunc_normal_ replaced",
+            "torch.nn.init.sparse_ replaced",
+            "type(torch) is now TorchModuleWithRankDefaultGenerator",
+        ]
     )
 
 
@@ -129,7 +139,9 @@ except Exception as e:
     assert result["error"] == "TorchInternalMissing", result
     message = result["message"]
     assert "shardops hook 'dispatch.subclass'" in message and "needs torch._C._set_neg" in message, message
-    assert f"torch {torch.__version__} does not have" in message and "known for torch 2.13, 2.14, 2.15" in message, message
+    assert f"torch {torch.__version__} does not have" in message and "known for torch 2.13, 2.14, 2.15" in message, (
+        message
+    )
 
 
 def test_a_missing_private_placement_fails_the_conversion_naming_it(monkeypatch):
@@ -140,7 +152,9 @@ def test_a_missing_private_placement_fails_the_conversion_naming_it(monkeypatch)
     monkeypatch.delattr(placement_types, "_StridedShard")
     distributed.strided_shard_class.cache_clear()
     try:
-        with pytest.raises(TorchInternalMissing, match=r"'distributed.placements'.*placement_types\._StridedShard.*does not have"):
+        with pytest.raises(
+            TorchInternalMissing, match=r"'distributed.placements'.*placement_types\._StridedShard.*does not have"
+        ):
             distributed.strided_shard_class()
     finally:
         distributed.strided_shard_class.cache_clear()  # found again once torch has it back

@@ -4,6 +4,7 @@
   private module its builtin lives in), checked against torch's public namespaces.
 - interop maps StridedShard and NormPartial to torch DTensor's private placements and back.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Strict mode (no fallback anywhere), AdamW, 3 steps, meshes (4,) (tp) and (2, 2)
 (dp x tp): every step's loss, the first step's gradients and the final parameters
 against single-device training from the same initial weights, computed here.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,12 +13,11 @@ import pytest
 import torch
 
 import shardops as so
-from shardops.training.reference import reference
 from shardops.training.config import SIZES, RunSpec
+from shardops.training.reference import reference
 from shardops.training.shardops_side import train_rank
 
 TOL = 1e-4
-
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -29,8 +29,11 @@ def _train(spec: RunSpec) -> list[dict]:
 
 
 # a 1-D tp mesh has no data-parallel dim: one dp mode
-@pytest.mark.parametrize("mesh, dp_mode", [((4,), "replicate"), ((2, 2), "replicate"), ((2, 2), "shard")],
-                         ids=["tp4", "dp2xtp2-replicate", "dp2xtp2-shard"])
+@pytest.mark.parametrize(
+    "mesh, dp_mode",
+    [((4,), "replicate"), ((2, 2), "replicate"), ((2, 2), "shard")],
+    ids=["tp4", "dp2xtp2-replicate", "dp2xtp2-shard"],
+)
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_training_equals_single_device(strict, model, mesh, dp_mode):
     spec = RunSpec(model=model, cfg=SIZES["tiny"], mesh_shape=mesh, steps=3, dp_mode=dp_mode)
@@ -56,11 +59,15 @@ def test_gpt2_with_dropout_equals_single_device_with_the_same_masks(strict, mesh
     (training/reference.py). Without them (torch's CPU masks) the losses differ: the check can fail."""
     from dataclasses import replace
 
-    spec = RunSpec(model="gpt2", cfg=replace(SIZES["tiny"], dropout=0.1), mesh_shape=mesh, steps=3, local_attention=False)
+    spec = RunSpec(
+        model="gpt2", cfg=replace(SIZES["tiny"], dropout=0.1), mesh_shape=mesh, steps=3, local_attention=False
+    )
     ref = reference(spec)
     results = _train(spec)
     for rank_result in results:
-        assert [r.loss for r in rank_result["records"]] == pytest.approx([r.loss for r in ref["records"]], rel=TOL, abs=TOL)
+        assert [r.loss for r in rank_result["records"]] == pytest.approx(
+            [r.loss for r in ref["records"]], rel=TOL, abs=TOL
+        )
     for name, g_ref in ref["grads"].items():
         assert _rel(results[0]["grads"][name], g_ref) <= TOL, name
     for name, p_ref in ref["params"].items():

@@ -8,6 +8,7 @@ single-device run within 1e-4. On (2, 2) the plan runs on mesh["tp"] and
 applies its plan (local tensors between boundaries); False keeps every boundary a DTensor
 (attention, rotary, masks, repeat_kv and the loss on DTensors).
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,7 +24,15 @@ from shardops import Replicate, Shard, StridedShard  # noqa: E402
 from shardops.parallel import data_parallel, from_transformers, loss_parallel  # noqa: E402
 from shardops.parallel.loss import target_placements  # noqa: E402
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4, head_dim=4)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=4,
+)
 MODELS = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
@@ -143,14 +152,16 @@ def compare(reference_run, results, mesh_shape, use_local_output):
 # Local outputs on (dp, tp): the loss is this dp rank's batch mean, which data_parallel averages
 # over dp as DDP does (the gradients of the global-batch loss).
 FAST = [
-    ("llama", (4,), True), ("llama", (4,), False), ("qwen3", (4,), True), ("gemma2", (4,), False),
-    ("mixtral", (4,), True), ("mixtral_tp_experts", (4,), False), ("llama", (2, 2), False),
+    ("llama", (4,), True),
+    ("llama", (4,), False),
+    ("qwen3", (4,), True),
+    ("gemma2", (4,), False),
+    ("mixtral", (4,), True),
+    ("mixtral_tp_experts", (4,), False),
+    ("llama", (2, 2), False),
     ("qwen2", (2, 2), True),
 ]
-ALL = [
-    (m, s, u)
-    for m in MODELS for s in ((4,), (2, 2)) for u in (True, False)
-]
+ALL = [(m, s, u) for m in MODELS for s in ((4,), (2, 2)) for u in (True, False)]
 _FAST_KEYS = set(FAST)
 
 
@@ -161,7 +172,9 @@ def test_model_trains_exactly_with_its_own_plan(name, mesh_shape, use_local_outp
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name,mesh_shape,use_local_output", [c for c in ALL if tuple(getattr(c, "values", c)) not in _FAST_KEYS], ids=lambda v: str(v)
+    "name,mesh_shape,use_local_output",
+    [c for c in ALL if tuple(getattr(c, "values", c)) not in _FAST_KEYS],
+    ids=lambda v: str(v),
 )
 def test_model_trains_exactly_with_its_own_plan_grid(name, mesh_shape, use_local_output):
     check(name, mesh_shape, use_local_output)
@@ -201,7 +214,14 @@ def test_plan_kinds_become_shardops_layouts():
     assert placements[layer + "mlp.experts.gate_up_proj"] == (StridedShard(1, 2),)
     assert placements[layer + "mlp.experts.down_proj"] == (Shard(2),)
     assert local_ok
-    assert plain == sorted([layer + "mlp.gate.weight", layer + "input_layernorm.weight", layer + "post_attention_layernorm.weight", "model.norm.weight"])
+    assert plain == sorted(
+        [
+            layer + "mlp.gate.weight",
+            layer + "input_layernorm.weight",
+            layer + "post_attention_layernorm.weight",
+            "model.norm.weight",
+        ]
+    )
 
 
 def test_qwen3_head_norms_gradient_is_summed_over_heads():

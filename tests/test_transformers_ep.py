@@ -6,6 +6,7 @@ single-device in strict mode, with the harness of test_transformers (two AdamW s
 and every parameter's gradient within 1e-4), and the collectives of one step counted: per MoE
 layer, forward 3 all_to_alls (counts, dispatch, combine), backward 2 (dispatch and combine mirrored).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,7 +25,15 @@ MOE_LAYERS = 2
 MODELS = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # 6 experts over 4 ranks: 2, 2, 1, 1 (uneven); a shared expert beside them (replicated)
-    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+        },
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
 }
 FAST = [("mixtral", True), ("qwen2_moe", False)]
@@ -69,7 +78,9 @@ def test_moe_model_trains_exactly_expert_parallel(name, use_local_output, strict
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,use_local_output", [(m, u) for m in MODELS for u in (True, False) if (m, u) not in FAST], ids=str)
+@pytest.mark.parametrize(
+    "name,use_local_output", [(m, u) for m in MODELS for u in (True, False) if (m, u) not in FAST], ids=str
+)
 def test_moe_model_trains_exactly_expert_parallel_grid(name, use_local_output, strict):
     check(name, use_local_output)
 
@@ -108,6 +119,7 @@ def test_expert_parallel_errors_name_what_to_do():
 
 def test_data_parallel_refuses_experts_on_the_tp_mesh_only():
     """(dp, tp): experts over mesh["tp"] only would need their gradients summed over dp; data_parallel says so."""
+
     def rank():
         model = build("mixtral")
         mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

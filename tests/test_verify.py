@@ -1,4 +1,5 @@
 """shardops verify: passes on the registered pointwise and view ops, and catches broken strategies."""
+
 import io
 import json
 import math
@@ -9,10 +10,10 @@ from rich.console import Console
 
 from shardops import Partial, Replicate, Shard, ShardingError
 from shardops import verify as V
-from shardops.verify import samples as verify_samples
 from shardops.dispatch import registry
-from shardops.planner.rows import row
 from shardops.placements import NormPartial
+from shardops.planner.rows import row
+from shardops.verify import samples as verify_samples
 
 aten = torch.ops.aten
 TEST_BUDGET = 4  # cases per op and mesh: the small budget for tests
@@ -21,18 +22,40 @@ MESHES = ["4", "2x2"]
 
 def quiet_verify(ops, meshes=MESHES, **kw):
     out = io.StringIO()
-    report = V.verify(ops, meshes, budget=kw.pop("budget", TEST_BUDGET), progress=False, console=Console(file=out, width=200), **kw)
+    report = V.verify(
+        ops, meshes, budget=kw.pop("budget", TEST_BUDGET), progress=False, console=Console(file=out, width=200), **kw
+    )
     return report, out.getvalue()
 
 
 # ------------------------------------------------------------------ the registered ops pass
 
 POINTWISE_AND_VIEWS = [
-    "aten.neg.default", "aten.add.Tensor", "aten.mul.Tensor", "aten.div.Scalar", "aten.exp.default", "aten.where.self",
-    "aten.maximum.default", "aten.clamp.default", "aten.eq.Tensor", "aten.bitwise_and.Tensor", "aten.pow.Tensor_Scalar",
-    "aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.permute.default", "aten.expand.default",
-    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.select.int", "aten.slice.Tensor", "aten.split.Tensor",
-    "aten.clone.default", "aten._to_copy.default", "aten.zeros_like.default", "aten.new_zeros.default",
+    "aten.neg.default",
+    "aten.add.Tensor",
+    "aten.mul.Tensor",
+    "aten.div.Scalar",
+    "aten.exp.default",
+    "aten.where.self",
+    "aten.maximum.default",
+    "aten.clamp.default",
+    "aten.eq.Tensor",
+    "aten.bitwise_and.Tensor",
+    "aten.pow.Tensor_Scalar",
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.expand.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.select.int",
+    "aten.slice.Tensor",
+    "aten.split.Tensor",
+    "aten.clone.default",
+    "aten._to_copy.default",
+    "aten.zeros_like.default",
+    "aten.new_zeros.default",
 ]
 
 
@@ -81,7 +104,9 @@ def _patched(monkeypatch, op, extra_rows, drop_input=None):
 
 def test_neg_keeping_pending_max_fails_with_a_reproduction(monkeypatch, capsys):
     # wrong on purpose: -max(a, b) is min(-a, -b), so P(max) must become P(min)
-    _patched(monkeypatch, aten.neg.default, lambda schema: [row(Partial("max"), Partial("max"))], drop_input=Partial("max"))
+    _patched(
+        monkeypatch, aten.neg.default, lambda schema: [row(Partial("max"), Partial("max"))], drop_input=Partial("max")
+    )
     code = V.main(_args(op=["aten.neg.default"], mesh=["4"], budget=12))
     text = capsys.readouterr().out
     assert code == 1
@@ -94,7 +119,11 @@ def test_local_reduction_over_sharded_dim_fails(monkeypatch, capsys):
 
     def local_claim(schema):  # wrong on purpose: summing a shard of the reduced dim is not the full sum
         spec = schema.self_spec
-        return [row(Replicate(), Shard(d)) for d in schema.dims("dim") if spec.shape[d] > 1] if schema.arg("keepdim") else []
+        return (
+            [row(Replicate(), Shard(d)) for d in schema.dims("dim") if spec.shape[d] > 1]
+            if schema.arg("keepdim")
+            else []
+        )
 
     monkeypatch.setitem(registry.RULES, aten.sum.dim_IntList, lambda schema: local_claim(schema) + [])
     code = V.main(_args(op=["aten.sum.dim_IntList"], mesh=["4"], budget=12))
@@ -138,7 +167,9 @@ def test_case_out_of_range_is_a_clear_error():
 def _args(op, mesh, budget=None, case=None, full=False):
     import argparse
 
-    return argparse.Namespace(op=op, mesh=mesh, budget=budget, seed=0, case=case, json=None, list=False, no_progress=True, full=full)
+    return argparse.Namespace(
+        op=op, mesh=mesh, budget=budget, seed=0, case=case, json=None, list=False, no_progress=True, full=full
+    )
 
 
 # ------------------------------------------------------------------ pending inputs cannot pass by luck
@@ -156,7 +187,9 @@ def test_pending_pieces_resolve_exactly(kind, dtype, m):
     pieces = verify_samples.split_pending(x, kind, m, torch.Generator().manual_seed(2))
     resolved = verify_samples.resolve_pending(pieces, kind)
     if isinstance(kind, NormPartial):
-        torch.testing.assert_close(resolved.double(), x.double().abs(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+        torch.testing.assert_close(
+            resolved.double(), x.double().abs(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-6, atol=0
+        )
     else:
         assert torch.equal(resolved, x)
     if kind in (Partial("max"), Partial("min")):
@@ -199,13 +232,18 @@ def test_both_softmax_variants_run_and_are_reported(tmp_path):
     from shardops.ops import softmax
 
     path = tmp_path / "verify.json"
-    report, text = quiet_verify(["aten._softmax.default", "aten._log_softmax.default"], ["4", "2x2"], budget=1, json_path=str(path))
+    report, text = quiet_verify(
+        ["aten._softmax.default", "aten._log_softmax.default"], ["4", "2x2"], budget=1, json_path=str(path)
+    )
     assert report.ok, text
     ops = {o["op"]: o for o in json.loads(path.read_text())["ops"]}
     for name in ("aten._softmax", "aten._log_softmax"):
         entry = ops[name]
         assert {softmax.LABEL_GATHER, softmax.LABEL_TWO_REDUCES} <= set(entry["algorithms_registered"])
-        assert entry["algorithms_run"][softmax.LABEL_GATHER] >= 1 and entry["algorithms_run"][softmax.LABEL_TWO_REDUCES] >= 1
+        assert (
+            entry["algorithms_run"][softmax.LABEL_GATHER] >= 1
+            and entry["algorithms_run"][softmax.LABEL_TWO_REDUCES] >= 1
+        )
         assert entry["algorithms_not_run"] == []
 
 
@@ -242,11 +280,22 @@ def test_forcing_runs_the_named_algorithm_and_records_it():
 
 
 REQUIRED_ALGORITHMS = [  # op -> how many sharded algorithms its samples must offer (verify forces each)
-    ("aten._softmax.default", 2), ("aten._log_softmax.default", 2), ("aten.logsumexp.default", 1),
-    ("aten.cumsum.default", 1), ("aten.cumprod.default", 1), ("aten.logcumsumexp.default", 1), ("aten.cummax.default", 1),
-    ("aten.cummin.default", 1), ("aten.var.correction", 1), ("aten.std.correction", 1), ("aten.topk.default", 1),
-    ("aten.histc.default", 1), ("aten.native_layer_norm.default", 1), ("aten._fused_rms_norm.default", 2),
-    ("aten.nll_loss_forward.default", 1), ("aten.nll_loss_backward.default", 1),
+    ("aten._softmax.default", 2),
+    ("aten._log_softmax.default", 2),
+    ("aten.logsumexp.default", 1),
+    ("aten.cumsum.default", 1),
+    ("aten.cumprod.default", 1),
+    ("aten.logcumsumexp.default", 1),
+    ("aten.cummax.default", 1),
+    ("aten.cummin.default", 1),
+    ("aten.var.correction", 1),
+    ("aten.std.correction", 1),
+    ("aten.topk.default", 1),
+    ("aten.histc.default", 1),
+    ("aten.native_layer_norm.default", 1),
+    ("aten._fused_rms_norm.default", 2),
+    ("aten.nll_loss_forward.default", 1),
+    ("aten.nll_loss_backward.default", 1),
 ]
 
 

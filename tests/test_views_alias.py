@@ -11,6 +11,7 @@ may copy, still gives torch's values. Gradients flow through views, also when a
 gradient reaches a view's backward in a layout it cannot alias (autograd's reshape of a
 fresh gradient may copy). The same cases run beside torch's DTensor under gloo.
 """
+
 from __future__ import annotations
 
 import math
@@ -134,7 +135,10 @@ def test_issue_example_add_through_view_reaches_the_input():
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         x = so.distribute_tensor(torch.arange(30.0).reshape(10, 3), mesh, [Shard(0)])
-        with so.CommDebugMode() as comm, pytest.raises(ShardingError, match=r"torch.Tensor.view: .*S\(0\).*\[5, 2, 3\]"):
+        with (
+            so.CommDebugMode() as comm,
+            pytest.raises(ShardingError, match=r"torch.Tensor.view: .*S\(0\).*\[5, 2, 3\]"),
+        ):
             x.view(5, 2, 3)
         raised_collectives = comm.get_total_counts()
         v = x.view(10, 3, 1)
@@ -167,10 +171,16 @@ def test_a_strided_local_shard_no_view_reaches_raises_and_reshape_copies():
 # ------------------------------------------------------------------ reshape may copy
 
 
-@pytest.mark.parametrize("shape,mesh_shape,placements,size", [
-    ((10, 3), (4,), (S(0),), (5, 2, 3)), ((10, 3), (4,), (S(0),), (30,)), ((3, 2, 5, 6), (2, 2), (S(0), S(2)), (6, 5, 6)),
-    ((2, 5, 12), (4,), (S(2),), (2, 5, 3, 4)), ((4, 10, 8), (2, 2), (S(0), S(1)), (40, 8)),
-])
+@pytest.mark.parametrize(
+    "shape,mesh_shape,placements,size",
+    [
+        ((10, 3), (4,), (S(0),), (5, 2, 3)),
+        ((10, 3), (4,), (S(0),), (30,)),
+        ((3, 2, 5, 6), (2, 2), (S(0), S(2)), (6, 5, 6)),
+        ((2, 5, 12), (4,), (S(2),), (2, 5, 3, 4)),
+        ((4, 10, 8), (2, 2), (S(0), S(1)), (40, 8)),
+    ],
+)
 def test_reshape_copies_where_a_view_cannot_alias(shape, mesh_shape, placements, size):
     def body():
         mesh = so.init_device_mesh("cpu", mesh_shape)
@@ -245,10 +255,13 @@ class _GradientIn(torch.autograd.Function):
         return g.redistribute(placements=ctx.placements), None
 
 
-@pytest.mark.parametrize("shape,mesh_shape,placements,size,grad_placements", [
-    ((2, 6), (4,), (S(1),), (12,), (S(0),)),  # the view is _S(0,2); a gradient in S(0) aliases no layout of [2, 6]
-    ((3, 10, 8), (2, 2), (S(1), S(1)), (30, 8), (S(0), S(0))),  # _S(0,3) twice; the gradient comes cut evenly
-])
+@pytest.mark.parametrize(
+    "shape,mesh_shape,placements,size,grad_placements",
+    [
+        ((2, 6), (4,), (S(1),), (12,), (S(0),)),  # the view is _S(0,2); a gradient in S(0) aliases no layout of [2, 6]
+        ((3, 10, 8), (2, 2), (S(1), S(1)), (30, 8), (S(0), S(0))),  # _S(0,3) twice; the gradient comes cut evenly
+    ],
+)
 def test_gradient_in_a_layout_the_view_cannot_alias_still_flows(shape, mesh_shape, placements, size, grad_placements):
     def body():
         mesh = so.init_device_mesh("cpu", mesh_shape)
@@ -265,13 +278,19 @@ def test_gradient_in_a_layout_the_view_cannot_alias_still_flows(shape, mesh_shap
 
 # ------------------------------------------------------------------ beside torch's DTensor, under gloo
 
-GLOO_CASES = [i for i, c in enumerate(CASES) if c[2] in ((4,), (2, 2)) and c[3][0] != Partial("sum") and not any(isinstance(p, StridedShard) for p in c[3])]
+GLOO_CASES = [
+    i
+    for i, c in enumerate(CASES)
+    if c[2] in ((4,), (2, 2)) and c[3][0] != Partial("sum") and not any(isinstance(p, StridedShard) for p in c[3])
+]
 
 
 def _gloo_program():
     """Each case on shardops and on torch's DTensor, in 4 processes."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate as TR, Shard as TS, distribute_tensor
+    from torch.distributed.tensor import Replicate as TR
+    from torch.distributed.tensor import Shard as TS
+    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     out = []

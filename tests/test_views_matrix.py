@@ -6,6 +6,7 @@ The layout math is checked against an oracle that enumerates every element a ran
 claimed output layout must put exactly the same global elements, in the same local order,
 on every rank. Then real views run against single-device torch with bytes asserted.
 """
+
 import itertools
 import math
 import random
@@ -39,15 +40,33 @@ def _oracle_ok(src, dst, mesh_shape, pin, pout) -> bool:
 
 
 VIEW_CASES = [  # (src, dst): merges, splits, heads, size-1 dims
-    ((3, 10, 8), (30, 8)), ((4, 10, 8), (40, 8)), ((30, 8), (3, 10, 8)), ((40, 8), (4, 10, 8)),
-    ((2, 5, 12), (2, 5, 3, 4)), ((2, 5, 8), (2, 5, 2, 4)), ((2, 5, 3, 4), (2, 5, 12)), ((4, 6), (24,)),
-    ((24,), (2, 3, 4)), ((2, 3, 4), (6, 4)), ((2, 3, 4), (2, 12)), ((1, 6, 4), (6, 4)), ((6, 4), (1, 6, 1, 4)),
-    ((1, 2, 2, 2), (1, 2, 4)), ((2, 1, 3), (6, 1)), ((4, 1), (2, 2, 1)), ((3, 1), (3, 1, 1)), ((1, 1, 6), (1, 6)),  # size-1 dims kept
+    ((3, 10, 8), (30, 8)),
+    ((4, 10, 8), (40, 8)),
+    ((30, 8), (3, 10, 8)),
+    ((40, 8), (4, 10, 8)),
+    ((2, 5, 12), (2, 5, 3, 4)),
+    ((2, 5, 8), (2, 5, 2, 4)),
+    ((2, 5, 3, 4), (2, 5, 12)),
+    ((4, 6), (24,)),
+    ((24,), (2, 3, 4)),
+    ((2, 3, 4), (6, 4)),
+    ((2, 3, 4), (2, 12)),
+    ((1, 6, 4), (6, 4)),
+    ((6, 4), (1, 6, 1, 4)),
+    ((1, 2, 2, 2), (1, 2, 4)),
+    ((2, 1, 3), (6, 1)),
+    ((4, 1), (2, 2, 1)),
+    ((3, 1), (3, 1, 1)),
+    ((1, 1, 6), (1, 6)),  # size-1 dims kept
 ]
 
 
 def _random_layouts(src, mesh_shape, rng, k):
-    opts = [R, Partial("sum")] + [S(d) for d in range(len(src))] + [StridedShard(d, f) for d in range(len(src)) for f in (2, 3) if src[d] % f == 0]
+    opts = (
+        [R, Partial("sum")]
+        + [S(d) for d in range(len(src))]
+        + [StridedShard(d, f) for d in range(len(src)) for f in (2, 3) if src[d] % f == 0]
+    )
     return [tuple(rng.choice(opts) for _ in mesh_shape) for _ in range(k)]
 
 
@@ -66,11 +85,14 @@ def test_view_layout_matches_element_oracle(src, dst, mesh_shape):
     assert found  # every case has some layout that maps
 
 
-@pytest.mark.parametrize("mesh_shape,pin,want", [
-    ((4,), (S(1),), (StridedShard(0, 3),)),  # [3,10,8] s-sharded -> [30,8]
-    ((4,), (S(0),), None),  # 3 batches on 4 ranks: chunks of 10 rows are not chunks of 30
-    ((2, 2), (S(1), S(1)), (StridedShard(0, 3), StridedShard(0, 3))),
-])
+@pytest.mark.parametrize(
+    "mesh_shape,pin,want",
+    [
+        ((4,), (S(1),), (StridedShard(0, 3),)),  # [3,10,8] s-sharded -> [30,8]
+        ((4,), (S(0),), None),  # 3 batches on 4 ranks: chunks of 10 rows are not chunks of 30
+        ((2, 2), (S(1), S(1)), (StridedShard(0, 3), StridedShard(0, 3))),
+    ],
+)
 def test_merge_batch_and_sequence(mesh_shape, pin, want):
     assert view_layout((3, 10, 8), (30, 8), mesh_shape, pin) == want
 
@@ -82,12 +104,15 @@ def test_merge_fsdp_and_sequence_parallel():
     assert view_layout((40, 8), (4, 10, 8), (2, 2), (S(0), StridedShard(0, 2))) == (S(0), S(1))
 
 
-@pytest.mark.parametrize("h,heads,mesh_shape,want", [
-    (12, 3, (4,), None),  # 3 heads on 4 ranks: chunks of 3 columns cut heads of 4
-    (16, 4, (4,), (S(2),)),
-    (66, 6, (4,), None),  # 6 heads on 4 ranks (2,2,2,0) vs 66 columns (17,17,17,15)
-    (64, 8, (2, 2), (S(2), S(2))),
-])
+@pytest.mark.parametrize(
+    "h,heads,mesh_shape,want",
+    [
+        (12, 3, (4,), None),  # 3 heads on 4 ranks: chunks of 3 columns cut heads of 4
+        (16, 4, (4,), (S(2),)),
+        (66, 6, (4,), None),  # 6 heads on 4 ranks (2,2,2,0) vs 66 columns (17,17,17,15)
+        (64, 8, (2, 2), (S(2), S(2))),
+    ],
+)
 def test_split_heads_out_of_sharded_hidden(h, heads, mesh_shape, want):
     pin = (S(2),) * len(mesh_shape)
     assert view_layout((2, 5, h), (2, 5, heads, h // heads), mesh_shape, pin) == want
@@ -104,10 +129,17 @@ def _split_heads(heads, how="view"):
     return fn
 
 
-@pytest.mark.parametrize("mesh_shape,layout,heads,moves", [
-    ((4,), (S(2),), 4, False), ((2, 2), (S(0), S(2)), 4, False), ((4,), (S(1),), 4, False), ((2, 2), (S(2), S(2)), 4, False),
-    ((4,), (S(2),), 3, True), ((2, 2), (S(2), S(2)), 2, False),  # the second cut lands inside a head: S(3)
-])
+@pytest.mark.parametrize(
+    "mesh_shape,layout,heads,moves",
+    [
+        ((4,), (S(2),), 4, False),
+        ((2, 2), (S(0), S(2)), 4, False),
+        ((4,), (S(1),), 4, False),
+        ((2, 2), (S(2), S(2)), 4, False),
+        ((4,), (S(2),), 3, True),
+        ((2, 2), (S(2), S(2)), 2, False),  # the second cut lands inside a head: S(3)
+    ],
+)
 def test_split_heads_runs(mesh_shape, layout, heads, moves):
     """A view that would move data raises (a view aliases its input); reshape moves it."""
     r = check(_split_heads(heads, "reshape"), [make((4, 6, 12), 0)], mesh_shape, [layout])
@@ -119,12 +151,20 @@ def test_split_heads_runs(mesh_shape, layout, heads, moves):
         assert check(_split_heads(heads), [make((4, 6, 12), 0)], mesh_shape, [layout]).nbytes == 0
 
 
-@pytest.mark.parametrize("mesh_shape,layout", [((4,), (S(1),)), ((2, 2), (S(0), S(1))), ((2, 2), (S(1), S(0))), ((2, 2), (S(1), S(1))), ((4,), (S(0),))])
+@pytest.mark.parametrize(
+    "mesh_shape,layout",
+    [((4,), (S(1),)), ((2, 2), (S(0), S(1))), ((2, 2), (S(1), S(0))), ((2, 2), (S(1), S(1))), ((4,), (S(0),))],
+)
 def test_merge_batch_sequence_then_pointwise_and_back_moves_nothing(mesh_shape, layout):
     """FSDP+SP activations: merged, through pointwise ops on a StridedShard, split back."""
     w = make((8,), 3)
+
     def replicated(x):  # beside a DTensor, a constant is a Replicate DTensor (torch's rule for mixed operands)
-        return so.DTensor.from_local(w, x.device_mesh, [Replicate()] * x.device_mesh.ndim) if isinstance(x, so.DTensor) else w
+        return (
+            so.DTensor.from_local(w, x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+            if isinstance(x, so.DTensor)
+            else w
+        )
 
     fn = lambda x: (torch.tanh(x.reshape(-1, 8)) * replicated(x) + 1).view(4, 10, 8).flatten(0, 1).unflatten(0, (4, 10))  # noqa: E731
     r = check(fn, [make((4, 10, 8), 0)], mesh_shape, [layout])
@@ -153,7 +193,16 @@ def test_gradient_buffers_keep_self_layout(layout):
             zeros = x.new_zeros((6, 10))
             other = x.new_zeros((3,))
             empty = torch.empty_like(x)
-        return comm.get_total_bytes(), buf.placements, zeros.placements, other.placements, empty.placements, buf.full_tensor(), zeros.full_tensor(), buf.stride()
+        return (
+            comm.get_total_bytes(),
+            buf.placements,
+            zeros.placements,
+            other.placements,
+            empty.placements,
+            buf.full_tensor(),
+            zeros.full_tensor(),
+            buf.stride(),
+        )
 
     with strict_mode():
         results = so.run(body, world_size=4)

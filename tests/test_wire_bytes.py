@@ -8,6 +8,7 @@ comparison uses for torch DTensor's side); the threads world reports the same fi
 
 7 rows of 2 float32 over 3 ranks: shards of 3, 3 and 1 rows (24, 24 and 8 bytes).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,14 +36,23 @@ def _uneven_program() -> dict:
         "all_gather": (so.distribute_tensor(full, mesh, [Shard(0)]), [Replicate()], full),
         "reduce_scatter": (so.DTensor.from_local(full, mesh, [Partial("sum")]), [Shard(0)], 3 * full),
         # no backend reduces int16: an all_to_all of the padded chunks, reduced locally (as every reduce_scatter on gloo)
-        "reduce_scatter int16": (so.DTensor.from_local(full.short(), mesh, [Partial("sum")]), [Shard(0)], 3 * full.short()),
+        "reduce_scatter int16": (
+            so.DTensor.from_local(full.short(), mesh, [Partial("sum")]),
+            [Shard(0)],
+            3 * full.short(),
+        ),
     }
     for name, (x, target, want) in sources.items():
         counter = _ByteCounter()
         with so.CommDebugMode() as comm, counter:
             y = x.redistribute(mesh, target)
         torch.testing.assert_close(y.full_tensor(), want)
-        out[name] = (comm.get_comm_counts(), comm.get_total_bytes(), comm.get_wire_bytes(), sum(n for _, n in counter.sent))
+        out[name] = (
+            comm.get_comm_counts(),
+            comm.get_total_bytes(),
+            comm.get_wire_bytes(),
+            sum(n for _, n in counter.sent),
+        )
     return out
 
 

@@ -1,4 +1,5 @@
 """The threads world: so.run, meshes, collectives that disagree, ranks that fail or never arrive."""
+
 import time
 
 import pytest
@@ -11,7 +12,15 @@ def test_run_returns_each_ranks_result_and_mesh_queries():
     def body():
         mesh = so.init_device_mesh("cpu", (2, 3), mesh_dim_names=("dp", "tp"))
         tp = mesh["tp"]
-        return mesh.get_rank(), mesh.get_coordinate(), tp.shape, tp.get_coordinate(), mesh.size(), mesh.size(1), tp.mesh.tolist()
+        return (
+            mesh.get_rank(),
+            mesh.get_coordinate(),
+            tp.shape,
+            tp.get_coordinate(),
+            mesh.size(),
+            mesh.size(1),
+            tp.mesh.tolist(),
+        )
 
     out = so.run(body, 6)
     assert [o[0] for o in out] == list(range(6))
@@ -108,8 +117,13 @@ def test_all_reduce_ops_over_mesh_dims(op):
 
     out = so.run(body, 4)
     vals = {r: torch.tensor([float(r + 1), float(-r)]) for r in range(4)}
-    ref = {"sum": lambda ts: sum(ts), "avg": lambda ts: sum(ts) / len(ts), "max": lambda ts: torch.stack(ts).amax(0),
-           "min": lambda ts: torch.stack(ts).amin(0), "product": lambda ts: torch.stack(ts).prod(0)}[op]
+    ref = {
+        "sum": lambda ts: sum(ts),
+        "avg": lambda ts: sum(ts) / len(ts),
+        "max": lambda ts: torch.stack(ts).amax(0),
+        "min": lambda ts: torch.stack(ts).amin(0),
+        "product": lambda ts: torch.stack(ts).prod(0),
+    }[op]
     for r in range(4):
         i, j = divmod(r, 2)
         assert out[r][0] == ref([vals[j], vals[2 + j]]).tolist()

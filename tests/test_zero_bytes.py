@@ -1,12 +1,13 @@
 """Ops the design says move nothing, measured: 0 bytes in so.CommDebugMode (strict mode on),
 values equal to single-device torch (issue 21, item 5)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import shardops as so
-from shardops import Partial, Replicate, Shard
 from parallel_harness import strict
+from shardops import Partial, Replicate, Shard
 
 
 def zero_bytes_on_every_rank(setup, op, mesh_shape=(4,)):
@@ -54,9 +55,12 @@ def test_dropout_on_a_partial_tensor_moves_nothing(p):
 def test_fills_never_resolve_a_pending_self(fill):
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(42))
     ops = {
-        "zero_": lambda t: torch.ops.aten.zero_(t), "fill_": lambda t: torch.ops.aten.fill_.Scalar(t, 3.0),
-        "uniform_": lambda t: torch.ops.aten.uniform_(t), "normal_": lambda t: torch.ops.aten.normal_(t),
-        "bernoulli_": lambda t: torch.ops.aten.bernoulli_.float(t, 0.3), "random_": lambda t: torch.ops.aten.random_.to(t, 7),
+        "zero_": lambda t: torch.ops.aten.zero_(t),
+        "fill_": lambda t: torch.ops.aten.fill_.Scalar(t, 3.0),
+        "uniform_": lambda t: torch.ops.aten.uniform_(t),
+        "normal_": lambda t: torch.ops.aten.normal_(t),
+        "bernoulli_": lambda t: torch.ops.aten.bernoulli_.float(t, 0.3),
+        "random_": lambda t: torch.ops.aten.random_.to(t, 7),
         "exponential_": lambda t: torch.ops.aten.exponential_(t),
     }
 
@@ -84,7 +88,10 @@ def test_fills_never_resolve_a_pending_self(fill):
 
 # ------------------------------------------------------------------ (b) linear on unevenly sharded leading dims
 
-X3, W3, B3 = (torch.randn(*s, generator=torch.Generator().manual_seed(43 + i)) for i, s in enumerate([(3, 10, 66), (20, 66), (20,)]))
+X3, W3, B3 = (
+    torch.randn(*s, generator=torch.Generator().manual_seed(43 + i))
+    for i, s in enumerate([(3, 10, 66), (20, 66), (20,)])
+)
 
 LINEAR_LAYOUTS = {  # mesh shape, input, weight, bias placements
     "batch_over_4_weight_replicated": ((4,), [Shard(0)], [Replicate()], [Replicate()]),

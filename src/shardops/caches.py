@@ -9,9 +9,10 @@ by value (an lru_cache, the dispatch key) include, so nothing planned before is 
 It sits at the bottom of the package (it imports nothing of shardops), so the low modules that
 cache (spec.py, cost.py, redistribute.py) register here without importing the planner above them.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 EPOCH = [0]  # read on the hot path as EPOCH[0]: a list, so importers see every bump
 _CLEARS: dict[str, Callable[[], None]] = {}

@@ -7,6 +7,7 @@ for the benchmarks, and a subcommand whose module does not exist yet says so.
     verify, explain   shardops.<module>.add_arguments(parser) + main(args[, extra]) -> exit code
     demo, train, bench, autoplan  module:main(argv) -> exit code (they parse their own arguments)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 # name -> (module path, function, one-line help). Parsed here: modules with add_arguments(parser).
 # Passed through: the function receives the remaining argv and parses it itself.
@@ -45,7 +46,9 @@ def load(name: str) -> tuple[object, Callable]:
                     "installed package. Install shardops from a clone (`pip install -e .`, `make bench`) or run "
                     "`python -m benchmarks.run` in the clone."
                 ) from None
-            raise MissingSubcommand(f"shardops {name}: {module_path} is not available (not installed or not written yet)") from None
+            raise MissingSubcommand(
+                f"shardops {name}: {module_path} is not available (not installed or not written yet)"
+            ) from None
         if e.name == "rich":
             raise MissingSubcommand(f"shardops {name} prints with rich: pip install 'shardops[cli]'") from None
         raise

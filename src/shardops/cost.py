@@ -4,13 +4,14 @@ The numbers come from fixed presets (or the user's), never from run-time measure
 so every rank computes the same costs and picks the same plan. What they price is in
 planner/pricing.py.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from .errors import ShardingError
 from . import caches
+from .errors import ShardingError
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ def resolve_links(links: str | Link | Sequence[str | Link] | None, mesh_ndim: in
     for link in links:
         if isinstance(link, str):
             if link not in PRESETS:
-                raise ShardingError(f"unknown link preset {link!r}; use one of {sorted(PRESETS)} or Link(latency, bandwidth)")
+                raise ShardingError(
+                    f"unknown link preset {link!r}; use one of {sorted(PRESETS)} or Link(latency, bandwidth)"
+                )
             link = PRESETS[link]
         out.append(link)
     return tuple(out)

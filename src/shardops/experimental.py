@@ -1,4 +1,5 @@
 """torch.distributed.tensor.experimental's names that shardops offers."""
+
 from .dispatch.mixed import implicit_replication
 
 __all__ = ["implicit_replication"]

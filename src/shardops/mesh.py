@@ -1,11 +1,13 @@
 """DeviceMesh: an n-d array of global ranks, and the groups along its dims."""
+
 from __future__ import annotations
 
 import itertools
 import math
 import threading
+from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +36,9 @@ class DeviceMesh:
         self._ranks = ranks
         self.mesh_dim_names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
         if self.mesh_dim_names is not None and len(self.mesh_dim_names) != ranks.ndim:
-            raise ShardingError(f"DeviceMesh: {len(self.mesh_dim_names)} names {self.mesh_dim_names} for a {ranks.ndim}-d mesh")
+            raise ShardingError(
+                f"DeviceMesh: {len(self.mesh_dim_names)} names {self.mesh_dim_names} for a {ranks.ndim}-d mesh"
+            )
         self._torch_mesh = _torch_mesh
         self.shape: tuple[int, ...] = tuple(ranks.shape)
         self.ndim = ranks.ndim
@@ -64,7 +68,7 @@ class DeviceMesh:
         return f"DeviceMesh('{self.device_type}', {self._ranks.tolist()}{names})"
 
     # -- `with mesh:` (torch's DeviceMesh is a context manager): the current mesh of this rank
-    def __enter__(self) -> "DeviceMesh":
+    def __enter__(self) -> DeviceMesh:
         _mesh_stack().append(self)
         return self
 
@@ -118,7 +122,7 @@ class DeviceMesh:
             raise ShardingError(f"mesh dim {dim} out of range for a {self.ndim}-d mesh")
         return dim % self.ndim
 
-    def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
+    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
         """The sub-mesh over the named dims that contains the calling rank."""
         names = (names,) if isinstance(names, str) else tuple(names)
         dims = [self._dim_index(n) for n in names]
@@ -161,7 +165,9 @@ class DeviceMesh:
         """torch's `get_group`: the torch ProcessGroup of `mesh_dim` under torch.distributed; in the threads
         world the shardops Group of that dim (both are what shardops.pipelining takes as a group)."""
         if mesh_dim is None and self.ndim != 1:
-            raise ShardingError(f"get_group: a {self.ndim}-d mesh has one group per dim; pass mesh_dim (an index or one of {self.mesh_dim_names})")
+            raise ShardingError(
+                f"get_group: a {self.ndim}-d mesh has one group per dim; pass mesh_dim (an index or one of {self.mesh_dim_names})"
+            )
         dim = 0 if mesh_dim is None else self._dim_index(mesh_dim)
         from .world import in_threads_world
 
@@ -177,7 +183,7 @@ class DeviceMesh:
         return self._torch_mesh
 
     @classmethod
-    def from_torch(cls, torch_mesh: Any) -> "DeviceMesh":
+    def from_torch(cls, torch_mesh: Any) -> DeviceMesh:
         return cls(torch_mesh.device_type, torch_mesh.mesh, torch_mesh.mesh_dim_names, _torch_mesh=torch_mesh)
 
 
@@ -224,7 +230,9 @@ def _order(dims: Sequence[int]) -> list[int]:
     return [kept.index(d) for d in dims]
 
 
-def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+def init_device_mesh(
+    device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None
+) -> DeviceMesh:
     """A mesh over every rank of the current world, laid out row-major in `mesh_shape`."""
     mesh_shape = tuple(int(s) for s in mesh_shape)
     comm = current_comm()

@@ -15,6 +15,7 @@ The attention code reads batch and sequence sizes from its projections' outputs
 (not from its input): between parallel boundaries these are local tensors, and on
 a data-parallel mesh the boundary input is a DTensor whose batch is global.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -160,7 +161,11 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): self.block(args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len, args.rope_theta), persistent=False)
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len, args.rope_theta),
+            persistent=False,
+        )
         _init(self, seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -243,7 +248,11 @@ def _head(api, seq, loss_parallel: bool):
     """The output projection, column-parallel over the vocabulary: logits Shard(-1) DTensors for
     loss_parallel, else gathered (Replicate, local)."""
     Replicate, Shard = _placements(api)
-    return api.ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
+    return api.ColwiseParallel(
+        input_layouts=seq,
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
 
 
 def _attention(api, path: str, input_layouts: tuple, local_attention: bool) -> dict:
@@ -259,7 +268,9 @@ def _attention(api, path: str, input_layouts: tuple, local_attention: bool) -> d
     }
 
 
-def llama_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True, local_attention: bool = True, api=None) -> dict:
+def llama_plan(
+    *, loss_parallel: bool = True, sequence_parallel: bool = True, local_attention: bool = True, api=None
+) -> dict:
     """Tensor-parallel plan for `Llama`: vocabulary-parallel embedding and output, column/row-parallel
     attention and MLP, sequence-parallel norms. `local_attention=False` keeps q/k/v as DTensors,
     so rotary and SDPA run on DTensors (torch cannot run that variant on CPU)."""
@@ -277,11 +288,19 @@ def llama_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True, lo
         "layers.*.feed_forward.w3": api.ColwiseParallel(),
     }
     if sequence_parallel:
-        plan.update({"norm": api.SequenceParallel(), "layers.*.attention_norm": api.SequenceParallel(), "layers.*.ffn_norm": api.SequenceParallel()})
+        plan.update(
+            {
+                "norm": api.SequenceParallel(),
+                "layers.*.attention_norm": api.SequenceParallel(),
+                "layers.*.ffn_norm": api.SequenceParallel(),
+            }
+        )
     return plan
 
 
-def gpt2_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True, local_attention: bool = True, api=None) -> dict:
+def gpt2_plan(
+    *, loss_parallel: bool = True, sequence_parallel: bool = True, local_attention: bool = True, api=None
+) -> dict:
     """Tensor-parallel plan for `GPT2`: both embeddings vocabulary/position-row-parallel (the tied
     table Shard(0), the output projection sharing it), column/row-parallel attention and MLP,
     sequence-parallel layer norms."""
@@ -298,5 +317,7 @@ def gpt2_plan(*, loss_parallel: bool = True, sequence_parallel: bool = True, loc
         "h.*.mlp.c_proj": api.RowwiseParallel(output_layouts=seq),
     }
     if sequence_parallel:
-        plan.update({"ln_f": api.SequenceParallel(), "h.*.ln_1": api.SequenceParallel(), "h.*.ln_2": api.SequenceParallel()})
+        plan.update(
+            {"ln_f": api.SequenceParallel(), "h.*.ln_1": api.SequenceParallel(), "h.*.ln_2": api.SequenceParallel()}
+        )
     return plan

@@ -20,6 +20,7 @@ inside over tp):
     parallelize_module(model, mesh, llama_moe_plan())
     data_parallel(model, mesh)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(args.num_experts, args.dim, args.moe_hidden_dim))
         self.w3 = nn.Parameter(torch.empty(args.num_experts, args.moe_hidden_dim, args.dim))
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for e in range(self.num_experts):
             token, slot = torch.where(top_k_index == e)
@@ -122,9 +125,17 @@ def llama_moe_tp_plan(*, loss_parallel: bool = True, sequence_parallel: bool = T
     from .placements import Replicate, Shard
 
     seq = Shard(1) if sequence_parallel else Replicate()
-    plan = {k: v for k, v in llama_plan(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel).items() if ".feed_forward" not in k}
+    plan = {
+        k: v
+        for k, v in llama_plan(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel).items()
+        if ".feed_forward" not in k
+    }
     plan["layers.*.moe"] = PrepareModuleInputOutput(
-        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True,
+        input_layouts=(seq,),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(seq,),
+        use_local_output=True,
     )
     return plan

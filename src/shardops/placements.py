@@ -13,11 +13,13 @@ A placement says, for one mesh dim, how the ranks along it hold the tensor:
 
 The math matches torch.distributed.tensor exactly (tests check it against torch).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -99,9 +101,7 @@ class Partial(Placement):
 
     def __post_init__(self) -> None:
         if self.reduce_op not in REDUCE_OPS:
-            raise ShardingError(
-                f"Partial(reduce_op={self.reduce_op!r}): unknown reduce op; use one of {REDUCE_OPS}."
-            )
+            raise ShardingError(f"Partial(reduce_op={self.reduce_op!r}): unknown reduce op; use one of {REDUCE_OPS}.")
 
     def is_partial(self, reduce_op: str | None = None) -> bool:
         return reduce_op is None or reduce_op == self.reduce_op
@@ -221,7 +221,11 @@ def combine_stacked(stacked: torch.Tensor, op: str) -> torch.Tensor:
     if op == "min":
         return stacked.amin(0)
     if op == "avg":
-        return stacked.mean(0) if stacked.is_floating_point() or stacked.is_complex() else stacked.sum(0) // stacked.shape[0]
+        return (
+            stacked.mean(0)
+            if stacked.is_floating_point() or stacked.is_complex()
+            else stacked.sum(0) // stacked.shape[0]
+        )
     raise ShardingError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
 
 
@@ -274,7 +278,9 @@ def dim_positions(
     for mesh_dim, p in enumerate(placements[:upto]):
         if p.is_shard(tensor_dim):
             local = shard_positions(p, len(positions), mesh_shape[mesh_dim], coordinate[mesh_dim])
-            positions = positions[local.start : local.stop] if isinstance(local, range) else [positions[i] for i in local]
+            positions = (
+                positions[local.start : local.stop] if isinstance(local, range) else [positions[i] for i in local]
+            )
     return positions
 
 
@@ -297,7 +303,9 @@ def local_shape_and_offset(
     return tuple(shape), tuple(offset)
 
 
-def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int, what: str = "placements") -> tuple[Placement, ...]:
+def normalize_placements(
+    placements: Sequence[Placement], ndim: int, mesh_ndim: int, what: str = "placements"
+) -> tuple[Placement, ...]:
     """Check placements against a tensor of `ndim` dims on a mesh of `mesh_ndim` dims.
 
     Negative shard dims are wrapped. Raises ShardingError naming the problem.

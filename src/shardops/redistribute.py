@@ -16,24 +16,24 @@ undone first (this is also why torch gathers right to left). Dijkstra over these
 states under the link model gives the plan; all-Replicate is always reachable,
 so a plan always exists (NormPartial is a source only).
 """
+
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 import torch
 
-from . import cost
-from .cost import joint_collective_time, step_time
+from . import caches, cost
 from .comm.base import CommDebugMode
+from .cost import joint_collective_time, step_time
 from .errors import ShardingError
 from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
-from . import caches
 from .spec import TensorSpec
 
 
@@ -102,7 +102,10 @@ def _plan_cached(src, dst, shape, mesh_shape, itemsize, links, _epoch) -> Plan:
     order does not depend on where a search stops).
     """
     shard_dims = sorted({p.dim for p in src + dst if p.is_shard()})
-    choices = tuple(tuple(sorted({src[i], dst[i], Replicate()} | {Shard(d) for d in shard_dims}, key=repr)) for i in range(len(mesh_shape)))
+    choices = tuple(
+        tuple(sorted({src[i], dst[i], Replicate()} | {Shard(d) for d in shard_dims}, key=repr))
+        for i in range(len(mesh_shape))
+    )
     key = (src, choices, math.prod(shape), itemsize, mesh_shape, links, _epoch)
     with _SEARCH_LOCK:  # the ranks of the threads world plan at the same time, and a search is resumed in place
         search = _SEARCHES.get(key)
@@ -113,7 +116,7 @@ def _plan_cached(src, dst, shape, mesh_shape, itemsize, links, _epoch) -> Plan:
         return search.plan_to(dst)
 
 
-_SEARCHES: dict[tuple, "_PlanSearch"] = {}
+_SEARCHES: dict[tuple, _PlanSearch] = {}
 _MAX_SEARCHES = 256
 _SEARCH_LOCK = threading.Lock()
 
@@ -142,7 +145,11 @@ class _PlanSearch:
         self.placements = placements
         self.index = {p: k for k, p in enumerate(placements)}
         self.choices = [sorted(self.index[p] for p in c) for c in choices]
-        self.table = {(a, b): _kind_and_guard(placements[a], placements[b]) for a in range(len(placements)) for b in range(len(placements))}
+        self.table = {
+            (a, b): _kind_and_guard(placements[a], placements[b])
+            for a in range(len(placements))
+            for b in range(len(placements))
+        }
         self.shard_of = [p.dim if p.is_shard() else None for p in placements]
         self.partial = [p.is_partial() for p in placements]
         self.texts = [repr(p) for p in placements]
@@ -158,14 +165,18 @@ class _PlanSearch:
     def _name(self, state: tuple[int, ...]) -> str:  # the repr of the placement tuple: ties break as they always have
         text = self.names.get(state)
         if text is None:
-            text = self.names[state] = "(" + ", ".join(self.texts[k] for k in state) + ("," if len(state) == 1 else "") + ")"
+            text = self.names[state] = (
+                "(" + ", ".join(self.texts[k] for k in state) + ("," if len(state) == 1 else "") + ")"
+            )
         return text
 
     def plan_to(self, dst) -> Plan:
         goal = tuple(self.index[p] for p in dst)
         while goal not in self.settled:
             if not self.heap:
-                raise ShardingError(f"redistribute: no way from {list(self.src)} to {list(dst)} (NormPartial can only be a source)")
+                raise ShardingError(
+                    f"redistribute: no way from {list(self.src)} to {list(dst)} (NormPartial can only be a source)"
+                )
             t, nsteps, _, state = heapq.heappop(self.heap)
             if state in self.settled or self.best[state] < (t, nsteps):
                 continue
@@ -198,7 +209,14 @@ class _PlanSearch:
         if sum(self.partial[k] for k in state) >= 2:
             for dims in _joint_reductions(tuple(self.placements[k] for k in state)):
                 sizes = [mesh_shape[i] for i in dims]
-                moves.append(("all_reduce", dims, self.replicate, joint_collective_time("all_reduce", local, sizes, [links[i] for i in dims])))
+                moves.append(
+                    (
+                        "all_reduce",
+                        dims,
+                        self.replicate,
+                        joint_collective_time("all_reduce", local, sizes, [links[i] for i in dims]),
+                    )
+                )
         best = self.best
         for kind, dims, b, dt in moves:
             nxt = list(state)
@@ -241,14 +259,24 @@ def _path(came_from, start, goal, placements) -> tuple[Step, ...]:
     state = goal
     while state != start:
         prev, (kind, dims) = came_from[state]
-        steps.append(Step(kind, dims[0], placements[prev[dims[0]]], placements[state[dims[0]]], dims if len(dims) > 1 else ()))
+        steps.append(
+            Step(kind, dims[0], placements[prev[dims[0]]], placements[state[dims[0]]], dims if len(dims) > 1 else ())
+        )
         state = prev
     return tuple(reversed(steps))
 
 
 def plan(spec: TensorSpec, dst: Sequence[Placement], links=None) -> Plan:
     links = cost.resolve_links(links, spec.mesh.ndim)
-    return _plan_cached(tuple(spec.placements), tuple(dst), tuple(spec.shape), tuple(spec.mesh.shape), spec.itemsize, links, caches.EPOCH[0])
+    return _plan_cached(
+        tuple(spec.placements),
+        tuple(dst),
+        tuple(spec.shape),
+        tuple(spec.mesh.shape),
+        spec.itemsize,
+        links,
+        caches.EPOCH[0],
+    )
 
 
 def materialize_lazy_bits(t: torch.Tensor) -> torch.Tensor:
@@ -393,7 +421,9 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def _member_shape(spec: TensorSpec, coordinate: Sequence[int], state: Sequence[Placement], mesh_dim: int, c: int) -> tuple[int, ...]:
+def _member_shape(
+    spec: TensorSpec, coordinate: Sequence[int], state: Sequence[Placement], mesh_dim: int, c: int
+) -> tuple[int, ...]:
     coord = list(coordinate)
     coord[mesh_dim] = c
     return tuple(_local_shape(spec.shape, spec.mesh.shape, coord, state))

@@ -14,11 +14,13 @@ not rank 0's), so the ranks of the world first gather each rank's two layouts (a
 object exchange) and the pieces move in one all_to_all over the world: every rank of the
 world must take part, as in `load_state_dict`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -38,7 +40,7 @@ class Layout:
     placements: tuple[Any, ...]
 
     @classmethod
-    def of(cls, spec: Any, placements: Sequence[Any]) -> "Layout":
+    def of(cls, spec: Any, placements: Sequence[Any]) -> Layout:
         return cls(tuple(spec.mesh.shape), tuple(spec.mesh.mesh.flatten().tolist()), tuple(placements))
 
     def coordinate(self, rank: int) -> tuple[int, ...] | None:
@@ -75,7 +77,9 @@ class Layout:
         return reader if reader in holders else holders[reader % len(holders)]
 
 
-def _common(a: range | list[int], b: range | list[int]) -> tuple[list[int] | range, list[int] | range, list[int] | range]:
+def _common(
+    a: range | list[int], b: range | list[int]
+) -> tuple[list[int] | range, list[int] | range, list[int] | range]:
     """Global indices in both, and their local indices within a and within b."""
     if isinstance(a, range) and isinstance(b, range):
         lo, hi = max(a.start, b.start), min(a.stop, b.stop)
@@ -139,7 +143,9 @@ def copy_across_meshes(dst: Any, src: Any) -> Any:
     """`dst.copy_(src)` with `src` on another mesh (in place; returns dst)."""
     dspec, sspec = spec_of(dst), spec_of(src)
     if tuple(dspec.shape) != tuple(sspec.shape):
-        raise ShardingError(f"aten.copy_: across meshes the shapes must match (destination {list(dspec.shape)}, source {list(sspec.shape)})")
+        raise ShardingError(
+            f"aten.copy_: across meshes the shapes must match (destination {list(dspec.shape)}, source {list(sspec.shape)})"
+        )
     src_pl = without_partials(sspec.placements)
     src_local = shard_in(src, src_pl)  # a pending source resolves on its own mesh
     if any(p.is_partial() for p in dspec.placements):
@@ -164,7 +170,13 @@ def copy_across_meshes(dst: Any, src: Any) -> Any:
     return dst
 
 
-def _exchange(comm: Any, ranks: list[int], layouts: dict[int, tuple[Layout, Layout]], shape: tuple[int, ...], src_local: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
+def _exchange(
+    comm: Any,
+    ranks: list[int],
+    layouts: dict[int, tuple[Layout, Layout]],
+    shape: tuple[int, ...],
+    src_local: torch.Tensor,
+) -> tuple[list[torch.Tensor], list[Any]]:
     """One all_to_all over `ranks`: each destination gets every index it needs from one holder."""
     me = comm.rank
     my_src = layouts[me][0]
@@ -176,7 +188,12 @@ def _exchange(comm: Any, ranks: list[int], layouts: dict[int, tuple[Layout, Layo
     for r in ranks:
         # what I send to r: the part of my source block r needs, if r reads that block from me
         needs = layouts[r][1].positions(shape, r)
-        if mine_src is not None and needs is not None and sources[r] == my_src and my_src.holder(my_src.block(me), r) == me:
+        if (
+            mine_src is not None
+            and needs is not None
+            and sources[r] == my_src
+            and my_src.holder(my_src.block(me), r) == me
+        ):
             piece = src_local
             for d, (_, in_src, _) in enumerate(_common(s, n) for s, n in zip(mine_src, needs)):
                 piece = _take(piece, d, in_src)
@@ -185,7 +202,12 @@ def _exchange(comm: Any, ranks: list[int], layouts: dict[int, tuple[Layout, Layo
             sends.append(src_local.new_empty((0,)))
         # what I receive from r
         holds = layouts[r][0].positions(shape, r)
-        if my_source is not None and holds is not None and layouts[r][0] == my_source and my_source.holder(my_source.block(r), me) == r:
+        if (
+            my_source is not None
+            and holds is not None
+            and layouts[r][0] == my_source
+            and my_source.holder(my_source.block(r), me) == r
+        ):
             common = [_common(h, n) for h, n in zip(holds, mine_dst)]
             recv_shapes.append(tuple(len(c[0]) for c in common))
             recv_places.append([c[2] for c in common])

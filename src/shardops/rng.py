@@ -27,18 +27,19 @@ generator given explicitly is, in a rank thread, that rank's generator.
 Elements are produced in chunks of CHUNK, so a draw's temporaries stay small
 whatever the shard size.
 """
+
 from __future__ import annotations
 
 import math
 import threading
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .placements import Placement, dim_positions
 from ._torch import random as torch_random
+from .placements import Placement, dim_positions
 from .world import rank_generator
 
 MASK64 = (1 << 64) - 1
@@ -136,7 +137,10 @@ def reseed(seed: int) -> None:
 def _refuse_while_tracing() -> None:
     from .comm.traceable import refuse_while_tracing
 
-    refuse_while_tracing("a random op on a DTensor (dropout, rand, normal_, ...)", "its draw counter would be frozen into the graph, so every step would draw the same values")
+    refuse_while_tracing(
+        "a random op on a DTensor (dropout, rand, normal_, ...)",
+        "its draw counter would be frozen into the graph, so every step would draw the same values",
+    )
 
 
 def next_key(generator: torch.Generator | None = None) -> int:
@@ -286,7 +290,9 @@ def _as_tensor(positions: range | list[int]) -> torch.Tensor:
     return torch.tensor(positions, dtype=torch.int64)
 
 
-def index_chunks(layout: IndexLayout, chunk: int = CHUNK, device: torch.device | str = "cpu") -> Iterator[tuple[int, torch.Tensor]]:
+def index_chunks(
+    layout: IndexLayout, chunk: int = CHUNK, device: torch.device | str = "cpu"
+) -> Iterator[tuple[int, torch.Tensor]]:
     """(local flat start, int64 global indices on `device`) for consecutive pieces of about `chunk` elements.
 
     The outer offsets stay on the CPU (one entry per local index of an outer dim: small).

@@ -1,15 +1,17 @@
 """TensorMeta and TensorSpec: what dispatch knows about a DTensor without its data."""
+
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from .placements import Placement, local_shape_and_offset
 from . import caches
+from .placements import Placement, local_shape_and_offset
 
 if TYPE_CHECKING:
     from .mesh import DeviceMesh
@@ -26,7 +28,7 @@ class TensorMeta:
 class TensorSpec:
     """A global tensor's metadata and its layout on a mesh."""
 
-    mesh: "DeviceMesh"
+    mesh: DeviceMesh
     placements: tuple[Placement, ...]
     meta: TensorMeta
     # A small int naming (mesh, placements, shape, stride, dtype): the dispatch cache keys on it, so a
@@ -34,7 +36,9 @@ class TensorSpec:
     key: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", _spec_id((self.mesh, self.placements, self.meta.shape, self.meta.stride, self.meta.dtype)))
+        object.__setattr__(
+            self, "key", _spec_id((self.mesh, self.placements, self.meta.shape, self.meta.stride, self.meta.dtype))
+        )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -65,7 +69,7 @@ class TensorSpec:
         """How many pieces `tensor_dim` is cut into across the mesh."""
         return math.prod(n for n, p in zip(self.mesh.shape, self.placements) if p.is_shard(tensor_dim))
 
-    def with_placements(self, placements: Sequence[Placement]) -> "TensorSpec":
+    def with_placements(self, placements: Sequence[Placement]) -> TensorSpec:
         return TensorSpec(self.mesh, tuple(placements), self.meta)
 
     def __repr__(self) -> str:

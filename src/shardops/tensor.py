@@ -1,28 +1,40 @@
 """DTensor: a torch.Tensor wrapper whose data is this rank's shard of a global tensor."""
+
 from __future__ import annotations
 
 import weakref
 import zlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from . import caches
+from ._torch import pytree
+from ._torch.dispatch import DisableTorchFunctionSubclass, disabled_torch_function_impl, make_wrapper_subclass
+from .comm import traceable
 from .dispatch import core
 from .dispatch.debug import check_agreement
 from .dispatch.mixed import check_plain_operand
 from .dispatch.registry import COPYING_VIEW_ALGORITHMS, DECOMPOSITIONS, OVERWRITES_SELF, TORCH_FUNCTIONS
 from .dispatch.schema import static_key
-from .comm import traceable
-from ._torch import pytree
-from ._torch.dispatch import DisableTorchFunctionSubclass, disabled_torch_function_impl, make_wrapper_subclass
 from .errors import ShardingError
 from .mesh import DeviceMesh
-from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, local_shape_and_offset, normalize_placements, shard_positions, without_partials
-from . import caches
+from .placements import (
+    NormPartial,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    local_shape_and_offset,
+    normalize_placements,
+    shard_positions,
+    without_partials,
+)
 from .redistribute import execute, plan
 from .spec import TensorMeta, TensorSpec, contiguous_stride
 from .wrapper_meta import mirror_lazy_bits
-
 
 # runs func with subclass __torch_function__ disabled (in C: cheaper than the context manager)
 _torch_function_default = disabled_torch_function_impl
@@ -36,10 +48,18 @@ _NO_KWARGS: dict = {}
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
-    __slots__ = ("_local_tensor", "_spec", "_grad_hook", "_pending_layout", "_compile_meta", "_copied_view", "_pending_aliases")
+    __slots__ = (
+        "_local_tensor",
+        "_spec",
+        "_grad_hook",
+        "_pending_layout",
+        "_compile_meta",
+        "_copied_view",
+        "_pending_aliases",
+    )
 
     @staticmethod
-    def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> "DTensor":
+    def _make(local: torch.Tensor, spec: TensorSpec, requires_grad: bool = False) -> DTensor:
         if isinstance(local, DTensor):  # one level of wrapping, by construction: a local tensor is plain
             raise ShardingError(
                 f"internal error: a DTensor {spec!r} would wrap another DTensor {local._spec!r} as its local tensor; "
@@ -67,7 +87,7 @@ class DTensor(torch.Tensor):
     def __new__(cls, *a, **k):  # pragma: no cover - construction goes through the API functions
         raise ShardingError("construct a DTensor with distribute_tensor(...) or DTensor.from_local(...)")
 
-    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+    def requires_grad_(self, requires_grad: bool = True) -> DTensor:
         super().requires_grad_(requires_grad)
         if requires_grad and self.is_leaf:
             _keep_grad_layout(self)
@@ -119,12 +139,22 @@ class DTensor(torch.Tensor):
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         return _to_local(self, grad_placements)
 
-    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, *, async_op: bool = False) -> "DTensor":
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> DTensor:
         return _redistribute(self, device_mesh, placements)
 
-    def _redistribute_checked(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> "DTensor":
+    def _redistribute_checked(
+        self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None
+    ) -> DTensor:
         if device_mesh is not None and device_mesh != self._spec.mesh:
-            raise ShardingError(f"redistribute: moving between meshes is not supported ({self._spec.mesh} -> {device_mesh})")
+            raise ShardingError(
+                f"redistribute: moving between meshes is not supported ({self._spec.mesh} -> {device_mesh})"
+            )
         if placements is None:
             raise ShardingError("redistribute: give the target placements")
         target = normalize_placements(placements, self.ndim, self._spec.mesh.ndim, "redistribute")
@@ -151,7 +181,7 @@ class DTensor(torch.Tensor):
         run_check: bool = False,
         shape: Sequence[int] | None = None,
         stride: Sequence[int] | None = None,
-    ) -> "DTensor":
+    ) -> DTensor:
         dt = from_local(local_tensor, device_mesh, placements, shape=shape, stride=stride)
         if run_check:
             check_same_everywhere(dt, "from_local(run_check=True)")
@@ -170,9 +200,16 @@ class DTensor(torch.Tensor):
         pending = self._pending_layout
         if meta is not None and meta.resolves and meta.spec is self._spec:
             return ["_resolved_local"], meta  # the traced copy of a pending gradient, named as the real one
-        if meta is None or meta.source is not self._spec or meta.requires_grad != self.requires_grad or meta.resolves != (pending is not None):
+        if (
+            meta is None
+            or meta.source is not self._spec
+            or meta.requires_grad != self.requires_grad
+            or meta.resolves != (pending is not None)
+        ):
             spec = self._spec if pending is None else self._spec.with_placements(pending)
-            meta = CompileMeta(spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()), pending is not None, self._spec)
+            meta = CompileMeta(
+                spec, self.requires_grad, tuple(self._spec.mesh.get_coordinate() or ()), pending is not None, self._spec
+            )
             self._compile_meta = meta
         return (["_resolved_local"] if meta.resolves else ["_local_tensor"]), meta
 
@@ -196,7 +233,7 @@ class DTensor(torch.Tensor):
         return local if tuple(local.shape) == shape else traceable.metadata_only(shape, local)
 
     @staticmethod
-    def __tensor_unflatten__(inner_tensors, meta: "CompileMeta", outer_size, outer_stride) -> "DTensor":
+    def __tensor_unflatten__(inner_tensors, meta: CompileMeta, outer_size, outer_stride) -> DTensor:
         spec = meta.spec
         if tuple(outer_size) != spec.shape or tuple(outer_stride) != spec.meta.stride:
             if not all(type(s) is int for s in (*outer_size, *outer_stride)):
@@ -204,14 +241,16 @@ class DTensor(torch.Tensor):
                     f"torch.compile: shardops DTensors need static shapes (got {tuple(outer_size)} for {spec!r}); "
                     "compile with dynamic=False"
                 )
-            spec = TensorSpec(spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), spec.dtype))
+            spec = TensorSpec(
+                spec.mesh, spec.placements, TensorMeta(tuple(outer_size), tuple(outer_stride), spec.dtype)
+            )
         if not meta.resolves:
             return DTensor._make(inner_tensors["_local_tensor"], spec, meta.requires_grad)
         out = DTensor._make(inner_tensors["_resolved_local"], spec, meta.requires_grad)
         out._compile_meta = meta  # flattens as the real one did (dynamo pairs the real and fake inner names)
         return out
 
-    def __coerce_tangent_metadata__(self) -> "DTensor":
+    def __coerce_tangent_metadata__(self) -> DTensor:
         """The layout a compiled backward expects the gradient of this forward output in.
 
         A gradient of a pending value (Partial, NormPartial) is Replicate on those dims, as in eager;
@@ -224,7 +263,7 @@ class DTensor(torch.Tensor):
             return self
         return DTensor._make(self._local_tensor, self._spec.with_placements(target), self.requires_grad)
 
-    def __coerce_same_metadata_as_tangent__(self, expected: "CompileMeta", expected_type=None) -> "DTensor | None":
+    def __coerce_same_metadata_as_tangent__(self, expected: CompileMeta, expected_type=None) -> DTensor | None:
         """A compiled backward guessed the incoming gradient's layout (the forward output's); move it there."""
         if expected_type is not None and expected_type is not DTensor:
             return None
@@ -292,7 +331,7 @@ class CompileMeta:
     def __hash__(self) -> int:
         return hash(self._parts())
 
-    def __deepcopy__(self, memo) -> "CompileMeta":
+    def __deepcopy__(self, memo) -> CompileMeta:
         return self
 
     def __repr__(self) -> str:
@@ -401,7 +440,9 @@ _VIEW_OPS = _ViewOps()
 # outputs are not marked, or a gradient whose detach the planner moved could never be written
 _AUTOGRAD_PLUMBING = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 # in-place ops that change only a tensor's metadata: on a copy they lose no write
-_METADATA_ONLY = {getattr(torch.ops.aten, n).default for n in ("t_", "transpose_", "squeeze_", "unsqueeze_", "detach_", "as_strided_")}
+_METADATA_ONLY = {
+    getattr(torch.ops.aten, n).default for n in ("t_", "transpose_", "squeeze_", "unsqueeze_", "detach_", "as_strided_")
+}
 
 
 class CopiedView:
@@ -413,12 +454,14 @@ class CopiedView:
         self.op, self.src, self.out = op, src, out
 
 
-def _note_view(func, decision, viewed: "DTensor", result: Any) -> None:
+def _note_view(func, decision, viewed: DTensor, result: Any) -> None:
     """After a view op: mark outputs that do not alias its input (self moved first, or the op's
     sharded algorithm built new data, as slice/select along a sharded dim do; a view of such a copy
     is one too), decided from the plan, never from storage, so every rank marks alike. Outputs that
     alias a pending (Partial) input join its alias group (see _pending_alias_of)."""
-    outputs = [result] if isinstance(result, DTensor) else [t for t in pytree.tree_leaves(result) if isinstance(t, DTensor)]
+    outputs = (
+        [result] if isinstance(result, DTensor) else [t for t in pytree.tree_leaves(result) if isinstance(t, DTensor)]
+    )
     mark = viewed._copied_view
     if mark is None and ((decision.moves and decision.moves[0] == 0) or decision.algorithm in COPYING_VIEW_ALGORITHMS):
         mark = CopiedView(func, viewed._spec, outputs[0]._spec) if outputs else None
@@ -435,7 +478,7 @@ def _note_view(func, decision, viewed: "DTensor", result: Any) -> None:
             t._pending_aliases = group
 
 
-def _refuse_write_to_copy(func, self_: "DTensor") -> None:
+def _refuse_write_to_copy(func, self_: DTensor) -> None:
     """An in-place write to a view op's output that is a copy would never reach the viewed tensor."""
     if func in _METADATA_ONLY or not core._writes_self(func):
         return
@@ -449,7 +492,7 @@ def _refuse_write_to_copy(func, self_: "DTensor") -> None:
     )
 
 
-def _pending_alias_of(self_: "DTensor") -> "DTensor | None":
+def _pending_alias_of(self_: DTensor) -> DTensor | None:
     """A live DTensor other than self that shares self's data and is still pending: resolving or
     relabelling self in place would leave that one with its partial label over resolved values."""
     group = self_._pending_aliases
@@ -462,13 +505,13 @@ def _pending_alias_of(self_: "DTensor") -> "DTensor | None":
     return None
 
 
-def refuse_pending_alias(func, self_: "DTensor") -> None:
+def refuse_pending_alias(func, self_: DTensor) -> None:
     """Raise where resolving or relabelling the pending `self_` in place would leave an alias wrong."""
     if _pending_alias_of(self_) is not None:
         raise _aliased_resolve_error(func, self_)
 
 
-def _aliased_resolve_error(func, self_: "DTensor") -> ShardingError:
+def _aliased_resolve_error(func, self_: DTensor) -> ShardingError:
     other = _pending_alias_of(self_)
     return ShardingError(
         f"{func}: would resolve or overwrite the pending sum of {self_._spec!r} in place, but it shares its data with "
@@ -479,7 +522,12 @@ def _aliased_resolve_error(func, self_: "DTensor") -> ShardingError:
 
 
 def _across_meshes(args: tuple) -> bool:
-    return len(args) >= 2 and isinstance(args[0], DTensor) and isinstance(args[1], DTensor) and args[0]._spec.mesh != args[1]._spec.mesh
+    return (
+        len(args) >= 2
+        and isinstance(args[0], DTensor)
+        and isinstance(args[1], DTensor)
+        and args[0]._spec.mesh != args[1]._spec.mesh
+    )
 
 
 def _relabel_overwritten_self(func, self_: Any) -> None:
@@ -566,13 +614,32 @@ def _dispatch_out_variant(func, args: tuple, kwargs: dict, names: tuple[str, ...
         if not isinstance(out, DTensor):
             raise ShardingError(f"{func}: out= must be a DTensor when the inputs are DTensors")
         if not torch.can_cast(res.dtype, out.dtype):
-            raise ShardingError(f"{func}: result type {res.dtype} can't be cast to the desired output type {out.dtype} of out= (as torch refuses it)")
+            raise ShardingError(
+                f"{func}: result type {res.dtype} can't be cast to the desired output type {out.dtype} of out= (as torch refuses it)"
+            )
     for res, out in zip(results, outs):
         if not isinstance(res, DTensor):
-            res = DTensor._make(res, TensorSpec(out._spec.mesh, (Replicate(),) * out._spec.mesh.ndim, TensorMeta(tuple(res.shape), tuple(res.stride()), res.dtype)))
-        moved = res._redistribute_local(out._spec.placements) if res._spec.placements != out._spec.placements else res._local_tensor
+            res = DTensor._make(
+                res,
+                TensorSpec(
+                    out._spec.mesh,
+                    (Replicate(),) * out._spec.mesh.ndim,
+                    TensorMeta(tuple(res.shape), tuple(res.stride()), res.dtype),
+                ),
+            )
+        moved = (
+            res._redistribute_local(out._spec.placements)
+            if res._spec.placements != out._spec.placements
+            else res._local_tensor
+        )
         out._local_tensor.resize_(moved.shape).copy_(moved)
-        out._set_spec(TensorSpec(out._spec.mesh, out._spec.placements, TensorMeta(res._spec.shape, res._spec.meta.stride, out._spec.dtype)))
+        out._set_spec(
+            TensorSpec(
+                out._spec.mesh,
+                out._spec.placements,
+                TensorMeta(res._spec.shape, res._spec.meta.stride, out._spec.dtype),
+            )
+        )
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -651,7 +718,11 @@ def _local_grad_from_dtensor(grad: DTensor, gspec: TensorSpec) -> DTensor:
     DTensor is the gradient as it is, pending layout and all; otherwise its replicated value is
     this rank's piece in `gspec`.
     """
-    if grad._spec.mesh == gspec.mesh and not any(p.is_shard() for p in gspec.placements) and tuple(grad.shape) == tuple(gspec.shape):
+    if (
+        grad._spec.mesh == gspec.mesh
+        and not any(p.is_shard() for p in gspec.placements)
+        and tuple(grad.shape) == tuple(gspec.shape)
+    ):
         return grad
     local = grad._redistribute_local((Replicate(),) * grad._spec.mesh.ndim)
     return DTensor._make(local.contiguous(), gspec)
@@ -745,7 +816,9 @@ def _gradient_in_layout(grad: DTensor, target: tuple[Placement, ...]) -> torch.T
     """
     if grad._pending_layout is not None or tuple(target) == grad._spec.placements:
         return grad._redistribute_local(target)
-    moved, kept = _derived_once(grad._local_tensor, (grad._spec.key, tuple(target)), lambda: grad._redistribute_local(target))
+    moved, kept = _derived_once(
+        grad._local_tensor, (grad._spec.key, tuple(target)), lambda: grad._redistribute_local(target)
+    )
     return moved.clone() if kept else moved
 
 
@@ -804,7 +877,9 @@ def distribute_tensor(
     if isinstance(tensor, DTensor):
         raise ShardingError("distribute_tensor: input is already a DTensor; use dt.redistribute(...)")
     mesh, placements = _mesh_and_placements(device_mesh, placements, tensor.ndim, "distribute_tensor")
-    data = tensor.detach() if tensor.device.type == mesh.device_type or tensor.is_meta else tensor.detach().to(mesh.device)  # as torch: onto the mesh's device
+    data = (
+        tensor.detach() if tensor.device.type == mesh.device_type or tensor.is_meta else tensor.detach().to(mesh.device)
+    )  # as torch: onto the mesh's device
     if src_data_rank is not None and mesh.size() > 1:
         comm = mesh.comm
         group = mesh.group(tuple(range(mesh.ndim)))
@@ -832,7 +907,11 @@ def execute_local_layout(data: torch.Tensor, replicated: TensorSpec, placements:
     for i, p in enumerate(placements):
         if p.is_shard():
             pos = shard_positions(p, x.shape[p.dim], replicated.mesh.shape[i], coord[i])
-            x = x.narrow(p.dim, pos.start, len(pos)) if isinstance(pos, range) else x.index_select(p.dim, torch.tensor(pos, dtype=torch.long, device=x.device))
+            x = (
+                x.narrow(p.dim, pos.start, len(pos))
+                if isinstance(pos, range)
+                else x.index_select(p.dim, torch.tensor(pos, dtype=torch.long, device=x.device))
+            )
         elif p.is_partial():
             x = p.split(x, coord[i])
     return x.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensor
@@ -859,7 +938,9 @@ def from_local(
     else:
         gshape = list(shape)
         if len(gshape) != local_tensor.ndim:
-            raise ShardingError(f"from_local: shape {tuple(shape)} has {len(gshape)} dims but the local tensor has {local_tensor.ndim}")
+            raise ShardingError(
+                f"from_local: shape {tuple(shape)} has {len(gshape)} dims but the local tensor has {local_tensor.ndim}"
+            )
     expected = local_shape_and_offset(gshape, mesh.shape, mesh.get_coordinate(), placements)[0]
     if tuple(expected) != tuple(local_tensor.shape):
         raise ShardingError(
@@ -871,11 +952,15 @@ def from_local(
     return _FromLocal.apply(local_tensor, spec)
 
 
-def _mesh_and_placements(mesh: DeviceMesh | None, placements, ndim: int, what: str) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+def _mesh_and_placements(
+    mesh: DeviceMesh | None, placements, ndim: int, what: str
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The mesh (this rank must be on it) and the checked placements (default: Replicate) of a new DTensor."""
     mesh = mesh if mesh is not None else _default_mesh()
     _check_member(mesh, what)
-    return mesh, normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, ndim, mesh.ndim, what)
+    return mesh, normalize_placements(
+        placements if placements is not None else [Replicate()] * mesh.ndim, ndim, mesh.ndim, what
+    )
 
 
 def _check_member(mesh: DeviceMesh, what: str) -> None:
@@ -886,7 +971,7 @@ def _check_member(mesh: DeviceMesh, what: str) -> None:
         )
 
 
-def check_same_everywhere(dt: "DTensor", what: str) -> None:
+def check_same_everywhere(dt: DTensor, what: str) -> None:
     """from_local(run_check=True): every rank agrees on the global shape and dtype (one small all_gather).
 
     Ranks that disagree would otherwise issue mismatched collectives: in the threads world an
@@ -894,10 +979,14 @@ def check_same_everywhere(dt: "DTensor", what: str) -> None:
     """
     spec = dt._spec
     group = spec.mesh.group(tuple(range(spec.mesh.ndim)))
-    mine = torch.tensor([len(spec.shape), *spec.shape, zlib.crc32(str(spec.dtype).encode())], dtype=torch.int64)  # crc32: hash() differs between processes
+    mine = torch.tensor(
+        [len(spec.shape), *spec.shape, zlib.crc32(str(spec.dtype).encode())], dtype=torch.int64
+    )  # crc32: hash() differs between processes
     sizes = spec.mesh.comm.all_gather(torch.tensor([mine.numel()]), group)
     if len({int(s) for s in sizes}) > 1:
-        raise ShardingError(f"{what}: ranks disagree on the tensor's number of dims ({[int(s) for s in sizes]}); pass shape= on every rank")
+        raise ShardingError(
+            f"{what}: ranks disagree on the tensor's number of dims ({[int(s) for s in sizes]}); pass shape= on every rank"
+        )
     for rank, theirs in zip(group.ranks, spec.mesh.comm.all_gather(mine, group)):
         if not torch.equal(theirs, mine):
             raise ShardingError(
@@ -925,4 +1014,6 @@ traceable.eager_only(DTensor.__torch_dispatch__.__func__)
 traceable.eager_only(DTensor.__torch_function__.__func__)
 traceable.eager_only(DTensor.__tensor_unflatten__)  # AOTAutograd's run-time wrappers call it from eager code
 traceable.on_graph_entry(_resolves_pending, _enter_graph)
-traceable.setup(DeviceMesh, (Shard, StridedShard, Replicate, Partial, NormPartial), (TensorSpec, TensorMeta))  # torch.compile support: meshes and placements as constants; dynamo's marks when it loads
+traceable.setup(
+    DeviceMesh, (Shard, StridedShard, Replicate, Partial, NormPartial), (TensorSpec, TensorMeta)
+)  # torch.compile support: meshes and placements as constants; dynamo's marks when it loads

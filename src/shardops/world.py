@@ -6,12 +6,14 @@ of `run` always sees the threads world, even when a process group exists. Each r
 thread also has its own default random state, as each process has under torchrun
 (interop/rank_random.py hands it to random ops, rng.py to torch.manual_seed & co.).
 """
+
 from __future__ import annotations
 
 import contextvars
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, Callable, ContextManager
+from typing import Any, ContextManager
 
 import torch
 
@@ -64,7 +66,9 @@ def _torch_dist_comm() -> Communicator:
     return _torch_comm
 
 
-def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> list[Any]:
+def run(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+) -> list[Any]:
     """Run `fn(*args, **kwargs)` once per rank, one thread per rank; return each rank's result.
 
     An exception on any rank is raised here (the first one, by rank), and every
@@ -100,7 +104,10 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     # settings: torch.compile's config (dynamo, inductor: per-thread context variables) and any
     # other context variable the caller set are the rank's too.
     contexts = [contextvars.copy_context() for _ in range(world_size)]
-    threads = [threading.Thread(target=contexts[r].run, args=(body, r), name=f"shardops-rank{r}", daemon=True) for r in range(world_size)]
+    threads = [
+        threading.Thread(target=contexts[r].run, args=(body, r), name=f"shardops-rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
     try:
         for t in threads:
             t.start()

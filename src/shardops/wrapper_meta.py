@@ -5,9 +5,10 @@ lazy bits, sizes and strides before our __torch_dispatch__ runs, so they must ma
 the local shard says. The torch private calls this needs (from shardops._torch.dispatch) are
 made here, beside tensor.py and used only by it and its seam (wrapping.py).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

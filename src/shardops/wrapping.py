@@ -4,9 +4,10 @@ tensor.py owns DTensor's private fields. Everything else that needs them (sharde
 algorithms' torch-level entries and autograd functions, interop, verify) goes through
 these functions, so the fields can change in one place.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -17,6 +17,7 @@ Importing shardops changes nothing in torch. `install()` puts every hook in plac
 process; shardops calls it where torch must behave as shardops promises: `so.run`, and
 every `DeviceMesh` (so `init_device_mesh`, a mesh from torch's, and any DTensor, which has one).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -75,7 +76,9 @@ def internal(hook: Hook, dotted: str) -> Any:
         except ImportError:
             continue
     if owner is None:
-        raise TorchInternalMissing(f"shardops hook {hook.name!r} ({hook.purpose}) needs {dotted}: no part of it imports")
+        raise TorchInternalMissing(
+            f"shardops hook {hook.name!r} ({hook.purpose}) needs {dotted}: no part of it imports"
+        )
     for j in range(i, len(parts)):
         owner = require(hook, owner, parts[j], ".".join(parts[:j]))
     return owner

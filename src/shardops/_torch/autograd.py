@@ -9,9 +9,10 @@ shardops.fsdp does the same. A torch without it raises TorchInternalMissing nami
 2.13, 2.14, 2.15), read to tell autograd's own constant tensors (the zeros and ones a derivative
 formula makes from a saved shape) from a user's plain operands; bound at import.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -11,6 +11,7 @@ of shardops' collectives and the pytree constants at once, and dynamo's marks wh
 is imported (by the first torch.compile: importing it costs seconds, so install() leaves that to
 torch.compile and watches for it with a finder on sys.meta_path, removed once it has run).
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 

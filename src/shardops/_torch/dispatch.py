@@ -21,9 +21,11 @@ the import with TorchInternalMissing naming the hook. torch has no public twin f
 - `dispatch.c_namespaces`: the private modules torch's C bindings live in (`torch._C._linalg`,
   `_special`, `_fft`, `_nn`), read from a builtin's __module__ to name it as users call it.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import Hook, internal
 
@@ -46,7 +48,12 @@ set_neg: Callable[[Any, bool], None] = internal(SUBCLASS, "torch._C._set_neg")
 TorchDispatchMode: type = internal(MODES, "torch.utils._python_dispatch.TorchDispatchMode")
 
 # builtin's __module__ prefix -> the public namespace its functions are called by (None: no public one)
-_C_NAMESPACES = {"torch._C._linalg": "linalg", "torch._C._special": "special", "torch._C._fft": "fft", "torch._C._nn": None}
+_C_NAMESPACES = {
+    "torch._C._linalg": "linalg",
+    "torch._C._special": "special",
+    "torch._C._fft": "fft",
+    "torch._C._nn": None,
+}
 for _module in _C_NAMESPACES:
     internal(C_NAMESPACES, _module)
 

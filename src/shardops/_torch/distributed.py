@@ -10,6 +10,7 @@ raises TorchInternalMissing naming the hook there.
 - `norm_partial_class()`: `torch.distributed.tensor._ops._math_ops._NormPartial`, a pending p-norm
   reduction (our NormPartial).
 """
+
 from __future__ import annotations
 
 import functools

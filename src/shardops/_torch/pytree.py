@@ -11,9 +11,11 @@ compile hook (compile.py), not here.
 - `tree_leaves(tree)`: the leaves only.
 - `tree_map(fn, tree)`: the same structure with fn applied to each leaf.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import Hook, internal
 

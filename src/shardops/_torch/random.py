@@ -22,11 +22,13 @@ puts these hooks into torch (each known for torch 2.13, 2.14, 2.15):
 
 Modules register their replacements at import (shardops' own tables only); install() applies them.
 """
+
 from __future__ import annotations
 
 import threading
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -116,7 +118,10 @@ def _install_default_generator() -> None:
     torch.__class__ = type(
         "TorchModuleWithRankDefaultGenerator",
         (module_class,),
-        {"default_generator": property(_rank_default_generator, _set_default_generator), "_shardops_rank_default_generator": True},
+        {
+            "default_generator": property(_rank_default_generator, _set_default_generator),
+            "_shardops_rank_default_generator": True,
+        },
     )
 
 

@@ -6,6 +6,7 @@ hooks)`, and `_rebuild_tensor_v3(..., dtype)` for dtypes without a typed storage
 names in a file format (files written by older torch keep them), not a call into the running
 torch; known for the files of torch 2.13, 2.14 and 2.15.
 """
+
 from __future__ import annotations
 
 REBUILD_MODULE = "torch._utils"

@@ -12,12 +12,13 @@ of the mesh's size, where it must also give single-device values, or, from metad
 one rank of a dry world on META tensors (comm/dry.py: any mesh size, a model built on the meta
 device). The fewest bytes on the busiest rank win, then the fewest rounds, then the least memory.
 """
+
 from __future__ import annotations
 
 import copy
 import math
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -66,7 +67,9 @@ PRICINGS = ("auto", "run", "metadata")
 def _pricing_for(pricing: str, shape: tuple[int, ...], model: nn.Module, example: tuple) -> str:
     if pricing not in PRICINGS:
         raise ShardingError(f"autoparallel: pricing={pricing!r}; use one of {PRICINGS}")
-    on_meta_already = any(isinstance(t, torch.Tensor) and t.is_meta for t in example) or any(p.is_meta for p in model.parameters())
+    on_meta_already = any(isinstance(t, torch.Tensor) and t.is_meta for t in example) or any(
+        p.is_meta for p in model.parameters()
+    )
     runnable = math.prod(shape) <= MAX_RUNNABLE_RANKS and not on_meta_already
     if pricing == "run" and not runnable:
         raise ShardingError(
@@ -135,9 +138,15 @@ def autoparallel(
     feasible = [s for s in scored if s.measurement.feasible]
     if not feasible:
         reasons = "; ".join(f"{s.candidate}: {s.measurement.error}" for s in scored[:4])
-        raise ShardingError(f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})")
-    best = min(feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank))
-    plan = Plan(shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how])
+        raise ShardingError(
+            f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})"
+        )
+    best = min(
+        feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank)
+    )
+    plan = Plan(
+        shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how]
+    )
     plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
     return plan
 

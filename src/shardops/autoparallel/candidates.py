@@ -12,11 +12,12 @@ taken by every repeated block alike (the plan keys carry the wildcard `blocks.*`
 - one flag per Linear group of a block (attention, MLP): column/row-parallel as a pair,
   or replicated (every rank computes the group on the whole activation).
 """
+
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..parallel import (
     ColwiseParallel,
@@ -73,7 +74,10 @@ def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int
     total = structure.n_blocks * sum(g.weights for g in structure.groups) + structure.head_weights
     if total == 0:
         return 1.0
-    mine = structure.n_blocks * sum(g.weights / (tp if on else 1) for g, on in zip(structure.groups, c.groups_tp or (False,) * len(structure.groups)))
+    mine = structure.n_blocks * sum(
+        g.weights / (tp if on else 1)
+        for g, on in zip(structure.groups, c.groups_tp or (False,) * len(structure.groups))
+    )
     mine += structure.head_weights / (tp if c.vocab_parallel else 1)
     return (mine / dp) / (total / world)
 
@@ -123,13 +127,17 @@ def _group_input(group, seq, s: str) -> _GroupInput:
     when the block calls the group with keywords only (transformers' `self_attn(hidden_states=...)`)."""
     if group.n_inputs == 0 and group.input_kwarg is not None:
         k = group.input_kwarg
-        return _GroupInput({"input_kwarg_layouts": {k: seq}, "desired_input_kwarg_layouts": {k: Replicate()}},
-                           f"input_kwarg_layouts={{{k!r}: {s}}}, desired_input_kwarg_layouts={{{k!r}: Replicate()}}")
+        return _GroupInput(
+            {"input_kwarg_layouts": {k: seq}, "desired_input_kwarg_layouts": {k: Replicate()}},
+            f"input_kwarg_layouts={{{k!r}: {s}}}, desired_input_kwarg_layouts={{{k!r}: Replicate()}}",
+        )
     rest = (None,) * (max(group.n_inputs, 1) - 1)
     ins_t = "(" + ", ".join([s, *["None"] * len(rest)]) + ("," if not rest else "") + ")"
     want_t = "(" + ", ".join(["Replicate()", *["None"] * len(rest)]) + ("," if not rest else "") + ")"
-    return _GroupInput({"input_layouts": (seq, *rest), "desired_input_layouts": (Replicate(), *rest)},
-                       f"input_layouts={ins_t}, desired_input_layouts={want_t}")
+    return _GroupInput(
+        {"input_layouts": (seq, *rest), "desired_input_layouts": (Replicate(), *rest)},
+        f"input_layouts={ins_t}, desired_input_layouts={want_t}",
+    )
 
 
 def _place(p) -> str:
@@ -149,20 +157,37 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
 
     for emb in structure.embeddings:
         if c.embeddings_parallel:
-            add(emb, f"RowwiseParallel(input_layouts=Replicate(), output_layouts={s})",
-                lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
+            add(
+                emb,
+                f"RowwiseParallel(input_layouts=Replicate(), output_layouts={s})",
+                lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            )
         elif c.sequence_parallel:  # whole table on every rank; the output keeps this rank's sequence shard
-            add(emb, "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))",
-                lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+            add(
+                emb,
+                "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))",
+                lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+            )
     if c.vocab_parallel:
-        add(structure.head, f"ColwiseParallel(input_layouts={s}, output_layouts=Shard(-1), use_local_output=False)",
-            lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False))
+        add(
+            structure.head,
+            f"ColwiseParallel(input_layouts={s}, output_layouts=Shard(-1), use_local_output=False)",
+            lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        )
     else:
-        add(structure.head,
+        add(
+            structure.head,
             f"PrepareModuleInputOutput(input_layouts={s}, desired_input_layouts=Replicate(), use_local_input=True, "
             "output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False)",
-            lambda: PrepareModuleInputOutput(input_layouts=seq, desired_input_layouts=Replicate(), use_local_input=True,
-                                             output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False))
+            lambda: PrepareModuleInputOutput(
+                input_layouts=seq,
+                desired_input_layouts=Replicate(),
+                use_local_input=True,
+                output_layouts=Replicate(),
+                desired_output_layouts=Replicate(),
+                use_local_output=False,
+            ),
+        )
     if c.sequence_parallel:
         for norm in structure.final_norms:
             add(norm, "SequenceParallel()", SequenceParallel)
@@ -180,11 +205,18 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
                 add(key, f"PrepareModuleInput({prep.text})", lambda prep=prep: PrepareModuleInput(**prep.kwargs))
             for lin in group.colwise:
                 add(f"{key}.{lin}", "ColwiseParallel()", ColwiseParallel)
-            add(f"{key}.{group.rowwise}", f"RowwiseParallel(output_layouts={s})", lambda: RowwiseParallel(output_layouts=seq))
+            add(
+                f"{key}.{group.rowwise}",
+                f"RowwiseParallel(output_layouts={s})",
+                lambda: RowwiseParallel(output_layouts=seq),
+            )
         elif c.sequence_parallel:  # the whole group on every rank, on the gathered sequence; its output re-sliced
-            add(key,
+            add(
+                key,
                 f"PrepareModuleInputOutput({prep.text}, use_local_input=True, "
                 "output_layouts=Replicate(), desired_output_layouts=Shard(1))",
                 lambda prep=prep: PrepareModuleInputOutput(
-                    **prep.kwargs, use_local_input=True, output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+                    **prep.kwargs, use_local_input=True, output_layouts=Replicate(), desired_output_layouts=Shard(1)
+                ),
+            )
     return entries

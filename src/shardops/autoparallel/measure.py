@@ -6,13 +6,14 @@ very figure the applied plan produces on the same global batch: shardops' planne
 every op's layout from metadata, deterministically, so the step's collectives depend on
 shapes, placements and the link model only, never on values or timing.
 """
+
 from __future__ import annotations
 
 import copy
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -69,7 +70,10 @@ def _replicated_like(out, example: tuple) -> tuple:
         return example
     mesh = dt.device_mesh
     return tuple(
-        from_local(t, mesh, [Replicate()] * mesh.ndim) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t for t in example
+        from_local(t, mesh, [Replicate()] * mesh.ndim)
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+        else t
+        for t in example
     )
 
 
@@ -90,9 +94,7 @@ def _rank_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: R
     for p in m.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         memory += 4 * local.numel() * local.element_size()
-    counts = {
-        part: (c.get_total_bytes(), c.get_rounds()) for part, c in zip(PARTS, (fwd, bwd, sync))
-    }
+    counts = {part: (c.get_total_bytes(), c.get_rounds()) for part, c in zip(PARTS, (fwd, bwd, sync))}
     with torch.no_grad():
         error = _compare(m, _full(loss.detach()), ref)
     return counts, memory, error
@@ -124,7 +126,9 @@ def measure(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Refe
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FallbackWarning)  # a plan that only works by gathering is not a plan
-            results = run(_rank_step, math.prod(mesh_shape), model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref)
+            results = run(
+                _rank_step, math.prod(mesh_shape), model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref
+            )
     except Exception as exc:  # noqa: BLE001  (any failure of a candidate rules it out, with its reason)
         return Measurement(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     return _busiest(results)
@@ -158,7 +162,9 @@ def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: 
             warnings.simplefilter("error", FallbackWarning)
             for rank in dict.fromkeys((0, world - 1)):
                 comm = DryCommunicator(rank, world)
-                results.append(run_dry(_rank_step, comm, model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref))
+                results.append(
+                    run_dry(_rank_step, comm, model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref)
+                )
                 if comm.symmetric:
                     break
     except Exception as exc:  # noqa: BLE001

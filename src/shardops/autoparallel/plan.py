@@ -1,4 +1,5 @@
 """Plan: the chosen parallelization, readable as the code a person would write, and applicable."""
+
 from __future__ import annotations
 
 import math
@@ -117,7 +118,9 @@ class Plan:
         names = self.mesh_dim_names
         lines = [f"autoparallel plan for {self.model_name} on mesh {self.mesh_shape} {names}"]
         for d, kind in enumerate(c.dims):
-            what = f"data parallel (mode={c.dp_mode!r}, batch split)" if kind == "dp" else "tensor parallel (plan below)"
+            what = (
+                f"data parallel (mode={c.dp_mode!r}, batch split)" if kind == "dp" else "tensor parallel (plan below)"
+            )
             lines.append(f"  mesh dim {d} {names[d]!r} (size {self.mesh_shape[d]}): {what}")
         lines.append("")
         lines.append(f'mesh = so.init_device_mesh("cpu", {self.mesh_shape}, mesh_dim_names={names})')
@@ -128,8 +131,10 @@ class Plan:
                 lines.append(f"    {e.key!r}: {e.text},")
             lines.append("})")
         if c.dp_dims:
-            lines.append(f'data_parallel(model, mesh, mode="{c.dp_mode}")  # after slicing the global batch over ' +
-                         ", ".join(repr(names[d]) for d in c.dp_dims))
+            lines.append(
+                f'data_parallel(model, mesh, mode="{c.dp_mode}")  # after slicing the global batch over '
+                + ", ".join(repr(names[d]) for d in c.dp_dims)
+            )
         lines.append("")
         lines.append(f"predicted per step, busiest rank ({self.pricing}):")
         lines.append(f"  {'part':<16}{'bytes':>14}{'rounds':>8}")
@@ -138,7 +143,9 @@ class Plan:
         lines.append(f"  {'optimizer step':<16}{0:>14,}{0:>8}   (gradients already resolved above)")
         lines.append(f"  {'total':<16}{m.total_bytes:>14,}{m.total_rounds:>8}")
         lines.append(f"  matmul work on the busiest rank: {self.compute_share:.2f}x an even share")
-        lines.append(f"  peak memory per rank (parameters + gradients + AdamW states, no activations): {m.memory_per_rank:,} B")
+        lines.append(
+            f"  peak memory per rank (parameters + gradients + AdamW states, no activations): {m.memory_per_rank:,} B"
+        )
         feasible = sum(1 for s in self.considered if s.measurement.feasible)
         took = f" in {self.timings['plan_s']:.1f} s" if "plan_s" in self.timings else ""
         lines.append(f"  searched {len(self.considered)} candidates ({feasible} feasible){took}")

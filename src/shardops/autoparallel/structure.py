@@ -5,6 +5,7 @@ a block, the norms, the embeddings and the output head, and how each module is c
 
 The stack of blocks may sit anywhere in the tree (transformers' `model.layers`); plan keys are
 full paths (`model.layers.*.self_attn.q_proj`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,7 +54,10 @@ def _is_norm(module: nn.Module) -> bool:
         return True
     params = list(module.parameters(recurse=False))
     return (
-        "norm" in type(module).__name__.lower() and not list(module.children()) and bool(params) and all(p.ndim == 1 for p in params)
+        "norm" in type(module).__name__.lower()
+        and not list(module.children())
+        and bool(params)
+        and all(p.ndim == 1 for p in params)
     )
 
 
@@ -68,7 +72,11 @@ def _call_arity(model: nn.Module, example_inputs: tuple) -> dict[str, tuple[int,
 
     handles = []
     for name, sub in model.named_modules():
-        handles.append(sub.register_forward_pre_hook(lambda m, args, kwargs, name=name: record(name, args, kwargs), with_kwargs=True))
+        handles.append(
+            sub.register_forward_pre_hook(
+                lambda m, args, kwargs, name=name: record(name, args, kwargs), with_kwargs=True
+            )
+        )
     try:
         with torch.no_grad():
             model(*example_inputs)
@@ -104,13 +112,18 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
         elif isinstance(child, nn.Embedding):
             structure.embeddings.append(name)
         elif isinstance(child, nn.Linear):
-            structure.head, structure.head_weights = name, child.in_features * child.out_features  # the last Linear outside the blocks
+            structure.head, structure.head_weights = (
+                name,
+                child.in_features * child.out_features,
+            )  # the last Linear outside the blocks
         elif _is_norm(child):
             structure.final_norms.append(name)
     return structure
 
 
-def _read_block(structure: ModelStructure, block: nn.Module, path: str, arity: dict[str, tuple[int, str | None]]) -> None:
+def _read_block(
+    structure: ModelStructure, block: nn.Module, path: str, arity: dict[str, tuple[int, str | None]]
+) -> None:
     for name, child in block.named_children():
         if _is_norm(child):
             structure.block_norms.append(name)

@@ -9,6 +9,7 @@
 
 `save`/`load` import torch.distributed.checkpoint on first use (it is slow to import).
 """
+
 from __future__ import annotations
 
 from typing import Any

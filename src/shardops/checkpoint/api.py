@@ -17,6 +17,7 @@ the byte ranges each rank needs (`reader.RangedFileSystemReader`), checks every 
 reads against those checksums, and fails on any mismatch or any element left unloaded
 (`planner.CheckedLoadPlanner`).
 """
+
 from __future__ import annotations
 
 import glob
@@ -24,19 +25,20 @@ import os
 import shutil
 import threading
 import uuid
-from typing import Any, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from ..errors import ShardingError
+from ..world import current_comm
 from . import blocksums
 from .blocksums import FileSums, sum_file, write_sums
 from .chunks import coordinated_save
 from .exchange import agree, agree_local, broadcast_object
 from .planner import CheckedLoadPlanner
 from .reader import DEFAULT_BUFFER_BYTES, RangedFileSystemReader
-from ..world import current_comm
 
 _SAVING = ".saving-"
 _REPLACED = ".replaced-"
@@ -50,7 +52,11 @@ _PLANNING = threading.Lock()
 
 
 def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)) and not isinstance(obj, torch.Tensor)
+    return (
+        callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+        and not isinstance(obj, torch.Tensor)
+    )
 
 
 def _owner(opt: torch.optim.Optimizer, state: Mapping[str, Any]) -> torch.nn.Module | None:
@@ -68,7 +74,9 @@ def _save_view(state: Mapping[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     if not isinstance(state, Mapping):
-        raise ShardingError(f"checkpoint.save: state must map names to tensors, state dicts or objects with state_dict(); got {type(state).__name__}")
+        raise ShardingError(
+            f"checkpoint.save: state must map names to tensors, state dicts or objects with state_dict(); got {type(state).__name__}"
+        )
     out = {}
     for name, obj in state.items():
         owner = _owner(obj, state) if isinstance(obj, torch.optim.Optimizer) else None
@@ -83,7 +91,9 @@ def _save_view(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _load_view(state: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(state, Mapping):
-        raise ShardingError(f"checkpoint.load: state must map names to tensors, state dicts or objects with load_state_dict(); got {type(state).__name__}")
+        raise ShardingError(
+            f"checkpoint.load: state must map names to tensors, state dicts or objects with load_state_dict(); got {type(state).__name__}"
+        )
     for obj in state.values():
         if isinstance(obj, torch.optim.Optimizer):
             init_optimizer_state(obj)  # an optimizer that never stepped gets state to load into
@@ -115,7 +125,9 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         return
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     if any(p.grad is not None for p in params):
-        raise ShardingError("checkpoint.load: the optimizer has no state yet but its parameters hold gradients; call zero_grad(set_to_none=True) first")
+        raise ShardingError(
+            "checkpoint.load: the optimizer has no state yet but its parameters hold gradients; call zero_grad(set_to_none=True) first"
+        )
     saved_lrs = [g["lr"] for g in opt.param_groups]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -175,7 +187,9 @@ def checkpoint_dir(path: str | os.PathLike) -> str:
         if os.path.exists(os.path.join(candidate, ".metadata")):
             return candidate
     if os.path.isdir(path):
-        raise ShardingError(f"checkpoint.load: {path} holds no finished checkpoint (no .metadata); a save into it never completed")
+        raise ShardingError(
+            f"checkpoint.load: {path} holds no finished checkpoint (no .metadata); a save into it never completed"
+        )
     raise ShardingError(f"checkpoint.load: no checkpoint at {path}")
 
 
@@ -224,24 +238,33 @@ def save_state_dict(state_dict: dict[str, Any], directory: str) -> None:
     written = agree("checkpoint save (writing)", lambda: _write_and_sum(writer, planner, plans[rank], directory, block))
     results = [r for r, _ in written]
     sums = {name: s for _, per_rank in written for name, s in per_rank.items()}
-    agree_local("checkpoint save (metadata)", lambda: _finish(writer, metadata, results, sums, directory, block) if coordinator else None)
+    agree_local(
+        "checkpoint save (metadata)",
+        lambda: _finish(writer, metadata, results, sums, directory, block) if coordinator else None,
+    )
 
 
-def _write_and_sum(writer: FileSystemWriter, planner: DefaultSavePlanner, plan: Any, directory: str, block: int) -> tuple[list[Any], dict[str, FileSums]]:
+def _write_and_sum(
+    writer: FileSystemWriter, planner: DefaultSavePlanner, plan: Any, directory: str, block: int
+) -> tuple[list[Any], dict[str, FileSums]]:
     """This rank's write results and the block sums of the files it wrote."""
     results = writer.write_data(planner.finish_plan(plan), planner).wait()
     files = sorted({r.storage_data.relative_path for r in results})
     return results, {name: sum_file(os.path.join(directory, name), block) for name in files}
 
 
-def _finish(writer: FileSystemWriter, metadata: Any, results: list[Any], sums: dict[str, FileSums], directory: str, block: int) -> None:
+def _finish(
+    writer: FileSystemWriter, metadata: Any, results: list[Any], sums: dict[str, FileSums], directory: str, block: int
+) -> None:
     """The coordinator's last step: torch's .metadata, then the block sums of every file (itself included)."""
     writer.finish(metadata, results)
     sums = {**sums, ".metadata": sum_file(os.path.join(directory, ".metadata"), block)}
     write_sums(directory, sums, block)
 
 
-def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True) -> RangedFileSystemReader:
+def load_state_dict(
+    state_dict: dict[str, Any], directory: str, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True
+) -> RangedFileSystemReader:
     """DCP's load steps into `state_dict` (in place), every rank of the current world taking part."""
     rank = current_comm().rank
     coordinator = rank == 0
@@ -257,7 +280,12 @@ def load_state_dict(state_dict: dict[str, Any], directory: str, buffer_bytes: in
             return reader.prepare_local_plan(planner.create_local_plan())
 
     local_plans = agree("checkpoint load (local plan)", local_plan)
-    plans = broadcast_object(agree_local("checkpoint load (global plan)", lambda: reader.prepare_global_plan(planner.create_global_plan(local_plans)) if coordinator else None))
+    plans = broadcast_object(
+        agree_local(
+            "checkpoint load (global plan)",
+            lambda: reader.prepare_global_plan(planner.create_global_plan(local_plans)) if coordinator else None,
+        )
+    )
     agree_local("checkpoint load (reading)", lambda: reader.read_data(planner.finish_plan(plans[rank]), planner).wait())
     return reader
 
@@ -272,7 +300,9 @@ def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     staging = broadcast_object(f"{path}{_SAVING}{uuid.uuid4().hex[:12]}" if current_comm().rank == 0 else None)
     try:
         save_state_dict(state_dict, staging)
-        replaced = agree_local("checkpoint save (commit)", lambda: _commit(staging, path) if current_comm().rank == 0 else None)
+        replaced = agree_local(
+            "checkpoint save (commit)", lambda: _commit(staging, path) if current_comm().rank == 0 else None
+        )
     except BaseException:
         if current_comm().rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -281,7 +311,13 @@ def save(state: Mapping[str, Any], path: str | os.PathLike) -> None:
         shutil.rmtree(replaced, ignore_errors=True)  # the other ranks are already on their way
 
 
-def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True) -> None:
+def load(
+    state: MutableMapping[str, Any],
+    path: str | os.PathLike,
+    *,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    verify: bool | str = True,
+) -> None:
     """Load the checkpoint at `path` into `state` in place: tensors are filled, stateful objects get
     `load_state_dict`, plain values are replaced in `state` (and inside nested dicts).
 

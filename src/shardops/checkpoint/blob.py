@@ -6,6 +6,7 @@ of a box without loading the whole archive, read only the archive's directory an
 small `data.pkl` (which names the storage, dtype, offset, size and stride) and
 compute where the raw storage bytes start in the file.
 """
+
 from __future__ import annotations
 
 import io
@@ -99,12 +100,36 @@ class _HeaderUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == (REBUILD_MODULE, REBUILD_TENSOR_V2):
-            return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride), None)
+            return lambda storage, offset, size, stride, *rest: (
+                "tensor",
+                storage,
+                offset,
+                tuple(size),
+                tuple(stride),
+                None,
+            )
         if (module, name) == (REBUILD_MODULE, REBUILD_TENSOR_V3):
-            return lambda storage, offset, size, stride, requires_grad, hooks, dtype, *rest: ("tensor", storage, offset, tuple(size), tuple(stride), dtype)
+            return lambda storage, offset, size, stride, requires_grad, hooks, dtype, *rest: (
+                "tensor",
+                storage,
+                offset,
+                tuple(size),
+                tuple(stride),
+                dtype,
+            )
         if module == "torch" and name.endswith("Storage"):
             return name
-        if module == "torch" and name in ("bfloat16", "float16", "float32", "float64", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+        if module == "torch" and name in (
+            "bfloat16",
+            "float16",
+            "float32",
+            "float64",
+            "uint16",
+            "uint32",
+            "uint64",
+            "float8_e4m3fn",
+            "float8_e5m2",
+        ):
             return getattr(torch, name)
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
@@ -126,8 +151,18 @@ def read_saved_tensor(f: IO[bytes], offset: int, length: int) -> SavedTensor:
         prefix = names[0].split("/")[0]
         record = _HeaderUnpickler(io.BytesIO(archive.read(f"{prefix}/data.pkl"))).load()
         byteorder = archive.read(f"{prefix}/byteorder").decode() if f"{prefix}/byteorder" in names else "little"
-    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, struct.error, ValueError, IndexError) as e:  # ValueError: bad names
-        raise ShardingError(f"checkpoint: the saved item at bytes {offset}..{offset + length} is not a readable torch.save archive ({e}); the file is truncated or corrupted") from e
+    except (
+        zipfile.BadZipFile,
+        KeyError,
+        EOFError,
+        pickle.UnpicklingError,
+        struct.error,
+        ValueError,
+        IndexError,
+    ) as e:  # ValueError: bad names
+        raise ShardingError(
+            f"checkpoint: the saved item at bytes {offset}..{offset + length} is not a readable torch.save archive ({e}); the file is truncated or corrupted"
+        ) from e
     if not (isinstance(record, tuple) and record and record[0] == "tensor"):
         raise ShardingError("checkpoint: a saved item is not a plain tensor")
     _, (storage_type, key, numel), storage_offset, shape, stride, dtype_v3 = record
@@ -140,7 +175,9 @@ def read_saved_tensor(f: IO[bytes], offset: int, length: int) -> SavedTensor:
     view.seek(info.header_offset)
     header = _LOCAL_HEADER.unpack(view.read(_LOCAL_HEADER.size))
     if header[0] != b"PK\x03\x04":
-        raise ShardingError(f"checkpoint: bad zip entry header in the saved item at byte {offset}; the file is corrupted")
+        raise ShardingError(
+            f"checkpoint: bad zip entry header in the saved item at byte {offset}; the file is corrupted"
+        )
     name_len, extra_len = header[-2], header[-1]
     data_start = offset + info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if info.file_size != numel * dtype.itemsize:

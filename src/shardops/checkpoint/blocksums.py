@@ -11,6 +11,7 @@ The sums live in a side file, `SUMS_FILE`, which torch's own `FileSystemReader`,
 side file carries a CRC-32 of its own body. A checkpoint without it (saved by torch, or
 before block sums) loads as before, checked by the archives' whole-box CRCs.
 """
+
 from __future__ import annotations
 
 import array
@@ -19,8 +20,9 @@ import json
 import os
 import sys
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import ShardingError
 
@@ -65,7 +67,10 @@ def _unpack(text: str) -> tuple[int, ...]:
 def write_sums(directory: str, files: dict[str, FileSums], block_bytes: int) -> None:
     """Write the side file (durably: it is part of the checkpoint the commit swaps in)."""
     body = json.dumps(
-        {"block_bytes": block_bytes, "files": {name: {"size": s.size, "crc32": _pack(s.crcs)} for name, s in sorted(files.items())}},
+        {
+            "block_bytes": block_bytes,
+            "files": {name: {"size": s.size, "crc32": _pack(s.crcs)} for name, s in sorted(files.items())},
+        },
         sort_keys=True,
     ).encode()
     with open(os.path.join(directory, SUMS_FILE), "wb") as f:
@@ -81,7 +86,7 @@ class BlockSums:
         self.block_bytes, self.files = block_bytes, files
 
     @classmethod
-    def read(cls, directory: str) -> "BlockSums | None":
+    def read(cls, directory: str) -> BlockSums | None:
         """None for a checkpoint without block sums; raises if the side file is damaged."""
         path = os.path.join(directory, SUMS_FILE)
         if not os.path.exists(path):
@@ -102,10 +107,12 @@ class BlockSums:
     def of(self, relative_path: str, directory: str) -> FileSums:
         sums = self.files.get(relative_path)
         if sums is None:
-            raise ShardingError(f"checkpoint: {os.path.join(directory, relative_path)} has no block checksums; the checkpoint is damaged or was changed after its save")
+            raise ShardingError(
+                f"checkpoint: {os.path.join(directory, relative_path)} has no block checksums; the checkpoint is damaged or was changed after its save"
+            )
         return sums
 
-    def open(self, directory: str, relative_path: str) -> "VerifiedFile":
+    def open(self, directory: str, relative_path: str) -> VerifiedFile:
         return VerifiedFile(os.path.join(directory, relative_path), self.of(relative_path, directory), self.block_bytes)
 
     def read_whole(self, directory: str, relative_path: str) -> bytes:
@@ -117,7 +124,9 @@ class BlockSums:
             while got < f.size:
                 n = f.readinto(memoryview(out)[got:])
                 if not n:
-                    raise ShardingError(f"checkpoint: {f.path} ends at byte {got}, before its saved size {f.size}; the file is truncated")
+                    raise ShardingError(
+                        f"checkpoint: {f.path} ends at byte {got}, before its saved size {f.size}; the file is truncated"
+                    )
                 got += n
         return bytes(out)
 
@@ -136,13 +145,15 @@ class VerifiedFile:
         if actual != sums.size:
             self._f.close()
             what = "truncated" if actual < sums.size else "longer than saved"
-            raise ShardingError(f"checkpoint: {path} holds {actual} bytes but was saved with {sums.size}; the file is {what} (corrupted)")
+            raise ShardingError(
+                f"checkpoint: {path} holds {actual} bytes but was saved with {sums.size}; the file is {what} (corrupted)"
+            )
 
     @property
     def size(self) -> int:
         return self.sums.size
 
-    def __enter__(self) -> "VerifiedFile":
+    def __enter__(self) -> VerifiedFile:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -187,7 +198,9 @@ class VerifiedFile:
             while got < n:
                 more = self._f.readinto(view[got:])
                 if not more:
-                    raise ShardingError(f"checkpoint: {self.path} ends at byte {lo + got}, before its saved size {self.sums.size}; the file is truncated")
+                    raise ShardingError(
+                        f"checkpoint: {self.path} ends at byte {lo + got}, before its saved size {self.sums.size}; the file is truncated"
+                    )
                 got += more
             if b >= len(self.sums.crcs) or zlib.crc32(view) != self.sums.crcs[b]:
                 raise ShardingError(

@@ -9,13 +9,15 @@ nothing to write and need nothing read.
 These functions back the DTensor hooks DCP's planner calls (`__create_write_items__`,
 `__create_chunk_list__`, `__get_tensor_shard__`, see tensor.py).
 """
+
 from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -81,7 +83,9 @@ def runs(positions: range | Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def local_boxes(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]) -> list[Box]:
+def local_boxes(
+    shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Any]
+) -> list[Box]:
     """The boxes of the shard at `coordinate` (none for an empty shard; one for a 0-d tensor)."""
     per_dim = [runs(dim_positions(n, d, mesh_shape, coordinate, placements)) for d, n in enumerate(shape)]
     return [
@@ -128,7 +132,9 @@ def create_write_items(dt: Any, fqn: str) -> list[Any]:
         WriteItem(
             index=MetadataIndex(fqn, torch.Size(b.offsets)),
             type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)), properties=properties, size=size),
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)), properties=properties, size=size
+            ),
         )
         for b in boxes_of(dt)
     ]

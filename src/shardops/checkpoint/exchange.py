@@ -9,10 +9,12 @@ runs inside `so.run` and under torchrun.
 A step that fails on one rank must not leave the others waiting: `agree` runs a step on
 every rank, exchanges each rank's outcome, and raises the first failure on all of them.
 """
+
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

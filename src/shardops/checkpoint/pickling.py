@@ -9,9 +9,11 @@ launch. Loading only needs the classes registered below with
 `torch.serialization.add_safe_globals`, so `torch.load`'s default `weights_only=True`
 accepts them, as it accepts torch's DTensor.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +26,13 @@ from ..wrapping import local_of, resolve_pending_gradient, spec_of, wrap
 
 
 def rebuild_dtensor(
-    cls: type, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: Sequence[int], stride: Sequence[int], requires_grad: bool,
+    cls: type,
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: Sequence[int],
+    stride: Sequence[int],
+    requires_grad: bool,
     is_param: bool = False,
 ) -> Any:
     if not (isinstance(cls, type) and cls.__module__ == "shardops.tensor" and cls.__name__ == "DTensor"):
@@ -62,7 +70,19 @@ def reduce_dtensor(dt: Any) -> tuple:
     resolve_pending_gradient(dt)
     spec = spec_of(dt)
     local = local_of(dt).detach()
-    return (rebuild_dtensor, (type(dt), local, spec.mesh, spec.placements, spec.shape, spec.meta.stride, dt.requires_grad, bool(getattr(dt, "_is_param", False))))
+    return (
+        rebuild_dtensor,
+        (
+            type(dt),
+            local,
+            spec.mesh,
+            spec.placements,
+            spec.shape,
+            spec.meta.stride,
+            dt.requires_grad,
+            bool(getattr(dt, "_is_param", False)),
+        ),
+    )
 
 
 def register_safe_globals(dtensor_cls: type) -> None:

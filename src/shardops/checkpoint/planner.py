@@ -7,6 +7,7 @@ is named with both sides), and after planning every element this rank holds must
 the target of a read: anything not loaded is an error, never an initial value left
 in place.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,17 +38,23 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
                 if self.allow_partial_load:
                     continue
                 near = sorted(saved)[:5]
-                raise ShardingError(f"checkpoint load: key {fqn!r} is not in the checkpoint (it holds {len(saved)} keys, e.g. {near}); pass the state it was saved with")
+                raise ShardingError(
+                    f"checkpoint load: key {fqn!r} is not in the checkpoint (it holds {len(saved)} keys, e.g. {near}); pass the state it was saved with"
+                )
             if isinstance(obj, torch.Tensor):
                 if isinstance(md, BytesStorageMetadata):
-                    raise ShardingError(f"checkpoint load: key {fqn!r} is a tensor here ({_describe(obj)}) but a Python object in the checkpoint")
+                    raise ShardingError(
+                        f"checkpoint load: key {fqn!r} is a tensor here ({_describe(obj)}) but a Python object in the checkpoint"
+                    )
                 if tuple(md.size) != tuple(obj.shape) or md.properties.dtype != obj.dtype:
                     raise ShardingError(
                         f"checkpoint load: key {fqn!r} mismatches: checkpoint {str(md.properties.dtype).replace('torch.', '')}{list(md.size)}, "
                         f"destination {_describe(obj)}"
                     )
             elif isinstance(md, TensorStorageMetadata):
-                raise ShardingError(f"checkpoint load: key {fqn!r} is {type(obj).__name__} here but a tensor {list(md.size)} in the checkpoint")
+                raise ShardingError(
+                    f"checkpoint load: key {fqn!r} is {type(obj).__name__} here but a tensor {list(md.size)} in the checkpoint"
+                )
 
     def _check_coverage(self, plan: LoadPlan) -> None:
         loaded: dict[str, int] = {}

@@ -6,6 +6,7 @@ DTensor random ops (a seed and a draw counter, `shardops.rng`). Both are per ran
 the state dict is keyed by rank: each rank saves and loads its own entry (a resumed run
 needs the same world size; any mesh shape over it).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,7 +25,9 @@ class RandomState:
 
     def state_dict(self) -> dict[str, Any]:
         st = rng.current_state()
-        return {self._key(): {"torch": torch.get_rng_state(), "seed": st.seed, "counter": st.counter, "epoch": st.epoch}}
+        return {
+            self._key(): {"torch": torch.get_rng_state(), "seed": st.seed, "counter": st.counter, "epoch": st.epoch}
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         mine = state_dict[self._key()]

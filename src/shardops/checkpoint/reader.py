@@ -16,6 +16,7 @@ every box read from (streaming the whole box through the same buffer: more I/O, 
 memory), `verify="read"` only for boxes read whole (a resume onto the same layout reads
 everything whole). `verify=False` checks nothing. A truncated file is always an error.
 """
+
 from __future__ import annotations
 
 import io
@@ -24,12 +25,13 @@ import math
 import os
 import pickle
 import zlib
-from torch.futures import Future
-from typing import IO, Any, Sequence
+from collections.abc import Sequence
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from ..errors import ShardingError
 from .blob import SavedTensor, read_saved_tensor
@@ -41,7 +43,9 @@ DEFAULT_BUFFER_BYTES = 8 << 20
 class RangedFileSystemReader(FileSystemReader):
     """`FileSystemReader` whose tensor reads fetch only the requested byte ranges (see module doc)."""
 
-    def __init__(self, path: str | os.PathLike, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike, buffer_bytes: int = DEFAULT_BUFFER_BYTES, verify: bool | str = True
+    ) -> None:
         super().__init__(path)
         if verify not in (True, False, "read"):
             raise ShardingError(f"checkpoint load: verify must be True, False or 'read', got {verify!r}")
@@ -59,7 +63,9 @@ class RangedFileSystemReader(FileSystemReader):
         try:
             return super().read_metadata(*args, **kwargs)
         except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError, KeyError) as e:
-            raise ShardingError(f"checkpoint: {os.path.join(directory, '.metadata')} cannot be read ({type(e).__name__}: {e}); the file is corrupted") from e
+            raise ShardingError(
+                f"checkpoint: {os.path.join(directory, '.metadata')} cannot be read ({type(e).__name__}: {e}); the file is corrupted"
+            ) from e
 
     def _open(self, relative_path: str) -> Any:
         if self.sums is not None:
@@ -82,24 +88,39 @@ class RangedFileSystemReader(FileSystemReader):
                 for req in sorted(items, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[req.storage_index]
                     if req.type == LoadItemType.BYTE_IO:
-                        _load_bytes(planner, req, _read_exact(stream, info.offset, info.length, relative_path), relative_path)
+                        _load_bytes(
+                            planner, req, _read_exact(stream, info.offset, info.length, relative_path), relative_path
+                        )
                         self.bytes_read += info.length
                         continue
                     if info.transform_descriptors:
-                        raise ShardingError(f"checkpoint: {req.storage_index.fqn!r} was saved through stream extensions {info.transform_descriptors}; load it with torch.distributed.checkpoint.load")
+                        raise ShardingError(
+                            f"checkpoint: {req.storage_index.fqn!r} was saved through stream extensions {info.transform_descriptors}; load it with torch.distributed.checkpoint.load"
+                        )
                     key = (info.offset, info.length)
-                    saved = headers.get(key) or headers.setdefault(key, read_saved_tensor(stream, info.offset, info.length))
+                    saved = headers.get(key) or headers.setdefault(
+                        key, read_saved_tensor(stream, info.offset, info.length)
+                    )
                     target = planner.resolve_tensor(req).detach()
                     if tuple(target.shape) != tuple(req.lengths):
-                        raise ShardingError(f"checkpoint: {req.dest_index.fqn!r}: destination view {tuple(target.shape)} for a read of {tuple(req.lengths)}")
+                        raise ShardingError(
+                            f"checkpoint: {req.dest_index.fqn!r}: destination view {tuple(target.shape)} for a read of {tuple(req.lengths)}"
+                        )
                     need = min(self.buffer_bytes, _span_bytes(saved, req.storage_offsets, req.lengths))
                     if len(buf) < need:
                         buf = bytearray(need)
                         self.largest_buffer = max(self.largest_buffer, need)
-                    self.bytes_read += copy_box(stream, saved, list(req.storage_offsets), list(req.lengths), target, buf, relative_path)
+                    self.bytes_read += copy_box(
+                        stream, saved, list(req.storage_offsets), list(req.lengths), target, buf, relative_path
+                    )
                     whole = not any(req.storage_offsets) and tuple(req.lengths) == saved.shape
                     if key not in verified and self._check_box(whole):
-                        check_crc(stream, saved, buf, f"{relative_path} ({req.storage_index.fqn!r} at {tuple(req.storage_index.offset or ())})")
+                        check_crc(
+                            stream,
+                            saved,
+                            buf,
+                            f"{relative_path} ({req.storage_index.fqn!r} at {tuple(req.storage_index.offset or ())})",
+                        )
                         verified.add(key)
                     planner.commit_tensor(req, target)
         fut: Future = Future()
@@ -111,10 +132,21 @@ def _load_bytes(planner: LoadPlanner, req: Any, data: bytearray, relative_path: 
     """A saved Python object (torch.save'd by DCP, no checksum of its own without block sums)."""
     try:
         planner.load_bytes(req, io.BytesIO(data))
-    except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, AttributeError, ImportError, IndexError, KeyError) as e:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        RuntimeError,
+        AttributeError,
+        ImportError,
+        IndexError,
+        KeyError,
+    ) as e:
         if isinstance(e, ShardingError):
             raise
-        raise ShardingError(f"checkpoint: the saved object {req.storage_index.fqn!r} in {relative_path} cannot be read ({type(e).__name__}: {e}); the file is corrupted") from e
+        raise ShardingError(
+            f"checkpoint: the saved object {req.storage_index.fqn!r} in {relative_path} cannot be read ({type(e).__name__}: {e}); the file is corrupted"
+        ) from e
 
 
 def check_crc(stream: IO[bytes], saved: SavedTensor, buf: bytearray, what: str) -> None:
@@ -138,7 +170,9 @@ def _read_exact(stream: IO[bytes], offset: int, length: int, name: str, into: An
     while got < length:
         n = stream.readinto(view[got:])
         if not n:
-            raise ShardingError(f"checkpoint: {name} ends at byte {offset + got}, but a saved item needs bytes up to {offset + length}; the file is truncated")
+            raise ShardingError(
+                f"checkpoint: {name} ends at byte {offset + got}, but a saved item needs bytes up to {offset + length}; the file is truncated"
+            )
         got += n
     return out
 
@@ -161,7 +195,15 @@ def _span_bytes(saved: SavedTensor, start: Sequence[int], lengths: Sequence[int]
 SMALL_RUN_BYTES = 4096
 
 
-def copy_box(stream: IO[bytes], saved: SavedTensor, start: list[int], lengths: list[int], dst: torch.Tensor, buf: bytearray, name: str) -> int:
+def copy_box(
+    stream: IO[bytes],
+    saved: SavedTensor,
+    start: list[int],
+    lengths: list[int],
+    dst: torch.Tensor,
+    buf: bytearray,
+    name: str,
+) -> int:
     """Copy the box [start, start + lengths) of the saved tensor into `dst`; the bytes read.
 
     A box whose storage span fits the buffer, and wastes little of it (<= 1/5), is one read. A box
@@ -174,12 +216,18 @@ def copy_box(stream: IO[bytes], saved: SavedTensor, start: list[int], lengths: l
         return 0
     span = _span_bytes(saved, start, lengths)
     run = _contiguous_run(saved, start, lengths)
-    if run is not None and 4 * span > 5 * count * saved.itemsize and SMALL_RUN_BYTES <= run[1] * saved.itemsize <= len(buf):
+    if (
+        run is not None
+        and 4 * span > 5 * count * saved.itemsize
+        and SMALL_RUN_BYTES <= run[1] * saved.itemsize <= len(buf)
+    ):
         return _copy_runs(stream, saved, start, lengths, run[0], dst, buf, name)
     if span <= len(buf):
         first, _ = _span_elements(saved, start, lengths)
         _read_exact(stream, saved.data_start + first * saved.itemsize, span, name, into=buf)
-        src = torch.frombuffer(buf, dtype=torch.uint8, count=span).view(saved.dtype).as_strided(lengths, saved.stride, 0)
+        src = (
+            torch.frombuffer(buf, dtype=torch.uint8, count=span).view(saved.dtype).as_strided(lengths, saved.stride, 0)
+        )
         dst.copy_(src)
         return span
     dims = [d for d in range(len(lengths)) if lengths[d] > 1]
@@ -216,7 +264,16 @@ def _contiguous_run(saved: SavedTensor, start: Sequence[int], lengths: Sequence[
     return k, lengths[k] * math.prod(shape[k + 1 :])
 
 
-def _copy_runs(stream: IO[bytes], saved: SavedTensor, start: Sequence[int], lengths: Sequence[int], k: int, dst: torch.Tensor, buf: bytearray, name: str) -> int:
+def _copy_runs(
+    stream: IO[bytes],
+    saved: SavedTensor,
+    start: Sequence[int],
+    lengths: Sequence[int],
+    k: int,
+    dst: torch.Tensor,
+    buf: bytearray,
+    name: str,
+) -> int:
     run_shape = tuple(lengths[k:])
     nbytes = math.prod(run_shape) * saved.itemsize
     base = saved.storage_offset + start[k] * saved.stride[k]

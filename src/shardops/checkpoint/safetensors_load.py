@@ -11,14 +11,16 @@ Accepts one file, several, or a directory holding them (with transformers'
 file's (e.g. a prefix). Shapes must match (a mismatch names the key and both shapes);
 dtypes are cast as `load_state_dict` casts.
 """
+
 from __future__ import annotations
 
 import glob
 import json
 import os
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -96,7 +98,9 @@ def _load_one(f: Any, key: str, name: str, dst: torch.Tensor) -> int:
     sl = f.get_slice(key)
     shape = tuple(sl.get_shape())
     if shape != tuple(dst.shape):
-        raise ShardingError(f"load_safetensors: {name!r} is {list(shape)} in the file ({key!r}) but {list(dst.shape)} in the model")
+        raise ShardingError(
+            f"load_safetensors: {name!r} is {list(shape)} in the file ({key!r}) but {list(dst.shape)} in the model"
+        )
     with torch.no_grad():
         if not isinstance(dst, DTensor):
             piece = f.get_tensor(key)
@@ -106,7 +110,9 @@ def _load_one(f: Any, key: str, name: str, dst: torch.Tensor) -> int:
         local = local_of(dst)
         total = 0
         for box in boxes_of(dst):
-            piece = sl[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] if box.offsets else f.get_tensor(key)
+            piece = (
+                sl[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] if box.offsets else f.get_tensor(key)
+            )
             box.narrow(local).copy_(piece)
             total += piece.nbytes
         return total

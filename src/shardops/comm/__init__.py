@@ -1,4 +1,5 @@
 """Communicators: one protocol, two worlds (threads in this process, torch.distributed)."""
-from .base import CommDebugMode, Communicator, Group, REDUCE_OPS
+
+from .base import REDUCE_OPS, CommDebugMode, Communicator, Group
 
 __all__ = ["CommDebugMode", "Communicator", "Group", "REDUCE_OPS"]

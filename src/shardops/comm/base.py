@@ -25,13 +25,13 @@ The threads world moves Python objects and pads nothing; it reports the same
 wire figure the torch.distributed world hands gloo, so both worlds (and a
 comparison with torch DTensor, which pads the same way) read one number.
 """
+
 from __future__ import annotations
 
 import math
-import threading
-from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -115,7 +115,7 @@ class CollectiveWork:
         self._result: Any = None
 
     @classmethod
-    def done(cls, result: Any) -> "CollectiveWork":
+    def done(cls, result: Any) -> CollectiveWork:
         work = cls(lambda: result)
         work.wait()
         return work
@@ -164,7 +164,9 @@ class Communicator:
         record("all_reduce", nbytes(t))
         return self._all_reduce_async(t.contiguous(), op, group)
 
-    def all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+    def all_gather(
+        self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None
+    ) -> list[torch.Tensor]:
         """Every member's tensor, in group order. `shapes`: each member's shape (default: all like `t`)."""
         shapes = self._gather_shapes(t, group, shapes)
         if group.size == 1:
@@ -174,7 +176,9 @@ class Communicator:
         record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
         return self._all_gather(t.contiguous(), group, shapes)
 
-    def all_gather_async(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None) -> CollectiveWork:
+    def all_gather_async(
+        self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None
+    ) -> CollectiveWork:
         """Start `all_gather(t, group, shapes)`; the work's `wait()` returns the list (as all_reduce_async)."""
         shapes = self._gather_shapes(t, group, shapes)
         if group.size == 1 or (type(t) is not torch.Tensor and _traced(t)):
@@ -187,7 +191,9 @@ class Communicator:
             shapes = [tuple(t.shape)] * group.size
         shapes = [tuple(s) for s in shapes]
         if shapes[group.index(self.rank)] != tuple(t.shape):
-            raise ShardingError(f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}")
+            raise ShardingError(
+                f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}"
+            )
         return shapes
 
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
@@ -206,7 +212,9 @@ class Communicator:
         if len(chunks) != group.size:
             raise ShardingError(f"reduce_scatter: {len(chunks)} chunks for a group of {group.size}")
 
-    def all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def all_to_all(
+        self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
         """chunks[i] goes to member i; returns what each member sent here, in group order."""
         if len(chunks) != group.size:
             raise ShardingError(f"all_to_all: {len(chunks)} chunks for a group of {group.size}")
@@ -245,7 +253,11 @@ class Communicator:
         return self.batch_isend_irecv([P2POp("isend", t, dst, group)])[0]
 
     def recv(
-        self, t_or_shape: torch.Tensor | Sequence[int], src: int, group: Group | None = None, dtype: torch.dtype = torch.float32
+        self,
+        t_or_shape: torch.Tensor | Sequence[int],
+        src: int,
+        group: Group | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """What global rank `src` sends here: into the given tensor, or a new one of the given shape and `dtype`."""
         buf = t_or_shape if isinstance(t_or_shape, torch.Tensor) else torch.empty(tuple(t_or_shape), dtype=dtype)
@@ -276,9 +288,13 @@ class Communicator:
         if not isinstance(p2p.peer, int) or p2p.peer not in group.ranks:
             raise ShardingError(f"{kind}: peer {p2p.peer!r} is not a rank of the group {list(group.ranks)}")
         if p2p.peer == self.rank:
-            raise ShardingError(f"{kind}: rank {self.rank} cannot {kind} to or from itself; hand the tensor over locally")
+            raise ShardingError(
+                f"{kind}: rank {self.rank} cannot {kind} to or from itself; hand the tensor over locally"
+            )
         if kind == "recv" and not t.is_contiguous():
-            raise ShardingError(f"recv: the receiving tensor must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+            raise ShardingError(
+                f"recv: the receiving tensor must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
+            )
 
     def _batch_isend_irecv(self, ops: list[P2POp]) -> list[P2PWork]:  # pragma: no cover - abstract
         raise NotImplementedError

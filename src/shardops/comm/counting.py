@@ -4,6 +4,7 @@ reduce natively (the wire figure of a reduce_scatter depends on it).
 Below the communicators and the traced collectives (comm/traceable.py), which both record here:
 a compiled step is counted by the same function as an eager one.
 """
+
 from __future__ import annotations
 
 import threading
@@ -11,11 +12,10 @@ from collections import Counter
 
 import torch
 
-
 _modes = threading.local()
 
 
-def _active_modes() -> list["CommDebugMode"]:
+def _active_modes() -> list[CommDebugMode]:
     stack = getattr(_modes, "stack", None)
     if stack is None:
         stack = _modes.stack = []
@@ -34,7 +34,7 @@ def record(kind: str, num_bytes: int, wire_bytes: int | None = None) -> None:
         mode.wire_log.append((kind, wire))
 
 
-def record_p2p(ops: "list[tuple[str, int]]") -> None:
+def record_p2p(ops: list[tuple[str, int]]) -> None:
     """Point-to-point ops issued together (one `send`/`recv` or one batch): each op is counted
     under its kind ("send" with the bytes this rank sends, "recv" with 0: the sender counts the
     bytes), and the whole batch is one round. torch's CommDebugMode does not count c10d's p2p ops
@@ -60,7 +60,7 @@ class CommDebugMode:
         self.log: list[tuple[str, int]] = []  # (kind, logical bytes) per call
         self.wire_log: list[tuple[str, int]] = []  # (kind, wire bytes) per call
 
-    def __enter__(self) -> "CommDebugMode":
+    def __enter__(self) -> CommDebugMode:
         # as torch's CommDebugMode: every entry counts from zero
         self.counts = Counter()
         self.bytes = 0

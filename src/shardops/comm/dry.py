@@ -13,9 +13,10 @@ be made-up numbers).
 every rank of the world issues the same collectives with the same bytes, and this one rank's
 count is every rank's.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -8,12 +8,14 @@ NOTE: one Condition guards the whole world. Worlds are small (<= a few dozen
 ranks in one process), so contention is not worth finer locks; and one lock makes
 failure propagation simple: `fail()` wakes every waiter, and each raises.
 """
+
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +38,7 @@ class ThreadsWorld:
         self.finished: set[int] = set()  # ranks whose function has returned or raised
         self._mailboxes: dict[tuple, deque] = {}  # (group ranks, src, dst, tag) -> tensors sent, oldest first
 
-    def communicator(self, rank: int) -> "ThreadsCommunicator":
+    def communicator(self, rank: int) -> ThreadsCommunicator:
         return ThreadsCommunicator(self, rank)
 
     def fail(self, reason: str) -> None:
@@ -132,7 +134,11 @@ class ThreadsWorld:
                 self._raise_if_failed(("recv",), group)
                 left = deadline - time.monotonic()
                 if src in self.finished or left <= 0:
-                    why = "returned from its function without sending it" if src in self.finished else f"did not send it within the timeout of {self.timeout:g}s"
+                    why = (
+                        "returned from its function without sending it"
+                        if src in self.finished
+                        else f"did not send it within the timeout of {self.timeout:g}s"
+                    )
                     reason = f"recv on rank {dst} from rank {src} (group {list(group.ranks)}): rank {src} {why}"
                     self._set_failure(reason)
                     self._cond.notify_all()
@@ -193,18 +199,24 @@ class ThreadsCommunicator(Communicator):
         me = group.index(self.rank)
         return reduce_stack([got[r][me] for r in group.ranks], op)
 
-    def _all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple]) -> list[torch.Tensor]:
+    def _all_to_all(
+        self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple]
+    ) -> list[torch.Tensor]:
         got = self.world.exchange(self.rank, group, ("all_to_all", chunks[0].dtype), [c.clone() for c in chunks])
         me = group.index(self.rank)
         out = [got[r][me] for r in group.ranks]
         for r, o, s in zip(group.ranks, out, recv_shapes):
             if tuple(o.shape) != tuple(s):
-                raise CollectiveError(f"all_to_all over ranks {list(group.ranks)}: rank {r} sent shape {tuple(o.shape)} to rank {self.rank}, which expected {tuple(s)}")
+                raise CollectiveError(
+                    f"all_to_all over ranks {list(group.ranks)}: rank {r} sent shape {tuple(o.shape)} to rank {self.rank}, which expected {tuple(s)}"
+                )
         return out
 
     def _broadcast(self, t: torch.Tensor, src_index: int, group: Group) -> torch.Tensor:
         src = group.ranks[src_index]
-        got = self.world.exchange(self.rank, group, ("broadcast", src_index, t.dtype, tuple(t.shape)), t.clone() if self.rank == src else None)
+        got = self.world.exchange(
+            self.rank, group, ("broadcast", src_index, t.dtype, tuple(t.shape)), t.clone() if self.rank == src else None
+        )
         return got[src] if self.rank == src else got[src].clone()
 
     def _barrier(self, group: Group) -> None:

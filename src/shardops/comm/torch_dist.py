@@ -25,16 +25,28 @@ integers). A dtype/op pair the backends cannot reduce (int16, complex product,
 ...) is exchanged as bytes and reduced locally with `reduce_stack` (all_reduce:
 an all_gather; reduce_scatter: an all_to_all): still one call.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .base import CollectiveWork, Communicator, Group, P2POp, P2PWork, natively_reducible as _natively_reducible, reduce_stack
+from .base import (
+    CollectiveWork,
+    Communicator,
+    Group,
+    P2POp,
+    P2PWork,
+    reduce_stack,
+)
+from .base import (
+    natively_reducible as _natively_reducible,
+)
 from .wire import pack_padded
 
 _TORCH_OPS = {
@@ -185,7 +197,9 @@ class TorchDistCommunicator(Communicator):
         inside one group's collective cannot promise.
         """
         try:
-            return dist.new_group(list(members), use_local_synchronization=True, group_desc="shardops_" + "_".join(map(str, members)))
+            return dist.new_group(
+                list(members), use_local_synchronization=True, group_desc="shardops_" + "_".join(map(str, members))
+            )
         except (RuntimeError, dist.DistError) as e:  # a member gone or late: c10d's store times out
             raise CollectiveError(
                 f"making the process group over ranks {list(members)} (first use of this group) failed in "
@@ -236,7 +250,9 @@ class TorchDistCommunicator(Communicator):
         _c10d("reduce_scatter", g, _reduce_scatter_single, out, wire, op=_wire_op(dtype, op))
         return finish(out)[: chunks[me].numel()].reshape(chunks[me].shape)
 
-    def _all_to_all(self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple]) -> list[torch.Tensor]:
+    def _all_to_all(
+        self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple]
+    ) -> list[torch.Tensor]:
         g = self._resolve(group)
         dtype = _common_dtype(chunks, "all_to_all")
         size = chunks[0].element_size()
@@ -266,7 +282,9 @@ class TorchDistCommunicator(Communicator):
             g = self._resolve(p2p.group if p2p.group is not None else self.world_group())
             groups.append(g)
             buf = _bytes_of(p2p.tensor.contiguous() if p2p.kind == "send" else p2p.tensor)
-            torch_ops.append(dist.P2POp(dist.isend if p2p.kind == "send" else dist.irecv, buf, p2p.peer, group=g.pg, tag=p2p.tag))
+            torch_ops.append(
+                dist.P2POp(dist.isend if p2p.kind == "send" else dist.irecv, buf, p2p.peer, group=g.pg, tag=p2p.tag)
+            )
         try:
             started = dist.batch_isend_irecv(torch_ops)
         except RuntimeError as e:
@@ -290,7 +308,9 @@ class TorchDistCommunicator(Communicator):
         """All members' 1-d uint8 payloads (member i's has sizes[i] bytes), in shardops order."""
         return self._start_all_gather_padded(payload, g, sizes)()
 
-    def _start_all_gather_padded(self, payload: torch.Tensor, g: _TorchGroup, sizes: Sequence[int]) -> Callable[[], list[torch.Tensor]]:
+    def _start_all_gather_padded(
+        self, payload: torch.Tensor, g: _TorchGroup, sizes: Sequence[int]
+    ) -> Callable[[], list[torch.Tensor]]:
         """`_all_gather_padded` started asynchronously: returns the wait, which returns the rows."""
         width = max(sizes)
         if payload.numel() < width:
@@ -344,7 +364,9 @@ def _c10d(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any,
         raise _collective_error(kind, g, e) from e
 
 
-def _c10d_start(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[], None]:
+def _c10d_start(
+    kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Callable[[], None]:
     """`_c10d` with async_op=True: started on the backend's threads; returns the wait."""
     if args and isinstance(args[0], torch.Tensor):
         _check_backend_carries(kind, g, args[0].device)

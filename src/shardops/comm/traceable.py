@@ -29,21 +29,22 @@ tracing context, fake tensors, effect tokens, functional collectives) it gets th
 shardops/_torch/compile.py, the seam; it registers its hooks there, and `_torch.install()`
 installs them (not at import).
 """
+
 from __future__ import annotations
 
 import itertools
 import math
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .._torch import compile as seam
 from ..errors import ShardingError
 from ..placements import reduce_values
-from .wire import pack_padded
 from .counting import natively_reducible, record
+from .wire import pack_padded
 
 # ------------------------------------------------------------------ is this tensor being traced?
 
@@ -61,7 +62,9 @@ def metadata_only(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
 def refuse_while_tracing(what: str, why: str) -> None:
     """Raise at compile time for something a compiled graph would get silently wrong."""
     if tracing():
-        raise ShardingError(f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region (torch.compiler.disable).")
+        raise ShardingError(
+            f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region (torch.compiler.disable)."
+        )
 
 
 class untraced:
@@ -73,7 +76,7 @@ class untraced:
     recorded; what the graph needs of them goes in as constants (`graph_constant`). Eager: no-op.
     """
 
-    def __enter__(self) -> "untraced":
+    def __enter__(self) -> untraced:
         self._modes = None
         if tracing():
             self._modes = seam.without_modes()
@@ -85,7 +88,7 @@ class untraced:
             self._modes.__exit__(*exc)
 
 
-def graph_constant(values: "Sequence[int] | torch.Tensor", like: torch.Tensor) -> torch.Tensor:
+def graph_constant(values: Sequence[int] | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Indices planned under `untraced` as an int64 tensor beside `like`: Python ints while tracing
     (a constant of the graph), a plain tensor in eager (no round trip through Python)."""
     if isinstance(values, torch.Tensor):
@@ -136,7 +139,9 @@ def _comm(mid: int):
 
 def _fresh(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """A custom op's output may not alias its inputs (nor another output)."""
-    return out.clone() if any(out.untyped_storage().data_ptr() == i.untyped_storage().data_ptr() for i in inputs) else out
+    return (
+        out.clone() if any(out.untyped_storage().data_ptr() == i.untyped_storage().data_ptr() for i in inputs) else out
+    )
 
 
 def _flat(shapes: Sequence[Sequence[int]]) -> tuple[list[int], int]:
@@ -189,7 +194,9 @@ def _(chunks, op, mesh, dims):
 
 
 @torch.library.custom_op("shardops::all_to_all", mutates_args=())
-def _all_to_all(chunks: list[torch.Tensor], mesh: int, dims: list[int], recv_shapes: list[int], ndim: int) -> list[torch.Tensor]:
+def _all_to_all(
+    chunks: list[torch.Tensor], mesh: int, dims: list[int], recv_shapes: list[int], ndim: int
+) -> list[torch.Tensor]:
     group = _group(mesh, dims)
     outs = _comm(mesh).all_to_all(chunks, group, _unflat(recv_shapes, ndim, group.size))
     return [o.clone() for o in outs]
@@ -256,11 +263,19 @@ def _keep_in_order() -> None:
     neither drops nor reorders it. (Under torch.distributed the count reads the output of
     torch's functional collective, which keeps that collective too.)
     """
-    seam.keep_in_order(f"shardops::{op}" for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "count"))
+    seam.keep_in_order(
+        f"shardops::{op}" for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "count")
+    )
 
 
 _keep_in_order()
-_FUNCTIONAL_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}  # avg: a sum, divided after (as eager)
+_FUNCTIONAL_OPS = {
+    "sum": "sum",
+    "avg": "sum",
+    "max": "max",
+    "min": "min",
+    "product": "product",
+}  # avg: a sum, divided after (as eager)
 
 
 def _functional(comm, group, kind: str, dtype: torch.dtype, op: str | None = None):
@@ -301,7 +316,9 @@ def _functional_all_gather(comm, t: torch.Tensor, group, shapes, name: str, pg_i
     return [rows[pg_index[i], : numels[i]].reshape(shapes[i]) for i in range(group.size)]
 
 
-def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, group, name: str, pg_index) -> torch.Tensor:
+def _functional_reduce_scatter(
+    comm, chunks: Sequence[torch.Tensor], op: str, group, name: str, pg_index
+) -> torch.Tensor:
     wire = pack_padded(chunks, pg_index)
     n = group.size
     if comm.exchanges_reduce_scatter(group, wire.device):  # gloo: an all_to_all and a local reduction (torch_dist)
@@ -316,11 +333,19 @@ def _functional_reduce_scatter(comm, chunks: Sequence[torch.Tensor], op: str, gr
     return _finish_avg(out[: mine.numel()].reshape(mine.shape), op, n)
 
 
-def _functional_all_to_all(comm, chunks: Sequence[torch.Tensor], group, recv_shapes, name: str, pg_index) -> list[torch.Tensor]:
+def _functional_all_to_all(
+    comm, chunks: Sequence[torch.Tensor], group, recv_shapes, name: str, pg_index
+) -> list[torch.Tensor]:
     me = group.index(comm.rank)
-    send = pack_padded(chunks, pg_index) if len({c.shape for c in chunks}) == 1 else torch.cat(_in_pg_order([c.reshape(-1) for c in chunks], pg_index))
+    send = (
+        pack_padded(chunks, pg_index)
+        if len({c.shape for c in chunks}) == 1
+        else torch.cat(_in_pg_order([c.reshape(-1) for c in chunks], pg_index))
+    )
     recv_numels = [math.prod(s) for s in recv_shapes]
-    out = seam.functional_all_to_all(send, _in_pg_order(recv_numels, pg_index), _in_pg_order([c.numel() for c in chunks], pg_index), name)
+    out = seam.functional_all_to_all(
+        send, _in_pg_order(recv_numels, pg_index), _in_pg_order([c.numel() for c in chunks], pg_index), name
+    )
     num_bytes = sum(c.numel() * c.element_size() for i, c in enumerate(chunks) if i != me)
     torch.ops.shardops.count(out, "all_to_all", num_bytes, num_bytes)
     pieces = list(torch.split(out, _in_pg_order(recv_numels, pg_index)))

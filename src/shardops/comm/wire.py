@@ -1,7 +1,8 @@
 """The wire buffer of a reduce_scatter, shared by the eager (comm/torch_dist) and traced (comm/traceable) paths."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +25,12 @@ def pack_padded(chunks: Sequence[torch.Tensor], order: Sequence[int]) -> torch.T
     if len({c.shape for c in chunks}) == 1:
         return torch.stack(rows).view(-1)
     width = max(c.numel() for c in chunks)
-    return torch.cat([c.reshape(-1) if c.numel() == width else torch.cat([c.reshape(-1), c.new_zeros(width - c.numel())]) for c in rows])
+    return torch.cat(
+        [
+            c.reshape(-1) if c.numel() == width else torch.cat([c.reshape(-1), c.new_zeros(width - c.numel())])
+            for c in rows
+        ]
+    )
 
 
 def _packed_already(chunks: Sequence[torch.Tensor], order: Sequence[int]) -> torch.Tensor | None:

@@ -6,6 +6,7 @@
 
 `python -m shardops.demo` (and `torchrun ... -m shardops.demo`) runs `main`.
 """
+
 from .training import main
 
 __all__ = ["main"]

@@ -10,13 +10,15 @@ torch; the exit code is 1 on any mismatch. The comparison with torch's DTensor (
 default path and its best one, e.g. loss_parallel), measured on the same layouts, is
 `shardops bench` (docs/benchmarks.md).
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -102,8 +104,14 @@ def step_rms_norm(mesh, d) -> Row:
     yr = F.rms_norm(xr, (H,), wr, eps=1e-6)
     yr.backward(d["gy"])
     ok = _close(y.full_tensor(), yr) and _close(x.grad.full_tensor(), xr.grad) and _close(w.grad.full_tensor(), wr.grad)
-    return Row("rms_norm fwd+bwd", f"x{_fmt(pl)} w[R,R] -> y{_fmt(y.placements)}", comm.get_comm_counts(), comm.get_total_bytes(),
-               comm.get_rounds(), ok)
+    return Row(
+        "rms_norm fwd+bwd",
+        f"x{_fmt(pl)} w[R,R] -> y{_fmt(y.placements)}",
+        comm.get_comm_counts(),
+        comm.get_total_bytes(),
+        comm.get_rounds(),
+        ok,
+    )
 
 
 def step_softmax(mesh, d) -> Row:
@@ -121,8 +129,14 @@ def step_softmax(mesh, d) -> Row:
     pr = torch.softmax(sr, dim=-1)
     pr.backward(d["gp"])
     ok = _close(p.full_tensor(), pr) and _close(s.grad.full_tensor(), sr.grad)
-    return Row("attention softmax fwd+bwd", f"scores{_fmt(pl)} -> {_fmt(p.placements)}", comm.get_comm_counts(), comm.get_total_bytes(),
-               comm.get_rounds(), ok)
+    return Row(
+        "attention softmax fwd+bwd",
+        f"scores{_fmt(pl)} -> {_fmt(p.placements)}",
+        comm.get_comm_counts(),
+        comm.get_total_bytes(),
+        comm.get_rounds(),
+        ok,
+    )
 
 
 def step_cross_entropy(mesh, d) -> Row:
@@ -140,8 +154,14 @@ def step_cross_entropy(mesh, d) -> Row:
     ref = F.cross_entropy(lr, d["target"], ignore_index=IGNORE)
     ref.backward()
     ok = _close(loss, ref) and _close(logits.grad.full_tensor(), lr.grad)
-    return Row("vocab-parallel cross_entropy fwd+bwd", f"logits{_fmt(pl)} target[S(0),R] -> grad{_fmt(logits.grad.placements)}",
-               comm.get_comm_counts(), comm.get_total_bytes(), comm.get_rounds(), ok)
+    return Row(
+        "vocab-parallel cross_entropy fwd+bwd",
+        f"logits{_fmt(pl)} target[S(0),R] -> grad{_fmt(logits.grad.placements)}",
+        comm.get_comm_counts(),
+        comm.get_total_bytes(),
+        comm.get_rounds(),
+        ok,
+    )
 
 
 def step_statistics(mesh, d) -> Row:
@@ -153,8 +173,14 @@ def step_statistics(mesh, d) -> Row:
 
     (mean, var), comm = _measure(stats)
     ok = _close(mean, d["x"].mean(-1)) and _close(var, d["x"].var(-1))
-    return Row("activation mean/var over hidden", f"x{_fmt(pl)} -> [R,R]", comm.get_comm_counts(), comm.get_total_bytes(),
-               comm.get_rounds(), ok)
+    return Row(
+        "activation mean/var over hidden",
+        f"x{_fmt(pl)} -> [R,R]",
+        comm.get_comm_counts(),
+        comm.get_total_bytes(),
+        comm.get_rounds(),
+        ok,
+    )
 
 
 def step_topk(mesh, d) -> Row:
@@ -168,13 +194,24 @@ def step_topk(mesh, d) -> Row:
     (values, indices), comm = _measure(sample)
     rv, ri = torch.topk(d["logits"], K, dim=-1)
     ok = _close(values, rv) and torch.equal(indices, ri)
-    return Row(f"top-{K} sampling over vocabulary", f"logits{_fmt(pl)} -> [R,R]", comm.get_comm_counts(), comm.get_total_bytes(),
-               comm.get_rounds(), ok)
+    return Row(
+        f"top-{K} sampling over vocabulary",
+        f"logits{_fmt(pl)} -> [R,R]",
+        comm.get_comm_counts(),
+        comm.get_total_bytes(),
+        comm.get_rounds(),
+        ok,
+    )
 
 
 def step_clip(mesh, d) -> Row:
     g = torch.Generator().manual_seed(99)
-    shapes = [((H, H), [Shard(0), Shard(1)]), ((H,), [Replicate(), Shard(0)]), ((V, H), [Shard(1), Shard(0)]), ((H, 4 * H), [Replicate(), Shard(1)])]
+    shapes = [
+        ((H, H), [Shard(0), Shard(1)]),
+        ((H,), [Replicate(), Shard(0)]),
+        ((V, H), [Shard(1), Shard(0)]),
+        ((H, 4 * H), [Replicate(), Shard(1)]),
+    ]
     fulls = [torch.randn(s, generator=g).to(d["x"].device) for s, _ in shapes]
     params = []
     for full, (_, pl) in zip(fulls, shapes):
@@ -193,9 +230,17 @@ def step_clip(mesh, d) -> Row:
         r.grad = f.double()
     ref_total = torch.nn.utils.clip_grad_norm_(refs, max_norm=1.0)
     total_full = total.full_tensor() if isinstance(total, so.DTensor) else total
-    ok = _close(total_full, ref_total, rtol=1e-5) and all(_close(p.grad.full_tensor(), r.grad, rtol=1e-5) for p, r in zip(params, refs))
-    return Row("clip_grad_norm_ (4 params, mixed layouts)", "grads [S,S]/[R,S]/[S,S]/[R,S] -> clipped in place", comm.get_comm_counts(),
-               comm.get_total_bytes(), comm.get_rounds(), ok)
+    ok = _close(total_full, ref_total, rtol=1e-5) and all(
+        _close(p.grad.full_tensor(), r.grad, rtol=1e-5) for p, r in zip(params, refs)
+    )
+    return Row(
+        "clip_grad_norm_ (4 params, mixed layouts)",
+        "grads [S,S]/[R,S]/[S,S]/[R,S] -> clipped in place",
+        comm.get_comm_counts(),
+        comm.get_total_bytes(),
+        comm.get_rounds(),
+        ok,
+    )
 
 
 STEPS = [step_rms_norm, step_softmax, step_cross_entropy, step_statistics, step_topk, step_clip]
@@ -226,8 +271,10 @@ def print_table(rows: list[Row], world: str, seconds: float) -> None:
         table.add_row(r.op, r.layouts, colls, f"{r.nbytes:,}", str(r.rounds), check)
     console = Console(width=max(160, Console().width))
     console.print(table)
-    console.print(f"total bytes sent by rank 0: {sum(r.nbytes for r in rows):,}; {seconds:.1f} s. "
-                  "DTensor on the same layouts (default and best path): `shardops bench`, docs/benchmarks.md")
+    console.print(
+        f"total bytes sent by rank 0: {sum(r.nbytes for r in rows):,}; {seconds:.1f} s. "
+        "DTensor on the same layouts (default and best path): `shardops bench`, docs/benchmarks.md"
+    )
 
 
 def parse_device(argv: list[str] | None) -> str:
@@ -237,7 +284,9 @@ def parse_device(argv: list[str] | None) -> str:
     p.add_argument("--device", default="cpu", help="where the tensors live: cpu (default) or cuda")
     device = p.parse_args(argv or []).device
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"shardops demo --device cuda: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)")
+        raise SystemExit(
+            f"shardops demo --device cuda: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)"
+        )
     return device
 
 
@@ -266,7 +315,11 @@ def _torchrun_main(device: str) -> int:
         ok = torch.tensor([float(all(r.ok for r in rows))])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if dist.get_rank() == 0:
-            print_table(rows, f"torch.distributed {dist.get_backend()}, {dist.get_world_size()} processes, {device}", time.perf_counter() - start)
+            print_table(
+                rows,
+                f"torch.distributed {dist.get_backend()}, {dist.get_world_size()} processes, {device}",
+                time.perf_counter() - start,
+            )
             print("all outputs and gradients match single-device torch" if ok.item() else "MISMATCH: see the table")
         dist.barrier()  # every rank past its last collective before any tears gloo down
         return 0 if ok.item() else 1

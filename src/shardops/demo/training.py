@@ -17,14 +17,16 @@
    printed beside the tolerance;
 4. a table per step part: collectives and bytes handed to the transport on the busiest rank.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from ..training import report
 from ..training.config import SIZES, RunSpec
@@ -37,19 +39,31 @@ DEFAULT_DROPOUT = 0.1
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="shardops demo", description=__doc__.split("\n")[0])
     p.add_argument("--ops", action="store_true", help="run the math-op demo instead of training")
-    p.add_argument("--device", default="cpu", help="--ops only: where the tensors live (cpu or cuda); training runs on CPU")
+    p.add_argument(
+        "--device", default="cpu", help="--ops only: where the tensors live (cpu or cuda); training runs on CPU"
+    )
     p.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
     p.add_argument("--size", choices=sorted(SIZES), default="small", help="model size (default: small)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mesh", default="2x2", help="mesh shape: 2x2 (dp x tp) or 4 (tp only)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dp-mode", choices=("replicate", "shard"), default="replicate")
-    p.add_argument("--dropout", type=float, default=DEFAULT_DROPOUT, help=f"GPT-2's dropout (default {DEFAULT_DROPOUT})")
-    p.add_argument("--local-attention", action="store_true", help="q/k/v as local shards (default: rotary and SDPA on DTensors)")
+    p.add_argument(
+        "--dropout", type=float, default=DEFAULT_DROPOUT, help=f"GPT-2's dropout (default {DEFAULT_DROPOUT})"
+    )
+    p.add_argument(
+        "--local-attention", action="store_true", help="q/k/v as local shards (default: rotary and SDPA on DTensors)"
+    )
     p.add_argument("--no-torch", action="store_true", help="skip torch DTensor's side")
-    p.add_argument("--save-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps (into --checkpoint DIR)")
-    p.add_argument("--checkpoint", metavar="DIR", help="where --save-every saves (each save replaces the last, atomically)")
-    p.add_argument("--resume", metavar="DIR", help="load model, optimizer, random state and step from DIR and continue to --steps")
+    p.add_argument(
+        "--save-every", type=int, default=0, metavar="N", help="save a checkpoint every N steps (into --checkpoint DIR)"
+    )
+    p.add_argument(
+        "--checkpoint", metavar="DIR", help="where --save-every saves (each save replaces the last, atomically)"
+    )
+    p.add_argument(
+        "--resume", metavar="DIR", help="load model, optimizer, random state and step from DIR and continue to --steps"
+    )
     args = p.parse_args(argv)
     if args.save_every < 0:
         p.error(f"--save-every must be >= 0, got {args.save_every}")
@@ -70,8 +84,13 @@ def spec_from(args: argparse.Namespace) -> RunSpec:
     mesh = tuple(int(n) for n in args.mesh.lower().split("x"))
     cfg = replace(SIZES[args.size], dropout=args.dropout if args.model == "gpt2" else 0.0)
     return RunSpec(
-        model=args.model, cfg=cfg, mesh_shape=mesh, batch_size=args.batch, steps=args.steps,
-        local_attention=args.local_attention, dp_mode=args.dp_mode,
+        model=args.model,
+        cfg=cfg,
+        mesh_shape=mesh,
+        batch_size=args.batch,
+        steps=args.steps,
+        local_attention=args.local_attention,
+        dp_mode=args.dp_mode,
     )
 
 
@@ -80,7 +99,9 @@ def _reference_words(spec: RunSpec) -> str:
     return f"{masks}, same initial weights"
 
 
-def run_shardops(spec: RunSpec, console: Any, checkpointing: Checkpointing = Checkpointing()) -> tuple[list[dict[str, Any]], float]:
+def run_shardops(
+    spec: RunSpec, console: Any, checkpointing: Checkpointing = Checkpointing()
+) -> tuple[list[dict[str, Any]], float]:
     import shardops as so
 
     from ..training.shardops_side import train_rank
@@ -127,7 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NothingToResume as e:
         console.print(f"[red]shardops demo --resume: {e}")
         return 2
-    checks = [report.check("shardops", _resumed_words(spec, ours[0]), ours[0]["records"], ours[0]["params"], resumed_reference(spec, ours[0]))]
+    checks = [
+        report.check(
+            "shardops",
+            _resumed_words(spec, ours[0]),
+            ours[0]["records"],
+            ours[0]["params"],
+            resumed_reference(spec, ours[0]),
+        )
+    ]
     theirs, theirs_seconds = None, None
     if not args.no_torch:
         from ..training import torch_side
@@ -140,7 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         words = _reference_words(torch_spec)
         if torch_spec != spec:
             words += "; torch runs without dropout and with local attention on CPU"
-        checks.append(report.check("torch DTensor", words, theirs[0]["records"], theirs[0]["params"], reference(torch_spec)))
+        checks.append(
+            report.check("torch DTensor", words, theirs[0]["records"], theirs[0]["params"], reference(torch_spec))
+        )
     console.print(report.parts_table(spec, ours, theirs))
     world = f"threads world, {spec.world_size} ranks in one process"
     console.print(report.summary(ours, theirs, checks, world, ours_seconds, theirs_seconds))
@@ -168,7 +199,13 @@ def _torchrun_main(spec: RunSpec, checkpointing: Checkpointing) -> int:
         if dist.get_rank() == 0:
             console = report.console()
             console.print(report.header(spec))
-            check = report.check("shardops", _resumed_words(spec, result), result["records"], result["params"], resumed_reference(spec, result))
+            check = report.check(
+                "shardops",
+                _resumed_words(spec, result),
+                result["records"],
+                result["params"],
+                resumed_reference(spec, result),
+            )
             ok[0] = float(check.ok)
             everyone = [{"records": r} for r in records]
             console.print(report.parts_table(spec, everyone, None))

@@ -14,20 +14,22 @@ is the exception: it is data to most ops (AdamW's step size, new every step), so
 is its type alone until a decision of the op reads it (`float_key`); then its value, or
 the class the rule asked for (a scalar's sign, for the partials that pass through `mul`).
 """
+
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
+from .. import caches
 from .._torch import pytree
 from .._torch.dispatch import OpOverload, OpOverloadPacket
 from ..errors import NoShardingStrategyError, ShardingError
 from ..placements import Replicate
-from .. import caches
 from ..planner.choice import caching_decisions, candidates, with_plans
 from ..planner.rows import Candidate
 from ..redistribute import Plan, execute, materialize_lazy_bits, plan, plan_bytes
@@ -37,7 +39,7 @@ from .schema import EVERY, EXACTLY, OpSchema, _binding
 
 aten = torch.ops.aten
 _state = {"strict": False}
-_CACHE: dict[tuple, "Decision"] = {}
+_CACHE: dict[tuple, Decision] = {}
 # A decision holds its specs, plans and schema: about 2.5 KB each (tracemalloc over 1,185 decisions
 # of add/sum/softmax on distinct shapes), so the bounded cache stays near 20 MB at most.
 MAX_DECISIONS = 8192
@@ -86,8 +88,14 @@ def set_strict(strict: bool = True) -> None:
 _ALLOWED: dict[str, int] = {}
 # torch-level names of the replicate-on-purpose ops -> the aten op that gathers
 _ALLOW_ALIASES = {
-    "svd": "_linalg_svd", "linalg_svd": "_linalg_svd", "eigh": "_linalg_eigh", "linalg_eigh": "_linalg_eigh",
-    "qr": "linalg_qr", "solve_triangular": "linalg_solve_triangular", "argsort": "sort", "orthogonal_": "linalg_qr",
+    "svd": "_linalg_svd",
+    "linalg_svd": "_linalg_svd",
+    "eigh": "_linalg_eigh",
+    "linalg_eigh": "_linalg_eigh",
+    "qr": "linalg_qr",
+    "solve_triangular": "linalg_solve_triangular",
+    "argsort": "sort",
+    "orthogonal_": "linalg_qr",
 }
 
 
@@ -103,10 +111,12 @@ def op_name(op: Any) -> str:
     elif callable(op) and hasattr(op, "__name__"):
         name = op.__name__
     else:
-        raise ShardingError(f"allow_replicate: {op!r} is not an op; give torch functions (torch.linalg.svd), aten ops or names ('sort')")
+        raise ShardingError(
+            f"allow_replicate: {op!r} is not an op; give torch functions (torch.linalg.svd), aten ops or names ('sort')"
+        )
     name = name.split("::")[-1]
     if name.startswith("aten."):
-        name = name[len("aten."):]
+        name = name[len("aten.") :]
     name = name.split(".")[0]
     return _ALLOW_ALIASES.get(name, name)
 
@@ -129,7 +139,7 @@ class allow_replicate:
         for name in self.names:
             _ALLOWED[name] = _ALLOWED.get(name, 0) + 1
 
-    def __enter__(self) -> "allow_replicate":
+    def __enter__(self) -> allow_replicate:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -148,7 +158,6 @@ def allowed_to_replicate() -> tuple[str, ...]:
 
 def replicate_allowed(func) -> bool:
     return bool(_ALLOWED) and op_name(func) in _ALLOWED
-
 
 
 @dataclass
@@ -333,7 +342,9 @@ def out_arg_names(func) -> tuple[str, ...]:
     names = _OUT_NAMES.get(func)
     if names is None:
         names = _OUT_NAMES[func] = tuple(
-            a.name for a in func._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+            a.name
+            for a in func._schema.arguments
+            if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
         )
     return names
 
@@ -348,7 +359,10 @@ def make_schema(func, leaves, tree, specs) -> OpSchema:
 
 def meta_outputs(func, leaves, tree) -> tuple[list[TensorMeta], Any] | Exception:
     """Global output metadata from running the op on meta tensors (torch's error if meta can't run it)."""
-    metas = [torch.empty_strided(a.shape, a.meta.stride, dtype=a.dtype, device="meta") if isinstance(a, TensorSpec) else a for a in leaves]
+    metas = [
+        torch.empty_strided(a.shape, a.meta.stride, dtype=a.dtype, device="meta") if isinstance(a, TensorSpec) else a
+        for a in leaves
+    ]
     args, kwargs = unflatten_args(metas, tree)
     if "device" in kwargs and func is aten._to_copy.default:
         # x.to(dtype) inside torch.softmax(x, d, dtype=...) passes device=cpu,
@@ -358,7 +372,11 @@ def meta_outputs(func, leaves, tree) -> tuple[list[TensorMeta], Any] | Exception
         out = func(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - ops without meta kernels fall back
         return e
-    return [TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)], out
+    return [
+        TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)
+        for t in pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor)
+    ], out
 
 
 def _writes_self(func) -> bool:
@@ -366,7 +384,9 @@ def _writes_self(func) -> bool:
     return bool(s.arguments) and s.arguments[0].alias_info is not None and s.arguments[0].alias_info.is_write
 
 
-def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=None, limit: int | None = None) -> Decision:
+def decide(
+    func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=None, limit: int | None = None
+) -> Decision:
     """Plan `func` on `leaves`, the call's flattened arguments with every tensor operand as its TensorSpec.
 
     Metadata only: no data, no collectives, no rank needed (explain calls it for any mesh size).
@@ -383,8 +403,18 @@ def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=N
     if rule is None or isinstance(metas, Exception):
         plans = tuple(plan(s, (Replicate(),) * s.mesh.ndim, links) for s in specs)
         return Decision(
-            func, specs, plans, None, None, None, None, fallback=True, inplace=_writes_self(func), schema=schema,
-            replicate_only=func in REPLICATE_ONLY, meta_error=metas if isinstance(metas, Exception) else None,
+            func,
+            specs,
+            plans,
+            None,
+            None,
+            None,
+            None,
+            fallback=True,
+            inplace=_writes_self(func),
+            schema=schema,
+            replicate_only=func in REPLICATE_ONLY,
+            meta_error=metas if isinstance(metas, Exception) else None,
         )
     out_metas = metas[0]
     rows = rule(schema)
@@ -392,7 +422,14 @@ def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=N
     out_shapes = [(m.shape, m.dtype.itemsize) for m in out_metas]
     on_purpose = func in REPLICATE_WHEN and REPLICATE_WHEN[func](schema)
     avoid = _state["strict"] and not on_purpose and not replicate_allowed(func)
-    ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=_without_replicating_gathers(rows, specs, filt) if avoid else filt, limit=limit)
+    ranked = candidates(
+        rows,
+        specs,
+        out_shapes,
+        links=links,
+        filter_fn=_without_replicating_gathers(rows, specs, filt) if avoid else filt,
+        limit=limit,
+    )
     if avoid and not ranked:  # strict mode: no candidate but the implicit all-Replicate row's gather
         ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=filt, limit=limit)
     if not ranked:
@@ -411,8 +448,20 @@ def decide(func, leaves: Sequence[Any], tree, tensor_pos: Sequence[int], links=N
     out_specs = tuple(TensorSpec(mesh, pl, m) for pl, m in zip(best.outputs, out_metas))
     in_after = tuple(s.with_placements(pl) for s, pl in zip(specs, best.inputs))
     ctx = AlgoContext(schema, in_after, out_specs, func) if best.algorithm is not None else None
-    return Decision(func, specs, best.plans, out_specs, best.algorithm, ctx, best, inplace=inplace, schema=schema, candidates=ranked, out_metas=out_metas,
-                    gathers=gathers)
+    return Decision(
+        func,
+        specs,
+        best.plans,
+        out_specs,
+        best.algorithm,
+        ctx,
+        best,
+        inplace=inplace,
+        schema=schema,
+        candidates=ranked,
+        out_metas=out_metas,
+        gathers=gathers,
+    )
 
 
 def _replicating_gather(c: Candidate, specs) -> bool:
@@ -469,7 +518,9 @@ def _inplace_filter(specs):
 def moved_bytes(d: Decision) -> int:
     """Bytes this rank puts into the decision's input moves."""
     coord = d.in_specs[0].mesh.get_coordinate()
-    internal = sum(b for r in d.candidate.rows for _, b in r.comm) if d.candidate is not None else 0  # a gathering algorithm's own
+    internal = (
+        sum(b for r in d.candidate.rows for _, b in r.comm) if d.candidate is not None else 0
+    )  # a gathering algorithm's own
     return int(sum(plan_bytes(s, p, coord) for s, p in zip(d.in_specs, d.plans)) + internal)
 
 
@@ -483,7 +534,9 @@ def strict_error(d: Decision, how: str) -> ShardingError:
     if d.replicate_only or not how.startswith("has no sharded strategy"):
         return ShardingError(text)
     # a NotImplementedError too, with torch's phrase first, as torch raises for an op with no strategy
-    return NoShardingStrategyError(f"Operator {d.schema.op} does not have a sharding strategy registered. shardops: {text}")
+    return NoShardingStrategyError(
+        f"Operator {d.schema.op} does not have a sharding strategy registered. shardops: {text}"
+    )
 
 
 def checked_fallback(d: Decision) -> None:
@@ -503,7 +556,9 @@ def checked_fallback(d: Decision) -> None:
         meta_error = d.meta_error
         if meta_error is not None and not isinstance(meta_error, NotImplementedError):
             # The op has a rule but torch refused the call itself (a dtype or shape error): say that, not "layout".
-            raise ShardingError(f"{d.schema.name} on {list(specs)}: torch refuses this call: {meta_error}") from meta_error
+            raise ShardingError(
+                f"{d.schema.name} on {list(specs)}: torch refuses this call: {meta_error}"
+            ) from meta_error
         raise NoShardingStrategyError(  # a NotImplementedError too, as torch's at this point
             f"Operator {d.schema.op} does not have a sharding strategy registered. shardops: for {specs[0]!r}, an in-place op "
             "with no sharded strategy would change self's layout. Redistribute self to Replicate first, or use the out-of-place op."

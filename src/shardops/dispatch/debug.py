@@ -7,10 +7,12 @@ operand taken as Replicate (a one-element tensor, or any inside
 uncounted all_gather of a few int64 checksums over the whole mesh, so it never
 changes what CommDebugMode reports.
 """
+
 from __future__ import annotations
 
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +28,12 @@ def decision_checksum(decision: Any) -> int:
     # Global shapes and dtypes too: ranks that disagree on them (from_local with uneven locals and no
     # shape=) pick the same plan but move differently sized pieces.
     metas = repr([(s.shape, s.dtype, s.placements) for s in decision.in_specs])
-    text = repr(decision.func) + (c.describe() if c is not None else "fallback") + repr([p.steps for p in decision.plans]) + metas
+    text = (
+        repr(decision.func)
+        + (c.describe() if c is not None else "fallback")
+        + repr([p.steps for p in decision.plans])
+        + metas
+    )
     return _crc(text.encode())
 
 

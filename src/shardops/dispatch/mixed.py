@@ -14,12 +14,13 @@ The switch is a context variable: per rank thread under `so.run` (each rank
 thread starts from a copy of its caller's context, so a block around `so.run`
 reaches every rank), per process under torchrun.
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
 
 import torch
 
@@ -71,4 +72,3 @@ def check_plain_operand(func, t: torch.Tensor) -> None:
         "nn.MultiheadAttention reads out_proj.weight without calling out_proj), give that module a style in the plan; "
         "where every rank holds the same values, shardops.experimental.implicit_replication() takes them as Replicate."
     )
-

@@ -23,9 +23,11 @@ runs torch's ordinary path into __torch_dispatch__. Two marks have no function o
 `replicate_on_purpose(*ops)` (no sharded strategy, on purpose) and `overwrites_self(*ops)`
 (in-place ops that never read self's values).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -83,7 +85,10 @@ def strategy(*ops: Any, algorithms: Iterable[str] = ()) -> Callable[[Rule], Rule
 
 
 def torch_level(
-    *torch_callables: Any, apply: Callable[..., Any], signature: CallSignature | None = None, around: Callable[[Any], Any] | None = None
+    *torch_callables: Any,
+    apply: Callable[..., Any],
+    signature: CallSignature | None = None,
+    around: Callable[[Any], Any] | None = None,
 ) -> Callable[[Parse], Parse]:
     """Decorator over a parse: calls of `torch_callables` on DTensors that it takes run `apply`.
 
@@ -137,7 +142,9 @@ def overwrites_self(*ops: Any) -> None:
 
 def call_default(func, args: tuple, kwargs: dict) -> Any:
     """Run a torch function the ordinary way (into __torch_dispatch__), without our override."""
-    with _NO_SUBCLASS_TORCH_FUNCTION():  # (the seam's disabled_torch_function_impl would enter __torch_function__ again)
+    with (
+        _NO_SUBCLASS_TORCH_FUNCTION()
+    ):  # (the seam's disabled_torch_function_impl would enter __torch_function__ again)
         return func(*args, **kwargs)
 
 

@@ -9,17 +9,19 @@ argument on its value only where a decision read it, and on the class a rule ask
 where it read only that (`arg_class(name, scalar_sign)`): AdamW's new scalars every step
 then reuse one decision (dispatch/core.float_key).
 """
+
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from .. import caches
 from .._torch.dispatch import OpOverload
 from ..errors import ShardingError
-from .. import caches
 from ..spec import TensorSpec
 
 _BINDINGS: dict[Any, tuple[list[str], dict[str, Any], set[str]]] = {}
@@ -129,12 +131,15 @@ class CallSignature:
     _MAX_SHAPES = 256  # call shapes remembered per callable (a program uses a handful)
 
     def __init__(self, *forms: Callable[..., Any] | inspect.Signature, aliases: dict[str, str] | None = None):
-        self.forms = [(f if isinstance(f, inspect.Signature) else inspect.signature(f), getattr(f, "accepts", None)) for f in forms]
+        self.forms = [
+            (f if isinstance(f, inspect.Signature) else inspect.signature(f), getattr(f, "accepts", None))
+            for f in forms
+        ]
         self.aliases = aliases or {}
         self._shapes: dict[tuple, tuple[tuple[str, ...], dict[str, Any]] | None] = {}
 
     @classmethod
-    def of_op(cls, op: OpOverload) -> "CallSignature":
+    def of_op(cls, op: OpOverload) -> CallSignature:
         """An aten overload's signature, from its schema (the names rules read through OpSchema.arg)."""
         params = []
         for a in op._schema.arguments:
@@ -177,7 +182,9 @@ class CallSignature:
             if accepts is not None and not accepts(args, kwargs):
                 continue
             params = list(sig.parameters.values())
-            return tuple(p.name for p in params[: len(args)]), {p.name: p.default for p in params if p.default is not p.empty}
+            return tuple(p.name for p in params[: len(args)]), {
+                p.name: p.default for p in params if p.default is not p.empty
+            }
         return None
 
 
@@ -201,7 +208,9 @@ def is_none(value: Any) -> bool:
 def normalize_dim(d: int, ndim: int, op_name: str = "op") -> int:
     bound = max(ndim, 1)
     if not isinstance(d, int) or not -bound <= d < bound:
-        raise ShardingError(f"{op_name}: dim {d} out of range for a tensor with {ndim} dim(s); use a dim in [-{bound}, {bound}).")
+        raise ShardingError(
+            f"{op_name}: dim {d} out of range for a tensor with {ndim} dim(s); use a dim in [-{bound}, {bound})."
+        )
     return d % bound
 
 

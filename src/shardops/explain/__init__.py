@@ -27,12 +27,24 @@ One job per module:
     call.py      explain(): the entry that ties them together
     cli.py       `shardops explain`
 """
+
 from .call import explain
 from .cli import add_arguments, main
 from .result import DEFAULT_TOP, Explanation, Option, Step
 from .specs import parse_links, parse_mesh, parse_placement, parse_placements, parse_spec, spec_text
 
 __all__ = [
-    "DEFAULT_TOP", "Explanation", "Option", "Step", "add_arguments", "explain", "main", "parse_links", "parse_mesh",
-    "parse_placement", "parse_placements", "parse_spec", "spec_text",
+    "DEFAULT_TOP",
+    "Explanation",
+    "Option",
+    "Step",
+    "add_arguments",
+    "explain",
+    "main",
+    "parse_links",
+    "parse_mesh",
+    "parse_placement",
+    "parse_placements",
+    "parse_spec",
+    "spec_text",
 ]

@@ -1,4 +1,5 @@
 """`so.explain(op, *args, mesh=..., links=..., **kwargs)`: trace, plan every step, gather notes."""
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,9 @@ def _is_spec_like(v: Any) -> bool:
     return isinstance(v, TensorSpec) or (isinstance(v, str) and SPEC_RE.match(v) is not None)
 
 
-def explain(op: Any, *args: Any, mesh: Any = None, links: Any = None, top: int = DEFAULT_TOP, **kwargs: Any) -> Explanation:
+def explain(
+    op: Any, *args: Any, mesh: Any = None, links: Any = None, top: int = DEFAULT_TOP, **kwargs: Any
+) -> Explanation:
     """Plan `op` without data or a world: an expression string with named tensors, or a callable with specs.
 
         so.explain("softmax(x, dim=1)", mesh=(8, 8, 16), links="nvlink,ib,ib", x="f32[8,4096]:R,R,S(1)")
@@ -57,7 +60,9 @@ def explain(op: Any, *args: Any, mesh: Any = None, links: Any = None, top: int =
     if isinstance(op, str):
         inputs = {k: parse_spec(v, mesh_obj, k) for k, v in kwargs.items()}
         if args:
-            raise ShardingError(f"explain: an expression takes its tensors by name (x=...), not positionally; got {len(args)} positional")
+            raise ShardingError(
+                f"explain: an expression takes its tensors by name (x=...), not positionally; got {len(args)} positional"
+            )
         metas = {k: meta_tensor(s) for k, s in inputs.items()}
         for k, t in metas.items():
             names.add(t, inputs[k], k)
@@ -128,11 +133,15 @@ def _eval(expression: str, metas: dict[str, torch.Tensor]) -> Any:
         return eval(code, {"__builtins__": {}}, _namespace(metas))  # noqa: S307 - the user's own expression
     except NameError as e:
         have = ", ".join(metas) or "none"
-        raise ShardingError(f"explain: unknown name {e} in {expression!r}; name each tensor (--x SPEC or x=SPEC); tensors given: {have}") from None
+        raise ShardingError(
+            f"explain: unknown name {e} in {expression!r}; name each tensor (--x SPEC or x=SPEC); tensors given: {have}"
+        ) from None
     except ShardingError:
         raise
     except Exception as e:  # noqa: BLE001 - torch rejected the call on these shapes
-        raise ShardingError(f"explain: torch rejects {expression!r} on these inputs: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise ShardingError(
+            f"explain: torch rejects {expression!r} on these inputs: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from None
 
 
 def _notes(rec: Recorder, intercepts: Intercepts, steps: list[Step]) -> list[str]:
@@ -140,18 +149,26 @@ def _notes(rec: Recorder, intercepts: Intercepts, steps: list[Step]) -> list[str
     for fn in intercepts.seen:
         impl = registry.TORCH_FUNCTIONS[fn]
         where = getattr(impl, "__module__", "?")
-        notes.append(f"{callable_name(fn)} is intercepted at the torch-function level ({where}); "
-                     "it carries its own sharded implementation/backward, and the plan below is for the aten ops it maps to")
+        notes.append(
+            f"{callable_name(fn)} is intercepted at the torch-function level ({where}); "
+            "it carries its own sharded implementation/backward, and the plan below is for the aten ops it maps to"
+        )
     for name in dict.fromkeys(rec.decomposed):
         notes.append(f"{name} is rewritten by the runtime (registry.DECOMPOSITIONS); its parts are planned below")
     for s in steps:
         if s.fallback and not s.replicate_only:
-            notes.append(f"{s.op} has no sharded strategy: it replicates its inputs (so.set_strict(True) makes that an error)")
+            notes.append(
+                f"{s.op} has no sharded strategy: it replicates its inputs (so.set_strict(True) makes that an error)"
+            )
     allowed = core.allowed_to_replicate()
     for s in steps:
         if s.gathers is not None:
             name = core.op_name(s.op)
-            state = "allowed now by so.allow_replicate" if name in allowed else f"strict mode raises unless so.allow_replicate({name!r})"
+            state = (
+                "allowed now by so.allow_replicate"
+                if name in allowed
+                else f"strict mode raises unless so.allow_replicate({name!r})"
+            )
             notes.append(f"{s.op} {s.gathers}: it moves sharded data; {state}")
     if allowed:
         notes.append("so.allow_replicate lets these ops replicate in strict mode: " + ", ".join(allowed))

@@ -1,7 +1,8 @@
 """`shardops explain` on the command line: an expression, a mesh, links, and named tensor specs."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .. import cost
 from ..errors import ShardingError
@@ -10,12 +11,22 @@ from .result import DEFAULT_TOP
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("expression", help='a torch call on named tensors, e.g. "softmax(x, dim=1)" or "F.cross_entropy(x, t)"')
+    parser.add_argument(
+        "expression", help='a torch call on named tensors, e.g. "softmax(x, dim=1)" or "F.cross_entropy(x, t)"'
+    )
     parser.add_argument("--mesh", required=True, help="mesh shape: 4096, 8x8x16, 2x2")
-    parser.add_argument("--links", default=None, help="link model per mesh dim: nvlink,ib,ib (presets: " + ", ".join(sorted(cost.PRESETS)) + ")")
+    parser.add_argument(
+        "--links",
+        default=None,
+        help="link model per mesh dim: nvlink,ib,ib (presets: " + ", ".join(sorted(cost.PRESETS)) + ")",
+    )
     parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates shown per step (default 10)")
-    parser.add_argument("--tensor", "-t", action="append", default=[], metavar="NAME=SPEC", help="a named tensor (also: --NAME SPEC)")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="JSON instead of text (to PATH, or stdout)")
+    parser.add_argument(
+        "--tensor", "-t", action="append", default=[], metavar="NAME=SPEC", help="a named tensor (also: --NAME SPEC)"
+    )
+    parser.add_argument(
+        "--json", nargs="?", const="-", default=None, metavar="PATH", help="JSON instead of text (to PATH, or stdout)"
+    )
 
 
 def main(args, extra: Sequence[str] = ()) -> int:

@@ -20,6 +20,7 @@ On a 2-D mesh the other dim is tensor parallelism inside each expert: the output
 all_reduce over it is listed too. The runtime's exact bytes for a real routing are
 what `so.CommDebugMode` counts (tests/test_expert_parallel.py computes them from the routing).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..planner import pricing
 from ..errors import ShardingError
 from ..placements import Replicate, Shard, chunk_size_and_offset, local_shape_and_offset
+from ..planner import pricing
 from ..spec import TensorSpec
 from .result import Option, Step
 
@@ -67,7 +68,11 @@ class RoutingStep:
         others = self.num_experts - mine
         count_bytes = others * 8
         token_bytes = math.ceil(slots * others / self.num_experts) * row
-        ep_comm = [((ep,), "all_to_all", float(count_bytes)), ((ep,), "all_to_all", float(token_bytes)), ((ep,), "all_to_all", float(token_bytes))]
+        ep_comm = [
+            ((ep,), "all_to_all", float(count_bytes)),
+            ((ep,), "all_to_all", float(token_bytes)),
+            ((ep,), "all_to_all", float(token_bytes)),
+        ]
         all_tokens = tokens_spec.shape[0] * row
         gather_comm = [((ep,), "all_gather", float(tokens * row)), ((ep,), "reduce_scatter", float(all_tokens))]
         tp_comm = [] if tp is None else [((tp,), "all_reduce", float(tokens * row))]
@@ -77,18 +82,49 @@ class RoutingStep:
 
         out_placements = placements
         options = []
-        for number, (label, comm) in enumerate((("expert-parallel (dispatch + combine all_to_all)", ep_comm + tp_comm),
-                                                ("gather-tokens (all_gather, experts, reduce_scatter)", gather_comm + tp_comm)), 1):
+        for number, (label, comm) in enumerate(
+            (
+                ("expert-parallel (dispatch + combine all_to_all)", ep_comm + tp_comm),
+                ("gather-tokens (all_gather, experts, reduce_scatter)", gather_comm + tp_comm),
+            ),
+            1,
+        ):
             seconds = t(comm)
-            options.append(Option(number, (placements,), (out_placements,), label, (), comm, (tokens_spec.with_placements(placements),),
-                                  seconds, 0.0, seconds, 0.0, chosen=number == 1))
+            options.append(
+                Option(
+                    number,
+                    (placements,),
+                    (out_placements,),
+                    label,
+                    (),
+                    comm,
+                    (tokens_spec.with_placements(placements),),
+                    seconds,
+                    0.0,
+                    seconds,
+                    0.0,
+                    chosen=number == 1,
+                )
+            )
         ep_opt, gather_opt = options
-        reason = (f"#1 {ep_opt.label}: what ExpertParallel runs, {_fmt(ep_opt.bytes)} per rank vs {_fmt(gather_opt.bytes)} for "
-                  f"#2; balanced routing assumed ({slots} token-slots on rank 0, {mine} of {self.num_experts} experts local); "
-                  "backward: the two token all_to_alls mirrored, same bytes")
+        reason = (
+            f"#1 {ep_opt.label}: what ExpertParallel runs, {_fmt(ep_opt.bytes)} per rank vs {_fmt(gather_opt.bytes)} for "
+            f"#2; balanced routing assumed ({slots} token-slots on rank 0, {mine} of {self.num_experts} experts local); "
+            "backward: the two token all_to_alls mirrored, same bytes"
+        )
         spec = tokens_spec.with_placements(placements)
-        return Step(index, str(self), f"routing(tokens, top_k={self.top_k}, num_experts={self.num_experts})", ["tokens"], (spec,), [spec],
-                    options, len(options), ep_opt, reason)
+        return Step(
+            index,
+            str(self),
+            f"routing(tokens, top_k={self.top_k}, num_experts={self.num_experts})",
+            ["tokens"],
+            (spec,),
+            [spec],
+            options,
+            len(options),
+            ep_opt,
+            reason,
+        )
 
 
 def _time(kind: str, nbytes: float, n: int, link) -> float:
@@ -110,8 +146,15 @@ def moe(x: torch.Tensor, num_experts: int, top_k: int = 2, ep_dim: int = 0) -> t
     rec = active_recorder()
     if rec is None:
         raise ShardingError("moe(...) is an explain expression: use it inside so.explain / shardops explain")
-    if not isinstance(num_experts, int) or num_experts < 1 or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ShardingError(f"explain moe(): need 1 <= top_k <= num_experts, got top_k={top_k!r}, num_experts={num_experts!r}")
+    if (
+        not isinstance(num_experts, int)
+        or num_experts < 1
+        or not isinstance(top_k, int)
+        or not 1 <= top_k <= num_experts
+    ):
+        raise ShardingError(
+            f"explain moe(): need 1 <= top_k <= num_experts, got top_k={top_k!r}, num_experts={num_experts!r}"
+        )
     tokens = x.reshape(-1, x.shape[-1])
     gate = torch.empty(num_experts, x.shape[-1], dtype=x.dtype, device=x.device)
     probs = torch.softmax(F.linear(tokens, gate).float(), dim=-1)
@@ -122,4 +165,3 @@ def moe(x: torch.Tensor, num_experts: int, top_k: int = 2, ep_dim: int = 0) -> t
 
 def is_routing(func: Any) -> bool:
     return isinstance(func, RoutingStep)
-

@@ -4,6 +4,7 @@ The chosen output layouts flow into the next op. For every step: the candidates
 the runtime considers (cheapest first), with their input redistributions,
 internal collectives, bytes, rounds and estimated time, and why one is chosen.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -13,10 +14,10 @@ import torch
 
 from .._torch import pytree
 from ..dispatch.core import plan_op
-from ..planner.choice import with_plans
-from ..planner.rows import Candidate
 from ..mesh import DeviceMesh
 from ..placements import Replicate
+from ..planner.choice import with_plans
+from ..planner.rows import Candidate
 from ..redistribute import plan
 from ..spec import TensorMeta, TensorSpec
 from .moe import is_routing
@@ -73,7 +74,9 @@ def internal_collectives(c: Candidate) -> list[tuple[tuple[int, ...], str, float
     all_gather_stacked, all_reduce), so equal entries of its rows merge into one over those mesh dims."""
     per_dim = [Counter((kind, float(b)) for kind, b in r.comm) for r in c.rows]
     if c.algorithm is None:
-        return [((i,), kind, b) for i, counts in enumerate(per_dim) for (kind, b), n in counts.items() for _ in range(n)]
+        return [
+            ((i,), kind, b) for i, counts in enumerate(per_dim) for (kind, b), n in counts.items() for _ in range(n)
+        ]
     merged = []
     for key in dict.fromkeys(k for counts in per_dim for k in counts):
         dims = tuple(i for i, counts in enumerate(per_dim) if key in counts)
@@ -85,8 +88,20 @@ def _option(number: int, c: Candidate, specs: tuple[TensorSpec, ...], links) -> 
     with_plans(c, specs, links)
     comm = internal_collectives(c)
     label = "replicate-then-local" if _is_replicate(c) else c.label
-    return Option(number, c.inputs, c.outputs, label, c.plans, comm, specs, c.time, c.redistribute_time, c.comm_time, c.pending_time,
-                  replicate=_is_replicate(c))
+    return Option(
+        number,
+        c.inputs,
+        c.outputs,
+        label,
+        c.plans,
+        comm,
+        specs,
+        c.time,
+        c.redistribute_time,
+        c.comm_time,
+        c.pending_time,
+        replicate=_is_replicate(c),
+    )
 
 
 def _name(o: Option) -> str:
@@ -107,12 +122,16 @@ def _reason(chosen: Option, others: list[Option]) -> str:
         text += f" vs {fmt_time(rep.time)} for replicate-then-local"
     tied = [o for o in rest if round(o.time, 12) == round(chosen.time, 12)]
     if tied:
-        text += (f"; tied with {len(tied)} other(s) (e.g. {_name(tied[0])}): ties prefer fewer input changes, "
-                 "then a pending output, then more sharding, then the rule's order")
+        text += (
+            f"; tied with {len(tied)} other(s) (e.g. {_name(tied[0])}): ties prefer fewer input changes, "
+            "then a pending output, then more sharding, then the rule's order"
+        )
     cheaper = [o for o in rest if o.time < chosen.time * 0.99]  # a 1% margin: estimates are not exact
     if cheaper:
-        text += (f"; note {_name(cheaper[0])} is cheaper with its exact plan ({fmt_time(cheaper[0].time)}): "
-                 "the runtime ranks candidates by a per-mesh-dim estimate")
+        text += (
+            f"; note {_name(cheaper[0])} is cheaper with its exact plan ({fmt_time(cheaper[0].time)}): "
+            "the runtime ranks candidates by a per-mesh-dim estimate"
+        )
     return text
 
 
@@ -139,21 +158,61 @@ def _plan_step(index: int, func, args, kwargs, out, names: Names, links, top: in
     mesh = specs[0].mesh
     out_specs = [TensorSpec(mesh, pl, m) for pl, m in zip(chosen.outputs, report.out_metas)]
     total = getattr(report.candidates, "total", len(report.candidates))
-    return Step(index, str(func), call, input_names, specs, out_specs, shown, total, chosen, _reason(chosen, others), gathers=report.gathers)
+    return Step(
+        index,
+        str(func),
+        call,
+        input_names,
+        specs,
+        out_specs,
+        shown,
+        total,
+        chosen,
+        _reason(chosen, others),
+        gathers=report.gathers,
+    )
 
 
 def _fallback_step(index, func, call, input_names, specs, out_tensors, replicate_only: bool, links) -> Step:
     mesh = specs[0].mesh
     plans = tuple(plan(s, (R,) * mesh.ndim, links) for s in specs)
-    opt = Option(1, tuple((R,) * mesh.ndim for _ in specs), tuple((R,) * mesh.ndim for _ in out_tensors), "replicate-then-local",
-                 plans, [], specs, sum(p.time for p in plans), sum(p.time for p in plans), 0.0, 0.0, chosen=True, replicate=True)
-    out_specs = [TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)) for t in out_tensors]
+    opt = Option(
+        1,
+        tuple((R,) * mesh.ndim for _ in specs),
+        tuple((R,) * mesh.ndim for _ in out_tensors),
+        "replicate-then-local",
+        plans,
+        [],
+        specs,
+        sum(p.time for p in plans),
+        sum(p.time for p in plans),
+        0.0,
+        0.0,
+        chosen=True,
+        replicate=True,
+    )
+    out_specs = [
+        TensorSpec(mesh, (R,) * mesh.ndim, TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype)) for t in out_tensors
+    ]
     why = "replicated on purpose" if replicate_only else "no sharded strategy"
     gathers = None
     if any(p.steps for p in plans):
         gathers = "is replicated on purpose (no sharded algorithm)" if replicate_only else "has no sharded strategy"
-    return Step(index, str(func), call, input_names, specs, out_specs, [opt], 1, opt, f"#1 {why}: replicate-then-local, {fmt_time(opt.time)}",
-                fallback=True, replicate_only=replicate_only, gathers=gathers)
+    return Step(
+        index,
+        str(func),
+        call,
+        input_names,
+        specs,
+        out_specs,
+        [opt],
+        1,
+        opt,
+        f"#1 {why}: replicate-then-local, {fmt_time(opt.time)}",
+        fallback=True,
+        replicate_only=replicate_only,
+        gathers=gathers,
+    )
 
 
 def plan_all(rec: Recorder, names: Names, links, top: int) -> list[Step]:

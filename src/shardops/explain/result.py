@@ -1,9 +1,11 @@
 """What explain returns: per traced op a Step with its candidate Options, and the Explanation of the call."""
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..placements import Placement
 from ..redistribute import Plan, plan_bytes
@@ -24,7 +26,9 @@ class Option:
     outputs: tuple[tuple[Placement, ...], ...]
     label: str
     plans: tuple[Plan, ...]
-    comm: list[tuple[tuple[int, ...], str, float]]  # (mesh dims of the group, kind, bytes this rank puts in) inside the op
+    comm: list[
+        tuple[tuple[int, ...], str, float]
+    ]  # (mesh dims of the group, kind, bytes this rank puts in) inside the op
     in_specs: tuple[TensorSpec, ...]
     time: float
     redistribute_time: float
@@ -54,12 +58,19 @@ class Option:
 
     def to_dict(self, names: Sequence[str]) -> dict[str, Any]:
         return {
-            "number": self.number, "chosen": self.chosen, "label": self.label,
-            "inputs": [placements_text(p) for p in self.inputs], "outputs": [placements_text(p) for p in self.outputs],
+            "number": self.number,
+            "chosen": self.chosen,
+            "label": self.label,
+            "inputs": [placements_text(p) for p in self.inputs],
+            "outputs": [placements_text(p) for p in self.outputs],
             "input_moves": self.moves(names),
             "internal_comm": [{"mesh_dims": list(d), "kind": k, "bytes": b} for d, k, b in self.comm],
-            "bytes_per_rank": self.bytes, "rounds": self.rounds, "time_s": self.time,
-            "redistribute_time_s": self.redistribute_time, "comm_time_s": self.comm_time, "pending_time_s": self.pending_time,
+            "bytes_per_rank": self.bytes,
+            "rounds": self.rounds,
+            "time_s": self.time,
+            "redistribute_time_s": self.redistribute_time,
+            "comm_time_s": self.comm_time,
+            "pending_time_s": self.pending_time,
         }
 
 
@@ -83,11 +94,16 @@ class Step:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "index": self.index, "op": self.op, "call": self.call,
+            "index": self.index,
+            "op": self.op,
+            "call": self.call,
             "inputs": {n: spec_text(s) for n, s in zip(self.input_names, self.in_specs)},
             "outputs": [spec_text(s) for s in self.out_specs],
-            "fallback": self.fallback, "replicate_only": self.replicate_only, "gathers": self.gathers,
-            "candidates_total": self.total, "reason": self.reason,
+            "fallback": self.fallback,
+            "replicate_only": self.replicate_only,
+            "gathers": self.gathers,
+            "candidates_total": self.total,
+            "reason": self.reason,
             "candidates": [o.to_dict(self.input_names) for o in self.options],
         }
 
@@ -129,9 +145,13 @@ class Explanation:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "expression": self.expression, "mesh": list(self.mesh_shape), "ranks": math.prod(self.mesh_shape),
-            "links": self.links, "inputs": {k: spec_text(v) for k, v in self.inputs.items()},
-            "steps": [s.to_dict() for s in self.steps], "notes": self.notes,
+            "expression": self.expression,
+            "mesh": list(self.mesh_shape),
+            "ranks": math.prod(self.mesh_shape),
+            "links": self.links,
+            "inputs": {k: spec_text(v) for k, v in self.inputs.items()},
+            "steps": [s.to_dict() for s in self.steps],
+            "notes": self.notes,
             "total": {"bytes_per_rank": self.bytes, "rounds": self.rounds, "time_s": self.time},
             "timings_s": self.timings,
         }

@@ -1,9 +1,11 @@
 """Reading what a user types: tensor specs "f32[8,4096]:R,S(1)", placements, meshes and link models."""
+
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -16,7 +18,9 @@ from ..spec import TensorMeta, TensorSpec, contiguous_stride
 
 R = Replicate()
 SPEC_RE = re.compile(r"^\s*(?P<dtype>[A-Za-z0-9_]+)\s*\[(?P<shape>[0-9,\s]*)\]\s*(?::\s*(?P<placements>.*))?$")
-_PLACEMENT_RE = re.compile(r"_S\(\s*-?\d+\s*,\s*\d+\s*\)|S\(\s*-?\d+\s*\)|NormP\(\s*[-+a-z0-9.]+\s*\)|P\(\s*[a-z]*\s*\)|P|R")
+_PLACEMENT_RE = re.compile(
+    r"_S\(\s*-?\d+\s*,\s*\d+\s*\)|S\(\s*-?\d+\s*\)|NormP\(\s*[-+a-z0-9.]+\s*\)|P\(\s*[a-z]*\s*\)|P|R"
+)
 SPEC_HELP = 'a spec is DTYPE[SHAPE]:PLACEMENTS, e.g. "f32[8,4096]:R,S(1)" (placements R, S(d), P(sum|avg|max|min|product), NormP(p), _S(d,k); one per mesh dim)'
 
 
@@ -51,14 +55,18 @@ def parse_spec(text: str | TensorSpec, mesh: DeviceMesh, what: str = "tensor") -
     """A TensorSpec from "f32[8,4096]:R,S(1)" (no placements: Replicate everywhere)."""
     if isinstance(text, TensorSpec):
         if text.mesh.shape != mesh.shape:
-            raise ShardingError(f"explain: {what} lives on a mesh of shape {text.mesh.shape}, the others on {mesh.shape}")
+            raise ShardingError(
+                f"explain: {what} lives on a mesh of shape {text.mesh.shape}, the others on {mesh.shape}"
+            )
         return text
     m = SPEC_RE.match(text) if isinstance(text, str) else None
     if m is None:
         raise ShardingError(f"explain: {what} = {text!r} is not a tensor spec; {SPEC_HELP}")
     dtype = DTYPES.get(m["dtype"].lower())
     if dtype is None:
-        raise ShardingError(f"explain: {what}: unknown dtype {m['dtype']!r}; use one of f16, bf16, f32, f64, i32, i64, bool, ...")
+        raise ShardingError(
+            f"explain: {what}: unknown dtype {m['dtype']!r}; use one of f16, bf16, f32, f64, i32, i64, bool, ..."
+        )
     shape = tuple(int(s) for s in m["shape"].split(",") if s.strip())
     raw = m["placements"]
     placements = parse_placements(raw) if raw and raw.strip() else (R,) * mesh.ndim

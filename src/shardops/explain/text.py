@@ -1,7 +1,8 @@
 """How explain writes bytes, times and placement tuples."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..placements import Placement
 

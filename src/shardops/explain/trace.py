@@ -2,10 +2,12 @@
 
 No data is allocated beyond metadata, and no world of ranks is needed.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -87,7 +89,9 @@ def trace(fn: Callable[[], Any]) -> tuple[Recorder, Intercepts]:
     except ShardingError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. an op without a meta kernel, or .item()
-        raise ShardingError(f"explain: torch cannot trace this call on meta tensors: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise ShardingError(
+            f"explain: torch cannot trace this call on meta tensors: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from None
     finally:
         _ACTIVE.pop()
     return rec, intercepts

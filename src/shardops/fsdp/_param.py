@@ -12,6 +12,7 @@ user's code makes them. Its storage is allocated when the unit gathers and freed
 zero) when it reshards; autograd's saved references to it see the data again when it is
 re-gathered for backward.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,6 @@ from ..placements import Placement, Replicate, Shard, StridedShard
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
 from ..wrapping import local_of, shard_in, spec_of, wrap
-
 
 SHARDED_MARK = "_shardops_fsdp_sharded"  # set on the sharded parameters fully_shard makes
 
@@ -71,7 +71,14 @@ def chunk_slice(n: int, parts: int, index: int) -> tuple[int, int]:
 class FSDPParam:
     """A parameter's two forms and the moves between them (the unit issues the collectives)."""
 
-    def __init__(self, param: nn.Parameter, occurrences: list[tuple[nn.Module, str]], data: DataMesh, shard_dim: int, param_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        occurrences: list[tuple[nn.Module, str]],
+        data: DataMesh,
+        shard_dim: int,
+        param_dtype: torch.dtype | None,
+    ) -> None:
         if param.ndim == 0:
             raise ShardingError(
                 f"fully_shard: a 0-d parameter ({occurrences[0][1]} of {type(occurrences[0][0]).__name__}) cannot be sharded on a dim; "
@@ -91,7 +98,9 @@ class FSDPParam:
         self.tp_spec: TensorSpec | None = spec_of(param) if isinstance(param, DTensor) else None
         full = (local_of(param) if isinstance(param, DTensor) else param).detach()
         if not -full.ndim <= shard_dim < full.ndim:
-            raise ShardingError(f"fully_shard: Shard({shard_dim}) for a parameter of shape {tuple(param.shape)}; use a dim in [{-full.ndim}, {full.ndim})")
+            raise ShardingError(
+                f"fully_shard: Shard({shard_dim}) for a parameter of shape {tuple(param.shape)}; use a dim in [{-full.ndim}, {full.ndim})"
+            )
         self.shard_dim = shard_dim % full.ndim
         self.unsharded_shape = tuple(full.shape)
         rows = self.unsharded_shape[self.shard_dim]
@@ -116,7 +125,9 @@ class FSDPParam:
             spec = _composed_spec(self.data, self.tp_spec, self.shard_dim, meta)
         local_shape = spec.local_shape()
         if tuple(local_shape) != self.local_shard_shape:
-            raise ShardingError(f"fully_shard: internal error: layout {spec!r} gives this rank {local_shape}, FSDP's shard is {self.local_shard_shape}")
+            raise ShardingError(
+                f"fully_shard: internal error: layout {spec!r} gives this rank {local_shape}, FSDP's shard is {self.local_shard_shape}"
+            )
         return spec
 
     @property
@@ -154,7 +165,9 @@ class FSDPParam:
             return nn.Parameter(buffer, requires_grad=self.requires_grad)
         spec = self.tp_spec
         meta = TensorMeta(spec.shape, spec.meta.stride, self.dtype)
-        return nn.Parameter(wrap(buffer, TensorSpec(spec.mesh, spec.placements, meta)), requires_grad=self.requires_grad)
+        return nn.Parameter(
+            wrap(buffer, TensorSpec(spec.mesh, spec.placements, meta)), requires_grad=self.requires_grad
+        )
 
     def write_member(self, buffer: torch.Tensor, member: int, piece: torch.Tensor) -> None:
         start, length = self.member_slices[member]
@@ -225,7 +238,9 @@ def _composed_spec(data: DataMesh, tp: TensorSpec, shard_dim: int, meta: TensorM
         raise ShardingError(f"fully_shard: the data mesh {dp_names} and the parameter's mesh {tp_names} share dims")
     for p in tp.placements:
         if not (isinstance(p, Replicate) or type(p) is Shard):
-            raise ShardingError(f"fully_shard: a tensor-parallel parameter laid out as {tp!r}; only Shard and Replicate tp layouts compose with FSDP")
+            raise ShardingError(
+                f"fully_shard: a tensor-parallel parameter laid out as {tp!r}; only Shard and Replicate tp layouts compose with FSDP"
+            )
     names = [n for n in root.mesh_dim_names if n in dp_names or n in tp_names]
     order = {n: i for i, n in enumerate(names)}
     placements: list[Placement] = []
@@ -237,7 +252,11 @@ def _composed_spec(data: DataMesh, tp: TensorSpec, shard_dim: int, meta: TensorM
             placements.append(Replicate())
         else:
             # tp dims after dp that shard the same dim were cut first (FSDP chunks the tp shard): strided
-            later = [tp_mesh.shape[i] for i, p in enumerate(tp.placements) if p.is_shard(shard_dim) and order[tp_names[i]] > order[n]]
+            later = [
+                tp_mesh.shape[i]
+                for i, p in enumerate(tp.placements)
+                if p.is_shard(shard_dim) and order[tp_names[i]] > order[n]
+            ]
             split = math.prod(later)
             placements.append(StridedShard(shard_dim, split) if split > 1 else Shard(shard_dim))
     mesh = root[tuple(names)] if len(names) > 1 else root[names[0]]

@@ -1,19 +1,20 @@
 """The hooks that drive a unit through a step, and the root that closes each backward.
 
-    pre-forward    the root's first forward finds every unit below it (lazy init); unshard
-                   (one all_gather, or finish its prefetch); start gathering
-                   set_modules_to_forward_prefetch's units; an autograd function on the
-                   inputs that need a gradient runs the unit's post-backward once their
-                   gradients are computed
-    post-forward   reshard if reshard_after_forward (free the unsharded storage); a hook on
-                   the outputs' gradients runs the unit's pre-backward
-    pre-backward   unshard again if resharded (finishing a prefetch); the root queues its
-                   end-of-backward callback; start gathering set_modules_to_backward_prefetch's
-                   units (asynchronous in the torch.distributed world)
-    post-backward  reshard; reduce-scatter the unit's gradients
-    end of backward (root) the post-backward of every unit whose inputs needed no gradient
-                   (the root's own, whose inputs are data), so nothing is left for the step
+pre-forward    the root's first forward finds every unit below it (lazy init); unshard
+               (one all_gather, or finish its prefetch); start gathering
+               set_modules_to_forward_prefetch's units; an autograd function on the
+               inputs that need a gradient runs the unit's post-backward once their
+               gradients are computed
+post-forward   reshard if reshard_after_forward (free the unsharded storage); a hook on
+               the outputs' gradients runs the unit's pre-backward
+pre-backward   unshard again if resharded (finishing a prefetch); the root queues its
+               end-of-backward callback; start gathering set_modules_to_backward_prefetch's
+               units (asynchronous in the torch.distributed world)
+post-backward  reshard; reduce-scatter the unit's gradients
+end of backward (root) the post-backward of every unit whose inputs needed no gradient
+               (the root's own, whose inputs are data), so nothing is left for the step
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -18,6 +18,7 @@ early; in the torch.distributed world it travels while other units compute (the 
 completes it when it starts). The reduce_scatter's wire buffer is packed once, straight from
 the gradients (`_pack`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,14 @@ from .api import MixedPrecisionPolicy
 
 
 class FSDPUnit:
-    def __init__(self, modules: tuple[nn.Module, ...], params: list[FSDPParam], data: DataMesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool | None) -> None:
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        params: list[FSDPParam],
+        data: DataMesh,
+        mp: MixedPrecisionPolicy,
+        reshard_after_forward: bool | None,
+    ) -> None:
         self.modules = modules
         self.params = params
         self.data = data

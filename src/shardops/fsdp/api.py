@@ -1,4 +1,5 @@
 """The policies `fully_shard` takes, with torch 2.13's names, fields and defaults."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,7 +1,9 @@
 """`fully_shard`: torch 2.13's FSDP2 API on shardops DTensors (see docs/fsdp.md)."""
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.nn as nn
 
@@ -43,7 +45,7 @@ class FSDPModule:
         """Free the unsharded parameters; the module holds its sharded DTensors again."""
         self._unit().reshard()
 
-    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather the parameters (one all_gather). async_op: started now, finished by the handle's
         wait() (or by the module's forward)."""
         unit = self._unit()
@@ -75,12 +77,12 @@ class FSDPModule:
         """The reduced gradient sum is divided by `factor` instead of the data-parallel size."""
         self._unit().divide_factor = float(factor)
 
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """These modules' gathers start once this module's own is done, before its forward computes."""
         _check_fsdp_modules(modules, "set_modules_to_forward_prefetch")
         self._unit().forward_prefetch = list(modules)
 
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """These modules' gathers start at this module's pre-backward, while its backward computes
         (none by default: see docs/fsdp.md on memory)."""
         _check_fsdp_modules(modules, "set_modules_to_backward_prefetch")
@@ -105,7 +107,9 @@ class UnshardHandle:
 def _check_fsdp_modules(modules: Iterable[Any], what: str) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise ShardingError(f"{what}: {type(m).__name__} is not a fully_shard module; apply fully_shard to it first")
+            raise ShardingError(
+                f"{what}: {type(m).__name__} is not a fully_shard module; apply fully_shard to it first"
+            )
 
 
 def fully_shard(
@@ -127,10 +131,14 @@ def fully_shard(
     if not modules:
         raise ShardingError("fully_shard: an empty list of modules")
     if dp_mesh_dims is not None:
-        raise ShardingError("fully_shard: dp_mesh_dims is not supported yet; pass the data mesh (mesh=mesh['dp'], or mesh[('dp_replicate', 'dp_shard')] for HSDP)")
+        raise ShardingError(
+            "fully_shard: dp_mesh_dims is not supported yet; pass the data mesh (mesh=mesh['dp'], or mesh[('dp_replicate', 'dp_shard')] for HSDP)"
+        )
     data = DataMesh(_data_mesh(mesh))
     if data.mesh.ndim not in (1, 2):
-        raise ShardingError(f"fully_shard: the mesh must be 1-D (FSDP) or 2-D (replicate, shard: HSDP), got {data.mesh}")
+        raise ShardingError(
+            f"fully_shard: the mesh must be 1-D (FSDP) or 2-D (replicate, shard: HSDP), got {data.mesh}"
+        )
     for m in modules:
         if unit_of(m) is not None:
             raise ShardingError(f"fully_shard: {type(m).__name__} is already fully sharded")
@@ -148,7 +156,9 @@ def fully_shard(
 def _data_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh):
-            raise ShardingError(f"fully_shard: mesh must be a shardops DeviceMesh (so.init_device_mesh / DeviceMesh.from_torch), got {type(mesh).__name__}")
+            raise ShardingError(
+                f"fully_shard: mesh must be a shardops DeviceMesh (so.init_device_mesh / DeviceMesh.from_torch), got {type(mesh).__name__}"
+            )
         return mesh
     entered = current_mesh()
     if entered is not None:
@@ -177,7 +187,9 @@ def _reshard_after_forward(value: bool | int | None, data: DataMesh) -> bool | N
     raise ShardingError(f"fully_shard: reshard_after_forward must be a bool, an int or None, got {value!r}")
 
 
-def _collect_params(modules, data: DataMesh, shard_placement_fn, mp: MixedPrecisionPolicy, ignored: set[int]) -> list[FSDPParam]:
+def _collect_params(
+    modules, data: DataMesh, shard_placement_fn, mp: MixedPrecisionPolicy, ignored: set[int]
+) -> list[FSDPParam]:
     """The modules' parameters no nested unit manages, each with every (module, name) it appears under."""
     occurrences: dict[int, list[tuple[nn.Module, str]]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -195,7 +207,9 @@ def _collect_params(modules, data: DataMesh, shard_placement_fn, mp: MixedPrecis
             placement = shard_placement_fn(p)
             if placement is not None:
                 if type(placement) is not Shard:
-                    raise ShardingError(f"fully_shard: shard_placement_fn must return Shard(dim) or None, got {placement!r}")
+                    raise ShardingError(
+                        f"fully_shard: shard_placement_fn must return Shard(dim) or None, got {placement!r}"
+                    )
                 shard_dim = placement.dim
         out.append(FSDPParam(p, occurrences[key], data, shard_dim, mp.param_dtype))
     return out

@@ -11,27 +11,41 @@ spot), ⌈Ψ·itemsize / cap⌉ all_reduces per step when the parameters fill th
 logical bytes Ψ·itemsize. The end of backward starts any bucket a parameter without a gradient
 left open (as zeros), waits for every bucket and writes the averages into the gradients.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .._torch.autograd import queue_end_of_backward
 from ..comm.base import CollectiveWork
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
 from ..wrapping import local_of, shard_in, spec_of, wrap
-from .._torch.autograd import queue_end_of_backward
 from .fully_shard import _data_mesh
 
 # DDP keywords that mean nothing for shardops' synchronous CPU collectives; accepted for torch's signature
 _ACCEPTED = {
-    "device_ids", "device_id", "output_device", "dim", "broadcast_buffers", "init_sync", "process_group",
-    "find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph",
-    "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision", "skip_all_reduce_unused_params",
+    "device_ids",
+    "device_id",
+    "output_device",
+    "dim",
+    "broadcast_buffers",
+    "init_sync",
+    "process_group",
+    "find_unused_parameters",
+    "check_reduction",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "delay_all_reduce_named_params",
+    "param_to_hook_all_reduce",
+    "mixed_precision",
+    "skip_all_reduce_unused_params",
 }
 STATE_ATTR = "_shardops_replicate_state"
 
@@ -118,7 +132,9 @@ def _local_numel(p: torch.Tensor) -> int:
 
 
 def _local_zeros(p: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(_local_numel(p), dtype=p.dtype, device=p.device if not isinstance(p, DTensor) else local_of(p).device)
+    return torch.zeros(
+        _local_numel(p), dtype=p.dtype, device=p.device if not isinstance(p, DTensor) else local_of(p).device
+    )
 
 
 def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -132,7 +148,9 @@ def _set_grad(p: torch.Tensor, flat: torch.Tensor) -> None:
     if isinstance(p, DTensor):
         spec = spec_of(p)
         local = flat.view(local_of(p).shape).to(p.grad.dtype).contiguous()
-        p.grad = wrap(local, TensorSpec(spec.mesh, spec.placements, TensorMeta(spec.shape, spec.meta.stride, p.grad.dtype)))
+        p.grad = wrap(
+            local, TensorSpec(spec.mesh, spec.placements, TensorMeta(spec.shape, spec.meta.stride, p.grad.dtype))
+        )
     else:
         p.grad.copy_(flat.view(p.grad.shape))
 
@@ -144,9 +162,13 @@ def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = N
 
     unknown = set(kwargs) - _ACCEPTED - {"device_mesh", "bucket_cap_mb"}
     if unknown:
-        raise ShardingError(f"replicate: unknown keyword(s) {sorted(unknown)}; DDP's keywords are {sorted(_ACCEPTED | {'device_mesh', 'bucket_cap_mb'})}")
+        raise ShardingError(
+            f"replicate: unknown keyword(s) {sorted(unknown)}; DDP's keywords are {sorted(_ACCEPTED | {'device_mesh', 'bucket_cap_mb'})}"
+        )
     if unit_of_any(module):
-        raise ShardingError("replicate: this module is already managed by fully_shard; use one of fully_shard or replicate")
+        raise ShardingError(
+            "replicate: this module is already managed by fully_shard; use one of fully_shard or replicate"
+        )
     if module.__dict__.get(STATE_ATTR) is not None:
         raise ShardingError("replicate: this module is already replicated")
     mesh = _data_mesh(kwargs.get("device_mesh"))

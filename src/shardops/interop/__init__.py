@@ -3,6 +3,7 @@
 The layouts are the same, so a conversion only re-labels the local shard. This is
 the one module of the library that uses torch's private placement classes (through shardops._torch.distributed).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,7 +21,9 @@ from ..wrapping import local_of, spec_of, wrap
 
 
 def _torch_placement(p: Placement) -> Any:
-    from torch.distributed.tensor import Partial as TPartial, Replicate as TReplicate, Shard as TShard
+    from torch.distributed.tensor import Partial as TPartial
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
 
     if isinstance(p, StridedShard):
         return strided_shard_class()(p.dim, split_factor=p.split_factor)
@@ -62,7 +65,12 @@ def to_torch(dt: DTensor) -> Any:
     spec = spec_of(dt)
     placements = [_torch_placement(p) for p in spec.placements]
     return TorchDTensor.from_local(
-        local_of(dt), spec.mesh.torch_mesh, placements, run_check=False, shape=torch.Size(spec.shape), stride=spec.meta.stride
+        local_of(dt),
+        spec.mesh.torch_mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size(spec.shape),
+        stride=spec.meta.stride,
     )
 
 

@@ -25,11 +25,13 @@ are left alone (DTensor draws are counter-based, see rng.py), and so are non-CPU
 The torch internals used for this (the thread's dispatch-mode stack, the default
 generator's identity) live in shardops._torch.random.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -2,6 +2,7 @@
 
 Every module in this package is imported, so a new op family needs no edit here.
 """
+
 import importlib
 import pkgutil
 

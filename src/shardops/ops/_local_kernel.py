@@ -6,9 +6,11 @@ tensor with a zero-sized non-batch dim, although the answer for an empty piece i
 an empty output, or zeros where the output is a pending sum the rank adds nothing to.
 The op families of the convolutional family run their local rows through these helpers.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +25,10 @@ def local_output_shapes(ctx) -> list[tuple[int, ...]]:
 
 def zero_outputs(ctx, device: torch.device) -> list[torch.Tensor]:
     """Zeros in this rank's shape and dtype of every output: empty pieces, or nothing added to a pending sum."""
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for shape, spec in zip(local_output_shapes(ctx), ctx.out_specs)]
+    return [
+        torch.zeros(shape, dtype=spec.dtype, device=device)
+        for shape, spec in zip(local_output_shapes(ctx), ctx.out_specs)
+    ]
 
 
 def any_empty(tensors: Sequence[Any]) -> bool:

@@ -18,12 +18,14 @@ of the gradient locally, in the input's own layout (a pending input gets Replica
 
 Only output-sized values move; the input's shards never do.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -189,7 +191,9 @@ def _select_backward(call, x_spec, x, outs, grads):
     size = shape[d]
     if size != x_spec.shape[d]:  # index -> local position; indices held elsewhere go to a spare slot
         lookup = torch.full((x_spec.shape[d],), size, dtype=torch.int64, device=index.device)
-        lookup[torch.as_tensor(list(positions), dtype=torch.int64, device=index.device)] = torch.arange(size, device=index.device)
+        lookup[torch.as_tensor(list(positions), dtype=torch.int64, device=index.device)] = torch.arange(
+            size, device=index.device
+        )
         index = lookup[index]
     shape[d] = size + 1
     out = torch.zeros(shape, dtype=g.dtype, device=g.device).scatter_(d, index, g)
@@ -289,7 +293,9 @@ def check_dims(name: str, spec: TensorSpec, raw, single: bool = False) -> tuple[
                 f"{name}: dim {d} is out of range for {spec!r} ({spec.ndim} dim(s)); use a dim in [-{bound}, {bound})."
             )
         if d % bound in out:
-            raise ShardingError(f"{name}: dim {d} appears more than once in dim={raw!r} for {spec!r}; name each dim once.")
+            raise ShardingError(
+                f"{name}: dim {d} appears more than once in dim={raw!r} for {spec!r}; name each dim once."
+            )
         out.append(d % bound)
     return tuple(sorted(out)) if spec.ndim else ()
 

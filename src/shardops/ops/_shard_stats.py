@@ -10,11 +10,13 @@
 NOTE: candidates for common.py (shared by softmax/layer-norm style families too):
 `ShardLine`, `reduction_layouts`, `grad_local`, `input_grad`.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -142,7 +144,9 @@ def resolve_partials(x):
     return wrap(shard_in(x, target), spec_of(x).with_placements(target))
 
 
-def reduction_layouts(in_spec: TensorSpec, dims: Sequence[int], keepdim: bool) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
+def reduction_layouts(
+    in_spec: TensorSpec, dims: Sequence[int], keepdim: bool
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
     """(input layout, output layout) a reduction's local backward works in.
 
     The input stays where it is (it is the big tensor; pending reductions are resolved
@@ -183,4 +187,3 @@ def input_grad(local: torch.Tensor, placements: Sequence[Placement], x_spec: Ten
     if target != spec.placements:
         local = redistribute_local(local, spec, target)
     return wrap(local, spec.with_placements(target))
-

@@ -17,11 +17,12 @@ the inverse: an output layout whose merge gives the input's layout.
 Only lengths are tracked, never element positions, so the check is cheap on any
 shape and mesh: the set of per-rank length tuples reached after each mesh dim.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..placements import Placement, Shard, StridedShard, chunk_size_and_offset
 
@@ -62,7 +63,9 @@ def resolve_size(src: Sequence[int], size: Sequence[int]) -> list[int]:
     return size
 
 
-def merged_placements(sizes: Sequence[int], cuts: Sequence[tuple[int, int, Placement]], mesh_shape: Sequence[int]) -> list[tuple[int, int]] | None:
+def merged_placements(
+    sizes: Sequence[int], cuts: Sequence[tuple[int, int, Placement]], mesh_shape: Sequence[int]
+) -> list[tuple[int, int]] | None:
     """Merge dims of `sizes` into one: each cut (mesh dim, index into sizes, placement) in mesh order
     becomes a (mesh dim, split factor) of the merged dim (1 = plain Shard); None where not exact."""
     states = {tuple(sizes)}
@@ -97,7 +100,9 @@ def _as_placement(dim: int, split_factor: int) -> Placement:
     return Shard(dim) if split_factor == 1 else StridedShard(dim, split_factor)
 
 
-def view_layout(src: Sequence[int], dst: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]) -> tuple[Placement, ...] | None:
+def view_layout(
+    src: Sequence[int], dst: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
+) -> tuple[Placement, ...] | None:
     """The placements of `view(src -> dst)` for an input laid out as `placements`, or None
     where some shard does not map exactly (then the input must move first)."""
     out = list(placements)
@@ -117,9 +122,13 @@ def view_layout(src: Sequence[int], dst: Sequence[int], mesh_shape: Sequence[int
             return None
         if len(real_in) == 1 and len(real_out) == 1:
             for i, p in cuts:
-                out[i] = StridedShard(real_out[0], p.split_factor) if isinstance(p, StridedShard) else Shard(real_out[0])
+                out[i] = (
+                    StridedShard(real_out[0], p.split_factor) if isinstance(p, StridedShard) else Shard(real_out[0])
+                )
         elif len(real_out) == 1:
-            merged = merged_placements([src[d] for d in real_in], [(i, real_in.index(p.dim), p) for i, p in cuts], mesh_shape)
+            merged = merged_placements(
+                [src[d] for d in real_in], [(i, real_in.index(p.dim), p) for i, p in cuts], mesh_shape
+            )
             if merged is None:
                 return None
             for i, sf in merged:
@@ -135,7 +144,9 @@ def view_layout(src: Sequence[int], dst: Sequence[int], mesh_shape: Sequence[int
     return tuple(out)
 
 
-def _paired_size_one_dim(d: int, gi: Sequence[int], gj: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> int | None:
+def _paired_size_one_dim(
+    d: int, gi: Sequence[int], gj: Sequence[int], src: Sequence[int], dst: Sequence[int]
+) -> int | None:
     """The size-1 output dim a size-1 input dim stays (counted among the group's leading, or trailing,
     size-1 dims on both sides); None where it is folded into a real dim."""
     k = gi.index(d)

@@ -40,21 +40,23 @@ all_gather) and their gradients once (one reduce_scatter). The aten backward op 
 own (a decomposition, verify) gathers K and V again. Gradients come back in the inputs' layouts
 and memory order (q/k/v are often transposed views of [B, L, H, D] activations).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from .. import caches
 from ..dispatch import core
 from ..dispatch.mixed import implicit_replication
 from ..dispatch.registry import call_default, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, static_key
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, without_partials
-from .. import caches
 from ..planner.choice import CHOICE_HOOKS, candidates
 from ..planner.rows import Candidate, Row, row
 from ..redistribute import redistribute_local
@@ -141,7 +143,9 @@ def rows_backward(grad, q, k, v, out, lse, *, q_start: int, is_causal: bool, mas
     grad, out, lse = grad.contiguous(), out.contiguous(), lse.contiguous()
     for start, end, causal in _key_chunks(q_start, q.shape[SEQ], k.shape[SEQ], is_causal):
         kc, vc = k.narrow(SEQ, start, end - start), v.narrow(SEQ, start, end - start)
-        gq, gk, gv = FLASH_BACKWARD(grad, q, kc, vc, out, lse, 0.0, causal, attn_mask=_mask_columns(mask, start, end), scale=scale)
+        gq, gk, gv = FLASH_BACKWARD(
+            grad, q, kc, vc, out, lse, 0.0, causal, attn_mask=_mask_columns(mask, start, end), scale=scale
+        )
         dq = gq if dq is None else dq + gq
         dk.narrow(SEQ, start, end - start).copy_(gk)
         dv.narrow(SEQ, start, end - start).copy_(gv)
@@ -171,7 +175,9 @@ def _sizes_along(local: torch.Tensor, line: ShardLine) -> list[int]:
     return [n * per_position for n in line.sizes]
 
 
-def gather_keys(k: torch.Tensor, v: torch.Tensor, k_spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor, ShardLine | None]:
+def gather_keys(
+    k: torch.Tensor, v: torch.Tensor, k_spec: TensorSpec
+) -> tuple[torch.Tensor, torch.Tensor, ShardLine | None]:
     """K and V whole along the sequence: ONE all_gather of both (packed), uneven shards included."""
     line = shard_line(k_spec, SEQ)
     if not line.mesh_dims:
@@ -197,7 +203,9 @@ def scatter_key_grads(dk: torch.Tensor, dv: torch.Tensor, line: ShardLine) -> tu
     chunks = []
     for m in range(len(line.starts)):
         start, size = line.starts[m], line.sizes[m]
-        chunks.append(torch.cat([dk.narrow(SEQ, start, size).reshape(-1), dv.narrow(SEQ, start, size).reshape(-1).to(dk.dtype)]))
+        chunks.append(
+            torch.cat([dk.narrow(SEQ, start, size).reshape(-1), dv.narrow(SEQ, start, size).reshape(-1).to(dk.dtype)])
+        )
     mesh = line.spec.mesh
     mine = mesh.comm.reduce_scatter(chunks, "sum", mesh.group(line.mesh_dims))
     k_shape, v_shape = list(dk.shape), list(dv.shape)
@@ -213,7 +221,9 @@ def _pick_heads(k: torch.Tensor, v: torch.Tensor, heads: torch.Tensor | None) ->
     return k.index_select(HEADS, heads), v.index_select(HEADS, heads)
 
 
-def _sum_heads(dk: torch.Tensor, dv: torch.Tensor, heads: torch.Tensor | None, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sum_heads(
+    dk: torch.Tensor, dv: torch.Tensor, heads: torch.Tensor | None, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of picked heads summed back onto the K/V heads (a Partial(sum) over the q-head shards)."""
     if heads is None:
         return dk, dv
@@ -249,7 +259,9 @@ def _backward_sharded(ctx, grad, q, k, v, out, lse, dropout_p=0.0, is_causal=Fal
     k, v, line = gather_keys(k, v, k_spec)
     heads = _kv_head_index(q_spec, k_spec)
     k, v = _pick_heads(k, v, heads)
-    dq, dk, dv = rows_backward(grad, q, k, v, out, lse, q_start=_q_start(q_spec), **_call_options(is_causal, attn_mask, scale))
+    dq, dk, dv = rows_backward(
+        grad, q, k, v, out, lse, q_start=_q_start(q_spec), **_call_options(is_causal, attn_mask, scale)
+    )
     dk, dv = _sum_heads(dk, dv, heads, kv_heads)
     if line is not None:
         dk, dv = scatter_key_grads(dk, dv, line)
@@ -284,7 +296,9 @@ def _gqa_head_dims(q: TensorSpec, k: TensorSpec) -> list[int]:
             chosen.append(i)
             product *= mesh_shape[i]
     if not chosen:  # one mesh dim alone may still align uneven chunks (see _aligned_chunks)
-        chosen = [next((i for i in current + list(range(len(mesh_shape))) if _aligned_chunks(hq, hk, mesh_shape[i])), None)]
+        chosen = [
+            next((i for i in current + list(range(len(mesh_shape))) if _aligned_chunks(hq, hk, mesh_shape[i])), None)
+        ]
         chosen = [i for i in chosen if i is not None]
     return sorted(chosen)
 
@@ -302,7 +316,9 @@ def _shard_bytes(spec: TensorSpec, n: int) -> float:
 
 
 def _applicable(schema: OpSchema, q: TensorSpec, k: TensorSpec, v: TensorSpec) -> bool:
-    return q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and not schema.arg("dropout_p") and q.shape[BATCH] == k.shape[BATCH]
+    return (
+        q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and not schema.arg("dropout_p") and q.shape[BATCH] == k.shape[BATCH]
+    )
 
 
 def _attention_rows(schema: OpSchema, q, k, v, mask, backward: bool) -> list[Row]:
@@ -328,7 +344,9 @@ def _attention_rows(schema: OpSchema, q, k, v, mask, backward: bool) -> list[Row
         rows.append(row(outputs(heads, heads), inputs(heads, heads, HEADS), algorithm, label=LABEL_LOCAL))
     else:  # GQA: K/V heads sharded alike on the mesh dims that keep the groups aligned, else replicated
         for i in _gqa_head_dims(q, k):
-            rows.append(row(outputs(heads, heads), inputs(heads, heads, HEADS), algorithm, label=LABEL_LOCAL, mesh_dim=i))
+            rows.append(
+                row(outputs(heads, heads), inputs(heads, heads, HEADS), algorithm, label=LABEL_LOCAL, mesh_dim=i)
+            )
         rows.append(row(outputs(heads, grad_of(R)), inputs(heads, R, HEADS), algorithm, label=LABEL_LOCAL))
     rows.append(row(outputs(seq, grad_of(R)), inputs(seq, R, SEQ), algorithm, label=LABEL_LOCAL))
     rows += _context_rows(q, k, v, outputs(seq, seq), inputs(seq, seq, SEQ), algorithm, backward)
@@ -406,8 +424,12 @@ def _wrap(local: torch.Tensor, like: TensorSpec, placements: Sequence[Placement]
 def _grad_home(local: torch.Tensor, computed: Sequence[Placement], x_spec: TensorSpec):
     """An input's gradient: on mesh dims where the input is sharded, back in its own shards;
     where it is replicated, a pending Partial(sum) stays pending (as torch's DTensor does)."""
-    target = tuple(mine if mine.is_shard() else (got if got.is_partial() else R) for mine, got in zip(x_spec.placements, computed))
-    spec = TensorSpec(x_spec.mesh, tuple(computed), TensorMeta(x_spec.shape, contiguous_stride(x_spec.shape), local.dtype))
+    target = tuple(
+        mine if mine.is_shard() else (got if got.is_partial() else R) for mine, got in zip(x_spec.placements, computed)
+    )
+    spec = TensorSpec(
+        x_spec.mesh, tuple(computed), TensorMeta(x_spec.shape, contiguous_stride(x_spec.shape), local.dtype)
+    )
     if target != tuple(computed):
         local = redistribute_local(local.contiguous(), spec, target)
     return _wrap(local, x_spec, target, x_spec.dtype)
@@ -450,8 +472,18 @@ class _Attention(torch.autograd.Function):
         if ctx.line is not None:
             dk, dv = scatter_key_grads(dk, dv, ctx.line)
         # K/V replicated where q is sharded: each rank holds its query rows' share of their gradient
-        kv_grad = tuple(P_SUM if pkv.is_replicate() and pq.is_shard() else pkv for pkv, pq in zip(ctx.layouts[1], ctx.layouts[0]))
-        return dq, _grad_home(dk, kv_grad, ctx.inputs[1]), _grad_home(dv, kv_grad, ctx.inputs[2]), None, None, None, None
+        kv_grad = tuple(
+            P_SUM if pkv.is_replicate() and pq.is_shard() else pkv for pkv, pq in zip(ctx.layouts[1], ctx.layouts[0])
+        )
+        return (
+            dq,
+            _grad_home(dk, kv_grad, ctx.inputs[1]),
+            _grad_home(dv, kv_grad, ctx.inputs[2]),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _sdpa_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, enable_gqa=False): ...  # noqa: E704  (torch's form)
@@ -477,7 +509,11 @@ def _additive(mask, dtype: torch.dtype):
     """A bool mask as the additive one SDPA builds (0 where kept, -inf where masked)."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.full((), -math.inf, dtype=dtype, device=mask.device))
+    return torch.where(
+        mask,
+        torch.zeros((), dtype=dtype, device=mask.device),
+        torch.full((), -math.inf, dtype=dtype, device=mask.device),
+    )
 
 
 def _served(b: dict[str, Any]) -> bool:
@@ -522,16 +558,29 @@ _PLANS: dict[tuple, tuple] = {}
 caches.register("attention plans", _PLANS.clear)
 
 
-def _plan(q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool, scale, b: dict[str, Any]) -> tuple | None:
+def _plan(
+    q: DTensor, k: DTensor, v: DTensor, mask: DTensor | None, causal: bool, scale, b: dict[str, Any]
+) -> tuple | None:
     """(input layouts, the forward op's algorithm) chosen from its rows; None: no rows apply (torch's path then).
 
     Cached like dispatch's decisions, except while verify's choice hooks steer the planner.
     """
-    key = (spec_of(q).key, spec_of(k).key, spec_of(v).key, None if mask is None else spec_of(mask).key, causal, static_key(scale), caches.EPOCH[0])
+    key = (
+        spec_of(q).key,
+        spec_of(k).key,
+        spec_of(v).key,
+        None if mask is None else spec_of(mask).key,
+        causal,
+        static_key(scale),
+        caches.EPOCH[0],
+    )
     plan = None if CHOICE_HOOKS else _PLANS.get(key)
     if plan is None:
         _check_like_torch(b)
-        leaves, tree = core.flatten_args((spec_of(q), spec_of(k), spec_of(v), 0.0, causal), {"attn_mask": None if mask is None else spec_of(mask), "scale": scale})
+        leaves, tree = core.flatten_args(
+            (spec_of(q), spec_of(k), spec_of(v), 0.0, causal),
+            {"attn_mask": None if mask is None else spec_of(mask), "scale": scale},
+        )
         tensor_pos = [i for i, t in enumerate(leaves) if isinstance(t, TensorSpec)]
         decision = core.decide(FLASH, leaves, tree, tensor_pos)
         if decision.fallback:
@@ -557,7 +606,12 @@ def _with_kernel_masks(entry):
 
 
 # F.scaled_dot_product_attention is the C binding itself (one object, registered once)
-@torch_level(F.scaled_dot_product_attention, signature=CallSignature(_sdpa_call), apply=_Attention.apply, around=_with_kernel_masks)
+@torch_level(
+    F.scaled_dot_product_attention,
+    signature=CallSignature(_sdpa_call),
+    apply=_Attention.apply,
+    around=_with_kernel_masks,
+)
 def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     """F.scaled_dot_product_attention on DTensors: (q, k, v, mask, is_causal, scale, layouts); None: torch's path."""
     if not _served(b):
@@ -577,4 +631,3 @@ def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     causal, scale = bool(b["is_causal"]), b["scale"]
     plan = _plan(q, k, v, mask, causal, scale, b)
     return None if plan is None else (q, k, v, mask, causal, scale, plan)
-

@@ -39,13 +39,14 @@ first raises a ShardingError and the backward uses its own formulas on every row
 Not covered: cudnn_batch_norm / miopen (GPU entries), _batch_norm_with_update and
 _batch_norm_no_update (export's forms) and their batch_norm_backward.
 """
+
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Sequence
 
 import torch
 
@@ -129,14 +130,20 @@ def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
     return None if t is None else t.dtype
 
 
-@functools.lru_cache(maxsize=None)
-def _stat_dtype(device_type: str, dtype: torch.dtype, weight: torch.dtype | None, running: torch.dtype | None) -> torch.dtype:
+@functools.cache
+def _stat_dtype(
+    device_type: str, dtype: torch.dtype, weight: torch.dtype | None, running: torch.dtype | None
+) -> torch.dtype:
     """The dtype the device's kernel gives save_mean/save_invstd (CPU: the input's when every
     operand is of the input's half type, float32 otherwise; the meta kernel says float32 always),
     so that the sharded path returns what the local path does."""
     probe = torch.ones(2, 1, dtype=dtype, device=device_type)
     w = None if weight is None else torch.ones(1, dtype=weight, device=device_type)
-    stats = [None, None] if running is None else [torch.zeros(1, dtype=running, device=device_type), torch.ones(1, dtype=running, device=device_type)]
+    stats = (
+        [None, None]
+        if running is None
+        else [torch.zeros(1, dtype=running, device=device_type), torch.ones(1, dtype=running, device=device_type)]
+    )
     return aten.native_batch_norm.default(probe, w, None, *stats, True, 0.1, 1e-5)[1].dtype
 
 
@@ -183,7 +190,9 @@ def _forward_rows(schema: OpSchema, n_running: int, training: bool, algorithm) -
         else:
             rows.append(row([S(d), R, R] + [R] * n_extra, ins))
     channel_out = [S(1), R, R] if not training else [S(1), S(0), S(0)]  # eval: empty save_mean / save_invstd
-    rows.append(row(channel_out + [S(0)] * n_extra, [S(1)] + [S(0)] * (n_affine + n_running), algorithm if training else None))
+    rows.append(
+        row(channel_out + [S(0)] * n_extra, [S(1)] + [S(0)] * (n_affine + n_running), algorithm if training else None)
+    )
     if training and n_running:
         return _keeping_running_stats(schema, rows)
     return rows
@@ -240,7 +249,9 @@ def _batch_norm_updating(input, weight, bias, running_mean, running_var, trainin
             raise ShardingError(
                 "batch_norm in eval mode (training=False) needs running statistics; pass running_mean and running_var, or training=True."
             )
-        return aten._native_batch_norm_legit_no_training.default(input, weight, bias, running_mean, running_var, momentum, eps)
+        return aten._native_batch_norm_legit_no_training.default(
+            input, weight, bias, running_mean, running_var, momentum, eps
+        )
     if not has_mean:
         return aten._native_batch_norm_legit.no_stats(input, weight, bias, True, momentum, eps)
     out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
@@ -258,7 +269,9 @@ decomposition(aten._native_batch_norm_legit.default)(_batch_norm_updating)
 # ------------------------------------------------------------------ backward
 
 
-def _batch_norm_backward(ctx, grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask, *, reduce):
+def _batch_norm_backward(
+    ctx, grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask, *, reduce
+):
     """d_x, d_weight, d_bias by torch's formulas; in training, the two per-channel sums over the
     global batch (one all_reduce) when d_x is wanted."""
     op = torch.float64  # xhat = (x - mean) * invstd keeps its digits for data with a large mean
@@ -278,7 +291,9 @@ def _batch_norm_backward(ctx, grad, x, weight, running_mean, running_var, save_m
     if output_mask[0]:
         if train:
             n = math.prod(ctx.in_specs[1].shape[d] for d in dims)
-            d_x = _per_channel(scale, x.ndim) * (g - _per_channel(sum_g / n, x.ndim) - xhat * _per_channel(sum_gx / n, x.ndim))
+            d_x = _per_channel(scale, x.ndim) * (
+                g - _per_channel(sum_g / n, x.ndim) - xhat * _per_channel(sum_gx / n, x.ndim)
+            )
         else:
             d_x = g * _per_channel(scale, x.ndim)
         d_x = d_x.to(ctx.out_specs[0].dtype)
@@ -312,7 +327,10 @@ def _backward_rule(schema: OpSchema) -> list[Row]:
     def r(outs, ins, **kw) -> Row:
         return row([outs[i] for i in present], ins, algo, **kw)
 
-    rows = [r([S(d), sums, sums], [S(d), S(d)] + per_channel(R), comm=comm, label=LABEL_BN_BWD if reduce else "") for d in _stat_dims(x.ndim)]
+    rows = [
+        r([S(d), sums, sums], [S(d), S(d)] + per_channel(R), comm=comm, label=LABEL_BN_BWD if reduce else "")
+        for d in _stat_dims(x.ndim)
+    ]
     rows.append(r([S(1), S(0), S(0)], [S(1), S(1)] + per_channel(S(0))))
     rows.append(r([P, P, P], [P, R] + per_channel(R)))
     return rows

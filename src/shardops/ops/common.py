@@ -1,8 +1,9 @@
 """Helpers shared by op families: which mesh dims shard a tensor dim, groups, offsets, stats gathering."""
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,7 +21,9 @@ def mesh_dims_sharding(spec: TensorSpec, tensor_dims: int | Sequence[int]) -> tu
 
 def shard_placements(spec: TensorSpec) -> list[Placement]:
     """Shard(d) for every dim, plus the input's own StridedShard placements: the shards worth a row."""
-    return [Shard(d) for d in range(spec.ndim)] + [p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)]
+    return [Shard(d) for d in range(spec.ndim)] + [
+        p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)
+    ]
 
 
 def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,7 +65,10 @@ def member_shapes(spec: TensorSpec, mesh_dims: Sequence[int]) -> list[tuple[int,
 
 
 def all_gather_packed(
-    tensors: Sequence[torch.Tensor], spec: TensorSpec, mesh_dims: Sequence[int], shapes: Sequence[Sequence[int]] | None = None
+    tensors: Sequence[torch.Tensor],
+    spec: TensorSpec,
+    mesh_dims: Sequence[int],
+    shapes: Sequence[Sequence[int]] | None = None,
 ) -> list[list[torch.Tensor]]:
     """Several tensors of any dtypes gathered in ONE collective over `mesh_dims`; per member in group order, its tensors.
 
@@ -74,7 +80,11 @@ def all_gather_packed(
         return [list(tensors)]
     mesh = spec.mesh
     group = mesh.group(tuple(mesh_dims))
-    layouts = [[tuple(s)] * len(tensors) for s in shapes] if shapes is not None else [[tuple(t.shape) for t in tensors]] * group.size
+    layouts = (
+        [[tuple(s)] * len(tensors) for s in shapes]
+        if shapes is not None
+        else [[tuple(t.shape) for t in tensors]] * group.size
+    )
     sizes = [[math.prod(s) * t.element_size() for s, t in zip(member, tensors)] for member in layouts]
     mine = torch.cat([_bytes_of(t) for t in tensors])
     pieces = mesh.comm.all_gather(mine, group, [(sum(n),) for n in sizes])

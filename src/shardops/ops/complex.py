@@ -16,14 +16,15 @@ Pending reductions: conj and negation are linear, so a pending sum or mean passe
 (a pending product passes conj, not negation); view_as_real/view_as_complex
 re-label a sum's parts, so sum and mean pass there too.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, StridedShard
+from ..planner.rows import Row, row
 from .pointwise import pointwise_rule
 
 aten = torch.ops.aten
@@ -46,8 +47,12 @@ def _elementwise_view_rule(partials: tuple[str, ...]):
 
 
 # conj is linear and commutes with products; negation and real/imag are linear; prims.view_of moves nothing.
-strategy(aten._conj.default, aten.resolve_conj.default, aten.conj.default)(_elementwise_view_rule(("sum", "avg", "product")))
-strategy(aten._neg_view.default, aten.resolve_neg.default, aten.real.default, aten.imag.default)(_elementwise_view_rule(("sum", "avg")))
+strategy(aten._conj.default, aten.resolve_conj.default, aten.conj.default)(
+    _elementwise_view_rule(("sum", "avg", "product"))
+)
+strategy(aten._neg_view.default, aten.resolve_neg.default, aten.real.default, aten.imag.default)(
+    _elementwise_view_rule(("sum", "avg"))
+)
 strategy(torch.ops.prims.view_of.default)(_elementwise_view_rule(("sum", "avg", "max", "min", "product")))
 strategy(aten.polar.default, aten.complex.default)(pointwise_rule)  # elementwise over two real tensors
 

@@ -15,6 +15,7 @@ neutral value (0, or +inf for p < 0 / -inf) elsewhere, exactly what a p-norm of 
 ignores. The stacked norms then stay pending together, and clip_grad_norm_'s total norm
 costs one all-reduce per mesh dim that shards any gradient, not one per tensor.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -23,8 +24,8 @@ import torch
 
 from ..dispatch.registry import call_default, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate, Shard
+from ..planner.rows import Row, row
 from ..tensor import DTensor
 from ..wrapping import local_of, spec_of, wrap
 from ._shard_stats import needs_grad
@@ -100,13 +101,14 @@ class _CatWithLegacyEmpty(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from ..tensor import DTensor
 
         grads, offset = [], 0
         for spec, legacy in zip(ctx.specs, ctx.legacy):
             if legacy:
                 local = local_of(grad).new_zeros(spec.local_shape())
-                grads.append(wrap(local, spec.with_placements(tuple(R if p.is_partial() else p for p in spec.placements))))
+                grads.append(
+                    wrap(local, spec.with_placements(tuple(R if p.is_partial() else p for p in spec.placements)))
+                )
                 continue
             size = spec.shape[ctx.dim]
             grads.append(aten.slice.Tensor(grad, ctx.dim, offset, offset + size))
@@ -151,4 +153,6 @@ def _parse_concat(func, b: dict, args: tuple, kwargs: dict) -> tuple | None:
 
 # each callable's parse knows which one it is (its apply re-calls it)
 for _func in (torch.stack, torch.cat, torch.concat, torch.concatenate):
-    torch_level(_func, signature=CallSignature(_concat_call, aliases={"axis": "dim"}), apply=_apply_concat)(partial(_parse_concat, _func))
+    torch_level(_func, signature=CallSignature(_concat_call, aliases={"axis": "dim"}), apply=_apply_concat)(
+        partial(_parse_concat, _func)
+    )

@@ -43,10 +43,11 @@ Empty shards (uneven channels over many ranks) run no kernel: torch refuses a we
 no output channels. Their outputs are empty, or zeros where the rank adds nothing to a
 pending sum (plus its bias piece).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 
@@ -121,7 +122,9 @@ def _convolution_local(ctx, x, weight, bias, stride, padding, dilation, transpos
             out += bias.reshape((1, -1) + (1,) * (out.ndim - 2)).to(out.dtype)
         return out
     local_groups = _local_groups(ctx, x, groups)
-    return aten.convolution.default(x, weight, bias, stride, padding, dilation, transposed, output_padding, local_groups)
+    return aten.convolution.default(
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, local_groups
+    )
 
 
 @strategy(aten.convolution.default)
@@ -150,7 +153,9 @@ def _convolution_rule(schema: OpSchema) -> list[Row]:
 # ------------------------------------------------------------------ backward
 
 
-def _convolution_backward_local(ctx, grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+def _convolution_backward_local(
+    ctx, grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
     """torch's backward kernel on this rank's shards; with an empty shard, the sums it would add up."""
     if any_empty([grad, x, weight]):
         d_x, d_w = torch.zeros_like(x), torch.zeros_like(weight)
@@ -158,9 +163,21 @@ def _convolution_backward_local(ctx, grad, x, weight, bias_sizes, stride, paddin
         outs = [d_x, d_w, d_b]
     else:
         local_bias = None if bias_sizes is None else [grad.shape[1]]
-        outs = list(aten.convolution_backward.default(
-            grad, x, weight, local_bias, stride, padding, dilation, transposed, output_padding, _local_groups(ctx, x, groups), output_mask
-        ))
+        outs = list(
+            aten.convolution_backward.default(
+                grad,
+                x,
+                weight,
+                local_bias,
+                stride,
+                padding,
+                dilation,
+                transposed,
+                output_padding,
+                _local_groups(ctx, x, groups),
+                output_mask,
+            )
+        )
     return tuple(o if m else None for o, m in zip(outs, output_mask))
 
 
@@ -180,7 +197,9 @@ def _convolution_backward_rule(schema: OpSchema) -> list[Row]:
     if groups == 1:
         rows += [r([P, S(w_out), S(0)], [S(1), R, S(w_out)]), r([S(1), S(w_in), R], [R, S(1), S(w_in)])]
     else:
-        rows += [replace(r([S(1), S(0), S(0)], [S(1), S(1), S(0)]), mesh_dim=i) for i in whole_group_mesh_dims(x, groups)]
+        rows += [
+            replace(r([S(1), S(0), S(0)], [S(1), S(1), S(0)]), mesh_dim=i) for i in whole_group_mesh_dims(x, groups)
+        ]
     rows += [r([P, P, P], [P, R, R]), r([R, P, R], [R, P, R]), r([P, R, R], [R, R, P])]
     if _pointwise_kernel(schema, w):
         rows += [r([S(d), P, P], [S(d), S(d), R]) for d in range(2, x.ndim)]

@@ -24,6 +24,7 @@ rows it owns (0 B), a replicated one all of them (ids Replicate, so replicas sta
 An id outside [0, V) raises like torch on every rank: the vocabulary rows see the
 whole id tensor (it is Replicate there), so each rank can check it without a message.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,9 +32,9 @@ import torch
 from ..comm.traceable import is_traced_tensor
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard
+from ..planner.rows import Row, row
 from .common import global_positions
 
 aten = torch.ops.aten
@@ -55,8 +56,12 @@ def _check_ids(ids: torch.Tensor, vocab: int, op: str) -> None:
         return  # torch.compile: ids have no values at trace time (a compiled lookup gives zero rows for bad ids)
     if ids.is_meta:
         return  # metadata-only pricing (autoparallel's dry world): no values to check
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # stays: torch raises here too (CPU); on CUDA a device assert would abort
-        raise ShardingError(f"{op}: index out of range in self (ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}).")
+    if ids.numel() and (
+        int(ids.min()) < 0 or int(ids.max()) >= vocab
+    ):  # stays: torch raises here too (CPU); on CUDA a device assert would abort
+        raise ShardingError(
+            f"{op}: index out of range in self (ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())})."
+        )
 
 
 def _vocab_lookup(ctx, weight: torch.Tensor, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -69,7 +74,16 @@ def _vocab_lookup(ctx, weight: torch.Tensor, ids: torch.Tensor, *args, **kwargs)
     return torch.where(owned.unsqueeze(-1), looked_up, torch.zeros((), dtype=weight.dtype, device=weight.device))
 
 
-def _vocab_table_grad(ctx, grad: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx: int, scale_grad_by_freq: bool, *args, **kwargs) -> torch.Tensor:
+def _vocab_table_grad(
+    ctx,
+    grad: torch.Tensor,
+    ids: torch.Tensor,
+    num_weights: int,
+    padding_idx: int,
+    scale_grad_by_freq: bool,
+    *args,
+    **kwargs,
+) -> torch.Tensor:
     """The rows this rank owns; other ids go to a spare row that is dropped."""
     out = ctx.out_specs[0]
     rows = global_positions(out, 0)
@@ -121,4 +135,3 @@ def embedding_backward_rule(schema: OpSchema) -> list[Row]:
     if not schema.arg("scale_grad_by_freq"):
         rows += [row(SUM, [Shard(d), Shard(d)]) for d in range(ids.ndim)]
     return rows
-

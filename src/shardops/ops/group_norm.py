@@ -26,6 +26,7 @@ exact). Every row also comes with the sharded-plane algorithm, so that a batch o
 row on one mesh dim combines with a sharded plane on another (the planner runs one
 algorithm per op); torch's kernel rows come first and win their ties.
 """
+
 from __future__ import annotations
 
 import functools
@@ -109,16 +110,20 @@ def _group_stats(ctx, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch
     stats = all_gather_stacked(torch.stack([mean, m2]), spec, group)  # (G, 2, n, groups): one collective
     per_channel = x.shape[1] // groups
     counts = [per_channel * math.prod(s[2:]) for s in member_shapes(spec, group)]
-    n, mean, m2 = chan_merge(stats[:, 0], stats[:, 1], torch.tensor(counts, dtype=torch.float64, device=x.device).reshape(-1, 1, 1))
+    n, mean, m2 = chan_merge(
+        stats[:, 0], stats[:, 1], torch.tensor(counts, dtype=torch.float64, device=x.device).reshape(-1, 1, 1)
+    )
     return mean, m2 / n
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stat_dtype(device_type: str, dtype: torch.dtype, weight: torch.dtype | None) -> torch.dtype:
     """The dtype the device's kernel gives mean/rstd (CPU: the input's when every operand is of
     the input's half type, float32 otherwise), so the sharded path returns what the local path does."""
     w = None if weight is None else torch.ones(1, dtype=weight, device=device_type)
-    return aten.native_group_norm.default(torch.ones(1, 1, 1, dtype=dtype, device=device_type), w, None, 1, 1, 1, 1, 0.0)[1].dtype
+    return aten.native_group_norm.default(
+        torch.ones(1, 1, 1, dtype=dtype, device=device_type), w, None, 1, 1, 1, 1, 0.0
+    )[1].dtype
 
 
 def _group_norm_spatial(ctx, x, weight, bias, N, C, HxW, group, eps):
@@ -144,7 +149,10 @@ def _group_norm_backward_spatial(ctx, grad, x, mean, rstd, weight, N, C, HxW, gr
     spec = ctx.in_specs[1]
     _, c, g = _local_sizes(ctx, x, group)
     g64 = grad.to(torch.float64)
-    xhat = ((_by_group(x.to(torch.float64), g) - mean.to(torch.float64).unsqueeze(-1)) * rstd.to(torch.float64).unsqueeze(-1)).reshape(x.shape)
+    xhat = (
+        (_by_group(x.to(torch.float64), g) - mean.to(torch.float64).unsqueeze(-1))
+        * rstd.to(torch.float64).unsqueeze(-1)
+    ).reshape(x.shape)
     outer = [0] + list(range(2, x.ndim))
     d_x = d_w = d_b = None
     if output_mask[0]:
@@ -176,7 +184,10 @@ def _group_norm_rule(schema: OpSchema) -> list[Row]:
     for algo in (_group_norm_local, _group_norm_spatial):  # torch's kernel first: it wins their ties
         rows.append(row([S(0)] * 3, [S(0)] + [R] * n_affine, algo))
         rows += [row([S(1)] * 3, [S(1)] + [S(0)] * n_affine, algo, mesh_dim=i) for i in _group_dims(schema, x)]
-    rows += [row([S(d), R, R], [S(d)] + [R] * n_affine, _group_norm_spatial, comm=comm, label=LABEL_GN) for d in range(2, x.ndim)]
+    rows += [
+        row([S(d), R, R], [S(d)] + [R] * n_affine, _group_norm_spatial, comm=comm, label=LABEL_GN)
+        for d in range(2, x.ndim)
+    ]
     return rows
 
 
@@ -194,5 +205,8 @@ def _group_norm_backward_rule(schema: OpSchema) -> list[Row]:
         rows += [r([S(0), P, P], [S(0)] * 4 + [R], algo), r([P, P, P], [P, R, R, R, R], algo)]
         rows += [replace(r([S(1), S(0), S(0)], [S(1)] * 4 + [S(0)], algo), mesh_dim=i) for i in _group_dims(schema, x)]
     comm = [("all_reduce", 2 * F64 * _rows_per_rank(schema, x))] if schema.arg("output_mask")[0] else []
-    rows += [r([S(d), P, P], [S(d), S(d), R, R, R], _group_norm_backward_spatial, comm=comm, label=LABEL_GN_BWD) for d in range(2, x.ndim)]
+    rows += [
+        r([S(d), P, P], [S(d), S(d), R, R, R], _group_norm_backward_spatial, comm=comm, label=LABEL_GN_BWD)
+        for d in range(2, x.ndim)
+    ]
     return rows

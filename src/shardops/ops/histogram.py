@@ -12,6 +12,7 @@ range torch would have computed on the whole tensor (the data's min and max as d
 its widening of an empty range by +-1). An empty shard contributes (+inf, -inf): it loses
 both comparisons, and its histogram is zeros.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,8 @@ import torch
 
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..planner.rows import Row, row
 from ..placements import Partial
+from ..planner.rows import Row, row
 from .common import all_gather_stacked
 from .reductions import shard_options
 
@@ -53,10 +54,14 @@ def histc_global_range(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     lo, hi = _local_range(x)
     ranges = all_gather_stacked(torch.stack([lo, hi]), spec, group)
     lo, hi = ranges[:, 0].amin(), ranges[:, 1].amax()  # NaN propagates: torch.histc raises on it, as torch does
-    return ctx.func(x, bins, lo.item(), hi.item())  # stays: histc takes its range as Python numbers (torch reads it to the host too)
+    return ctx.func(
+        x, bins, lo.item(), hi.item()
+    )  # stays: histc takes its range as Python numbers (torch reads it to the host too)
 
 
 def _local_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
-        return torch.tensor(math.inf, dtype=x.dtype, device=x.device), torch.tensor(-math.inf, dtype=x.dtype, device=x.device)
+        return torch.tensor(math.inf, dtype=x.dtype, device=x.device), torch.tensor(
+            -math.inf, dtype=x.dtype, device=x.device
+        )
     return torch.aminmax(x)

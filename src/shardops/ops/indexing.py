@@ -22,18 +22,20 @@ with a replicated index: each rank applies the entries whose target it owns
 elsewhere -> Partial(sum). Linear ops (scatter_add, index_add, accumulating
 index_put) with the index sharded: each rank adds its part into a pending sum.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from ..comm.traceable import graph_constant, tracing, untraced
 from ..dispatch.registry import COPYING_VIEW_ALGORITHMS, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
+from ..placements import NormPartial, Partial, Placement, Replicate, Shard, dim_positions
 from ..planner.rows import Row, row
-from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions
 from ..redistribute import redistribute_local
 from ..spec import TensorSpec
 from ._shard_stats import needs_grad
@@ -89,7 +91,11 @@ def reindex_along(
     index = lambda rows: graph_constant(rows, local)  # noqa: E731
     out_shape = list(local.shape)
     out_shape[dim] = route.out_len
-    out = torch.full(out_shape, fill, dtype=local.dtype, device=local.device) if route.out_len else local.new_empty(out_shape)
+    out = (
+        torch.full(out_shape, fill, dtype=local.dtype, device=local.device)
+        if route.out_len
+        else local.new_empty(out_shape)
+    )
     if route.group is None or not route.moving:
         picked = local.index_select(dim, index(route.send_rows[route.me]))
         return out.index_copy_(dim, index(route.recv_slots[route.me]), picked)
@@ -152,7 +158,9 @@ def _reindex_route(mesh, src, dst, source_of: torch.Tensor) -> _Route:
     keep = (lambda t: t.tolist()) if tracing() else (lambda t: t)  # noqa: E731
     if not moving:  # every member keeps what it has: only this rank's own rows matter
         send = [keep(local_index[rows] if m == me else rows[:0]) for m in range(len(members))]
-        return _Route(group, me, out_len, False, send, [keep(slots if m == me else slots[:0]) for m in range(len(members))])
+        return _Route(
+            group, me, out_len, False, send, [keep(slots if m == me else slots[:0]) for m in range(len(members))]
+        )
     send = [keep(local_index[m_rows[m_sender == me]]) for _, m_rows, m_sender in all_needs]
     return _Route(group, me, out_len, True, send, [keep(slots[sender == m]) for m in range(len(members))])
 
@@ -164,7 +172,10 @@ def _axis(spec: TensorSpec, dim: int, length: int | None = None) -> tuple[int, i
 def _sharded_here(ctx, in_dim: int, out_dim: int | None = None, k: int = 0) -> bool:
     """The chosen layout shards the op's dim on input k or on the output (a re-index must move rows)."""
     out_dim = in_dim if out_dim is None else out_dim
-    return bool(_sharding_mesh_dims(ctx.in_specs[k].placements, in_dim) or _sharding_mesh_dims(ctx.out_specs[0].placements, out_dim))
+    return bool(
+        _sharding_mesh_dims(ctx.in_specs[k].placements, in_dim)
+        or _sharding_mesh_dims(ctx.out_specs[0].placements, out_dim)
+    )
 
 
 def _local_size(ctx, sizes: Sequence[int]) -> list[int]:
@@ -182,12 +193,16 @@ def _partials(schema: OpSchema, ops: Sequence[str] = ("sum", "avg", "max", "min"
     return out
 
 
-def _keep_rows(ndim: int, skip: Sequence[int], n_in: int = 1, shift: Callable[[int], int] = lambda d: d, size_ok=lambda d: True) -> list[Row]:
+def _keep_rows(
+    ndim: int, skip: Sequence[int], n_in: int = 1, shift: Callable[[int], int] = lambda d: d, size_ok=lambda d: True
+) -> list[Row]:
     """Local rows: a dim the op does not touch keeps its shard (0 bytes)."""
     return [row(Shard(shift(d)), [Shard(d)] + [R] * (n_in - 1)) for d in range(ndim) if d not in skip and size_ok(d)]
 
 
-def _move_rows(dims: Sequence[int], algorithm, out_bytes: float, n_in: int = 1, out_dim=lambda d: d, from_replica: bool = False) -> list[Row]:
+def _move_rows(
+    dims: Sequence[int], algorithm, out_bytes: float, n_in: int = 1, out_dim=lambda d: d, from_replica: bool = False
+) -> list[Row]:
     """Re-index rows for each dim the op re-indexes: from a shard (the rows that change owner move, at most
     this rank's output shard) and, for backward ops, from a replica (local: a gradient goes back sharded).
 
@@ -196,7 +211,15 @@ def _move_rows(dims: Sequence[int], algorithm, out_bytes: float, n_in: int = 1, 
     """
     rows = []
     for d in dims:
-        rows.append(row(Shard(out_dim(d)), [Shard(d)] + [R] * (n_in - 1), algorithm, comm=(("all_to_all", out_bytes),), label=LABEL_MOVE))
+        rows.append(
+            row(
+                Shard(out_dim(d)),
+                [Shard(d)] + [R] * (n_in - 1),
+                algorithm,
+                comm=(("all_to_all", out_bytes),),
+                label=LABEL_MOVE,
+            )
+        )
         if from_replica:
             rows.append(row(Shard(out_dim(d)), [R] * n_in, algorithm, label=LABEL_FROM_REPLICA))
     return rows
@@ -223,7 +246,9 @@ def _flip_algorithm(ctx, x: torch.Tensor, dims, *args, **kwargs) -> torch.Tensor
     for d in _flip_dims(ctx.schema):
         if _sharded_here(ctx, d):
             n = spec.shape[d]
-            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: torch.arange(n - 1, -1, -1))
+            x = reindex_along(
+                x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: torch.arange(n - 1, -1, -1)
+            )
         else:
             left.append(d)
     return x.flip(left) if left else x
@@ -232,7 +257,11 @@ def _flip_algorithm(ctx, x: torch.Tensor, dims, *args, **kwargs) -> torch.Tensor
 @strategy(aten.flip.default, algorithms=[LABEL_MOVE])
 def _flip_rule(schema: OpSchema) -> list[Row]:
     spec, dims = schema.self_spec, _flip_dims(schema)
-    return _keep_rows(spec.ndim, dims) + _move_rows(dims, _flip_algorithm, _shard_bytes(spec)) + [row(p, p) for p in _partials(schema)]
+    return (
+        _keep_rows(spec.ndim, dims)
+        + _move_rows(dims, _flip_algorithm, _shard_bytes(spec))
+        + [row(p, p) for p in _partials(schema)]
+    )
 
 
 def _roll_pairs(schema: OpSchema) -> list[tuple[int, int]]:
@@ -249,7 +278,9 @@ def _roll_algorithm(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     for d, s in _roll_pairs(ctx.schema):
         if _sharded_here(ctx, d):
             n = spec.shape[d]
-            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: (torch.arange(n) - s) % max(n, 1))
+            x = reindex_along(
+                x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: (torch.arange(n) - s) % max(n, 1)
+            )
         else:
             shifts.append(s)
             dims.append(d)
@@ -264,7 +295,11 @@ def _roll_rule(schema: OpSchema) -> list[Row]:
     if not schema.arg("dims") and spec.ndim != 1:
         return [row(p, p) for p in _partials(schema)]  # a roll of the flattened tensor: replicate (implicit row)
     dims = sorted({d for d, _ in _roll_pairs(schema)})
-    return _keep_rows(spec.ndim, dims) + _move_rows(dims, _roll_algorithm, _shard_bytes(spec)) + [row(p, p) for p in _partials(schema)]
+    return (
+        _keep_rows(spec.ndim, dims)
+        + _move_rows(dims, _roll_algorithm, _shard_bytes(spec))
+        + [row(p, p) for p in _partials(schema)]
+    )
 
 
 def _repeat_layout(schema: OpSchema) -> tuple[int, list[int]]:
@@ -282,7 +317,14 @@ def _repeat_algorithm(ctx, x: torch.Tensor, repeats, *args, **kwargs) -> torch.T
     for d in repeated:
         if _sharded_here(ctx, d, d + lead):
             n, r = spec.shape[d], repeats[d + lead]
-            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d + lead), lambda: torch.arange(n * r) % max(n, 1))
+            x = reindex_along(
+                x,
+                spec.mesh,
+                d,
+                _axis(spec, d),
+                _axis(ctx.out_specs[0], d + lead),
+                lambda: torch.arange(n * r) % max(n, 1),
+            )
             local_repeats[d + lead] = 1
     return x.repeat(local_repeats)
 
@@ -294,7 +336,9 @@ def _repeat_rule(schema: OpSchema) -> list[Row]:
     shift = lambda d: d + lead  # noqa: E731
     rows = _keep_rows(spec.ndim, repeated, shift=shift)
     growth = math.prod(schema.arg("repeats"))
-    rows += _move_rows([d for d in repeated if spec.shape[d] > 0], _repeat_algorithm, _shard_bytes(spec, growth), out_dim=shift)
+    rows += _move_rows(
+        [d for d in repeated if spec.shape[d] > 0], _repeat_algorithm, _shard_bytes(spec, growth), out_dim=shift
+    )
     return rows + [row(p, p) for p in _partials(schema)]
 
 
@@ -302,7 +346,9 @@ def _pad_pairs(schema: OpSchema) -> dict[int, tuple[int, int]]:
     """{dim: (left, right)} of constant_pad_nd (pairs start at the last dim; negative pads crop)."""
     nd = schema.self_spec.ndim
     pad = list(schema.arg("pad"))
-    return {nd - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2) if (pad[2 * i], pad[2 * i + 1]) != (0, 0)}
+    return {
+        nd - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2) if (pad[2 * i], pad[2 * i + 1]) != (0, 0)
+    }
 
 
 def _pad_source(n: int, left: int, right: int) -> torch.Tensor:
@@ -316,7 +362,15 @@ def _pad_algorithm(ctx, x: torch.Tensor, pad, value=0, *args, **kwargs) -> torch
     for d, (left, right) in _pad_pairs(ctx.schema).items():
         if _sharded_here(ctx, d):
             n = spec.shape[d]
-            x = reindex_along(x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: _pad_source(n, left, right), fill=value)
+            x = reindex_along(
+                x,
+                spec.mesh,
+                d,
+                _axis(spec, d),
+                _axis(ctx.out_specs[0], d),
+                lambda: _pad_source(n, left, right),
+                fill=value,
+            )
             i = spec.ndim - 1 - d
             local_pad[2 * i] = local_pad[2 * i + 1] = 0
     return aten.constant_pad_nd.default(x, local_pad, value) if any(local_pad) else x.clone()
@@ -336,7 +390,9 @@ def _pad_rule(schema: OpSchema) -> list[Row]:
 # ------------------------------------------------------------------ slice / select backward
 
 
-def _slice_backward_algorithm(ctx, grad: torch.Tensor, input_sizes, dim, start, end, step, *args, **kwargs) -> torch.Tensor:
+def _slice_backward_algorithm(
+    ctx, grad: torch.Tensor, input_sizes, dim, start, end, step, *args, **kwargs
+) -> torch.Tensor:
     out_spec = ctx.out_specs[0]
     nd = out_spec.ndim
     dim = dim % nd
@@ -345,7 +401,15 @@ def _slice_backward_algorithm(ctx, grad: torch.Tensor, input_sizes, dim, start, 
     n = out_spec.shape[dim]
     start, end = _clamp_slice(start, end, n)
     gspec = ctx.in_specs[0]
-    return reindex_along(grad, out_spec.mesh, dim, _axis(gspec, dim), _axis(out_spec, dim), lambda: _slice_backward_source(n, start, end, step), fill=0)
+    return reindex_along(
+        grad,
+        out_spec.mesh,
+        dim,
+        _axis(gspec, dim),
+        _axis(out_spec, dim),
+        lambda: _slice_backward_source(n, start, end, step),
+        fill=0,
+    )
 
 
 def _slice_backward_source(n: int, start: int, end: int, step: int) -> torch.Tensor:
@@ -465,13 +529,23 @@ def _index_select_rule(schema: OpSchema) -> list[Row]:
     if index.ndim and index.shape[0] > 1:
         rows.append(row(Shard(dim), [R, Shard(0)]))  # each rank selects its part of the index
     if x.ndim:
-        rows.append(row(Shard(dim), [Shard(dim), R], _index_select_move, comm=(("all_to_all", _shard_bytes(x)),), label=LABEL_MOVE))
+        rows.append(
+            row(
+                Shard(dim),
+                [Shard(dim), R],
+                _index_select_move,
+                comm=(("all_to_all", _shard_bytes(x)),),
+                label=LABEL_MOVE,
+            )
+        )
         if x.dtype != torch.bool:
             rows.append(row(P, [Shard(dim), R], _index_select_pick, label=LABEL_PICK))
     return rows + [row(p, [p, R]) for p in _partials(schema)]
 
 
-def _index_add_algorithm(ctx, x: torch.Tensor, dim, index: torch.Tensor, source: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _index_add_algorithm(
+    ctx, x: torch.Tensor, dim, index: torch.Tensor, source: torch.Tensor, *args, **kwargs
+) -> torch.Tensor:
     """Along a sharded dim: add only the rows whose target this rank owns."""
     spec = ctx.in_specs[0]
     dim = dim % max(x.ndim, 1)
@@ -488,7 +562,9 @@ def _index_add_rule(schema: OpSchema) -> list[Row]:
     if x.ndim:
         rows.append(row(Shard(dim), [Shard(dim), R, R], _index_add_algorithm, label=LABEL_OWNER))
         if x.dtype != torch.bool and source.ndim == x.ndim and index.shape[0] > 1:
-            rows.append(row(P, [P, Shard(0), Shard(dim)], label="each rank adds its part of the index into a pending sum"))
+            rows.append(
+                row(P, [P, Shard(0), Shard(dim)], label="each rank adds its part of the index into a pending sum")
+            )
     if x.dtype != torch.bool:
         rows.append(row(P, [P, R, P]))
     return rows
@@ -516,12 +592,21 @@ class _IndexSelectFunction(torch.autograd.Function):
 def _index_select_call(input, dim, index, *, out=None): ...  # noqa: E704  (torch's form)
 
 
-@torch_level(torch.index_select, torch.Tensor.index_select, signature=CallSignature(_index_select_call, aliases={"self": "input"}),
-             apply=_IndexSelectFunction.apply)
+@torch_level(
+    torch.index_select,
+    torch.Tensor.index_select,
+    signature=CallSignature(_index_select_call, aliases={"self": "input"}),
+    apply=_IndexSelectFunction.apply,
+)
 def _parse_index_select(b: dict, *_) -> tuple | None:
     """(x, dim, index) for a differentiable index_select by an int dim; None: torch's path."""
     x, dim = b["input"], b["dim"]
-    if b["out"] is not None or not isinstance(dim, int) or not needs_grad(x) or not (x.is_floating_point() or x.is_complex()):
+    if (
+        b["out"] is not None
+        or not isinstance(dim, int)
+        or not needs_grad(x)
+        or not (x.is_floating_point() or x.is_complex())
+    ):
         return None
     return x, normalize_dim(dim, x.ndim, "index_select") if x.ndim else 0, b["index"]
 
@@ -548,9 +633,19 @@ def _scatter_owner_algorithm(ctx, x: torch.Tensor, dim, index: torch.Tensor, *re
     return kept.contiguous()
 
 
-@strategy(aten.scatter.value, aten.scatter.src, aten.scatter.reduce, aten.scatter.value_reduce, algorithms=[LABEL_OWNER])
-@strategy(aten.scatter_.value, aten.scatter_.src, aten.scatter_.reduce, aten.scatter_.value_reduce, algorithms=[LABEL_OWNER])
-@strategy(aten.scatter_add.default, aten.scatter_add_.default, aten.scatter_reduce.two, aten.scatter_reduce_.two, algorithms=[LABEL_OWNER])
+@strategy(
+    aten.scatter.value, aten.scatter.src, aten.scatter.reduce, aten.scatter.value_reduce, algorithms=[LABEL_OWNER]
+)
+@strategy(
+    aten.scatter_.value, aten.scatter_.src, aten.scatter_.reduce, aten.scatter_.value_reduce, algorithms=[LABEL_OWNER]
+)
+@strategy(
+    aten.scatter_add.default,
+    aten.scatter_add_.default,
+    aten.scatter_reduce.two,
+    aten.scatter_reduce_.two,
+    algorithms=[LABEL_OWNER],
+)
 def _scatter_rule(schema: OpSchema) -> list[Row]:
     specs = schema.tensor_specs
     x, index = specs[0], specs[1]
@@ -566,7 +661,9 @@ def _scatter_rule(schema: OpSchema) -> list[Row]:
     base = schema.op._schema.name.split("::")[-1].rstrip("_")
     if base == "scatter_add" and x.dtype != torch.bool:
         if index.ndim and index.shape[dim] > 1 and specs[2].shape[dim] == index.shape[dim]:
-            rows.append(row(P, [P, Shard(dim), Shard(dim)], label="each rank adds its part of the index into a pending sum"))
+            rows.append(
+                row(P, [P, Shard(dim), Shard(dim)], label="each rank adds its part of the index into a pending sum")
+            )
         rows.append(row(P, [P, R, P]))
     return rows
 
@@ -669,7 +766,9 @@ def _index_put_rule(schema: OpSchema) -> list[Row]:
         v = Shard(k) if k is not None and values.shape[k] == x.shape[d] else R
         rows.append(row(Shard(d), [Shard(d)] + [R] * n + [v]))
     if n == 1 and x.ndim:
-        rows.append(row(Shard(indexed[0]), [Shard(indexed[0])] + [R] * n + [R], _index_put_owner_algorithm, label=LABEL_OWNER))
+        rows.append(
+            row(Shard(indexed[0]), [Shard(indexed[0])] + [R] * n + [R], _index_put_owner_algorithm, label=LABEL_OWNER)
+        )
     accumulate = bool(schema.arg("accumulate", False))
     if accumulate and x.dtype != torch.bool:
         same = idx_specs and all(t.shape == idx_specs[0].shape for t in idx_specs)
@@ -677,7 +776,13 @@ def _index_put_rule(schema: OpSchema) -> list[Row]:
             for k in range(b):
                 vk = _values_dim(values, start + k, out_ndim)
                 if idx_specs[0].shape[k] > 1 and vk is not None and values.shape[vk] == idx_specs[0].shape[k]:
-                    rows.append(row(P, [P] + [Shard(k)] * n + [Shard(vk)], label="each rank adds its part of the index into a pending sum"))
+                    rows.append(
+                        row(
+                            P,
+                            [P] + [Shard(k)] * n + [Shard(vk)],
+                            label="each rank adds its part of the index into a pending sum",
+                        )
+                    )
         rows.append(row(P, [P] + [R] * n + [P]))
     return rows
 
@@ -712,7 +817,9 @@ def _slice_move(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     spec, out_spec = ctx.in_specs[0], ctx.out_specs[0]
     dim, start, step = _slice_args(ctx.schema)
     n_out = out_spec.shape[dim]
-    return reindex_along(x, spec.mesh, dim, _axis(spec, dim), _axis(out_spec, dim), lambda: start + step * torch.arange(n_out))
+    return reindex_along(
+        x, spec.mesh, dim, _axis(spec, dim), _axis(out_spec, dim), lambda: start + step * torch.arange(n_out)
+    )
 
 
 def _slice_args(schema: OpSchema) -> tuple[int, int, int]:
@@ -738,4 +845,3 @@ def _slice_rule(schema: OpSchema) -> list[Row]:
         return rows
     dim = schema.dim("dim")
     return rows + [row(Shard(dim), Shard(dim), _slice_move, comm=(("all_to_all", _shard_bytes(x)),), label=LABEL_MOVE)]
-

@@ -21,14 +21,15 @@ Real rules, none of which communicates:
 A matrix dim sharded under diagonal takes the implicit Replicate row: a rank's part
 of the diagonal is not a torch.chunk piece of it, so it has no placement.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..dispatch.registry import replicate_on_purpose, strategy
 from ..dispatch.schema import OpSchema, normalize_dim
-from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Placement, Shard, StridedShard
+from ..planner.rows import Row, row
 from ..spec import TensorSpec
 from .common import global_index_tensor, shard_placements
 
@@ -92,7 +93,10 @@ def _triangle_rule(schema: OpSchema) -> list[Row]:
 
 
 def _diagonal_dims(schema: OpSchema, ndim: int) -> tuple[int, int]:
-    d1, d2 = normalize_dim(schema.arg("dim1", 0), ndim, schema.name), normalize_dim(schema.arg("dim2", 1), ndim, schema.name)
+    d1, d2 = (
+        normalize_dim(schema.arg("dim1", 0), ndim, schema.name),
+        normalize_dim(schema.arg("dim2", 1), ndim, schema.name),
+    )
     return d1, d2
 
 

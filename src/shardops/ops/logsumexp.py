@@ -18,6 +18,7 @@ whatever layout those ops chose. The torch-level entry points use their own
 autograd.Function, which keeps the resolved input: no communication, the gradient in the
 input's layout (Replicate for a pending input).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,10 +27,9 @@ import torch
 
 from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..planner.rows import Row, row
 from ..placements import Replicate, Shard
+from ..planner.rows import Row, row
 from ..wrapping import local_of, shard_in, spec_of
-from .common import all_gather_stacked, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 from ._shard_stats import (
     grad_local,
     input_grad,
@@ -40,6 +40,7 @@ from ._shard_stats import (
     to_layout,
     unsqueeze_reduced,
 )
+from .common import all_gather_stacked, mesh_dims_sharding, opmath_dtype, shift_after_reduce
 
 aten = torch.ops.aten
 R = Replicate()
@@ -125,8 +126,12 @@ def _logsumexp_call(self, dim=None, keepdim=False, *, out=None): ...  # noqa: E7
 
 
 @torch_level(
-    torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp, aten.logsumexp.default,
-    signature=CallSignature(_logsumexp_call, aliases={"input": "self"}), apply=_LogsumexpFunction.apply,
+    torch.logsumexp,
+    torch.Tensor.logsumexp,
+    torch.special.logsumexp,
+    aten.logsumexp.default,
+    signature=CallSignature(_logsumexp_call, aliases={"input": "self"}),
+    apply=_LogsumexpFunction.apply,
 )
 def _parse_logsumexp(b: dict, *_):
     """(input, dims, keepdim) of a differentiable logsumexp call; None: not ours."""
@@ -140,4 +145,3 @@ def _parse_logsumexp(b: dict, *_):
     if not x.dtype.is_floating_point or not needs_grad(x):
         return None
     return x, dims, bool(b["keepdim"])
-

@@ -28,18 +28,19 @@ Targets are checked: a value outside [0, C) that is not ignore_index raises
 ShardingError naming the op (torch raises IndexError; a vocabulary-parallel rank would
 otherwise silently find no owner).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..comm.traceable import is_traced_tensor
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard
+from ..planner.rows import Row, row
 from ..redistribute import redistribute_local
 from ..spec import TensorSpec
 from .common import all_reduce, global_positions, opmath_dtype
@@ -126,7 +127,9 @@ def align_to_rows(t: torch.Tensor, t_spec: TensorSpec, self_spec: TensorSpec) ->
     return t
 
 
-def target_weights(t: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor | None, weight_classes: range, dtype) -> torch.Tensor:
+def target_weights(
+    t: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor | None, weight_classes: range, dtype
+) -> torch.Tensor:
     """weight[t] where `mask` holds and class t lies in this rank's slice of the weight, else 0."""
     if weight is None:
         return mask.to(dtype)
@@ -138,10 +141,14 @@ def target_weights(t: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor | N
 
 
 def check_targets(op_name: str, t: torch.Tensor, num_classes: int, ignore_index: int) -> None:
-    if t.is_meta or is_traced_tensor(t):  # metadata-only pricing (autoparallel's dry world), torch.compile: no values to check
+    if t.is_meta or is_traced_tensor(
+        t
+    ):  # metadata-only pricing (autoparallel's dry world), torch.compile: no values to check
         return
     bad = (t != ignore_index) & ((t < 0) | (t >= num_classes))
-    if bool(bad.any()):  # stays (one host read per loss): a bad target raises ShardingError; torch's CUDA kernel would device-assert
+    if bool(
+        bad.any()
+    ):  # stays (one host read per loss): a bad target raises ShardingError; torch's CUDA kernel would device-assert
         value = int(t[bad].flatten()[0])
         raise ShardingError(
             f"{op_name}: target value {value} is out of range for {num_classes} classes; targets must lie in "
@@ -164,7 +171,8 @@ class NllLayout:
         self.total_mesh_dims = [
             i
             for i in range(self_spec.mesh.ndim)
-            if target_spec.placements[i].is_shard() or (weight_spec is not None and weight_spec.placements[i].is_shard())
+            if target_spec.placements[i].is_shard()
+            or (weight_spec is not None and weight_spec.placements[i].is_shard())
         ]
 
     def owned(self, t: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -190,7 +198,9 @@ def _specs(ctx, has_weight: bool, first: int) -> tuple[TensorSpec, TensorSpec, T
 # ------------------------------------------------------------------ forward
 
 
-def _nll_forward_sharded(ctx, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int, ignore_index: int):
+def _nll_forward_sharded(
+    ctx, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, reduction: int, ignore_index: int
+):
     layout = NllLayout(*_specs(ctx, weight is not None, 0))
     dtype = x.dtype
     t_held = target.long()
@@ -221,14 +231,20 @@ def _nll_forward_sharded(ctx, x: torch.Tensor, target: torch.Tensor, weight: tor
 def _check_target_dtype(schema: OpSchema, target) -> None:
     """torch's kernels take int64 or uint8 class targets only; the sharded algorithm must refuse the rest too
     (aten's meta kernel does not check, and the algorithm would happily index with an int32 target)."""
-    if target.dtype not in (torch.int64, torch.uint8) and not target.dtype.is_floating_point:  # float: torch's meta kernel says it
+    if (
+        target.dtype not in (torch.int64, torch.uint8) and not target.dtype.is_floating_point
+    ):  # float: torch's meta kernel says it
         raise ShardingError(
             f"{schema.name}: expected target dtype to be Long or Byte, but got {target.dtype} (torch refuses it too); "
             "convert the target with target.long()."
         )
 
 
-@strategy(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, algorithms=[LABEL_VOCAB, LABEL_VOCAB_WEIGHT, LABEL_BATCH, LABEL_BATCH_REPLICATED_TARGET])
+@strategy(
+    aten.nll_loss_forward.default,
+    aten.nll_loss2d_forward.default,
+    algorithms=[LABEL_VOCAB, LABEL_VOCAB_WEIGHT, LABEL_BATCH, LABEL_BATCH_REPLICATED_TARGET],
+)
 def _nll_forward_rule(schema: OpSchema) -> list[Row]:
     x, target = schema.tensor_specs[0], schema.tensor_specs[1]
     _check_target_dtype(schema, target)
@@ -241,7 +257,9 @@ def _nll_forward_rule(schema: OpSchema) -> list[Row]:
     algo = _nll_forward_sharded
     rows = [row([P, R], [Shard(cdim), R] + w_r, algo, label=LABEL_VOCAB)]
     if has_weight:
-        rows.append(row([P, partial_total], [Shard(cdim), R, Shard(0)], algo, comm=total_comm, label=LABEL_VOCAB_WEIGHT))
+        rows.append(
+            row([P, partial_total], [Shard(cdim), R, Shard(0)], algo, comm=total_comm, label=LABEL_VOCAB_WEIGHT)
+        )
     for b in range(x.ndim):
         if b == cdim:
             continue
@@ -255,8 +273,16 @@ def _nll_forward_rule(schema: OpSchema) -> list[Row]:
 # ------------------------------------------------------------------ backward
 
 
-def _nll_backward_sharded(ctx, grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-                          reduction: int, ignore_index: int, total_weight: torch.Tensor) -> torch.Tensor:
+def _nll_backward_sharded(
+    ctx,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    reduction: int,
+    ignore_index: int,
+    total_weight: torch.Tensor,
+) -> torch.Tensor:
     layout = NllLayout(*_specs(ctx, weight is not None, 1))
     dtype = x.dtype
     t = align_to_rows(target.long(), layout.target_spec, layout.self_spec)
@@ -273,7 +299,11 @@ def _nll_backward_sharded(ctx, grad: torch.Tensor, x: torch.Tensor, target: torc
     return grad_input.scatter_(layout.cdim, layout.local_class_index(t, owned), value.unsqueeze(layout.cdim))
 
 
-@strategy(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default, algorithms=[LABEL_VOCAB, LABEL_VOCAB_WEIGHT, LABEL_BATCH, LABEL_BATCH_REPLICATED_TARGET])
+@strategy(
+    aten.nll_loss_backward.default,
+    aten.nll_loss2d_backward.default,
+    algorithms=[LABEL_VOCAB, LABEL_VOCAB_WEIGHT, LABEL_BATCH, LABEL_BATCH_REPLICATED_TARGET],
+)
 def _nll_backward_rule(schema: OpSchema) -> list[Row]:
     x = schema.tensor_specs[1]
     has_weight = len(schema.tensor_specs) == 5

@@ -31,16 +31,17 @@ that view would all_to_all. On DTensors such calls keep the leading dims: a bmm 
 sharded A or M (column-parallel weights too); the weight's gradient is the bmm's summed
 over A, pending (P(sum)) where A is sharded.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ..dispatch.registry import decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
-from ..planner.rows import Row, row
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
+from ..planner.rows import Row, row
 
 aten = torch.ops.aten
 R = Replicate()
@@ -68,8 +69,13 @@ def _shard_makers(schema: OpSchema) -> list[Callable[[int], Placement]]:
 
 
 @strategy(
-    aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default,
-    aten.addmm.default, aten.baddbmm.default, aten.addmv.default,
+    aten.mm.default,
+    aten.bmm.default,
+    aten.mv.default,
+    aten.dot.default,
+    aten.addmm.default,
+    aten.baddbmm.default,
+    aten.addmv.default,
 )
 def product_rows(schema: OpSchema) -> list[Row]:
     """Rows of a product with or without a bias (the bias is the first tensor operand)."""
@@ -178,10 +184,14 @@ def _parse_linear(b: dict, *_) -> tuple | None:
     return b["input"], b["weight"].t(), b["bias"]
 
 
-@torch_level(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
-             signature=CallSignature(_matmul_call, aliases={"self": "input"}), apply=_bmm_keeping_leading_dims)
+@torch_level(
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    signature=CallSignature(_matmul_call, aliases={"self": "input"}),
+    apply=_bmm_keeping_leading_dims,
+)
 def _parse_matmul(b: dict, *_) -> tuple | None:
     if b.get("out") is not None or not _keeps_leading_dims(b["input"], b["other"]):
         return None
     return b["input"], b["other"], None
-

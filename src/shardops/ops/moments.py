@@ -17,6 +17,7 @@ points use their own autograd.Function instead, which keeps the forward's mean: 
 gradient is local, grad * 2 (x - mean) / (N - correction) (std: divided by 2 std, 0 where
 std is 0; the mean output adds grad / N), in the input's layout. No communication.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,10 +27,9 @@ import torch
 
 from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
-from ..planner.rows import Row, row
 from ..placements import Replicate, Shard
+from ..planner.rows import Row, row
 from ..wrapping import local_of, shard_in, spec_of
-from .common import all_gather_stacked, global_positions, member_coordinates, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
     grad_local,
     input_grad,
@@ -42,6 +42,7 @@ from ._shard_stats import (
     to_layout,
     unsqueeze_reduced,
 )
+from .common import all_gather_stacked, global_positions, member_coordinates, mesh_dims_sharding, shift_after_reduce
 
 aten = torch.ops.aten
 R = Replicate()
@@ -68,7 +69,9 @@ def _base(op) -> str:
 # ------------------------------------------------------------------ forward
 
 
-def chan_merge(means: torch.Tensor, m2s: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chan_merge(
+    means: torch.Tensor, m2s: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge per-member (mean, M2) stacked on dim 0 with `counts` (float64, broadcastable): (n, mean, M2)."""
     n = counts.sum(0)
     mean = (counts * means).sum(0) / n
@@ -141,7 +144,9 @@ def _moments_sharded(ctx, x, *args, **kwargs):
 # One algorithm for all four ops (var and std differentiate through var_mean/std_mean's rows): one name.
 LABEL_MOMENTS = "sharded var/std (Chan merge)"
 MOMENT_OPS = {
-    (kind, with_mean): [getattr(getattr(aten, f"{kind}_mean" if with_mean else kind), ov) for ov in ("default", "dim", "correction")]
+    (kind, with_mean): [
+        getattr(getattr(aten, f"{kind}_mean" if with_mean else kind), ov) for ov in ("default", "dim", "correction")
+    ]
     for kind in ("var", "std")
     for with_mean in (False, True)
 }

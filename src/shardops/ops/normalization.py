@@ -33,20 +33,21 @@ forward and backward dispatch `_fused_rms_norm` / `_fused_rms_norm_backward` thr
 planner: the cost model still picks every layout. F.layer_norm reaches native_layer_norm
 and its autograd formula native_layer_norm_backward by itself.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
-from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
+from ..planner.rows import Row, row
 from ..spec import TensorSpec
 from ..tensor import dispatch
 from .common import all_gather_stacked, all_reduce, member_shapes, mesh_dims_sharding, opmath_dtype, shard_placements
@@ -164,7 +165,7 @@ def _layer_norm_sharded(ctx, x, normalized_shape, weight, bias, eps):
     return y.to(x.dtype), mean.to(stat_dtype), rstd.to(stat_dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_norm_stat_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype the device's kernel gives mean/rstd (CPU: the input's, even for bfloat16;
     the meta kernel says float32), so the sharded path returns what the local path does."""
@@ -184,7 +185,15 @@ def _layer_norm_rule(schema: OpSchema) -> list[Row]:
             rows.append(row([p, p, p], [p] + [R] * n_affine))
         else:
             wp = _on_weight_dim(p, axis)
-            rows.append(row([p, R, R], [p] + [wp] * n_affine, _layer_norm_sharded, comm=[("all_gather", stat_bytes)], label=LABEL_LN))
+            rows.append(
+                row(
+                    [p, R, R],
+                    [p] + [wp] * n_affine,
+                    _layer_norm_sharded,
+                    comm=[("all_gather", stat_bytes)],
+                    label=LABEL_LN,
+                )
+            )
     return rows
 
 
@@ -235,7 +244,15 @@ def _layer_norm_backward_rule(schema: OpSchema) -> list[Row]:
         wp = _on_weight_dim(p, axis)
         for gather, algo in LN_BACKWARD.items():
             comm = _sum_comm(gather, sum_bytes) if mask[0] else []
-            rows.append(row([[p, wp, wp][i] for i in outs], [p, p, R, R] + [wp] * n_affine, algo, comm=comm, label=LABEL_LN_BWD.format(HOW[gather])))
+            rows.append(
+                row(
+                    [[p, wp, wp][i] for i in outs],
+                    [p, p, R, R] + [wp] * n_affine,
+                    algo,
+                    comm=comm,
+                    label=LABEL_LN_BWD.format(HOW[gather]),
+                )
+            )
     # every gradient is linear in grad_out: a pending sum passes through
     rows.append(row([P] * len(outs), [P, R, R, R] + [R] * n_affine))
     return rows
@@ -278,7 +295,15 @@ def _rms_norm_rule(schema: OpSchema) -> list[Row]:
         else:
             wp = _on_weight_dim(p, axis)
             for gather, algo in RMS_FORWARD.items():
-                rows.append(row([p, R], [p] + [wp] * has_w, algo, comm=_sum_comm(gather, sum_bytes), label=LABEL_RMS.format(HOW[gather])))
+                rows.append(
+                    row(
+                        [p, R],
+                        [p] + [wp] * has_w,
+                        algo,
+                        comm=_sum_comm(gather, sum_bytes),
+                        label=LABEL_RMS.format(HOW[gather]),
+                    )
+                )
     return rows
 
 
@@ -302,7 +327,10 @@ def _rms_norm_backward_sharded(ctx, grad, x, normalized_shape, rstd, weight, out
     return d_in, d_w
 
 
-@strategy(aten._fused_rms_norm_backward.default, algorithms=[*(LABEL_RMS_BWD.format(how) for how in HOW.values()), LABEL_RMS_LOCAL])
+@strategy(
+    aten._fused_rms_norm_backward.default,
+    algorithms=[*(LABEL_RMS_BWD.format(how) for how in HOW.values()), LABEL_RMS_LOCAL],
+)
 def _rms_norm_backward_rule(schema: OpSchema) -> list[Row]:
     grad, spec = schema.tensor_specs[0], schema.tensor_specs[1]
     axis = _axis(schema, spec)
@@ -322,7 +350,15 @@ def _rms_norm_backward_rule(schema: OpSchema) -> list[Row]:
             else:
                 wp = _on_weight_dim(p, axis)
                 comm = _sum_comm(gather, sum_bytes) if mask[0] else []
-                rows.append(row([[p, wp][i] for i in outs], [p, p, R] + [wp] * has_w, algo, comm=comm, label=LABEL_RMS_BWD.format(HOW[gather])))
+                rows.append(
+                    row(
+                        [[p, wp][i] for i in outs],
+                        [p, p, R] + [wp] * has_w,
+                        algo,
+                        comm=comm,
+                        label=LABEL_RMS_BWD.format(HOW[gather]),
+                    )
+                )
         rows.append(row([P] * len(outs), [P, R, R] + [R] * has_w, algo))
         rows.append(row([R] * len(outs), [R, R, R] + [R] * has_w, algo, label=LABEL_RMS_LOCAL))
     return rows

@@ -19,6 +19,7 @@ autograd.Function: one collective resolves the norm (or, for inf/-inf, one all_g
 per-shard (max, count of maxima) gives both the norm and the tie count), the rest is
 torch's formula, local, in the input's layout.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,12 +31,11 @@ import torch
 from ..dispatch.mixed import check_plain_operand
 from ..dispatch.registry import decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
-from ..planner.rows import Row, row
 from ..placements import NormPartial, Replicate, Shard, without_partials
+from ..planner.rows import Row, row
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
 from ..wrapping import local_of, shard_in, spec_of, wrap
-from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, shift_after_reduce
 from ._shard_stats import (
     grad_local,
     input_grad,
@@ -46,12 +46,16 @@ from ._shard_stats import (
     to_layout,
     unsqueeze_reduced,
 )
+from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, shift_after_reduce
 
 aten = torch.ops.aten
 R = Replicate()
 NORM_OPS = (
     aten.linalg_vector_norm.default,
-    aten.norm.Scalar, aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, aten.norm.ScalarOpt_dtype,
+    aten.norm.Scalar,
+    aten.norm.ScalarOpt_dim,
+    aten.norm.ScalarOpt_dim_dtype,
+    aten.norm.ScalarOpt_dtype,
 )
 LABEL_NORM = "local norm (pending)"
 LABEL_DIST = "local dist (pending)"
@@ -98,7 +102,9 @@ def _empty_safe_dist(ctx, a, b, *args, **kwargs):
     if a.numel() == 0 or b.numel() == 0:
         p = ctx.schema.arg("p", 2)
         out = ctx.out_specs[0]
-        return torch.full(out.local_shape(), NormPartial(2.0 if p is None else p).neutral, dtype=out.dtype, device=a.device)
+        return torch.full(
+            out.local_shape(), NormPartial(2.0 if p is None else p).neutral, dtype=out.dtype, device=a.device
+        )
     return ctx.func(a, b, *args, **kwargs)
 
 
@@ -200,8 +206,15 @@ def _norm_forward(x_in, p: float, dims: tuple[int, ...], keepdim: bool, dtype) -
     out = aten.linalg_vector_norm.default(x_in, p, list(dims), keepdim, dtype=dtype)
     layout, out_layout = reduction_layouts(spec_of(x_in), dims, keepdim)
     state = _NormState(
-        p, dims, keepdim, shard_in(x_in, layout), spec_of(x_in), layout, out_layout,
-        local_of(out).clone(), spec_of(out),
+        p,
+        dims,
+        keepdim,
+        shard_in(x_in, layout),
+        spec_of(x_in),
+        layout,
+        out_layout,
+        local_of(out).clone(),
+        spec_of(out),
     )
     return out, state
 
@@ -273,8 +286,17 @@ _ALIASES = {"input": "self", "x": "self"}
 
 
 @torch_level(*NORM_OPS, apply=_VectorNormFunction.apply)  # torch.ops.aten.* called directly get the same backward
-@torch_level(torch.norm, torch.Tensor.norm, signature=CallSignature(_norm_call, aliases=_ALIASES), apply=_VectorNormFunction.apply)
-@torch_level(torch.linalg.vector_norm, signature=CallSignature(_vector_norm_call, aliases=_ALIASES), apply=_VectorNormFunction.apply)
+@torch_level(
+    torch.norm,
+    torch.Tensor.norm,
+    signature=CallSignature(_norm_call, aliases=_ALIASES),
+    apply=_VectorNormFunction.apply,
+)
+@torch_level(
+    torch.linalg.vector_norm,
+    signature=CallSignature(_vector_norm_call, aliases=_ALIASES),
+    apply=_VectorNormFunction.apply,
+)
 def _parse_norm(b: dict, *_) -> tuple | None:
     """(x, p, dims, keepdim, dtype) of a differentiable vector_norm/norm call; None: not ours."""
     x = b["self"]
@@ -303,7 +325,11 @@ def _as_dtensor(t, other):
 
 
 @torch_level(
-    torch.dist, torch.Tensor.dist, aten.dist.default, signature=CallSignature(_dist_call, aliases=_ALIASES), apply=_DistFunction.apply
+    torch.dist,
+    torch.Tensor.dist,
+    aten.dist.default,
+    signature=CallSignature(_dist_call, aliases=_ALIASES),
+    apply=_DistFunction.apply,
 )
 def _parse_dist(b: dict, *_) -> tuple | None:
     """(a, b, p) of a differentiable dist of equal shapes; None: not ours (broadcasting dist: torch's formula)."""
@@ -315,7 +341,6 @@ def _parse_dist(b: dict, *_) -> tuple | None:
     if x is None or y is None:
         return None
     return x, y, 2.0 if p is None else float(p)
-
 
 
 # linalg__powsum (torch 2.13): sum(|x|^ord) over dims, a linear reduction of a pointwise op, so on
@@ -332,4 +357,3 @@ def _powsum(x, ord=2, dim=None, keepdim=False, *, dtype=None):
 @decomposition(aten._foreach_powsum.Scalar)
 def _foreach_powsum(tensors, ord=2, dtype=None):
     return [_powsum(t, ord, dtype=dtype) for t in tensors]
-

@@ -11,6 +11,7 @@
   than their parameter are refused (they are made by zeros_like(param), so this
   means a user moved them).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -52,7 +53,12 @@ def _fused_on_shards(op):
         with torch.no_grad():
             local_lists = [[_local(p) for p in params]]
             for k, tensors in enumerate(lists):
-                local_lists.append([_group_local(op, t, params[i] if i < len(params) else None, k == grads_index) for i, t in enumerate(tensors)])
+                local_lists.append(
+                    [
+                        _group_local(op, t, params[i] if i < len(params) else None, k == grads_index)
+                        for i, t in enumerate(tensors)
+                    ]
+                )
             op(*local_lists, **{k: _local(v) for k, v in kwargs.items()})
         return None
 
@@ -68,7 +74,12 @@ def _group_local(op, t, param, is_grad: bool):
     """`t`'s local shard, laid out like its parameter (a gradient is moved there; a state must already be)."""
     from ..tensor import DTensor
 
-    if isinstance(t, DTensor) and isinstance(param, DTensor) and t.ndim == param.ndim and t.placements != param.placements:
+    if (
+        isinstance(t, DTensor)
+        and isinstance(param, DTensor)
+        and t.ndim == param.ndim
+        and t.placements != param.placements
+    ):
         if not is_grad:
             raise ShardingError(
                 f"{op}: optimizer state {list(t.placements)} is laid out unlike its parameter {list(param.placements)}; "
@@ -82,4 +93,3 @@ def _local(t):
     from ..tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
-

@@ -14,14 +14,15 @@ Autograd: the .dim forms scatter each value's gradient into the shard holding it
 index (_reduction_autograd.ShardedReduction); the full forms spread it over the elements equal to the
 result, NaN-aware as torch's evenly_distribute_backward.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..planner.rows import Row
 from ..errors import ShardingError
+from ..planner.rows import Row
 from ._reduction_autograd import DIMS, KTHVALUE, MODE, Call, TorchDecides, check_dims, reduction_entry
 from .reductions import kept_dim_rows
 
@@ -41,7 +42,9 @@ def _order_dim_rule(schema: OpSchema) -> list[Row]:
 def _check_k(schema: OpSchema, spec, d: int) -> None:
     k = schema.arg("k")
     if k is not None and not 1 <= k <= max(spec.shape[d], 1):
-        raise ShardingError(f"{schema.name}: k={k} is out of range for dim {d} of {spec!r}; use 1 <= k <= {spec.shape[d]}.")
+        raise ShardingError(
+            f"{schema.name}: k={k} is out of range for dim {d} of {spec!r}; use 1 <= k <= {spec.shape[d]}."
+        )
 
 
 @strategy(aten.median.default, aten.nanmedian.default)
@@ -82,4 +85,3 @@ def _select_call(name, spec, dim, keepdim) -> Call:
         raise TorchDecides
     dims = check_dims(name, spec, dim, single=True)
     return Call("select", dims, bool(keepdim), result_type=getattr(torch.return_types, name))
-

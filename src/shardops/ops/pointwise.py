@@ -5,6 +5,7 @@ own aligned dim, or Replicate where it broadcasts). Partial rows come from the
 algebra table below: an op keeps a pending reduction only where that is exact.
 Unlisted ops are treated as nonlinear (the safe default): a partial is resolved first.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,8 @@ import torch
 from .._torch.dispatch import OpOverload, OpOverloadPacket, all_op_names
 from ..dispatch.registry import decomposition, strategy
 from ..dispatch.schema import OpSchema, is_none, scalar_sign
-from ..planner.rows import Row, row
 from ..placements import NormPartial, Partial, Replicate
+from ..planner.rows import Row, row
 
 aten = torch.ops.aten
 R = Replicate()
@@ -90,7 +91,9 @@ def _operands(schema: OpSchema, base: str) -> str | None:
     specs = schema.tensor_specs
     if base in ("add", "sub") and schema.arg_class("alpha", is_none, 1):
         return None
-    if base == "div" and (schema.arg("rounding_mode") is not None or (len(specs) == 2 and not specs[0].dtype.is_floating_point)):
+    if base == "div" and (
+        schema.arg("rounding_mode") is not None or (len(specs) == 2 and not specs[0].dtype.is_floating_point)
+    ):
         return None
     if len(specs) == 2:
         return "TT"
@@ -125,7 +128,9 @@ def _strided_rows(schema: OpSchema) -> list[Row]:
     specs = schema.tensor_specs
     out_ndim = max((s.ndim for s in specs), default=0)
     out_shape = torch.broadcast_shapes(*[s.shape for s in specs]) if specs else ()
-    found = {(p.dim + out_ndim - s.ndim, p.split_factor) for s in specs for p in s.placements if isinstance(p, StridedShard)}
+    found = {
+        (p.dim + out_ndim - s.ndim, p.split_factor) for s in specs for p in s.placements if isinstance(p, StridedShard)
+    }
     rows = []
     for d, sf in sorted(found):
         ins = []
@@ -163,8 +168,16 @@ shift_right_arithmetic sign signbit sin sinh spherical_bessel_j0 sqrt sub tan ta
 
 @strategy(
     *_tagged_pointwise(),
-    aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
-    aten.masked_fill_.Tensor, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_, aten.fill.Scalar, aten.fill.Tensor,
+    aten.where.self,
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.masked_fill_.Scalar,
+    aten.masked_fill_.Tensor,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zero_,
+    aten.fill.Scalar,
+    aten.fill.Tensor,
     *[getattr(torch.ops.prims, n).default for n in _PRIMS_ELEMENTWISE if hasattr(torch.ops.prims, n)],
 )
 def pointwise_rule(schema: OpSchema) -> list[Row]:
@@ -201,11 +214,18 @@ def _register_foreach() -> None:
             if any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
                 continue
             first = op._schema.arguments[0].alias_info
-            decomposition(op)(_foreach(_single_for(single_name, ov, single), inplace=first is not None and first.is_write))
+            decomposition(op)(
+                _foreach(_single_for(single_name, ov, single), inplace=first is not None and first.is_write)
+            )
 
 
 # The per-tensor op a _foreach overload stands for, where its name alone doesn't say.
-_SCALAR_TWINS = {"maximum": aten.clamp_min, "minimum": aten.clamp_max, "maximum_": aten.clamp_min_, "minimum_": aten.clamp_max_}
+_SCALAR_TWINS = {
+    "maximum": aten.clamp_min,
+    "minimum": aten.clamp_max,
+    "maximum_": aten.clamp_min_,
+    "minimum_": aten.clamp_max_,
+}
 
 
 def _single_for(single_name: str, overload: str, single):

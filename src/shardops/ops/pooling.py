@@ -19,6 +19,7 @@ Spatial dims are not sharded: a window or an interpolation reads across a shard'
 Empty shards (channels split over more ranks than they fill) run no kernel: torch refuses
 planes with no channels; their outputs are empty.
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,10 +52,18 @@ POOLS = {
     aten.adaptive_max_pool3d_backward.default: 3,
 }
 UPSAMPLES = {
-    "upsample_nearest1d": 1, "upsample_nearest2d": 2, "upsample_nearest3d": 3,
-    "_upsample_nearest_exact1d": 1, "_upsample_nearest_exact2d": 2, "_upsample_nearest_exact3d": 3,
-    "upsample_linear1d": 1, "upsample_bilinear2d": 2, "upsample_bicubic2d": 2, "upsample_trilinear3d": 3,
-    "_upsample_bilinear2d_aa": 2, "_upsample_bicubic2d_aa": 2,
+    "upsample_nearest1d": 1,
+    "upsample_nearest2d": 2,
+    "upsample_nearest3d": 3,
+    "_upsample_nearest_exact1d": 1,
+    "_upsample_nearest_exact2d": 2,
+    "_upsample_nearest_exact3d": 3,
+    "upsample_linear1d": 1,
+    "upsample_bilinear2d": 2,
+    "upsample_bicubic2d": 2,
+    "upsample_trilinear3d": 3,
+    "_upsample_bilinear2d_aa": 2,
+    "_upsample_bicubic2d_aa": 2,
 }
 for _name, _k in UPSAMPLES.items():
     POOLS[getattr(aten, _name).default] = _k
@@ -63,7 +72,9 @@ for _name, _k in UPSAMPLES.items():
 
 def _plane_local(ctx, *args, **kwargs):
     """torch's kernel on this rank's planes (its own input size for an upsample's backward)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)] + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)] + [
+        v for v in kwargs.values() if isinstance(v, torch.Tensor)
+    ]
     if any_empty(tensors):
         outs = zero_outputs(ctx, tensors[0].device)
         return outs[0] if len(outs) == 1 else tuple(outs)

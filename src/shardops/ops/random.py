@@ -30,12 +30,14 @@ nn.init.uniform_ / xavier_uniform_ / kaiming_uniform_ -> uniform_; normal_ /
 xavier_normal_ / kaiming_normal_ -> normal_; constant_ / ones_ -> fill_;
 zeros_ -> zero_; torch.rand_like -> rand_like; torch.bernoulli(p) -> bernoulli.
 """
+
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -44,9 +46,9 @@ from .._torch import random as torch_random
 from ..dispatch import core
 from ..dispatch.registry import call_default, overwrites_self, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
-from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard, StridedShard, without_partials
+from ..planner.rows import Row, row
 from ..wrapping import local_of, relabel, spec_of
 from .pointwise import _shard_rows
 
@@ -184,7 +186,11 @@ def probability_rule(algorithm: Callable) -> Callable[[OpSchema], list[Row]]:
         for layout in _layouts_of(schema):
             k = layout.dim - lead
             aligned = k >= 0 and p_spec.shape[k] == self_spec.shape[layout.dim]
-            p_layout = (StridedShard(k, layout.split_factor) if isinstance(layout, StridedShard) else Shard(k)) if aligned else R
+            p_layout = (
+                (StridedShard(k, layout.split_factor) if isinstance(layout, StridedShard) else Shard(k))
+                if aligned
+                else R
+            )
             rows.append(row(layout, [layout, p_layout], algorithm))
         return rows + [row(R, [R, R], algorithm)]
 
@@ -195,7 +201,9 @@ def _functional(fill_in_place: Callable) -> Callable:
     """uniform(self), random(self) ...: the in-place draw on a fresh tensor of self's shape."""
 
     def algorithm(ctx, self, *args, **kwargs):
-        return fill_in_place(ctx, torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device), *args, **kwargs)
+        return fill_in_place(
+            ctx, torch.empty(self.shape, dtype=ctx.out_specs[0].dtype, device=self.device), *args, **kwargs
+        )
 
     return algorithm
 
@@ -254,7 +262,11 @@ def _log_normal_(ctx, self, *args, **kwargs):
 @fills(aten.cauchy_.default, functional=[aten.cauchy.default])
 def _cauchy_(ctx, self, *args, **kwargs):
     median, sigma = ctx.schema.arg("median", 0.0), ctx.schema.arg("sigma", 1.0)
-    return _draw(ctx, self, lambda bits, j0, j1: _open_uniform(bits, self.dtype).sub_(0.5).mul_(math.pi).tan_().mul_(sigma).add_(median))
+    return _draw(
+        ctx,
+        self,
+        lambda bits, j0, j1: _open_uniform(bits, self.dtype).sub_(0.5).mul_(math.pi).tan_().mul_(sigma).add_(median),
+    )
 
 
 @fills(aten.bernoulli_.float)
@@ -301,8 +313,12 @@ def _random_range(op, dtype: torch.dtype, schema: OpSchema) -> tuple[int, int]:
     return low, (top + 1 - low) if high is None else high - low
 
 
-@fills(aten.random_.default, aten.random_.to, getattr(aten.random_, "from"),
-       functional=[aten.random.default, aten.random.to, getattr(aten.random, "from")])
+@fills(
+    aten.random_.default,
+    aten.random_.to,
+    getattr(aten.random_, "from"),
+    functional=[aten.random.default, aten.random.to, getattr(aten.random, "from")],
+)
 def _random_(ctx, self, *args, **kwargs):
     return _draw(ctx, self, _integers(*_random_range(ctx.func, self.dtype, ctx.schema)))
 
@@ -319,8 +335,13 @@ def _randn_like(ctx, self, *args, **kwargs):
     return _draw(ctx, out, _normal(0.0, 1.0, out.dtype))
 
 
-@fills(aten.randint_like.default, aten.randint_like.low_dtype, aten.randint_like.generator, aten.randint_like.low_generator_dtype,
-       pending_out=True)
+@fills(
+    aten.randint_like.default,
+    aten.randint_like.low_dtype,
+    aten.randint_like.generator,
+    aten.randint_like.low_generator_dtype,
+    pending_out=True,
+)
 def _randint_like(ctx, self, *args, **kwargs):
     out = _empty_out(ctx, self)
     return _draw(ctx, out, _integers(*_random_range(ctx.func, out.dtype, ctx.schema)))
@@ -366,9 +387,16 @@ def _dropout_rule(schema: OpSchema) -> list[Row]:
 
 
 @strategy(
-    aten.multinomial.default, aten.poisson.default, aten.binomial.default, aten._standard_gamma.default,
-    aten._sample_dirichlet.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
-    aten.rrelu_with_noise_functional.default, aten.randint_like.Tensor, aten.randint_like.Tensor_generator,
+    aten.multinomial.default,
+    aten.poisson.default,
+    aten.binomial.default,
+    aten._standard_gamma.default,
+    aten._sample_dirichlet.default,
+    aten.rrelu_with_noise.default,
+    aten.rrelu_with_noise_.default,
+    aten.rrelu_with_noise_functional.default,
+    aten.randint_like.Tensor,
+    aten.randint_like.Tensor_generator,
 )
 def _refuse_rule(schema: OpSchema) -> list[Row]:
     raise ShardingError(
@@ -412,7 +440,10 @@ def _trunc_normal_over(original: Callable) -> Callable:
 
 def _dtensor_trunc_normal_(tensor, mean: float, std: float, a: float, b: float, generator) -> Any:
     if mean < a - 2 * std or mean > b + 2 * std:
-        warnings.warn("mean is more than 2 std from [a, b] in nn.init.trunc_normal_. The distribution of values may be incorrect.", stacklevel=3)
+        warnings.warn(
+            "mean is more than 2 std from [a, b] in nn.init.trunc_normal_. The distribution of values may be incorrect.",
+            stacklevel=3,
+        )
     _relabel_pending(tensor)
     cdf = lambda x: (1.0 + math.erf((x - mean) / (std * math.sqrt(2.0)))) / 2.0  # noqa: E731
     lo, hi = cdf(a), cdf(b)
@@ -425,7 +456,15 @@ def _dtensor_trunc_normal_(tensor, mean: float, std: float, a: float, b: float, 
     if generator is None:
         rng.sync_with_first_rank(spec.mesh)
     with torch.no_grad():
-        rng.fill(local_of(tensor), spec.shape, spec.mesh.shape, spec.mesh.get_coordinate(), spec.placements, rng.next_key(generator), transform)
+        rng.fill(
+            local_of(tensor),
+            spec.shape,
+            spec.mesh.shape,
+            spec.mesh.get_coordinate(),
+            spec.placements,
+            rng.next_key(generator),
+            transform,
+        )
     return tensor
 
 
@@ -446,12 +485,25 @@ def _sparse_over(original: Callable) -> Callable:
 
 
 # torch-level entries (verify skips them with the random aten ops: their values are not torch's)
-RANDOM_ENTRIES = {getattr(torch.Tensor, m) for m in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")}
-RANDOM_ENTRIES |= {torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, torch.nn.init.constant_}  # these enter __torch_function__ themselves
+RANDOM_ENTRIES = {
+    getattr(torch.Tensor, m)
+    for m in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")
+}
+RANDOM_ENTRIES |= {
+    torch.nn.init.uniform_,
+    torch.nn.init.normal_,
+    torch.nn.init.kaiming_uniform_,
+    torch.nn.init.constant_,
+}  # these enter __torch_function__ themselves
 # nn.init.zeros_/ones_/constant_ reach zero_/fill_: they overwrite too, so a pending self needs no resolution
 overwrites_self(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
-for _entry in RANDOM_ENTRIES | {torch.Tensor.zero_, torch.Tensor.fill_}:  # each parse knows its callable: apply re-calls it
-    torch_level(_entry, signature=CallSignature(_fill_call, aliases={"self": "tensor"}), apply=call_default)(partial(_relabel_then_fill, _entry))
+for _entry in RANDOM_ENTRIES | {
+    torch.Tensor.zero_,
+    torch.Tensor.fill_,
+}:  # each parse knows its callable: apply re-calls it
+    torch_level(_entry, signature=CallSignature(_fill_call, aliases={"self": "tensor"}), apply=call_default)(
+        partial(_relabel_then_fill, _entry)
+    )
 # torch's have no __torch_function__ entry to hook: shardops._torch.install() replaces them
 torch_random.replace_init_function("trunc_normal_", _trunc_normal_over)
 torch_random.replace_init_function("sparse_", _sparse_over)

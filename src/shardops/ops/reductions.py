@@ -20,18 +20,20 @@ collective.
 Autograd: see _reduction_autograd (the differentiable ops are entered from __torch_function__;
 their backward builds each rank's gradient locally, in the input's layout).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..planner.rows import Row, row
 from ..placements import Partial, Placement, Replicate, Shard
+from ..planner.rows import Row, row
 from ..spec import TensorSpec, contiguous_stride
 from ._reduction_autograd import (
     AMAX,
@@ -173,7 +175,9 @@ def _linear_rule(schema: OpSchema) -> list[Row]:
     for d in dims:
         for p in shard_options(spec, d):
             rows.append(row(pending, p, algorithm=linear_sharded, label=f"local {schema.name} -> pending"))
-            rows.append(row([R] * n_out, p, algorithm=linear_sharded, comm=gathered, label=f"gather shard {schema.name}s"))
+            rows.append(
+                row([R] * n_out, p, algorithm=linear_sharded, comm=gathered, label=f"gather shard {schema.name}s")
+            )
     for op in _passing(lin, spec.dtype, out_dtype):
         rows.append(row([Partial(op)] * n_out, Partial(op)))
     return rows
@@ -227,7 +231,10 @@ def linear_sharded(ctx, x: torch.Tensor, *args, **kwargs):
     gather = [i for i in mesh_dims_sharding(spec, dims) if not ctx.out_specs[0].placements[i].is_partial()]
     if gather:
         stacked = all_gather_stacked(torch.stack(outs), spec, gather)
-        outs = tuple(Partial(PENDING_OP[how]).combine(stacked[:, k]).to(o.dtype) for k, (how, o) in enumerate(zip(lin.combine, outs)))
+        outs = tuple(
+            Partial(PENDING_OP[how]).combine(stacked[:, k]).to(o.dtype)
+            for k, (how, o) in enumerate(zip(lin.combine, outs))
+        )
     return outs if len(outs) > 1 else outs[0]
 
 
@@ -327,7 +334,16 @@ def _global_flat_index(spec: TensorSpec, local_shape, idx: torch.Tensor) -> torc
     return out
 
 
-_COMPACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_COMPACT_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 _INDEX_BITS = 0xFFFFFFFF
 
 
@@ -379,8 +395,17 @@ def best_of(values: torch.Tensor, index: torch.Tensor, which: str) -> tuple[torc
 
 
 @reduction_entry(
-    torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean, torch.nansum, torch.Tensor.nansum,
-    torch.nanmean, torch.Tensor.nanmean, torch.prod, torch.Tensor.prod, signature=DIMS_DTYPE,
+    torch.sum,
+    torch.Tensor.sum,
+    torch.mean,
+    torch.Tensor.mean,
+    torch.nansum,
+    torch.Tensor.nansum,
+    torch.nanmean,
+    torch.Tensor.nanmean,
+    torch.prod,
+    torch.Tensor.prod,
+    signature=DIMS_DTYPE,
 )
 def _describe_linear(name, b, spec) -> Call:
     """sum/mean/nansum/nanmean/prod (the Call's kind is the function's name): dim (None: all), keepdim, dtype."""
@@ -417,8 +442,17 @@ def _describe_aminmax(name, b, spec) -> Call:
     return Call("aminmax", dims, bool(b["keepdim"]), result_type=torch.return_types.aminmax)
 
 
-@reduction_entry(torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin, torch.all, torch.Tensor.all,
-                 torch.any, torch.Tensor.any, signature=DIMS)
+@reduction_entry(
+    torch.argmax,
+    torch.Tensor.argmax,
+    torch.argmin,
+    torch.Tensor.argmin,
+    torch.all,
+    torch.Tensor.all,
+    torch.any,
+    torch.Tensor.any,
+    signature=DIMS,
+)
 @reduction_entry(torch.count_nonzero, torch.Tensor.count_nonzero, signature=COUNT_NONZERO)
 def _check_dims_only(name, b, spec) -> None:
     """Non-differentiable ops (argmax, all, count_nonzero, ...): only check the dims, then dispatch."""

@@ -24,18 +24,19 @@ gradient to the global argmax indices; an index may sit on an earlier rank, but 
 positions of a rank that point before it point at ONE index (the prefix's), so each rank
 sends one (sum of those gradients, index) pair per row: one small all_gather.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ..comm.traceable import is_traced_tensor
 from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..planner.rows import Row, row
 from ..placements import Partial, Replicate, Shard, without_partials
+from ..planner.rows import Row, row
 from ..wrapping import local_of, shard_in, spec_of
 from ._shard_stats import (
     ShardLine,
@@ -221,7 +222,11 @@ def _cumprod_backward(g: torch.Tensor, x: torch.Tensor, y: torch.Tensor, line: S
     local_pos = torch.arange(n, device=x.device).reshape([n if i == d else 1 for i in range(x.ndim)])
     is_zero = x == 0
     has_zero = is_zero.any(d, keepdim=True) if n else torch.zeros_like(last_along(x, d, 0), dtype=torch.bool)
-    first = torch.where(has_zero, is_zero.to(torch.uint8).argmax(d, keepdim=True), n) if n else torch.full_like(has_zero, 0, dtype=torch.int64)
+    first = (
+        torch.where(has_zero, is_zero.to(torch.uint8).argmax(d, keepdim=True), n)
+        if n
+        else torch.full_like(has_zero, 0, dtype=torch.int64)
+    )
     w = g * y
     lcp = x.cumprod(d)
     z = torch.where(local_pos > first, x, torch.ones_like(x)).cumprod(d)
@@ -268,13 +273,19 @@ def _extreme_backward(g: torch.Tensor, indices: torch.Tensor, line: ShardLine) -
     if not line.mesh_dims:
         return out
     foreign = torch.where(mine, torch.zeros_like(g), g).sum(d, keepdim=True)
-    target = torch.where(mine, -1, indices).amax(d, keepdim=True) if n else torch.full(foreign.shape, -1, dtype=torch.int64, device=g.device)
+    target = (
+        torch.where(mine, -1, indices).amax(d, keepdim=True)
+        if n
+        else torch.full(foreign.shape, -1, dtype=torch.int64, device=g.device)
+    )
     sums, targets = line.gather([foreign, target])
     if not n:
         return out
     for m in range(len(line.starts)):
         hit = (targets[m] >= line.start) & (targets[m] < line.start + n)
-        out.scatter_add_(d, (targets[m] - line.start).clamp(0, n - 1), torch.where(hit, sums[m], torch.zeros_like(sums[m])))
+        out.scatter_add_(
+            d, (targets[m] - line.start).clamp(0, n - 1), torch.where(hit, sums[m], torch.zeros_like(sums[m]))
+        )
     return out
 
 
@@ -349,7 +360,6 @@ def _apply_scan(named_tuple: bool):
     return apply
 
 
-
 # Each scan's torch entries: torch.<scan> and Tensor.<scan> (named tuples for cummax/cummin), and
 # torch.ops.aten.<scan> called directly, which gets the same backward.
 SCAN_SIGNATURE = CallSignature(_scan_call, aliases={"input": "self"})
@@ -362,7 +372,9 @@ def _register_scan(name: str) -> None:
         return _parse_scan(name, b)
 
     torch_level(getattr(aten, name).default, apply=_apply_scan(False))(parse)
-    torch_level(getattr(torch, name), getattr(torch.Tensor, name), signature=SCAN_SIGNATURE, apply=_apply_scan(True))(parse)
+    torch_level(getattr(torch, name), getattr(torch.Tensor, name), signature=SCAN_SIGNATURE, apply=_apply_scan(True))(
+        parse
+    )
 
 
 for _scan in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"):

@@ -8,6 +8,7 @@ shard: exact, no collective for a scalar or a replicated value (a sharded DTenso
 gathered first). Anything else (advanced or boolean indices, None, a pending self, autograd
 through the write, a plain tensor value of more than 0 dims) takes torch's path.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,7 +32,9 @@ def _per_dim(index: Any, ndim: int) -> list[int | slice] | None:
     items = list(index) if isinstance(index, tuple) else [index]
     if any(i is None or isinstance(i, bool) or not isinstance(i, (int, slice, type(Ellipsis))) for i in items):
         return None
-    if any(isinstance(i, slice) and not all(v is None or type(v) is int for v in (i.start, i.stop, i.step)) for i in items):
+    if any(
+        isinstance(i, slice) and not all(v is None or type(v) is int for v in (i.start, i.stop, i.step)) for i in items
+    ):
         return None
     if sum(i is Ellipsis for i in items) > 1:
         return None

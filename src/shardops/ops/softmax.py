@@ -20,6 +20,7 @@ Numerics: a rank whose part of a row is empty or all -inf sends the neutral pair
 never make NaN. A row that is -inf everywhere gives NaN like torch (0 for
 _safe_softmax), a row with a max of 1e4 loses nothing.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,8 @@ import torch
 
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..planner.rows import Row, row
 from ..placements import Partial, Replicate
+from ..planner.rows import Row, row
 from ..spec import TensorSpec
 from .common import all_gather_stacked, all_reduce, mesh_dims_sharding, opmath_dtype, shard_placements
 
@@ -67,10 +68,14 @@ def merge_max_sumexp(maxes: torch.Tensor, sums: torch.Tensor) -> tuple[torch.Ten
     return m, (sums * torch.exp(maxes - finite_or_zero(m))).sum(0)
 
 
-def row_max_sumexp(x: torch.Tensor, dim: int, spec: TensorSpec, mesh_dims: list[int], two_reduces: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def row_max_sumexp(
+    x: torch.Tensor, dim: int, spec: TensorSpec, mesh_dims: list[int], two_reduces: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Global per-row (max, sum exp(x - max)) over the ranks along `mesh_dims`, keepdim."""
     if two_reduces:
-        m = all_reduce(x.amax(dim, keepdim=True) if x.shape[dim] else local_max_sumexp(x, dim)[0], spec, mesh_dims, "max")
+        m = all_reduce(
+            x.amax(dim, keepdim=True) if x.shape[dim] else local_max_sumexp(x, dim)[0], spec, mesh_dims, "max"
+        )
         s = torch.exp(x - finite_or_zero(m)).sum(dim, keepdim=True)
         return m, all_reduce(s, spec, mesh_dims, "sum")
     m, s = local_max_sumexp(x, dim)
@@ -111,7 +116,6 @@ def _softmax_sharded(ctx, x: torch.Tensor, *args, two_reduces: bool, kind: str, 
         if kind == "safe_softmax":  # rows that are -inf everywhere give 0, not NaN
             y = torch.where(m == NEG_INF, torch.zeros((), dtype=y.dtype, device=y.device), y)
     return y.to(out_dtype)
-
 
 
 def _softmax_rule(kind: str):

@@ -31,18 +31,19 @@ index: the input's gradient keeps the input's layout and no full-size temporary 
 made (for sort over a sharded dim, one packed all_gather of (grad, index) rows first:
 the sorted output is as large as the input).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..dispatch.registry import replicate_when, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import Placement, Replicate, dim_positions, without_partials
+from ..planner.rows import Row, row
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ..tensor import DTensor, dispatch
@@ -72,7 +73,6 @@ def _wire_index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
 
-
 def _avg_local_numel(spec: TensorSpec, skip_dim: int | None = None) -> float:
     """Elements per rank on average (without `skip_dim`): the same figure on every rank,
     and the one the redistribution planner uses, so rows and plans compare fairly.
@@ -84,7 +84,9 @@ def _avg_local_numel(spec: TensorSpec, skip_dim: int | None = None) -> float:
     return math.prod(spec.shape[d] for d in dims) / parts
 
 
-def _gather_dim(tensors: Sequence[torch.Tensor], spec: TensorSpec, dim: int, mesh_dims: Sequence[int]) -> list[torch.Tensor]:
+def _gather_dim(
+    tensors: Sequence[torch.Tensor], spec: TensorSpec, dim: int, mesh_dims: Sequence[int]
+) -> list[torch.Tensor]:
     """Whole rows along `dim`, in global order, of tensors laid out like `spec` (one collective)."""
     if not mesh_dims:
         return list(tensors)
@@ -237,7 +239,9 @@ def _rows_of(values_grad, index: DTensor, dim: int, x_layout: Sequence[Placement
     gathered = mesh_dims_sharding(spec, dim)
     g, i = _gather_dim([g, i], spec, dim, gathered)
     whole = [R if m in gathered else p for m, p in enumerate(layout)]
-    sliced = [p if whole[m].is_replicate() and p.is_shard() and p.dim != dim else whole[m] for m, p in enumerate(x_layout)]
+    sliced = [
+        p if whole[m].is_replicate() and p.is_shard() and p.dim != dim else whole[m] for m, p in enumerate(x_layout)
+    ]
     if sliced != whole:
         g, i = _relaid(g, spec, whole, sliced), _relaid(i, spec, whole, sliced)
     return g, i, tuple(sliced)
@@ -297,7 +301,9 @@ def _apply_select(x, op, args, kwargs, dim, result_type):
     return result_type(_SelectAlongDim.apply(x, op, args, kwargs, dim))
 
 
-@torch_level(torch.topk, torch.Tensor.topk, signature=CallSignature(_topk_call, aliases={"input": "self"}), apply=_apply_select)
+@torch_level(
+    torch.topk, torch.Tensor.topk, signature=CallSignature(_topk_call, aliases={"input": "self"}), apply=_apply_select
+)
 def _parse_topk(b: dict, *_) -> tuple | None:
     """torch.topk / Tensor.topk on a DTensor: the planned op and a sharded backward (see the module docstring)."""
     x, k = b["self"], b["k"]
@@ -306,11 +312,15 @@ def _parse_topk(b: dict, *_) -> tuple | None:
     d = normalize_dim(b["dim"], x.ndim, "topk")
     size = x.shape[d] if x.ndim else 1
     if not 0 <= k <= size:
-        raise ShardingError(f"topk: k={k} is out of range for dim {d} of size {size} of {spec_of(x)!r}; use 0 <= k <= {size}.")
+        raise ShardingError(
+            f"topk: k={k} is out of range for dim {d} of size {size} of {spec_of(x)!r}; use 0 <= k <= {size}."
+        )
     return x, aten.topk.default, (k, d, b["largest"], b["sorted"]), {}, d, torch.return_types.topk
 
 
-@torch_level(torch.sort, torch.Tensor.sort, signature=CallSignature(_sort_call, aliases={"input": "self"}), apply=_apply_select)
+@torch_level(
+    torch.sort, torch.Tensor.sort, signature=CallSignature(_sort_call, aliases={"input": "self"}), apply=_apply_select
+)
 def _parse_sort(b: dict, *_) -> tuple | None:
     """torch.sort / Tensor.sort on a DTensor (see the module docstring)."""
     x, stable = b["self"], b["stable"]
@@ -319,4 +329,11 @@ def _parse_sort(b: dict, *_) -> tuple | None:
     d = normalize_dim(b["dim"], x.ndim, "sort")
     if stable is None:  # the overload torch itself picks
         return x, aten.sort.default, (d, b["descending"]), {}, d, torch.return_types.sort
-    return x, aten.sort.stable, (), {"stable": stable, "dim": d, "descending": b["descending"]}, d, torch.return_types.sort
+    return (
+        x,
+        aten.sort.stable,
+        (),
+        {"stable": stable, "dim": d, "descending": b["descending"]},
+        d,
+        torch.return_types.sort,
+    )

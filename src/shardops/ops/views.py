@@ -12,20 +12,22 @@ copy is what reshape means). So the views a program calls from Python (`view`,
 called: where the input's shards are not whole shards of the output, they raise,
 as torch's DTensor does, instead of handing back a copy. `reshape` copies there.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from .. import caches
 from ..comm.traceable import tracing
 from ..dispatch.registry import TORCH_FUNCTIONS, call_default, call_key, decomposition, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
-from .. import caches
-from ..planner.rows import Row, row
 from ..errors import ShardingError
 from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, local_shape_and_offset
+from ..planner.rows import Row, row
 from ..spec import TensorSpec
 from ..tensor import DTensor
 from ..wrapping import become, local_of, spec_of
@@ -71,7 +73,13 @@ def _squeeze_global_dims(ctx, local, *args, **kwargs):
     return squeeze(local, [d for d in dims if shape[d] == 1])
 
 
-def _dim_map_rule(mapping: Callable[[OpSchema], dict[int, int]], n_out: int = 1, local_size: bool = False, algorithm=None, strided: bool = True):
+def _dim_map_rule(
+    mapping: Callable[[OpSchema], dict[int, int]],
+    n_out: int = 1,
+    local_size: bool = False,
+    algorithm=None,
+    strided: bool = True,
+):
     """A rule from {input dim: output dim} (dims absent from the map need Replicate).
 
     The dim keeps its whole list of positions, so a StridedShard on a mapped dim
@@ -83,7 +91,11 @@ def _dim_map_rule(mapping: Callable[[OpSchema], dict[int, int]], n_out: int = 1,
         m = mapping(schema)
         rows = [row([Shard(o)] * n_out, Shard(i), algorithm=algo) for i, o in m.items()]
         if strided:
-            rows += [row([StridedShard(m[p.dim], p.split_factor)] * n_out, p, algorithm=algo) for p in _strided(schema) if p.dim in m]
+            rows += [
+                row([StridedShard(m[p.dim], p.split_factor)] * n_out, p, algorithm=algo)
+                for p in _strided(schema)
+                if p.dim in m
+            ]
         return rows + _partial_rows(schema, n_out)
 
     return rule
@@ -120,7 +132,11 @@ def _squeeze(schema: OpSchema) -> dict[int, int]:
         dropped = {i for i, s in enumerate(shape) if s == 1}
     else:
         dims = (raw,) if isinstance(raw, int) else tuple(raw)
-        dropped = {normalize_dim(d, spec.ndim, schema.name) for d in dims if shape[normalize_dim(d, spec.ndim, schema.name)] == 1}
+        dropped = {
+            normalize_dim(d, spec.ndim, schema.name)
+            for d in dims
+            if shape[normalize_dim(d, spec.ndim, schema.name)] == 1
+        }
     kept = [i for i in range(spec.ndim) if i not in dropped]
     return {i: kept.index(i) for i in kept}
 
@@ -210,17 +226,21 @@ def _view_rule(schema: OpSchema) -> list[Row]:
     if exact is None:
         return _dim_map_rule(_view, local_size=True, strided=False)(schema)
     algo = _exact_view(spec.placements)
-    rows = [row(o, p, algorithm=algo, mesh_dim=i) for i, (p, o) in enumerate(zip(spec.placements, exact)) if p.is_shard()]
+    rows = [
+        row(o, p, algorithm=algo, mesh_dim=i) for i, (p, o) in enumerate(zip(spec.placements, exact)) if p.is_shard()
+    ]
     return rows + _partial_rows(schema)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _exact_view(layout: tuple):
     """The local view, for the input layout its exact rows were made for."""
 
     def run(ctx, local, *args, **kwargs):
         if tuple(ctx.in_specs[0].placements) != layout:
-            raise ShardingError(f"{ctx.schema.name}: internal error: exact view rows for {list(layout)} used on {list(ctx.in_specs[0].placements)}")
+            raise ShardingError(
+                f"{ctx.schema.name}: internal error: exact view rows for {list(layout)} used on {list(ctx.in_specs[0].placements)}"
+            )
         return _with_local_size(ctx, local, *args, **kwargs)
 
     return run
@@ -255,8 +275,12 @@ def _new_factory_rule(schema: OpSchema) -> list[Row]:
     if list(schema.arg("size")) == list(spec.shape):
         rows = [row(Shard(d), Shard(d), algorithm=_new_factory_local) for d in range(spec.ndim)]
         rows += [row(p, p, algorithm=_new_factory_local) for p in _strided(schema)]
-        return rows + [row(_factory_partial(schema, p), p, algorithm=_new_factory_local) for p in _partial_rows_inputs(schema)]
-    return [row(R, p) for p in [Shard(d) for d in range(spec.ndim)] + _strided(schema) + list(_partial_rows_inputs(schema))]
+        return rows + [
+            row(_factory_partial(schema, p), p, algorithm=_new_factory_local) for p in _partial_rows_inputs(schema)
+        ]
+    return [
+        row(R, p) for p in [Shard(d) for d in range(spec.ndim)] + _strided(schema) + list(_partial_rows_inputs(schema))
+    ]
 
 
 def _new_factory_local(ctx, local, size, *args, **kwargs):
@@ -278,7 +302,14 @@ def _strides_like(size: list[int], global_stride) -> list[int]:
     return stride
 
 
-@strategy(aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.contiguous.default, aten.view_as_real.default)
+@strategy(
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.contiguous.default,
+    aten.view_as_real.default,
+)
 def _identity_rule(schema: OpSchema) -> list[Row]:
     """clone/detach/alias/_to_copy/contiguous: every layout passes."""
     nd = schema.self_spec.ndim
@@ -341,8 +372,12 @@ def _refuse_dropping_a_shard(functional, self, args) -> None:
 
 
 for _inplace, _functional in [
-    (aten.squeeze_.dim, aten.squeeze.dim), (aten.squeeze_.dims, aten.squeeze.dims), (aten.squeeze_.default, aten.squeeze.default),
-    (aten.unsqueeze_.default, aten.unsqueeze.default), (aten.transpose_.default, aten.transpose.int), (aten.t_.default, aten.t.default),
+    (aten.squeeze_.dim, aten.squeeze.dim),
+    (aten.squeeze_.dims, aten.squeeze.dims),
+    (aten.squeeze_.default, aten.squeeze.default),
+    (aten.unsqueeze_.default, aten.unsqueeze.default),
+    (aten.transpose_.default, aten.transpose.int),
+    (aten.t_.default, aten.t.default),
 ]:
     decomposition(_inplace)(_inplace_view(_functional))
 
@@ -434,8 +469,15 @@ def _meta_result(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
 def _aliasable_target(spec: TensorSpec, size: tuple) -> list[Placement]:
     """A layout to suggest: the input's shards that the view keeps whole alone, Replicate for the others."""
     alone = lambda p: tuple(q if q is p else R for q in spec.placements)  # noqa: E731
-    keep = [p if not p.is_shard() or view_layout(spec.shape, size, spec.mesh.shape, alone(p)) else R for p in spec.placements]
-    return keep if view_layout(spec.shape, size, spec.mesh.shape, keep) is not None else [R if p.is_shard() else p for p in spec.placements]
+    keep = [
+        p if not p.is_shard() or view_layout(spec.shape, size, spec.mesh.shape, alone(p)) else R
+        for p in spec.placements
+    ]
+    return (
+        keep
+        if view_layout(spec.shape, size, spec.mesh.shape, keep) is not None
+        else [R if p.is_shard() else p for p in spec.placements]
+    )
 
 
 def _refuse_strided_local(func, spec: TensorSpec, local: torch.Tensor, size, layout) -> None:
@@ -454,7 +496,9 @@ def _refuse_strided_local(func, spec: TensorSpec, local: torch.Tensor, size, lay
         )
 
 
-def _cannot_alias(func, spec: TensorSpec, size, why: str, target: Sequence[Placement], suggest_reshape: bool) -> ShardingError:
+def _cannot_alias(
+    func, spec: TensorSpec, size, why: str, target: Sequence[Placement], suggest_reshape: bool
+) -> ShardingError:
     instead = "Use reshape (which may copy), or redistribute" if suggest_reshape else "Redistribute"
     return ShardingError(
         f"{_name(func)}: viewing {spec!r} on mesh {tuple(spec.mesh.shape)} as {list(size)} would need data moved ({why}), "
@@ -477,9 +521,18 @@ def _dropped_dims(spec: TensorSpec, args: tuple, kwargs: dict) -> set[int]:
 
 _SQUEEZES = (torch.squeeze, torch.Tensor.squeeze)
 _VIEWS = (
-    torch.Tensor.view, torch.Tensor.view_as, torch.flatten, torch.Tensor.flatten, torch.unflatten, torch.Tensor.unflatten,
-    torch.ravel, torch.Tensor.ravel, *_SQUEEZES,
+    torch.Tensor.view,
+    torch.Tensor.view_as,
+    torch.flatten,
+    torch.Tensor.flatten,
+    torch.unflatten,
+    torch.Tensor.unflatten,
+    torch.ravel,
+    torch.Tensor.ravel,
+    *_SQUEEZES,
 )
 for _func in _VIEWS:
-    torch_level(_func, signature=CallSignature(_view_call, aliases={"input": "self"}), apply=_aliasing_view)(functools.partial(_parse_view, _func))
+    torch_level(_func, signature=CallSignature(_view_call, aliases={"input": "self"}), apply=_aliasing_view)(
+        functools.partial(_parse_view, _func)
+    )
     TORCH_FUNCTIONS[_func].guard_only = True  # a check before torch's own path: verify checks the aten ops it reaches

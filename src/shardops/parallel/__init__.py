@@ -4,9 +4,10 @@
 
 ports a torchtitan-style plan by changing its import (torch's placements are accepted too).
 """
+
 from .api import parallelize_module
-from .distribute import distribute_module
 from .data_parallel import data_parallel
+from .distribute import distribute_module
 from .expert import ExpertParallel
 from .loss import loss_parallel
 from .style import (
@@ -20,8 +21,18 @@ from .style import (
 )
 
 __all__ = [
-    "ColwiseParallel", "ExpertParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
-    "RowwiseParallel", "SequenceParallel", "data_parallel", "distribute_module", "loss_parallel", "parallelize_module",
+    "ColwiseParallel",
+    "ExpertParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "data_parallel",
+    "distribute_module",
+    "loss_parallel",
+    "parallelize_module",
 ]
 from .transformers import from_transformers  # noqa: E402 - after the styles it builds on
 

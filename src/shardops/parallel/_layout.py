@@ -7,11 +7,13 @@ on the whole mesh instead: the plan's placement on the tp dims, the batch dim
 sharded on the data-parallel dims. Local tensors between boundaries are then the
 rank's batch shard, exactly what a torch user feeds each data-parallel rank.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -62,7 +64,9 @@ def as_layouts(layouts: Any) -> tuple | None:
     return (as_placement(layouts),)
 
 
-def distribute_param(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], src_data_rank: int | None) -> DTensor:
+def distribute_param(
+    tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], src_data_rank: int | None
+) -> DTensor:
     """`tensor` laid out on `mesh`, the data of the rank at group rank `src_data_rank` on every mesh dim
     (torch's meaning, on a sub-mesh too; None: each rank keeps its own data)."""
     data = tensor.detach()
@@ -90,7 +94,7 @@ class DataParallelLayout:
         if not names or not self.mesh.mesh_dim_names or any(n not in self.mesh.mesh_dim_names for n in names):
             raise ShardingError(
                 f"data_parallel: a boundary uses mesh {sub}, which is not a named sub-mesh of {self.mesh}; "
-                "parallelize with mesh[\"tp\"] of the mesh given to data_parallel"
+                'parallelize with mesh["tp"] of the mesh given to data_parallel'
             )
         out: list[Placement] = []
         for d, name in enumerate(self.mesh.mesh_dim_names):
@@ -112,7 +116,9 @@ def data_parallel_of(module: nn.Module) -> DataParallelLayout | None:
     return getattr(module, DATA_PARALLEL_ATTR, None)
 
 
-def boundary(module: nn.Module, mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+def boundary(
+    module: nn.Module, mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The mesh and placements a boundary of `module` really uses for `placements` given on `mesh`."""
     dp = data_parallel_of(module)
     if dp is None:
@@ -125,7 +131,9 @@ def to_dtensor(module: nn.Module, x: Any, mesh: DeviceMesh, placements: Sequence
     if isinstance(x, DTensor):
         return x
     if not isinstance(x, torch.Tensor):
-        raise ShardingError(f"{type(module).__name__}: expected a tensor input at a parallel boundary, got {type(x).__name__}")
+        raise ShardingError(
+            f"{type(module).__name__}: expected a tensor input at a parallel boundary, got {type(x).__name__}"
+        )
     m, pl = boundary(module, mesh, placements)
     return from_local(x, m, pl)
 

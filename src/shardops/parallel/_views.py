@@ -18,10 +18,12 @@ optimizer keep seeing the stored parameter.
 The view lives in the module's instance `__dict__` for the duration of the forward
 (attribute lookup finds it before `nn.Module.__getattr__` reaches `_parameters`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import torch.nn as nn
 
@@ -71,7 +73,9 @@ def _install_views(module: nn.Module, inputs) -> None:
             if layout.only_for_plain_inputs and fed_dtensors:
                 continue
             compute = layout.placements or (Replicate(),) * p.device_mesh.ndim
-            view = (p if p.placements == compute else p.redistribute(placements=compute)).to_local(grad_placements=layout.grad_placements)
+            view = (p if p.placements == compute else p.redistribute(placements=compute)).to_local(
+                grad_placements=layout.grad_placements
+            )
         elif p.placements == layout:
             continue
         else:

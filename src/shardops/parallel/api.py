@@ -8,6 +8,7 @@ whose style wants the same layout shares the parameter, and one that wants anoth
 layout reads it through a compute view redistributed at forward time (_views), so
 the gradient of both uses lands in the one parameter.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -18,9 +19,9 @@ import torch.nn as nn
 
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
+from ..placements import Replicate
 from ..tensor import DTensor
 from ._layout import as_mesh
-from ..placements import Replicate
 from ._views import LocalView, set_compute_layout
 from .style import ParallelStyle
 
@@ -55,7 +56,9 @@ def _apply_plan(module: nn.Module, mesh: DeviceMesh, plan: Any, src_data_rank: i
         plan._apply(module, mesh)
         return
     if not isinstance(plan, dict):
-        raise ShardingError(f"parallelize_module: expected a ParallelStyle or a dict of them as the plan, got {type(plan).__name__}")
+        raise ShardingError(
+            f"parallelize_module: expected a ParallelStyle or a dict of them as the plan, got {type(plan).__name__}"
+        )
     for path, style in plan.items():
         if path == "":
             _apply_plan(module, mesh, style, src_data_rank)

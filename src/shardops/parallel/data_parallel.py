@@ -43,6 +43,7 @@ apply to them too.
   dim the plan shards (a column-parallel bias) stays replicated over dp (replicate path).
   The gathered weights are kept by autograd until backward (no re-gather).
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,7 +63,9 @@ __all__ = ["data_parallel"]
 MODES = ("replicate", "shard")
 
 
-def data_parallel(module: nn.Module, device_mesh: DeviceMesh, mode: str = "replicate", *, batch_dim: int = 0) -> nn.Module:
+def data_parallel(
+    module: nn.Module, device_mesh: DeviceMesh, mode: str = "replicate", *, batch_dim: int = 0
+) -> nn.Module:
     """Make `module` data-parallel over the dims of `device_mesh` its parameters do not use (see module doc)."""
     mesh = as_mesh(device_mesh, "data_parallel")
     if mode not in MODES:
@@ -110,7 +113,9 @@ def _lift_buffers(sub: nn.Module, layout: DataParallelLayout, lifted: dict[int, 
         if id(b) not in lifted:
             with torch.no_grad():
                 placements = layout.lift_param(b.device_mesh, b.placements)
-                local = layout.mesh.comm.broadcast(b.to_local().detach().contiguous(), 0, layout.mesh.group(layout.dp_dims))
+                local = layout.mesh.comm.broadcast(
+                    b.to_local().detach().contiguous(), 0, layout.mesh.group(layout.dp_dims)
+                )
                 lifted[id(b)] = from_local(local, layout.mesh, placements, shape=b.shape, stride=b.stride())
         sub._buffers[name] = lifted[id(b)]
 
@@ -129,7 +134,9 @@ def _dp_dims(mesh: DeviceMesh, sub_meshes: set[DeviceMesh]) -> tuple[int, ...]:
         used.update(names)
     dims = tuple(d for d, n in enumerate(mesh.mesh_dim_names) if n not in used)
     if not dims:
-        raise ShardingError(f"data_parallel: every dim of {mesh} is used by the tensor-parallel plan; no dim is left for data")
+        raise ShardingError(
+            f"data_parallel: every dim of {mesh} is used by the tensor-parallel plan; no dim is left for data"
+        )
     return dims
 
 
@@ -168,7 +175,10 @@ def _lift_compute_views(sub: nn.Module, layout: DataParallelLayout, outside_plan
     """Views given on the tp mesh move to the whole mesh; a module outside the plan reads its
     parameters as local views; FSDP adds a gather view per dp-sharded parameter."""
     views = sub.__dict__.get(VIEWS_ATTR, {})
-    local = LocalView(tuple(Partial() if d in layout.dp_dims else Replicate() for d in range(layout.mesh.ndim)), only_for_plain_inputs=True)
+    local = LocalView(
+        tuple(Partial() if d in layout.dp_dims else Replicate() for d in range(layout.mesh.ndim)),
+        only_for_plain_inputs=True,
+    )
     for name, p in sub._parameters.items():
         if not isinstance(p, DTensor) or id(p) in experts:
             continue

@@ -1,10 +1,12 @@
 """distribute_module (torch.distributed.tensor's name and semantics): lay out a module's
 parameters and install input/output hooks. The parallel styles are built on it."""
+
 from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,17 +30,31 @@ def distribute_module(
     """Lay out a module's parameters (`partition_fn` per submodule; the rest replicated,
     buffers too) and install `input_fn` / `output_fn` as forward pre/post hooks."""
     if getattr(module, "_distribute_module_applied", False):
-        raise ShardingError("distribute_module should only be called once on a module, but it has already been called on this module")
+        raise ShardingError(
+            "distribute_module should only be called once on a module, but it has already been called on this module"
+        )
     mesh = as_mesh(device_mesh, "distribute_module")
     for name, sub in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, sub, mesh)
         _replicate_rest(sub, mesh)
     if input_fn is not None:
-        module.register_forward_pre_hook(_hook(input_fn, "input_fn", lambda f: lambda m, inputs: f(m, inputs, mesh), lambda f: lambda m, inputs: f(inputs, mesh)))
+        module.register_forward_pre_hook(
+            _hook(
+                input_fn,
+                "input_fn",
+                lambda f: lambda m, inputs: f(m, inputs, mesh),
+                lambda f: lambda m, inputs: f(inputs, mesh),
+            )
+        )
     if output_fn is not None:
         module.register_forward_hook(
-            _hook(output_fn, "output_fn", lambda f: lambda m, i, out: f(m, out, mesh), lambda f: lambda m, i, out: f(out, mesh))
+            _hook(
+                output_fn,
+                "output_fn",
+                lambda f: lambda m, i, out: f(m, out, mesh),
+                lambda f: lambda m, i, out: f(out, mesh),
+            )
         )
     module._distribute_module_applied = True
     return module
@@ -49,7 +65,11 @@ def _hook(fn, what: str, three, two):
     if n == 3:
         return three(fn)
     if n == 2:
-        warnings.warn(f"Deprecating {what} that takes two arguments (inputs, device_mesh), use (module, inputs, device_mesh)", FutureWarning, stacklevel=3)
+        warnings.warn(
+            f"Deprecating {what} that takes two arguments (inputs, device_mesh), use (module, inputs, device_mesh)",
+            FutureWarning,
+            stacklevel=3,
+        )
         return two(fn)
     raise ShardingError(f"{what} should take in 3 arguments, but got {n} arguments")
 

@@ -35,9 +35,11 @@ split sizes swapped, the dispatch's likewise (the counts are known from forward:
 no count exchange). Bytes per rank, forward and backward alike: the routed
 token-slots it sends to other ranks x hidden size x element size, each way.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -95,21 +97,29 @@ class ExpertParallel(ParallelStyle):
         self.tp_layouts = {**DEFAULT_TP_LAYOUTS, **{k: as_placement(v) for k, v in (tp_layouts or {}).items()}}
         self.output_layouts = as_placement(output_layouts) or Replicate()
         if not isinstance(self.output_layouts, (Replicate, Partial)):
-            raise ShardingError(f"ExpertParallel: output_layouts is the output's placement over tp, Replicate() or Partial(); got {self.output_layouts}")
+            raise ShardingError(
+                f"ExpertParallel: output_layouts is the output's placement over tp, Replicate() or Partial(); got {self.output_layouts}"
+            )
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim not in (1, 2):
-            raise ShardingError(f"ExpertParallel: give a mesh (ep,) or (ep, tp); got {device_mesh.ndim} dims ({device_mesh})")
+            raise ShardingError(
+                f"ExpertParallel: give a mesh (ep,) or (ep, tp); got {device_mesh.ndim} dims ({device_mesh})"
+            )
         ep = device_mesh._dim_index(self.ep_dim)
         tp = None if device_mesh.ndim == 1 else 1 - ep
         params = list(module.named_parameters(recurse=False))
         if not params:
-            raise ShardingError(f"ExpertParallel: {type(module).__name__} has no parameters of its own; apply it to the experts module")
+            raise ShardingError(
+                f"ExpertParallel: {type(module).__name__} has no parameters of its own; apply it to the experts module"
+            )
         num_experts = params[0][1].shape[0]
         for name, p in params:
             if isinstance(p, DTensor):
-                raise ShardingError(f"ExpertParallel: {type(module).__name__}.{name} is already distributed ({p.placements})")
+                raise ShardingError(
+                    f"ExpertParallel: {type(module).__name__}.{name} is already distributed ({p.placements})"
+                )
             if p.ndim < 2 or p.shape[0] != num_experts:
                 raise ShardingError(
                     f"ExpertParallel: {type(module).__name__}.{name} has shape {tuple(p.shape)}; every parameter of an experts "
@@ -128,7 +138,9 @@ class ExpertParallel(ParallelStyle):
                 dt = distribute_param(p, device_mesh, placements, self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
         module.__dict__[EXPERT_PARALLEL_ATTR] = (ep,)
-        layer = _ExpertLayer(module, type(module).forward, device_mesh, ep, tp, num_experts, self.output_layouts, self.use_local_output)
+        layer = _ExpertLayer(
+            module, type(module).forward, device_mesh, ep, tp, num_experts, self.output_layouts, self.use_local_output
+        )
         module.forward = layer  # an instance attribute: nn.Module.__call__ finds it before the class's forward
         return module
 
@@ -156,11 +168,17 @@ class _ExpertLayer:
             hidden_dt, index, weights = self._token_layout(name, hidden_states, top_k_index, top_k_weights)
             x = hidden_dt.to_local(grad_placements=self._partial_over_tp(hidden_dt.placements))
             idx = index.to_local() if isinstance(index, DTensor) else index
-            w = weights.to_local(grad_placements=self._partial_over_tp(weights.placements)) if isinstance(weights, DTensor) else weights
+            w = (
+                weights.to_local(grad_placements=self._partial_over_tp(weights.placements))
+                if isinstance(weights, DTensor)
+                else weights
+            )
         else:
             x, idx, w = hidden_states, top_k_index, top_k_weights
             if isinstance(idx, DTensor) or isinstance(w, DTensor):
-                raise ShardingError(f"{name}: hidden_states is a plain tensor but the routing is a DTensor; pass all three alike")
+                raise ShardingError(
+                    f"{name}: hidden_states is a plain tensor but the routing is a DTensor; pass all three alike"
+                )
             if self.tp is not None:  # each tp rank's input gradient is its share: sum them
                 x, w = _SumGradOver.apply(x, self.mesh, self.tp), _SumGradOver.apply(w, self.mesh, self.tp)
         _check_routing(name, x, idx, w, self.num_experts)
@@ -190,8 +208,16 @@ class _ExpertLayer:
         want_t = tuple(want)
         if hidden.placements != want_t:
             hidden = hidden.redistribute(placements=want_t)
-        index = index.redistribute(placements=want_t) if isinstance(index, DTensor) and index.placements != want_t else index
-        weights = weights.redistribute(placements=want_t) if isinstance(weights, DTensor) and weights.placements != want_t else weights
+        index = (
+            index.redistribute(placements=want_t)
+            if isinstance(index, DTensor) and index.placements != want_t
+            else index
+        )
+        weights = (
+            weights.redistribute(placements=want_t)
+            if isinstance(weights, DTensor) and weights.placements != want_t
+            else weights
+        )
         return hidden, index, weights
 
     def _partial_over_tp(self, placements: Sequence[Placement]) -> tuple[Placement, ...]:
@@ -201,7 +227,9 @@ class _ExpertLayer:
         return tuple(out)
 
     def _wrap_output(self, out: torch.Tensor, hidden: DTensor) -> Any:
-        dt = from_local(out, self.mesh, self._partial_over_tp(hidden.placements), shape=hidden.shape, stride=hidden.stride())
+        dt = from_local(
+            out, self.mesh, self._partial_over_tp(hidden.placements), shape=hidden.shape, stride=hidden.stride()
+        )
         if self.tp is not None and self.output_layout != Partial():
             final = list(hidden.placements)
             final[self.tp] = self.output_layout
@@ -227,9 +255,13 @@ class _ExpertLayer:
         # stays: all_to_all's split sizes are host ints (one read each way per routing, as in torch's EP)
         send_splits = [int(counts[start : start + size].sum()) for size, start in slices]
         received_counts = mesh.comm.all_to_all(
-            [counts[start : start + size].contiguous() for size, start in slices], group, [(slices[me][0],)] * group.size
+            [counts[start : start + size].contiguous() for size, start in slices],
+            group,
+            [(slices[me][0],)] * group.size,
         )
-        per_source = torch.stack(received_counts) if received_counts else counts.new_zeros((0, slices[me][0]))  # [ep, local experts]
+        per_source = (
+            torch.stack(received_counts) if received_counts else counts.new_zeros((0, slices[me][0]))
+        )  # [ep, local experts]
         recv_splits = [int(c.sum()) for c in received_counts]
 
         routed = x.index_select(0, order // k)
@@ -244,11 +276,15 @@ class _ExpertLayer:
         per_slot = returned.index_select(0, unsort).view(tokens, k, -1)
         return (per_slot * w.unsqueeze(-1)).sum(1).to(x.dtype)
 
-    def _local_experts(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    def _local_experts(
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weight_dtype: torch.dtype
+    ) -> torch.Tensor:
         """The module's own forward on its local experts (k = 1, weight 1): rows grouped by local expert."""
         module = self.module
         views = {name: p.to_local() for name, p in module.named_parameters(recurse=False)}
-        local_ids = torch.repeat_interleave(torch.arange(tokens_per_expert.numel(), device=x.device), tokens_per_expert).unsqueeze(1)
+        local_ids = torch.repeat_interleave(
+            torch.arange(tokens_per_expert.numel(), device=x.device), tokens_per_expert
+        ).unsqueeze(1)
         saved = {name: module.__dict__[name] for name in ("num_experts",) if isinstance(module.__dict__.get(name), int)}
         try:
             module.__dict__.update(views)
@@ -257,7 +293,9 @@ class _ExpertLayer:
             if tokens_per_expert.numel() == 0:  # this rank holds no expert (uneven split), so no token: forwards
                 y = x.new_zeros((0, x.shape[-1]))  # sized by num_experts (transformers' grouped_mm's histc) refuse 0
             else:
-                y = self.local_forward(module, x, local_ids, torch.ones(local_ids.shape, dtype=weight_dtype, device=x.device))
+                y = self.local_forward(
+                    module, x, local_ids, torch.ones(local_ids.shape, dtype=weight_dtype, device=x.device)
+                )
         finally:
             for name in views:
                 module.__dict__.pop(name, None)
@@ -287,7 +325,9 @@ def _check_routing(name: str, x: torch.Tensor, idx: torch.Tensor, w: torch.Tenso
     if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise ShardingError(f"{name}: top_k_index must hold integer expert ids, got {idx.dtype}")
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_experts):
-        raise ShardingError(f"{name}: top_k_index holds expert ids outside [0, {num_experts}) ({int(idx.min())}..{int(idx.max())})")
+        raise ShardingError(
+            f"{name}: top_k_index holds expert ids outside [0, {num_experts}) ({int(idx.min())}..{int(idx.max())})"
+        )
 
 
 # ------------------------------------------------------------------ autograd
@@ -298,7 +338,9 @@ class _AllToAll(torch.autograd.Function):
     Backward: the same with the splits swapped."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], mesh: DeviceMesh, dim: int
+    ) -> torch.Tensor:
         ctx.splits = (send_splits, recv_splits)
         ctx.mesh, ctx.dim = mesh, dim
         return _all_to_all_rows(x, send_splits, recv_splits, mesh, dim)
@@ -309,7 +351,9 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_rows(grad, recv_splits, send_splits, ctx.mesh, ctx.dim), None, None, None, None
 
 
-def _all_to_all_rows(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], mesh: DeviceMesh, dim: int) -> torch.Tensor:
+def _all_to_all_rows(
+    x: torch.Tensor, send_splits: list[int], recv_splits: list[int], mesh: DeviceMesh, dim: int
+) -> torch.Tensor:
     rest = tuple(x.shape[1:])
     chunks = list(torch.split(x.contiguous(), send_splits))
     received = mesh.comm.all_to_all(chunks, mesh.group(dim), [(n, *rest) for n in recv_splits])

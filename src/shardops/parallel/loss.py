@@ -11,10 +11,11 @@ assumes). A plain target next to logits whose batch (or any non-class dim) is
 sharded raises torch's ValueError: it could be the global target or this rank's
 piece, so it must come as a DTensor (`DTensor.from_local(target, mesh, placements)`).
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F

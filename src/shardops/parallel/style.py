@@ -13,6 +13,7 @@ may be ours or torch's (converted). Differences, each on purpose:
 Boundaries lay tensors out on the mesh the plan was given, or, after
 `data_parallel`, on the whole (dp, tp) mesh with the batch split over dp (_layout).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -30,8 +31,13 @@ from ._layout import as_layouts, as_placement, distribute_param, move, to_dtenso
 from .distribute import distribute_module
 
 __all__ = [
-    "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
-    "RowwiseParallel", "SequenceParallel",
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
 ]
 
 
@@ -44,7 +50,9 @@ class ParallelStyle(ABC):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module: ...
 
 
-def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements_of: dict[str, Placement], src_data_rank: int | None) -> None:
+def _distribute_params(
+    module: nn.Module, mesh: DeviceMesh, placements_of: dict[str, Placement], src_data_rank: int | None
+) -> None:
     """Replace the module's own parameters by DTensor parameters laid out as given."""
     for name, param in list(module.named_parameters(recurse=False)):
         placement = placements_of.get(name, placements_of.get("*"))
@@ -63,7 +71,9 @@ def _first_input(module: nn.Module, inputs: tuple) -> Any:
 
 def _prepare_output(output_layouts, use_local_output: bool, mod, outputs, mesh):
     if not isinstance(outputs, DTensor):
-        raise ShardingError(f"{type(mod).__name__}: expected a DTensor output at a parallel boundary, got {type(outputs).__name__}")
+        raise ShardingError(
+            f"{type(mod).__name__}: expected a DTensor output at a parallel boundary, got {type(outputs).__name__}"
+        )
     outputs = move(mod, outputs, mesh, output_layouts)
     return outputs.to_local() if use_local_output else outputs
 
@@ -71,11 +81,19 @@ def _prepare_output(output_layouts, use_local_output: bool, mod, outputs, mesh):
 class _LinearEmbeddingStyle(ParallelStyle):
     """Shared by Colwise/Rowwise: one input, one output, nn.Linear and nn.Embedding only."""
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None, use_local_output: bool = True):
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ):
         super().__init__()
         self.input_layouts = (as_placement(input_layouts) or self._default_input,)
         self.output_layouts = (as_placement(output_layouts) or self._default_output,)
-        self.desired_input_layouts: tuple[Placement, ...] = (Replicate(),)  # Rowwise on nn.Linear: Shard(-1), set in _apply
+        self.desired_input_layouts: tuple[Placement, ...] = (
+            Replicate(),
+        )  # Rowwise on nn.Linear: Shard(-1), set in _apply
         self.use_local_output = use_local_output
 
     @staticmethod
@@ -180,14 +198,18 @@ class SequenceParallel(ParallelStyle):
         )
 
     def __repr__(self) -> str:
-        return f"SequenceParallel(sequence_dim={self.sequence_sharding[0].dim}, use_local_output={self.use_local_output})"
+        return (
+            f"SequenceParallel(sequence_dim={self.sequence_sharding[0].dim}, use_local_output={self.use_local_output})"
+        )
 
 
 def _check_pairs(layouts, desired, what: str, names: str) -> None:
     """Layouts and desired layouts pair up one to one (torch asserts it: an AssertionError there and here)."""
     if layouts is not None:
         if desired is None:
-            raise LayoutMismatchError(f"desired module inputs should not be None! {what}: desired layouts must be given with the layouts")
+            raise LayoutMismatchError(
+                f"desired module inputs should not be None! {what}: desired layouts must be given with the layouts"
+            )
         if len(layouts) != len(desired):
             raise LayoutMismatchError(
                 f"{names} should have same length! {what}: layouts {layouts} and desired layouts {desired} differ in length"
@@ -213,12 +235,19 @@ class PrepareModuleInput(ParallelStyle):
         self.input_layouts = as_layouts(input_layouts)
         self.desired_input_layouts = as_layouts(desired_input_layouts)
         self.use_local_output = use_local_output
-        _check_pairs(self.input_layouts, self.desired_input_layouts, "PrepareModuleInput", "input_layouts and desired_input_layouts")
+        _check_pairs(
+            self.input_layouts,
+            self.desired_input_layouts,
+            "PrepareModuleInput",
+            "input_layouts and desired_input_layouts",
+        )
         self.with_kwargs = input_kwarg_layouts is not None
         self.input_kwarg_layouts = {k: as_placement(v) for k, v in (input_kwarg_layouts or {}).items()}
         self.desired_input_kwarg_layouts = {k: as_placement(v) for k, v in (desired_input_kwarg_layouts or {}).items()}
         if self.with_kwargs and len(self.input_kwarg_layouts) != len(self.desired_input_kwarg_layouts):
-            raise LayoutMismatchError("input_kwarg_layouts and desired_input_kwarg_layouts should have same length! (PrepareModuleInput)")
+            raise LayoutMismatchError(
+                "input_kwarg_layouts and desired_input_kwarg_layouts should have same length! (PrepareModuleInput)"
+            )
 
     def _prepare_input_arg(self, mod, x, mesh, layout, desired):
         if layout is None:
@@ -247,14 +276,18 @@ class PrepareModuleInput(ParallelStyle):
     def _prepare_input_kwarg_fn(self, mod, inputs, kwargs, mesh):
         args = self._prepare_input_fn(mod, inputs, mesh)
         kw = {
-            k: self._prepare_input_arg(mod, v, mesh, self.input_kwarg_layouts.get(k), self.desired_input_kwarg_layouts.get(k))
+            k: self._prepare_input_arg(
+                mod, v, mesh, self.input_kwarg_layouts.get(k), self.desired_input_kwarg_layouts.get(k)
+            )
             for k, v in kwargs.items()
         }
         return args, kw
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.with_kwargs:
-            module.register_forward_pre_hook(lambda m, a, k: self._prepare_input_kwarg_fn(m, a, k, device_mesh), with_kwargs=True)
+            module.register_forward_pre_hook(
+                lambda m, a, k: self._prepare_input_kwarg_fn(m, a, k, device_mesh), with_kwargs=True
+            )
         else:
             module.register_forward_pre_hook(lambda m, a: self._prepare_input_fn(m, a, device_mesh))
         return module
@@ -280,7 +313,12 @@ class PrepareModuleOutput(ParallelStyle):
         self.output_layouts = as_layouts(output_layouts)
         self.desired_output_layouts = as_layouts(desired_output_layouts)
         self.use_local_output = use_local_output
-        _check_pairs(self.output_layouts, self.desired_output_layouts, "PrepareModuleOutput", "output_layouts and desired_output_layouts")
+        _check_pairs(
+            self.output_layouts,
+            self.desired_output_layouts,
+            "PrepareModuleOutput",
+            "output_layouts and desired_output_layouts",
+        )
 
     def _prepare_out_fn(self, mod, outputs, mesh):
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -331,7 +369,9 @@ class PrepareModuleInputOutput(ParallelStyle):
             use_local_output=use_local_input,
         )
         self.prepare_module_output = PrepareModuleOutput(
-            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts, use_local_output=use_local_output
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
         )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

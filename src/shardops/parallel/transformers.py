@@ -44,11 +44,13 @@ experts module and its parameters.
 boundaries are plain local tensors. `use_local_output=False` keeps every boundary
 a DTensor, so attention, rotary embeddings, masks and the loss run on DTensors.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -70,7 +72,9 @@ __all__ = ["from_transformers", "style_for"]
 PACKED_SPLIT = 2  # transformers packs [gate; up]: two halves
 
 
-def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = True, expert_parallel: bool = False) -> nn.Module:
+def from_transformers(
+    model: nn.Module, mesh: Any, *, use_local_output: bool = True, expert_parallel: bool = False
+) -> nn.Module:
     """Apply `model._tp_plan` (transformers' own tensor-parallel plan) on the 1-d `mesh`, in place; return the model.
 
     For data parallelism on top, pass `mesh["tp"]` here and call `data_parallel(model, mesh)` after.
@@ -86,7 +90,7 @@ def from_transformers(model: nn.Module, mesh: Any, *, use_local_output: bool = T
         )
     if mesh.ndim != 1:
         raise ShardingError(
-            f"from_transformers: transformers' plans are for a 1-d tensor-parallel mesh, got {mesh}; pass mesh[\"tp\"] "
+            f'from_transformers: transformers\' plans are for a 1-d tensor-parallel mesh, got {mesh}; pass mesh["tp"] '
             "and add data parallelism with shardops.parallel.data_parallel(model, mesh)"
         )
     tp_plan = getattr(model, "_tp_plan", None) or getattr(model, "tp_plan", None)
@@ -114,7 +118,11 @@ def _rotary_tables_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
     def replicated(module: nn.Module, args: Any, out: Any) -> Any:
         dp = data_parallel_of(module)
         m = dp.mesh if dp is not None else mesh
-        wrap = lambda t: from_local(t, m, [Replicate()] * m.ndim) if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t  # noqa: E731
+        wrap = lambda t: (
+            from_local(t, m, [Replicate()] * m.ndim)
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+            else t
+        )  # noqa: E731
         return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
     for module in model.modules():
@@ -168,7 +176,9 @@ def _with_expert_plan(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, st
                 f"from_transformers: expert-parallel plan entry {key!r}: {kind!r} is not one shardops knows; known: "
                 f"{EXPERT_DISPATCH!r} on an experts module, {EXPERT_PARAM!r} on that module's parameters"
             )
-    plan = {key: kind for key, kind in tp_plan.items() if not any(key == d or key.startswith(d + ".") for d in dispatch)}
+    plan = {
+        key: kind for key, kind in tp_plan.items() if not any(key == d or key.startswith(d + ".") for d in dispatch)
+    }
     plan.update({key: EXPERT_DISPATCH for key in dispatch})
     return plan
 
@@ -218,10 +228,14 @@ def _shardops_plan(model: nn.Module, tp_plan: dict[str, str], use_local_output: 
 
 def _key_regex(key: str) -> re.Pattern:
     """A plan key as a regex over dotted names: `*` stands for one path token (the layer number)."""
-    return re.compile(r"\.".join("[^.]+" if tok == "*" else re.escape(tok).replace(r"\*", "[^.]*") for tok in key.split(".")))
+    return re.compile(
+        r"\.".join("[^.]+" if tok == "*" else re.escape(tok).replace(r"\*", "[^.]*") for tok in key.split("."))
+    )
 
 
-def style_for(kind: str | None, param_kinds: dict[str, str], module: nn.Module, use_local_output: bool) -> ParallelStyle:
+def style_for(
+    kind: str | None, param_kinds: dict[str, str], module: nn.Module, use_local_output: bool
+) -> ParallelStyle:
     """The shardops style for one module: its own kind (None: only parameter entries) and its parameters' kinds."""
     u = use_local_output
     layouts = {name: _param_placement(k, module, name) for name, k in param_kinds.items()}
@@ -273,7 +287,9 @@ def _param_placement(kind: str, module: nn.Module, name: str) -> Placement | Non
         return Shard(0 if kind == "embedding_rowwise" else 1)
     if kind in ("replicate", "replicated_with_grad_allreduce", "local_params"):
         return None  # stays as it is
-    raise ShardingError(f"from_transformers: parameter {type(module).__name__}.{name} has plan kind {kind!r}, which shardops does not know for a parameter")
+    raise ShardingError(
+        f"from_transformers: parameter {type(module).__name__}.{name} has plan kind {kind!r}, which shardops does not know for a parameter"
+    )
 
 
 # --- styles for the kinds torch's parallel API has no name for ----------------------------
@@ -419,7 +435,9 @@ class RopeGradSum(ParallelStyle):
         def leave(mod, args, out):
             rope = getattr(getattr(mod, "config", None), "qk_rope_head_dim", None)
             if rope is None:
-                raise ShardingError(f"from_transformers: mla_kv_a_proj on {type(mod).__name__} needs module.config.qk_rope_head_dim")
+                raise ShardingError(
+                    f"from_transformers: mla_kv_a_proj on {type(mod).__name__} needs module.config.qk_rope_head_dim"
+                )
             local = out.to_local() if isinstance(out, DTensor) else out
             kv, rot = local.split([local.shape[-1] - rope, rope], dim=-1)
             return torch.cat([kv, _local_with_summed_grad(mod, rot, device_mesh)], dim=-1)
@@ -445,7 +463,9 @@ class ExpertDispatch(ParallelStyle):
         style = ExpertParallel(use_local_output=False)
         style.src_data_rank = self.src_data_rank
         style._apply(module, device_mesh)
-        module.forward = _ReplicatedTokensRouted(module.forward, device_mesh)  # an instance attribute, as ExpertParallel's
+        module.forward = _ReplicatedTokensRouted(
+            module.forward, device_mesh
+        )  # an instance attribute, as ExpertParallel's
         return module
 
 
@@ -459,7 +479,8 @@ class _ReplicatedTokensRouted:
         if plain:  # the same tokens on every rank: Replicate, whose gradient comes back whole on each rank
             replicate = (Replicate(),) * self.mesh.ndim
             hidden_states, top_k_index, top_k_weights = (
-                t if isinstance(t, DTensor) else from_local(t, self.mesh, replicate) for t in (hidden_states, top_k_index, top_k_weights)
+                t if isinstance(t, DTensor) else from_local(t, self.mesh, replicate)
+                for t in (hidden_states, top_k_index, top_k_weights)
             )
         out = self.routed(hidden_states, top_k_index, top_k_weights)
         if out.placements != hidden_states.placements:
@@ -480,7 +501,9 @@ class PackedColwiseParallel(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
-            raise ShardingError(f"from_transformers: a packed_colwise module entry needs nn.Linear, not {type(module).__name__}")
+            raise ShardingError(
+                f"from_transformers: a packed_colwise module entry needs nn.Linear, not {type(module).__name__}"
+            )
         params, desired = self._layouts_for(module)
         src, local = self.src_data_rank, self.use_local_output
         return distribute_module(

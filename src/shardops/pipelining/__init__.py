@@ -1,5 +1,6 @@
 """Pipeline parallelism with torch.distributed.pipelining's names: a model split by depth into
 `PipelineStage`s, run over micro-batches by a schedule, in both worlds (docs/pipelining.md)."""
+
 from .schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -14,6 +15,14 @@ from .schedules import (
 from .stage import PipelineStage
 
 __all__ = [
-    "PipelineScheduleMulti", "PipelineScheduleSingle", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS",
-    "ScheduleZBVZeroBubble", "get_schedule_class",
+    "PipelineScheduleMulti",
+    "PipelineScheduleSingle",
+    "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "get_schedule_class",
 ]

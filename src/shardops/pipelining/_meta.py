@@ -8,10 +8,12 @@ ever), and a last all_gather tells every rank what failed where.
 
 Messages are JSON in fixed-size uint8 buffers, so a receiver always knows what to allocate.
 """
+
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -20,8 +22,23 @@ from ..errors import ShardingError
 from .stage import PipelineStage, TensorMeta
 
 META_BYTES = 4096
-_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
-                               torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 def encode(obj: Any) -> torch.Tensor:
@@ -48,7 +65,9 @@ def metas_to_json(metas: Sequence[TensorMeta]) -> list:
 
 def metas_from_json(items: list) -> tuple[TensorMeta, ...]:
     return tuple(
-        TensorMeta(tuple(shape), _DTYPES[dtype], rg, None if pl is None else tuple(pl), None if gs is None else tuple(gs))
+        TensorMeta(
+            tuple(shape), _DTYPES[dtype], rg, None if pl is None else tuple(pl), None if gs is None else tuple(gs)
+        )
         for shape, dtype, rg, pl, gs in items
     )
 
@@ -60,13 +79,18 @@ def describe(metas: Sequence[TensorMeta]) -> str:
 # ------------------------------------------------------------------ the layout
 
 
-def check_layout(comm: Communicator, stages: Sequence[PipelineStage], schedule: str, n_microbatches: int, place: Callable[[int], int]) -> None:
+def check_layout(
+    comm: Communicator, stages: Sequence[PipelineStage], schedule: str, n_microbatches: int, place: Callable[[int], int]
+) -> None:
     """Every rank of the group agrees on the stage count, the micro-batch count and the schedule, and
     holds the stages the schedule's placement gives it (stage s on group member `place(s)`)."""
     group = stages[0].group
     mine = {
-        "rank": comm.rank, "schedule": schedule, "n_microbatches": n_microbatches,
-        "num_stages": [s.num_stages for s in stages], "stages": [s.stage_index for s in stages],
+        "rank": comm.rank,
+        "schedule": schedule,
+        "n_microbatches": n_microbatches,
+        "num_stages": [s.num_stages for s in stages],
+        "stages": [s.stage_index for s in stages],
     }
     everyone = gather(comm, group, mine)
     problem = _layout_problem(everyone, group, place)
@@ -119,7 +143,11 @@ def infer_shapes(
     for stage in sorted(stages, key=lambda s: s.stage_index):
         s = stage.stage_index
         if stage.is_first:
-            msg = {"error": first_error} if first_error else {"metas": metas_to_json([TensorMeta.of(a) for a in first_args or ()])}
+            msg = (
+                {"error": first_error}
+                if first_error
+                else {"metas": metas_to_json([TensorMeta.of(a) for a in first_args or ()])}
+            )
         elif (s - 1) in local:
             msg = local.pop(s - 1)
         else:
@@ -136,7 +164,9 @@ def infer_shapes(
         if stage.stage_to_rank(s + 1) == comm.rank:
             local[s] = nxt
         else:
-            works += comm.batch_isend_irecv([P2POp("isend", encode(nxt), stage.stage_to_rank(s + 1), group, tag(s + 1))])
+            works += comm.batch_isend_irecv(
+                [P2POp("isend", encode(nxt), stage.stage_to_rank(s + 1), group, tag(s + 1))]
+            )
     for w in works:
         w.wait()
     reported = [e for d in gather(comm, group, {"errors": errors}) for e in d["errors"]]
@@ -144,14 +174,18 @@ def infer_shapes(
         raise ShardingError("pipeline shape check failed (raised on every rank): " + " | ".join(reported))
 
 
-def _stage_shapes(stage: PipelineStage, msg: dict, first_args: Sequence[torch.Tensor] | None) -> tuple[tuple[TensorMeta, ...], str | None]:
+def _stage_shapes(
+    stage: PipelineStage, msg: dict, first_args: Sequence[torch.Tensor] | None
+) -> tuple[tuple[TensorMeta, ...], str | None]:
     """(output metas, error) of one stage, given what the previous stage sent."""
     if msg.get("error"):
         return (), msg["error"]
     s = stage.stage_index
     inputs = metas_from_json(msg["metas"])
     declared = stage.declared_inputs
-    if declared is not None and [(m.shape, m.dtype, m.placements) for m in declared] != [(m.shape, m.dtype, m.placements) for m in inputs]:
+    if declared is not None and [(m.shape, m.dtype, m.placements) for m in declared] != [
+        (m.shape, m.dtype, m.placements) for m in inputs
+    ]:
         return (), (
             f"stage {s - 1}'s output {describe(inputs)} differs from stage {s}'s input_args {describe(declared)}; "
             f"make the stages' shapes agree (or drop input_args to infer them)"
@@ -161,8 +195,13 @@ def _stage_shapes(stage: PipelineStage, msg: dict, first_args: Sequence[torch.Te
         stage.output_metas = stage.declared_outputs
         return stage.output_metas, None
     try:
-        args = tuple(first_args) if stage.is_first else tuple(
-            m.wrap(torch.zeros(m.shape, dtype=m.dtype, device=stage.device), stage.mesh if m.placements else None) for m in inputs
+        args = (
+            tuple(first_args)
+            if stage.is_first
+            else tuple(
+                m.wrap(torch.zeros(m.shape, dtype=m.dtype, device=stage.device), stage.mesh if m.placements else None)
+                for m in inputs
+            )
         )
         with torch.no_grad():
             out = stage.submod(*args)

@@ -12,10 +12,12 @@ backward. Together the two halves do one backward's work.
 A stage whose inputs need no gradient (the first) does its whole backward in W; so does a stage with
 a weight reached from two branches (tied), after an I that computes only the inputs' gradients.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -30,7 +32,10 @@ class WeightWork:
 
 
 def backward_input(
-    roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+    roots: Sequence[torch.Tensor],
+    root_grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     """I: the gradients of `inputs` (None where unused), and what W needs to finish the weights'."""
     wanted = [x for x in inputs if x.requires_grad]
@@ -45,7 +50,11 @@ def backward_input(
         below = _params_below([c for c, _ in node.next_functions if c is not None and c not in on_input_path], param_of)
         if below:
             branches[node] = below
-    outside = [(r, g, _params_below([r.grad_fn], param_of)) for r, g in zip(roots, root_grads) if r.grad_fn is not None and r.grad_fn not in on_input_path]
+    outside = [
+        (r, g, _params_below([r.grad_fn], param_of))
+        for r, g in zip(roots, root_grads)
+        if r.grad_fn is not None and r.grad_fn not in on_input_path
+    ]
     claimed = [id(p) for ps in [*branches.values(), *(ps for _, _, ps in outside)] for p in ps]
     if len(claimed) != len(set(claimed)):
         # a weight reached from two places (a tied weight): W from each would also run the other's
@@ -75,7 +84,9 @@ def backward_weight(work: WeightWork) -> None:
         torch.autograd.backward(start, grad, inputs=weights)
 
 
-def _by_input(inputs: Sequence[torch.Tensor], wanted: list[torch.Tensor], found: Sequence[Any]) -> list[torch.Tensor | None]:
+def _by_input(
+    inputs: Sequence[torch.Tensor], wanted: list[torch.Tensor], found: Sequence[Any]
+) -> list[torch.Tensor | None]:
     by_id = dict(zip(map(id, wanted), found))
     return [by_id.get(id(x)) for x in inputs]
 

@@ -16,29 +16,38 @@ An I depends on the next stage's I of the same micro-batch (and its own F), an F
 stage's F, a W on its own I. Every action of the programs comes after what it depends on in the
 simulation, so the executor's order (blocking receives, non-blocking sends) cannot deadlock.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 Step = tuple[int, str, int]  # (stage, "F" | "I" | "W", micro-batch)
 
 
-def greedy_programs(group_size: int, num_stages: int, n_microbatches: int, place: Callable[[int], int], max_in_flight: int) -> list[list[Step]]:
+def greedy_programs(
+    group_size: int, num_stages: int, n_microbatches: int, place: Callable[[int], int], max_in_flight: int
+) -> list[list[Step]]:
     """Each group member's program, from one slot-by-slot simulation of every rank."""
     sim = _Simulation(group_size, num_stages, n_microbatches, place, max_in_flight)
     while sim.remaining:
         if not sim.run_slot():
-            raise RuntimeError(f"zero-bubble order: no rank can progress at slot {sim.clock} (p={group_size}, stages={num_stages}, m={n_microbatches})")
+            raise RuntimeError(
+                f"zero-bubble order: no rank can progress at slot {sim.clock} (p={group_size}, stages={num_stages}, m={n_microbatches})"
+            )
     return sim.programs
 
 
 class _Simulation:
     def __init__(self, p: int, num_stages: int, m: int, place: Callable[[int], int], max_in_flight: int) -> None:
         self.m, self.last, self.max_in_flight = m, num_stages - 1, max_in_flight
-        self.local = [sorted((s for s in range(num_stages) if place(s) == r), reverse=True) for r in range(p)]  # latest stage first
+        self.local = [
+            sorted((s for s in range(num_stages) if place(s) == r), reverse=True) for r in range(p)
+        ]  # latest stage first
         self.first = [min(stages) for stages in self.local]
         self.finished: dict[Step, int] = {}  # the slot after which each action's result is there
-        self.next_mb = {(s, kind): 0 for s in range(num_stages) for kind in "FI"}  # each stage runs F and I in micro-batch order
+        self.next_mb = {
+            (s, kind): 0 for s in range(num_stages) for kind in "FI"
+        }  # each stage runs F and I in micro-batch order
         self.owed = [[] for _ in range(p)]  # W's owed, oldest first
         self.live = [0] * p  # micro-batches live in each rank's first stage
         self.programs: list[list[Step]] = [[] for _ in range(p)]
@@ -57,11 +66,16 @@ class _Simulation:
         return self.finished.get(step, self.clock + 1) <= self.clock
 
     def _pick(self, r: int) -> Step | None:
-        inputs = [(s, "I", mb) for s, mb in self._next(r, "I") if self._done((s, "F", mb)) and (s == self.last or self._done((s + 1, "I", mb)))]
+        inputs = [
+            (s, "I", mb)
+            for s, mb in self._next(r, "I")
+            if self._done((s, "F", mb)) and (s == self.last or self._done((s + 1, "I", mb)))
+        ]
         if inputs:
             return min(inputs, key=lambda a: (a[2], -a[0]))
         forwards = [
-            (s, "F", mb) for s, mb in self._next(r, "F")
+            (s, "F", mb)
+            for s, mb in self._next(r, "F")
             if (s == 0 or self._done((s - 1, "F", mb))) and (s != self.first[r] or self.live[r] < self.max_in_flight)
         ]
         if forwards:

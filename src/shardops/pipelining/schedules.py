@@ -11,10 +11,12 @@ kept per rank (`executed_actions`), so a test reads the bubble from it, not from
 Placement (torch's): stage s lives on group member s % group size, except on ScheduleZBVZeroBubble's
 V (stages r and 2p-1-r on member r); each schedule's `_place` says, and the first step checks it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -25,7 +27,10 @@ from . import _meta, _zero_bubble
 from .stage import PipelineStage, TensorMeta, local_part
 
 FORWARD, BACKWARD = "F", "B"
-BACKWARD_INPUT, BACKWARD_WEIGHT = "I", "W"  # a backward split in two (zero-bubble schedules): inputs' gradients, then weights'
+BACKWARD_INPUT, BACKWARD_WEIGHT = (
+    "I",
+    "W",
+)  # a backward split in two (zero-bubble schedules): inputs' gradients, then weights'
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,19 @@ class _Action:
 class _PipelineSchedule:
     """What every schedule shares: splitting the batch, the first step's checks, running the program."""
 
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None, scale_grads: bool, **specs: Any) -> None:
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable | None,
+        scale_grads: bool,
+        **specs: Any,
+    ) -> None:
         given = [k for k, v in specs.items() if v is not None]
         if given:
-            raise ShardingError(f"{type(self).__name__}: {given} are not supported yet; micro-batches split every tensor argument on dim 0")
+            raise ShardingError(
+                f"{type(self).__name__}: {given} are not supported yet; micro-batches split every tensor argument on dim 0"
+            )
         if not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ShardingError(f"{type(self).__name__}: n_microbatches must be a positive int, got {n_microbatches!r}")
         if not stages:
@@ -91,16 +105,22 @@ class _PipelineSchedule:
         """One training step over the whole batch: `args` on the first stage, `target` and `losses` on the last.
         Returns the last stage's outputs (micro-batches concatenated) there, None elsewhere."""
         if kwargs:
-            raise ShardingError(f"{type(self).__name__}.step: keyword inputs {sorted(kwargs)} are not supported yet; pass them positionally")
+            raise ShardingError(
+                f"{type(self).__name__}.step: keyword inputs {sorted(kwargs)} are not supported yet; pass them positionally"
+            )
         name = type(self).__name__
         first, last = self._stages.get(0), self._stages.get(self._num_stages - 1)
         mb_args, split_error = self._split(args, "inputs") if first is not None else (None, None)
-        mb_targets, target_error = self._split((target,), "target") if last is not None and target is not None else (None, None)
+        mb_targets, target_error = (
+            self._split((target,), "target") if last is not None and target is not None else (None, None)
+        )
         comm = current_comm()
         if not self._checked:
             _meta.check_layout(comm, self.stages, name, self._n_microbatches, self._place)
             errors = [e for e in (split_error, target_error) if e]
-            _meta.infer_shapes(comm, self.stages, mb_args[0] if mb_args else None, errors, lambda s: self._tag(s, 0, "meta", 0))
+            _meta.infer_shapes(
+                comm, self.stages, mb_args[0] if mb_args else None, errors, lambda s: self._tag(s, 0, "meta", 0)
+            )
             self._checked = True
         elif split_error or target_error:
             raise ShardingError(split_error or target_error)
@@ -160,7 +180,11 @@ class _PipelineSchedule:
     def _run(self, a: _Action, mb_args: list[tuple] | None, mb_targets: list[tuple] | None, outputs: dict) -> None:
         stage = self._stages[a.stage]
         if a.kind == FORWARD:
-            args = mb_args[a.microbatch] if stage.is_first else self._receive(stage, a.stage - 1, a.microbatch, "act", stage.input_metas)
+            args = (
+                mb_args[a.microbatch]
+                if stage.is_first
+                else self._receive(stage, a.stage - 1, a.microbatch, "act", stage.input_metas)
+            )
             target = mb_targets[a.microbatch][0] if stage.is_last and mb_targets else None
             out = stage.forward_one_chunk(a.microbatch, args, target, self._loss_fn)
             if stage.is_last:
@@ -170,30 +194,43 @@ class _PipelineSchedule:
         elif a.kind == BACKWARD_WEIGHT:  # nothing crosses: the weights' half of a split backward
             stage.backward_weight_one_chunk(a.microbatch)
         else:
-            grads = None if stage.is_last else self._receive(stage, a.stage + 1, a.microbatch, "grad", stage.output_metas)
+            grads = (
+                None if stage.is_last else self._receive(stage, a.stage + 1, a.microbatch, "grad", stage.output_metas)
+            )
             backward = stage.backward_one_chunk if a.kind == BACKWARD else stage.backward_input_one_chunk
             input_grads = backward(a.microbatch, grads)
             if not stage.is_first:
                 self._deliver(stage, a.stage - 1, a.microbatch, "grad", input_grads)
 
-    def _deliver(self, stage: PipelineStage, to_stage: int, mb: int, kind: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    def _deliver(
+        self, stage: PipelineStage, to_stage: int, mb: int, kind: str, tensors: tuple[torch.Tensor, ...]
+    ) -> None:
         dst = stage.stage_to_rank(to_stage)
         if dst == stage.rank:
             self._local[(to_stage, mb, kind)] = tensors
             return
         comm = current_comm()
-        ops = [P2POp("isend", local_part(t).contiguous(), dst, self._group, self._tag(to_stage, mb, kind, i)) for i, t in enumerate(tensors)]
+        ops = [
+            P2POp("isend", local_part(t).contiguous(), dst, self._group, self._tag(to_stage, mb, kind, i))
+            for i, t in enumerate(tensors)
+        ]
         self._sends += comm.batch_isend_irecv(ops)
 
-    def _receive(self, stage: PipelineStage, from_stage: int, mb: int, kind: str, metas: Any) -> tuple[torch.Tensor, ...]:
+    def _receive(
+        self, stage: PipelineStage, from_stage: int, mb: int, kind: str, metas: Any
+    ) -> tuple[torch.Tensor, ...]:
         src = stage.stage_to_rank(from_stage)
         if src == stage.rank:
             return self._local.pop((stage.stage_index, mb, kind))
         bufs = tuple(m.empty(stage.device) for m in metas)
-        ops = [P2POp("irecv", b, src, self._group, self._tag(stage.stage_index, mb, kind, i)) for i, b in enumerate(bufs)]
+        ops = [
+            P2POp("irecv", b, src, self._group, self._tag(stage.stage_index, mb, kind, i)) for i, b in enumerate(bufs)
+        ]
         for work in current_comm().batch_isend_irecv(ops):
             work.wait()
-        if any(m.placements is not None for m in metas):  # DTensors: rebuilt from their local shards on this stage's mesh
+        if any(
+            m.placements is not None for m in metas
+        ):  # DTensors: rebuilt from their local shards on this stage's mesh
             return tuple(m.wrap(b, stage.mesh if m.placements else None) for m, b in zip(metas, bufs))
         return bufs
 
@@ -215,13 +252,28 @@ class PipelineScheduleSingle(_PipelineSchedule):
     """A schedule of one stage per rank (torch's base class of the same name)."""
 
     def __init__(
-        self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec: Any = None,
-        kwargs_chunk_spec: Any = None, output_merge_spec: Any = None, scale_grads: bool = True,
+        self,
+        stage: PipelineStage,
+        n_microbatches: int,
+        loss_fn: Callable | None = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
     ) -> None:
         if not isinstance(stage, PipelineStage):
-            raise ShardingError(f"{type(self).__name__}: takes one PipelineStage, got {type(stage).__name__}; multi-stage schedules take a list")
-        super().__init__([stage], n_microbatches, loss_fn, scale_grads, args_chunk_spec=args_chunk_spec,
-                         kwargs_chunk_spec=kwargs_chunk_spec, output_merge_spec=output_merge_spec)
+            raise ShardingError(
+                f"{type(self).__name__}: takes one PipelineStage, got {type(stage).__name__}; multi-stage schedules take a list"
+            )
+        super().__init__(
+            [stage],
+            n_microbatches,
+            loss_fn,
+            scale_grads,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+        )
         self._stage = stage
 
 
@@ -229,13 +281,26 @@ class PipelineScheduleMulti(_PipelineSchedule):
     """A schedule of several stages per rank (torch's base class of the same name)."""
 
     def __init__(
-        self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec: Any = None,
-        kwargs_chunk_spec: Any = None, output_merge_spec: Any = None, scale_grads: bool = True,
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable | None = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
     ) -> None:
         if isinstance(stages, PipelineStage):
             stages = [stages]
-        super().__init__(list(stages), n_microbatches, loss_fn, scale_grads, args_chunk_spec=args_chunk_spec,
-                         kwargs_chunk_spec=kwargs_chunk_spec, output_merge_spec=output_merge_spec)
+        super().__init__(
+            list(stages),
+            n_microbatches,
+            loss_fn,
+            scale_grads,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+        )
 
 
 # ------------------------------------------------------------------ the schedules
@@ -283,7 +348,9 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     of p, each rank's forwards cycling through its stages round by round. The bubble is about 1/v of
     1F1B's. Needs n_microbatches to be a multiple of the group size p."""
 
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(stages, n_microbatches, loss_fn, **kwargs)
         p = self._group.size
         if n_microbatches % p:
@@ -322,15 +389,26 @@ class _ZeroBubble(PipelineScheduleMulti):
     the weights' branches leave the inputs' path."""
 
     def __init__(
-        self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None, args_chunk_spec: Any = None,
-        kwargs_chunk_spec: Any = None, output_merge_spec: Any = None, scale_grads: bool = True,
-        backward_requires_autograd: bool = True, defer_pp_recv: bool = False,
+        self,
+        stages: Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable | None = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
     ) -> None:
         name = type(self).__name__
         if not backward_requires_autograd:
-            raise ShardingError(f"{name}: backward_requires_autograd=False (a custom backward) is not supported; the split backward uses autograd")
+            raise ShardingError(
+                f"{name}: backward_requires_autograd=False (a custom backward) is not supported; the split backward uses autograd"
+            )
         del defer_pp_recv  # receives always wait right before the action that needs them
-        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads)
+        super().__init__(
+            stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads
+        )
         self._check_stages_per_rank(len(self.stages))
         _check_no_fully_shard(self.stages, name)
 
@@ -339,7 +417,9 @@ class _ZeroBubble(PipelineScheduleMulti):
 
     def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:
         p = self._group.size
-        steps = _zero_bubble.greedy_programs(p, self._num_stages, self._n_microbatches, self._place, max_in_flight=p)[stages[0].group_rank]
+        steps = _zero_bubble.greedy_programs(p, self._num_stages, self._n_microbatches, self._place, max_in_flight=p)[
+            stages[0].group_rank
+        ]
         kinds = {"F": FORWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
         return [_Action(s, kinds[k], mb) for s, k, mb in steps if has_backward or k == "F"]
 
@@ -347,7 +427,9 @@ class _ZeroBubble(PipelineScheduleMulti):
 def _check_no_fully_shard(stages: list[PipelineStage], schedule: str) -> None:
     """fully_shard reshards a unit when the gradient reaches its inputs, which a split backward's I does
     before its W has read the unsharded weights: refused rather than wrong."""
-    from ..fsdp import FSDPModule  # below pipelining; imported here so a stage without data parallelism needs none of it
+    from ..fsdp import (
+        FSDPModule,
+    )  # below pipelining; imported here so a stage without data parallelism needs none of it
 
     for stage in stages:
         if any(isinstance(m, FSDPModule) for m in stage.submod.modules()):
@@ -377,7 +459,9 @@ class ScheduleZBVZeroBubble(_ZeroBubble):
 
     def _check_stages_per_rank(self, v: int) -> None:
         if v != 2:
-            raise ShardingError(f"ScheduleZBVZeroBubble: takes exactly 2 stages per rank (r and 2p-1-r), got {v} (stages {[s.stage_index for s in self.stages]})")
+            raise ShardingError(
+                f"ScheduleZBVZeroBubble: takes exactly 2 stages per rank (r and 2p-1-r), got {v} (stages {[s.stage_index for s in self.stages]})"
+            )
 
     def _place(self, stage_index: int) -> int:
         p = self._group.size

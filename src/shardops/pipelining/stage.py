@@ -5,10 +5,12 @@ so their .grad is what goes back to the previous stage) and the outputs it compu
 backward of that micro-batch frees them. The schedule (schedules.py) decides the order and
 moves tensors between stages; the stage only computes.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,11 +36,13 @@ class TensorMeta:
     global_shape: tuple[int, ...] | None = None
 
     @staticmethod
-    def of(t: torch.Tensor) -> "TensorMeta":
+    def of(t: torch.Tensor) -> TensorMeta:
         requires_grad = bool(t.requires_grad or t.is_floating_point())
         if hasattr(t, "placements"):
             local = t.to_local()
-            return TensorMeta(tuple(local.shape), t.dtype, requires_grad, tuple(_encode(p) for p in t.placements), tuple(t.shape))
+            return TensorMeta(
+                tuple(local.shape), t.dtype, requires_grad, tuple(_encode(p) for p in t.placements), tuple(t.shape)
+            )
         return TensorMeta(tuple(t.shape), t.dtype, requires_grad)
 
     def empty(self, device: torch.device) -> torch.Tensor:
@@ -67,7 +71,9 @@ def _encode(placement: Any) -> str:
         return "R"
     if type(placement) is Partial:
         return f"P{placement.reduce_op}"
-    raise ShardingError(f"PipelineStage: a DTensor with placement {placement!r} cannot cross a stage boundary yet; redistribute it to Shard, Replicate or Partial")
+    raise ShardingError(
+        f"PipelineStage: a DTensor with placement {placement!r} cannot cross a stage boundary yet; redistribute it to Shard, Replicate or Partial"
+    )
 
 
 def _decode(code: str) -> Any:
@@ -87,7 +93,9 @@ def as_tuple(value: Any, what: str) -> tuple[torch.Tensor, ...]:
     values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     for v in values:
         if not isinstance(v, torch.Tensor) or hasattr(v, "placements"):
-            raise ShardingError(f"PipelineStage: {what} must be plain tensors (or a tuple of them), got {type(v).__name__}")
+            raise ShardingError(
+                f"PipelineStage: {what} must be plain tensors (or a tuple of them), got {type(v).__name__}"
+            )
     return values
 
 
@@ -100,7 +108,9 @@ def resolve_group(group: Any) -> Group:
     if isinstance(group, Group):
         return group
     if in_threads_world():
-        raise ShardingError(f"PipelineStage: group {group!r} is not a shardops group; in so.run pass mesh['pp'].get_group()")
+        raise ShardingError(
+            f"PipelineStage: group {group!r} is not a shardops group; in so.run pass mesh['pp'].get_group()"
+        )
     return comm.adopt_process_group(group)  # type: ignore[attr-defined]
 
 
@@ -136,8 +146,12 @@ class PipelineStage:
             raise ShardingError(f"PipelineStage: rank {self.rank} is not in its group {list(self.group.ranks)}")
         self.group_rank = self.group.index(self.rank)
         self.group_size = self.group.size
-        self.declared_inputs = None if input_args is None else tuple(TensorMeta.of(t) for t in as_tuple(input_args, "input_args"))
-        self.declared_outputs = None if output_args is None else tuple(TensorMeta.of(t) for t in as_tuple(output_args, "output_args"))
+        self.declared_inputs = (
+            None if input_args is None else tuple(TensorMeta.of(t) for t in as_tuple(input_args, "input_args"))
+        )
+        self.declared_outputs = (
+            None if output_args is None else tuple(TensorMeta.of(t) for t in as_tuple(output_args, "output_args"))
+        )
         # set by the schedule's first step (the metadata exchange)
         self.input_metas: tuple[TensorMeta, ...] | None = None
         self.output_metas: tuple[TensorMeta, ...] | None = None
@@ -172,7 +186,9 @@ class PipelineStage:
         return f"PipelineStage({self.stage_index} of {self.num_stages}, rank {self.rank})"
 
     # -- one micro-batch
-    def forward_one_chunk(self, mb: int, args: Sequence[torch.Tensor], target: torch.Tensor | None, loss_fn: Callable | None) -> tuple[torch.Tensor, ...]:
+    def forward_one_chunk(
+        self, mb: int, args: Sequence[torch.Tensor], target: torch.Tensor | None, loss_fn: Callable | None
+    ) -> tuple[torch.Tensor, ...]:
         """Run the stage on micro-batch `mb`; on the last stage with a loss_fn, also its loss."""
         if self.is_first:
             inputs = tuple(args)
@@ -189,7 +205,9 @@ class PipelineStage:
             self._losses[mb] = loss_fn(out, target)
         return outputs
 
-    def backward_one_chunk(self, mb: int, output_grads: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, ...]:
+    def backward_one_chunk(
+        self, mb: int, output_grads: Sequence[torch.Tensor] | None
+    ) -> tuple[torch.Tensor | None, ...]:
         """Backward of micro-batch `mb`; returns the gradients of its inputs (for the previous stage)."""
         inputs, outputs = self._inputs.pop(mb), self._outputs.pop(mb)
         self.backwards_left -= 1
@@ -201,13 +219,17 @@ class PipelineStage:
             return ()
         return tuple(_input_grad(x) for x in inputs)
 
-    def backward_input_one_chunk(self, mb: int, output_grads: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor | None, ...]:
+    def backward_input_one_chunk(
+        self, mb: int, output_grads: Sequence[torch.Tensor] | None
+    ) -> tuple[torch.Tensor | None, ...]:
         """The first half of a split backward (zero-bubble schedules' I): only the gradients of micro-batch `mb`'s
         inputs, for the previous stage; what the weights still need is kept for `backward_weight_one_chunk`."""
         inputs, outputs = self._inputs.pop(mb), self._outputs.pop(mb)
         roots, grads = self._backward_roots(mb, outputs, output_grads)
         params = [q for q in self.submod.parameters() if q.requires_grad]
-        found, self._weight_work[mb] = _split_backward.backward_input(roots, grads, () if self.is_first else inputs, params)
+        found, self._weight_work[mb] = _split_backward.backward_input(
+            roots, grads, () if self.is_first else inputs, params
+        )
         if self.is_first:
             return ()
         for x, g in zip(inputs, found):
@@ -221,7 +243,9 @@ class PipelineStage:
         _sync_gradients_on_last_backward(self.submod, self.backwards_left <= 0)
         _split_backward.backward_weight(work)
 
-    def _backward_roots(self, mb: int, outputs: tuple[torch.Tensor, ...], output_grads: Sequence[torch.Tensor] | None) -> tuple[tuple, tuple]:
+    def _backward_roots(
+        self, mb: int, outputs: tuple[torch.Tensor, ...], output_grads: Sequence[torch.Tensor] | None
+    ) -> tuple[tuple, tuple]:
         """What a backward of micro-batch `mb` starts from: the loss on the last stage, else the outputs
         that need grad with their incoming gradients."""
         if self.is_last:
@@ -253,7 +277,9 @@ class PipelineStage:
 def _sync_gradients_on_last_backward(module: nn.Module, last: bool) -> None:
     """A fully_shard stage accumulates its micro-batches' gradients unreduced and
     reduces them once, in the step's last backward (as torch's stage does), not once per micro-batch."""
-    from ..fsdp import FSDPModule  # below pipelining; imported here so a stage without data parallelism needs none of it
+    from ..fsdp import (
+        FSDPModule,
+    )  # below pipelining; imported here so a stage without data parallelism needs none of it
 
     for sub in module.modules():
         if isinstance(sub, FSDPModule):

@@ -6,15 +6,16 @@ to choose from, in order (never none of them): verify forces each sharded algori
 through one (verify/forcing.py), and tests steer the planner with `choosing(hook)`
 instead of replacing planner functions.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+from .. import caches
 from ..cost import Link, resolve_links
 from ..redistribute import plan
 from ..spec import TensorSpec
-from .. import caches
 from .rows import Candidate, Ranked, Row, check_rows, rank_key
 from .search import Search, all_candidates
 
@@ -51,7 +52,9 @@ def candidates(
     if limit is None and space <= EXHAUSTIVE_MAX:
         return all_candidates(rows, in_specs, out_shapes, links, filter_fn)
     search = Search(rows, in_specs, out_shapes, links)
-    out = Ranked(sorted(search.best(DEFAULT_LIMIT if limit is None else limit, filter_fn), key=lambda c: rank_key(c, mesh.shape)))
+    out = Ranked(
+        sorted(search.best(DEFAULT_LIMIT if limit is None else limit, filter_fn), key=lambda c: rank_key(c, mesh.shape))
+    )
     out.total = search.count_valid()
     out.replicate = search.replicate(filter_fn)
     return out

@@ -12,10 +12,11 @@ candidate's time:
          + the redundant local work a gather creates (every rank then runs the kernel
            on the whole gathered data)
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..cost import Link, collective_time, joint_collective_time, step_time  # noqa: F401 (the planner's formulas, priced here)
 from ..placements import Placement
@@ -26,7 +27,11 @@ from .rows import Candidate, Row
 
 
 def source_local_bytes(spec: TensorSpec) -> float:
-    return spec.numel * spec.itemsize / max(math.prod(n for n, p in zip(spec.mesh.shape, spec.placements) if p.is_shard()), 1)
+    return (
+        spec.numel
+        * spec.itemsize
+        / max(math.prod(n for n, p in zip(spec.mesh.shape, spec.placements) if p.is_shard()), 1)
+    )
 
 
 def redistribution_term(a: Placement, b: Placement, local: float, n: int, link: Link) -> float:
@@ -56,7 +61,9 @@ def estimate_redistribution(spec: TensorSpec, target: Sequence[Placement], links
     total = 0.0
     guarded: frozenset[int] = frozenset()
     for i, (a, b) in enumerate(zip(spec.placements, target)):
-        total += redistribution_term(a, b, local, mesh_shape[i], links[i]) + unblock_term(guarded, a, b, local, mesh_shape[i], links[i])
+        total += redistribution_term(a, b, local, mesh_shape[i], links[i]) + unblock_term(
+            guarded, a, b, local, mesh_shape[i], links[i]
+        )
         guarded |= move_guard(a, b)
     return total
 
@@ -103,7 +110,9 @@ def comm_time(combo: Sequence[Row], mesh_shape: Sequence[int], links: Sequence[L
             joint[key] = (dims + [i], max(most, count))
     for (kind, b), (dims, count) in joint.items():
         sizes = [mesh_shape[i] for i in dims]
-        total += count * joint_collective_time(kind, gathered_bytes(kind, b, math.prod(sizes)), sizes, [links[i] for i in dims])
+        total += count * joint_collective_time(
+            kind, gathered_bytes(kind, b, math.prod(sizes)), sizes, [links[i] for i in dims]
+        )
     return total
 
 
@@ -121,7 +130,9 @@ def resolve_time(shape: Sequence[int], local_bytes: float, n: int, link: Link) -
     return collective_time("reduce_scatter" if len(shape) > 0 else "all_reduce", local_bytes, n, wire)
 
 
-def local_bytes(shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], placements: Sequence[Placement]) -> float:
+def local_bytes(
+    shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int], placements: Sequence[Placement]
+) -> float:
     return math.prod(shape) * itemsize / max(math.prod(n for n, p in zip(mesh_shape, placements) if p.is_shard()), 1)
 
 
@@ -164,4 +175,6 @@ def price(
         pending += sum(resolve_time(shape, local, mesh_shape[i], links[i]) for i, p in enumerate(pl) if p.is_partial())
     changes = sum(a != b for spec, target in zip(in_specs, inputs) for a, b in zip(spec.placements, target))
     compute = compute_time(in_specs, inputs, out_shapes, outputs, links)
-    return Candidate(inputs, outputs, algos[0] if algos else None, combo, (), redist, internal, pending, order, changes, compute)
+    return Candidate(
+        inputs, outputs, algos[0] if algos else None, combo, (), redist, internal, pending, order, changes, compute
+    )

@@ -7,11 +7,13 @@ implicit. A `Candidate` is one row per mesh dim, priced (pricing.py); candidates
 `rank_key`: the cheapest first; ties prefer leaving inputs as they are, then a pending
 output (a later linear op may absorb it), then more sharding, then the rule's row order.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..errors import ShardingError
 from ..placements import NormPartial, Placement, Replicate
@@ -62,7 +64,11 @@ class Candidate:
     @property
     def label(self) -> str:
         labels = [r.label for r in self.rows if r.label]
-        return labels[0] if labels else ("local" if not any(p.is_partial() for o in self.outputs for p in o) else "pending")
+        return (
+            labels[0]
+            if labels
+            else ("local" if not any(p.is_partial() for o in self.outputs for p in o) else "pending")
+        )
 
     def describe(self) -> str:
         ins = " ".join("[" + ",".join(map(repr, p)) + "]" for p in self.inputs)
@@ -74,7 +80,7 @@ class Ranked(list):
     """Candidates, cheapest first, with the size of the space they were chosen from."""
 
     total: int = 0  # combinations that satisfy the structural rules (filter_fn not applied)
-    replicate: "Candidate | None" = None  # the all-Replicate candidate, priced, if allowed
+    replicate: Candidate | None = None  # the all-Replicate candidate, priced, if allowed
     exhaustive: bool = False  # True: every candidate is in the list
 
 
@@ -88,7 +94,11 @@ def rank_key(c: Candidate, mesh_shape: Sequence[int]) -> tuple:
 
 def needs_norm_partial(c: Candidate, in_specs: Sequence[TensorSpec]) -> bool:
     """NormPartial is a source only: no plan reaches it from another placement."""
-    return any(isinstance(t, NormPartial) and t != s for spec, tgt in zip(in_specs, c.inputs) for s, t in zip(spec.placements, tgt))
+    return any(
+        isinstance(t, NormPartial) and t != s
+        for spec, tgt in zip(in_specs, c.inputs)
+        for s, t in zip(spec.placements, tgt)
+    )
 
 
 def mixed_partials(c: Candidate) -> bool:
@@ -116,7 +126,9 @@ def fits_mesh_dim(r: Row, i: int) -> bool:
 def check_rows(rows: Sequence[Row], n_in: int, n_out: int) -> None:
     for r in rows:
         if len(r.inputs) != n_in or (len(r.outputs) != n_out and len(r.outputs) != 1):
-            raise ShardingError(f"strategy row {r} has {len(r.inputs)} inputs/{len(r.outputs)} outputs, the op has {n_in}/{n_out}")
+            raise ShardingError(
+                f"strategy row {r} has {len(r.inputs)} inputs/{len(r.outputs)} outputs, the op has {n_in}/{n_out}"
+            )
 
 
 def order_index(indices: Sequence[int], radix: int) -> int:

@@ -8,19 +8,41 @@ rank key, and stops after the best `limit`. The bound is admissible for each ter
 ranking (`all_candidates()`, kept for explain, verify's hooks and
 tests/test_planner_pruning.py, which proves it).
 """
+
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..cost import Link, resolve_links
 from ..placements import NormPartial, Placement
 from ..spec import TensorSpec
-from .pricing import collective_time, comm_time, gathered_bytes, move_guard, price, redistribution_term, source_local_bytes, unblock_term
-from .rows import Candidate, Ranked, Row, check_rows, fits_mesh_dim, mixed_partials, needs_norm_partial, order_index, rank_key, row_options
+from .pricing import (
+    collective_time,
+    comm_time,
+    gathered_bytes,
+    move_guard,
+    price,
+    redistribution_term,
+    source_local_bytes,
+    unblock_term,
+)
+from .rows import (
+    Candidate,
+    Ranked,
+    Row,
+    check_rows,
+    fits_mesh_dim,
+    mixed_partials,
+    needs_norm_partial,
+    order_index,
+    rank_key,
+    row_options,
+)
 
 _NO_COMM = Row((), ())  # stands in for a row whose per-dim collectives are already in the separable sum
 
@@ -40,7 +62,9 @@ def all_candidates(
     out, total, replicate = [], 0, None
     for indices in itertools.product(range(len(options)), repeat=mesh.ndim):
         combo = tuple(options[r] for r in indices)
-        if len({r.algorithm for r in combo if r.algorithm is not None}) > 1 or not all(fits_mesh_dim(r, i) for i, r in enumerate(combo)):
+        if len({r.algorithm for r in combo if r.algorithm is not None}) > 1 or not all(
+            fits_mesh_dim(r, i) for i, r in enumerate(combo)
+        ):
             continue
         c = price(combo, in_specs, out_shapes, links, order_index(indices, len(options)))
         if mixed_partials(c) or needs_norm_partial(c, in_specs):
@@ -102,7 +126,9 @@ class Search:
         self.n_in, self.n_out = len(in_specs), len(out_shapes)
         self.options = row_options(rows, self.n_in, self.n_out)
         self.radix = len(self.options)
-        self.tuples = [r.inputs + tuple(r.outputs[min(k, len(r.outputs) - 1)] for k in range(self.n_out)) for r in self.options]
+        self.tuples = [
+            r.inputs + tuple(r.outputs[min(k, len(r.outputs) - 1)] for k in range(self.n_out)) for r in self.options
+        ]
         self.src_local = [source_local_bytes(spec) for spec in in_specs]
         self.in_bytes = [math.prod(spec.shape) * spec.itemsize for spec in in_specs]
         self.out_bytes = [math.prod(shape) * itemsize for shape, itemsize in out_shapes]
@@ -119,21 +145,33 @@ class Search:
             valid, sep, floor, changes, pend = [], [], [], [], []
             for index, r in enumerate(self.options):
                 srcs = [spec.placements[i] for spec in self.in_specs]
-                valid.append(fits_mesh_dim(r, i) and not any(isinstance(t, NormPartial) and t != a for a, t in zip(srcs, r.inputs)))
-                moves = sum(redistribution_term(a, t, loc, n, link) for a, t, loc in zip(srcs, r.inputs, self.src_local))
+                valid.append(
+                    fits_mesh_dim(r, i)
+                    and not any(isinstance(t, NormPartial) and t != a for a, t in zip(srcs, r.inputs))
+                )
+                moves = sum(
+                    redistribution_term(a, t, loc, n, link) for a, t, loc in zip(srcs, r.inputs, self.src_local)
+                )
                 lat = 0.0
                 if r.algorithm is None:
                     moves += sum(collective_time(kind, gathered_bytes(kind, b, n), n, link) for kind, b in r.comm)
                 elif n > 1:
-                    lat = sum((2 if kind == "all_reduce" else 1) * (n - 1) * link.latency for kind, _ in {(k, float(b)) for k, b in r.comm})
+                    lat = sum(
+                        (2 if kind == "all_reduce" else 1) * (n - 1) * link.latency
+                        for kind, _ in {(k, float(b)) for k, b in r.comm}
+                    )
                 sep.append(moves)
                 floor.append(lat)
                 changes.append(sum(a != t for a, t in zip(srcs, r.inputs)))
                 # resolve_time per byte of a pending output on this dim
-                pend.append([
-                    (2 if len(shape) == 0 else 1) * (n - 1) / n / link.bandwidth if n > 1 and p.is_partial() else 0.0
-                    for (shape, _), p in zip(self.out_shapes, self.tuples[index][self.n_in :])
-                ])
+                pend.append(
+                    [
+                        (2 if len(shape) == 0 else 1) * (n - 1) / n / link.bandwidth
+                        if n > 1 and p.is_partial()
+                        else 0.0
+                        for (shape, _), p in zip(self.out_shapes, self.tuples[index][self.n_in :])
+                    ]
+                )
             self.valid.append(valid)
             self.sep.append(sep)
             self.floor.append(floor)
@@ -150,18 +188,33 @@ class Search:
         self.rest_pending = [False] * (ndim + 1)
         for i in reversed(range(ndim)):
             ok = [r for r in range(self.radix) if self.valid[i][r]]
-            self.rest_time[i] = self.rest_time[i + 1] + min((self.sep[i][r] + self.floor[i][r] for r in ok), default=0.0)
+            self.rest_time[i] = self.rest_time[i + 1] + min(
+                (self.sep[i][r] + self.floor[i][r] for r in ok), default=0.0
+            )
             self.rest_changes[i] = self.rest_changes[i + 1] + min((self.changes[i][r] for r in ok), default=0)
-            self.rest_pending[i] = self.rest_pending[i + 1] or any(p.is_partial() for r in ok for p in self.tuples[r][self.n_in:])
+            self.rest_pending[i] = self.rest_pending[i + 1] or any(
+                p.is_partial() for r in ok for p in self.tuples[r][self.n_in :]
+            )
             self.rest_shard[i] = [
-                m * (self.mesh_shape[i] if any(self.tuples[r][t].is_shard() for r in ok) else 1) for t, m in enumerate(self.rest_shard[i + 1])
+                m * (self.mesh_shape[i] if any(self.tuples[r][t].is_shard() for r in ok) else 1)
+                for t, m in enumerate(self.rest_shard[i + 1])
             ]
 
     # ---------------------------------------------------------------- states
 
     def root(self) -> Prefix:
         n_tuples = self.n_in + self.n_out
-        return Prefix((), 0.0, 0, None, (None,) * n_tuples, (1,) * n_tuples, (False,) * self.n_in, (0.0,) * self.n_out, (frozenset(),) * self.n_in)
+        return Prefix(
+            (),
+            0.0,
+            0,
+            None,
+            (None,) * n_tuples,
+            (1,) * n_tuples,
+            (False,) * self.n_in,
+            (0.0,) * self.n_out,
+            (frozenset(),) * self.n_in,
+        )
 
     def _child(self, state: Prefix, r: int) -> Prefix | None:
         """The prefix `state` extended by row r on the next mesh dim; None if no completion is valid."""
@@ -184,7 +237,10 @@ class Search:
                     return None
         n = self.mesh_shape[i]
         shards = tuple(m * n if p.is_shard() else m for m, p in zip(state.shards, placed))
-        gathers = tuple(g or (spec.placements[i].is_shard() and p.is_replicate()) for g, spec, p in zip(state.gathers, self.in_specs, placed))
+        gathers = tuple(
+            g or (spec.placements[i].is_shard() and p.is_replicate())
+            for g, spec, p in zip(state.gathers, self.in_specs, placed)
+        )
         pending = tuple(a + b for a, b in zip(state.pending, self.pend_coef[i][r]))
         # nesting: earlier mesh dims' moves are known now, so this dim's forced gathers are exact
         unblock, guarded = 0.0, []
@@ -192,8 +248,17 @@ class Search:
             a = spec.placements[i]
             unblock += unblock_term(g, a, b, self.src_local[k], n, self.links[i])
             guarded.append(g | move_guard(a, b))
-        return Prefix(state.indices + (r,), state.time + self.sep[i][r] + unblock, state.changes + self.changes[i][r], algo, tuple(partials),
-                      shards, gathers, pending, tuple(guarded))
+        return Prefix(
+            state.indices + (r,),
+            state.time + self.sep[i][r] + unblock,
+            state.changes + self.changes[i][r],
+            algo,
+            tuple(partials),
+            shards,
+            gathers,
+            pending,
+            tuple(guarded),
+        )
 
     def _bound(self, state: Prefix) -> tuple:
         j = len(state.indices)
@@ -203,7 +268,10 @@ class Search:
         for k in range(self.n_out):
             t = self.n_in + k
             time += state.pending[k] * self.out_bytes[k] / (state.shards[t] * rest[t])
-        time += sum(b / (state.shards[k] * rest[k]) for k, b in enumerate(self.in_bytes) if state.gathers[k]) / self.compute_rate
+        time += (
+            sum(b / (state.shards[k] * rest[k]) for k, b in enumerate(self.in_bytes) if state.gathers[k])
+            / self.compute_rate
+        )
         pending = 0 if any(p is not None for p in state.partials[self.n_in :]) or self.rest_pending[j] else 1
         sharding = sum(m * rest[t] for t, m in enumerate(state.shards))
         order = order_index(state.indices + (0,) * (len(self.mesh_shape) - j), self.radix)
@@ -211,7 +279,9 @@ class Search:
 
     def _joint_comm(self, indices) -> float:
         """The joint collectives of the prefix's algorithm rows (memoised: most prefixes share them)."""
-        key = tuple((i, r) for i, r in enumerate(indices) if self.options[r].algorithm is not None and self.options[r].comm)
+        key = tuple(
+            (i, r) for i, r in enumerate(indices) if self.options[r].algorithm is not None and self.options[r].comm
+        )
         if not key:
             return 0.0
         value = self._comm_memo.get(key)
@@ -262,7 +332,9 @@ class Search:
             for (algo, partials), count in states.items():
                 for r in range(self.radix):
                     row = self.options[r]
-                    if not self.valid[i][r] or (row.algorithm is not None and algo is not None and row.algorithm != algo):
+                    if not self.valid[i][r] or (
+                        row.algorithm is not None and algo is not None and row.algorithm != algo
+                    ):
                         continue
                     new = list(partials)
                     for t, p in enumerate(self.tuples[r]):

@@ -3,6 +3,7 @@
 Both sides (shardops and torch DTensor) and the single-device reference build
 the model from the same `RunSpec` with the same initial weights.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,6 +20,7 @@ SIZES = {
     "small": ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, hidden_dim=128, max_seq_len=32),
     "medium": ModelArgs(dim=256, n_layers=4, n_heads=8, vocab_size=2048, hidden_dim=512, max_seq_len=64),
 }
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -42,7 +44,7 @@ class RunSpec:
             n *= d
         return n
 
-    def as_torch_runs_it(self) -> "RunSpec":
+    def as_torch_runs_it(self) -> RunSpec:
         """What torch DTensor can run of this on CPU, checked against its own single-device run:
         no dropout (torch keeps no layout-invariant random state on CPU meshes:
         torch/distributed/tensor/_random.py has trackers for CUDA-like devices only, so each rank
@@ -60,7 +62,7 @@ MODELS = {"llama": models.Llama, "gpt2": models.GPT2}
 PLANS = {"llama": models.llama_plan, "gpt2": models.gpt2_plan}
 
 
-def build(spec: "RunSpec") -> torch.nn.Module:
+def build(spec: RunSpec) -> torch.nn.Module:
     """The model with its deterministic initial weights (the same on every side)."""
     return MODELS[spec.model](spec.cfg, seed=0)
 
@@ -69,7 +71,7 @@ def build(spec: "RunSpec") -> torch.nn.Module:
 RESIDUAL_OUTPUTS = {"llama": (), "gpt2": ("wte", "wpe", "h.*.attn.wo", "h.*.mlp.c_proj")}
 
 
-def plan(spec: "RunSpec", api: Any) -> dict[str, Any]:
+def plan(spec: RunSpec, api: Any) -> dict[str, Any]:
     """The torchtitan-style plan of spec.model, written against `api` (torch's or shardops' parallel module).
 
     With dropout, the residual stream stays DTensors (`use_local_output=False` on the modules
@@ -82,5 +84,3 @@ def plan(spec: "RunSpec", api: Any) -> dict[str, Any]:
             styles[name] = copy.copy(styles[name])
             styles[name].use_local_output = False
     return styles
-
-

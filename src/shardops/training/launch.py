@@ -9,6 +9,7 @@ rank's error handling), comes back whole: its type, message and the rank's trace
 The training demo runs torch DTensor's side of the comparison this way; the tests
 use it for the torch.distributed world.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,9 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -33,8 +35,14 @@ class RankFailure(RuntimeError):
     starts with `run_gloo: rank R raised: Type: message` and ends with the rank's traceback.
     """
 
-    def __init__(self, message: str, rank: int | None = None, error_type: str | None = None,
-                 error_message: str | None = None, rank_traceback: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+        rank_traceback: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.error_type = error_type
@@ -70,7 +78,10 @@ def run_gloo(
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=_child, args=(work, rank, world_size, port, timeout, pg_timeout, threads, writer), name=f"gloo-rank{rank}", daemon=True
+                target=_child,
+                args=(work, rank, world_size, port, timeout, pg_timeout, threads, writer),
+                name=f"gloo-rank{rank}",
+                daemon=True,
             )
             proc.start()
             writer.close()  # the child holds the only write end: EOF on the reader means it is gone
@@ -100,7 +111,9 @@ def _collect(procs: list, readers: list, deadline: float, timeout: float) -> lis
                 status, payload = pickle.loads(reader.recv_bytes())
             except EOFError:
                 procs[rank].join(5)
-                raise RankFailure(f"run_gloo: rank {rank} exited ({_exit_words(procs[rank].exitcode)}) without a result", rank=rank) from None
+                raise RankFailure(
+                    f"run_gloo: rank {rank} exited ({_exit_words(procs[rank].exitcode)}) without a result", rank=rank
+                ) from None
             if status == "error":
                 raise _raised(rank, payload)
             results[rank] = payload
@@ -126,7 +139,10 @@ def _raised(rank: int, error: dict[str, Any]) -> RankFailure:
     return RankFailure(
         f"run_gloo: rank {rank} raised: {error['type']}: {error['message']}\n\n"
         f"rank {rank} (pid {error['pid']}) traceback:\n{error['traceback']}",
-        rank=rank, error_type=error["type"], error_message=error["message"], rank_traceback=error["traceback"],
+        rank=rank,
+        error_type=error["type"],
+        error_message=error["message"],
+        rank_traceback=error["traceback"],
     )
 
 
@@ -137,7 +153,9 @@ def _error_report(e: BaseException, context: str = "") -> dict[str, Any]:
     return {"type": name, "message": context + str(e), "traceback": traceback.format_exc(), "pid": os.getpid()}
 
 
-def _child(work: bytes, rank: int, world_size: int, port: int, timeout: float, pg_timeout: float, threads: int, conn: Any) -> None:
+def _child(
+    work: bytes, rank: int, world_size: int, port: int, timeout: float, pg_timeout: float, threads: int, conn: Any
+) -> None:
     import torch.distributed as dist
 
     # Ranks share a few cores: few intra-op threads each avoid oversubscription.
@@ -147,7 +165,9 @@ def _child(work: bytes, rank: int, world_size: int, port: int, timeout: float, p
         fn, args, setup = pickle.loads(work)
         # Spawned ranks start seconds apart on a busy machine: the meeting gets the run's whole timeout.
         init_timeout = datetime.timedelta(seconds=max(timeout, pg_timeout))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=init_timeout)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=init_timeout
+        )
         if setup is not None:
             setup(pg_timeout)
         message = ("ok", fn(*args))

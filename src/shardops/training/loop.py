@@ -17,12 +17,14 @@ shardops_side.py and torch_side.py):
 collectives and bytes this rank issued in it. A part a side does not have (grad_sync on
 shardops' side: its gradients resolve on the optimizer's first read) records zero.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Protocol
+from typing import Any, ContextManager, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +66,7 @@ class StepRecord:
 class NoComm:
     """The single-device meter: nothing is ever sent."""
 
-    def __enter__(self) -> "NoComm":
+    def __enter__(self) -> NoComm:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -80,7 +82,11 @@ class NoComm:
 class Steps:
     """The records of a run: `start()` a step, `timed(part)` its parts, `finish(loss)` it."""
 
-    def __init__(self, meter: Callable[[], ContextManager[Meter]] = NoComm, on_step: Callable[[int, StepRecord], None] | None = None):
+    def __init__(
+        self,
+        meter: Callable[[], ContextManager[Meter]] = NoComm,
+        on_step: Callable[[int, StepRecord], None] | None = None,
+    ):
         self.meter = meter
         self.on_step = on_step
         self.records: list[StepRecord] = []

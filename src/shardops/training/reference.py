@@ -10,6 +10,7 @@ each `nn.Dropout` takes its mask from shardops' generator: the same draw on a on
 whole tensor on one rank), in the same order, from the same seed. It then checks the sharded run's
 arithmetic and that its masks are those of the global tensor, whatever the layout.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,10 +1,12 @@
 """What the training demo prints: a progress bar, the per-part table beside torch, and each column's check
 against its single-device reference with the measured errors beside the tolerance."""
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +25,9 @@ def console() -> Any:
 
 def header(spec: RunSpec) -> str:
     c = spec.cfg
-    n_params = c.vocab_size * c.dim * (2 if spec.model == "llama" else 1) + c.n_layers * (4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim)
+    n_params = c.vocab_size * c.dim * (2 if spec.model == "llama" else 1) + c.n_layers * (
+        4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim
+    )
     mesh = "x".join(map(str, spec.mesh_shape))
     return (
         f"[bold]shardops demo[/]: train {spec.model} ({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, vocab {c.vocab_size}, "
@@ -38,7 +42,13 @@ def header(spec: RunSpec) -> str:
 def progress(con: Any, steps: int) -> Iterator[Callable[[int, StepRecord], None]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("shardops"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("shardops"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=con, transient=False) as bar:
         task = bar.add_task("train", total=steps, info="")
 
@@ -68,7 +78,9 @@ class Check:
         )
 
 
-def check(name: str, reference_words: str, records: Sequence[StepRecord], params: dict[str, torch.Tensor], ref: dict[str, Any]) -> Check:
+def check(
+    name: str, reference_words: str, records: Sequence[StepRecord], params: dict[str, torch.Tensor], ref: dict[str, Any]
+) -> Check:
     """Every step's loss and the final parameters against single-device training."""
     lines = []
     losses = [r.loss for r in records]
@@ -81,7 +93,9 @@ def check(name: str, reference_words: str, records: Sequence[StepRecord], params
             lines.append(f"parameter {pname} missing from {name}'s model or of another shape")
             param_error = float("inf")
             continue
-        err = (torch.linalg.vector_norm((p - p_ref).double()) / torch.linalg.vector_norm(p_ref.double()).clamp_min(1e-30)).item()
+        err = (
+            torch.linalg.vector_norm((p - p_ref).double()) / torch.linalg.vector_norm(p_ref.double()).clamp_min(1e-30)
+        ).item()
         param_error = max(param_error, err)
     if len(losses) != len(ref_losses):
         lines.append(f"{name} ran {len(losses)} steps, the reference {len(ref_losses)}")
@@ -135,7 +149,14 @@ def parts_table(spec: RunSpec, ours: Sequence[dict[str, Any]], theirs: Sequence[
     return table
 
 
-def summary(ours: Sequence[dict[str, Any]], theirs, checks: Sequence[Check], world: str, ours_seconds: float, theirs_seconds: float | None) -> str:
+def summary(
+    ours: Sequence[dict[str, Any]],
+    theirs,
+    checks: Sequence[Check],
+    world: str,
+    ours_seconds: float,
+    theirs_seconds: float | None,
+) -> str:
     lines = []
     losses = [r.loss for r in ours[0]["records"]]
     lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")

@@ -13,10 +13,12 @@ Checkpoints (`Checkpointing`): every `save_every` steps the model, the optimizer
 rank's random state and the step counter go to `shardops.checkpoint.save`; `resume`
 loads them and continues at the saved step, bit for bit the run that was not stopped.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +30,13 @@ from ..mesh import init_device_mesh
 from ..placements import Replicate, Shard
 from ..tensor import DTensor, from_local
 from .config import RunSpec, build, plan
-from .loop import Steps, StepRecord, batch
+from .loop import StepRecord, Steps, batch
 
 
 class ShardopsMeter:
     """so.CommDebugMode as a training-loop meter (wire bytes)."""
 
-    def __enter__(self) -> "ShardopsMeter":
+    def __enter__(self) -> ShardopsMeter:
         self._comm = CommDebugMode()
         self._comm.__enter__()
         return self
@@ -80,7 +82,10 @@ def parallelize(spec: RunSpec, model: torch.nn.Module, mesh: Any) -> torch.nn.Mo
 
 
 def train_rank(
-    spec: RunSpec, on_step: Callable[[int, StepRecord], None] | None = None, first_grads: bool = False, checkpointing: Checkpointing = Checkpointing()
+    spec: RunSpec,
+    on_step: Callable[[int, StepRecord], None] | None = None,
+    first_grads: bool = False,
+    checkpointing: Checkpointing = Checkpointing(),
 ) -> dict[str, Any]:
     """One rank of shardops training (inside so.run, or a torch.distributed process); rank 0 calls
     `on_step(step, record)`. The result's records cover the steps this call ran: from
@@ -102,7 +107,9 @@ def train_rank(
         so_checkpoint.load(state, checkpointing.resume)
     first = progress["step"]
     if first >= spec.steps:
-        raise NothingToResume(f"the checkpoint {checkpointing.resume} was saved after step {first}: nothing left of {spec.steps} steps (raise --steps)")
+        raise NothingToResume(
+            f"the checkpoint {checkpointing.resume} was saved after step {first}: nothing left of {spec.steps} steps (raise --steps)"
+        )
     report = (lambda i, record: on_step(first + i, record)) if on_step is not None and mesh.get_rank() == 0 else None
     run = Steps(ShardopsMeter, report)
     grads: dict[str, torch.Tensor] = {}

@@ -7,6 +7,7 @@ dp group once per step (DDP's traffic, without its bucketing). Collectives are
 counted by torch's own `CommDebugMode`; the bytes each one puts in are read from
 the c10d calls that actually run (a dispatch mode on this process).
 """
+
 from __future__ import annotations
 
 import collections
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 
 from .._torch import pytree
 from .._torch.dispatch import TorchDispatchMode
-from .loop import Steps, batch
 from .config import RunSpec, build, plan
+from .loop import Steps, batch
 
 # Ordered: the first pattern found in a c10d op's name gives the kind (benchmarks read it too).
 COLLECTIVE_KINDS = (
@@ -61,7 +62,9 @@ class _ByteCounter(TorchDispatchMode):
             if kind is not None:
                 named = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
                 sent = next((named[n] for n in _SENT_ARGS if n in named), None)
-                nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(sent) if isinstance(t, torch.Tensor))
+                nbytes = sum(
+                    t.numel() * t.element_size() for t in pytree.tree_leaves(sent) if isinstance(t, torch.Tensor)
+                )
                 self.sent.append((kind, nbytes))
         return func(*args, **kwargs)
 
@@ -69,7 +72,7 @@ class _ByteCounter(TorchDispatchMode):
 class TorchMeter:
     """torch's CommDebugMode (the counts) with the bytes of the same calls."""
 
-    def __enter__(self) -> "TorchMeter":
+    def __enter__(self) -> TorchMeter:
         from torch.distributed.tensor.debug import CommDebugMode
 
         self._comm = CommDebugMode()
@@ -103,12 +106,12 @@ def _retie(model: torch.nn.Module, name: str) -> None:
 
 def train_rank(spec: RunSpec) -> dict[str, Any]:
     """One gloo rank of torch DTensor training (call through launch.run_gloo)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     import warnings
 
+    import torch.distributed as dist
     import torch.distributed.tensor.parallel as tp_api
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     # CommDebugMode's module tracker hooks every module; torch warns when the input needs no grad

@@ -17,6 +17,7 @@ One job per module, in the order a run uses them:
 The default run fails if any case mismatches or if a sharded algorithm an op's
 rows offer (`algorithms_registered` in the JSON report) ran in no case.
 """
+
 from .cli import add_arguments, main
 from .compare import compare
 from .driver import MESHES, parse_mesh, verify
@@ -26,6 +27,19 @@ from .report import VerifyReport
 from .targets import Target, discover, select
 
 __all__ = [
-    "DEFAULT_BUDGET", "MESHES", "Target", "VerifyReport", "add_arguments", "alphabet", "compare", "coverage_slots",
-    "discover", "main", "parse_mesh", "prepare", "sampled_cases", "select", "verify",
+    "DEFAULT_BUDGET",
+    "MESHES",
+    "Target",
+    "VerifyReport",
+    "add_arguments",
+    "alphabet",
+    "compare",
+    "coverage_slots",
+    "discover",
+    "main",
+    "parse_mesh",
+    "prepare",
+    "sampled_cases",
+    "select",
+    "verify",
 ]

@@ -11,11 +11,13 @@ Pending (Partial) inputs are split so that a wrong rule cannot pass by luck:
 Sample values sit on a dyadic grid, so these splits are exact in every dtype and
 the reference input is exactly the value the pieces resolve to.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -68,7 +70,9 @@ def build(target: Target, prep: Prepared, case: Case, mesh: DeviceMesh, seed: in
         m = math.prod(n for n, p in zip(mesh.shape, placements) if p.is_partial())
         pieces = split_pending(t, pending[0], m, g) if pending else None
         ref_inputs.append(resolve_pending(pieces, pending[0]) if pending else t)
-        specs.append(TensorSpec(mesh, tuple(placements), TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype)))
+        specs.append(
+            TensorSpec(mesh, tuple(placements), TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype))
+        )
         per_operand.append((t, pieces, placements))
     ref_out, ref_grads = prep.ref_out, prep.ref_grads
     if any(p.is_partial() for pl in case.layouts for p in pl):
@@ -81,10 +85,23 @@ def build(target: Target, prep: Prepared, case: Case, mesh: DeviceMesh, seed: in
         coord = mesh.coordinate_of(rank)
         locals_[rank] = [_local_piece(t, pieces, pl, mesh, coord) for t, pieces, pl in per_operand]
     tol = TOLERANCE.get(prep.dtype, 1e-5)
-    return Built(case, target, prep, specs, locals_, ref_inputs, ref_out, ref_grads, _checks_gradients(target, prep, case, ref_inputs, ref_grads), tol)
+    return Built(
+        case,
+        target,
+        prep,
+        specs,
+        locals_,
+        ref_inputs,
+        ref_out,
+        ref_grads,
+        _checks_gradients(target, prep, case, ref_inputs, ref_grads),
+        tol,
+    )
 
 
-def _checks_gradients(target: Target, prep: Prepared, case: Case, ref_inputs: Sequence[torch.Tensor], ref_grads) -> bool:
+def _checks_gradients(
+    target: Target, prep: Prepared, case: Case, ref_inputs: Sequence[torch.Tensor], ref_grads
+) -> bool:
     if ref_grads is None:
         return False
     if case.force is not None and (target.kind == "torch_function" or target.fn in registry.TORCH_FUNCTIONS):

@@ -1,8 +1,10 @@
 """Comparing a sharded result with torch's: within tolerance for floats, exact for everything else."""
+
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -23,10 +25,18 @@ def compare(got: Any, ref: Any, tol: float) -> tuple[float, str | None]:
             return 0.0, None
         if not (ref.is_floating_point() or ref.is_complex()):
             bad = int((got != ref).sum())
-            return (0.0, None) if bad == 0 else (math.inf, f"{bad} of {ref.numel()} elements differ (exact for {ref.dtype})")
+            return (
+                (0.0, None)
+                if bad == 0
+                else (math.inf, f"{bad} of {ref.numel()} elements differ (exact for {ref.dtype})")
+            )
         return _float_error(got.detach(), ref.detach(), tol)
     if isinstance(ref, (bool, int, float, complex)):
-        return compare(torch.tensor(got), torch.tensor(ref), tol) if isinstance(got, (bool, int, float, complex)) else (math.inf, f"got {got!r}")
+        return (
+            compare(torch.tensor(got), torch.tensor(ref), tol)
+            if isinstance(got, (bool, int, float, complex))
+            else (math.inf, f"got {got!r}")
+        )
     return (0.0, None) if got == ref else (math.inf, f"got {got!r}, torch gives {ref!r}")
 
 

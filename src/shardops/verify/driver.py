@@ -9,32 +9,33 @@ The default run is a seeded sample (a budget of cases per op and mesh, see
 layouts.DEFAULT_BUDGET); `full=True` runs every layout combination of every
 sample and dtype, plus the forced cases.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from itertools import groupby
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from .. import caches
 from .._torch import pytree
 from .._torch.dispatch import OpOverload
 from ..dispatch import core, registry
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
-from .. import caches
 from ..notation import mesh_name, parse_mesh_shape
 from ..placements import Replicate
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
+from ..world import run
 from ..wrapping import wrap
-from . import forcing
+from . import forcing, runner
 from .cases import build, replace_tensors
 from .layouts import DEFAULT_BUDGET, Case, all_cases, describe_layouts, sampled_cases
-from ..world import run
-from . import runner
 from .references import Prepared, call, prepare, seed_key
 from .report import Failure, OpRow, VerifyReport, print_report, repro_line
 from .runner import run_cases
@@ -69,7 +70,10 @@ def algorithm_labels(target: Target, prepared: Sequence[Prepared]) -> list[set[s
 
 def _specs_on(mesh: DeviceMesh, prep: Prepared) -> list[TensorSpec]:
     replicate = (Replicate(),) * mesh.ndim
-    return [TensorSpec(mesh, replicate, TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype)) for t in prep.tensors]
+    return [
+        TensorSpec(mesh, replicate, TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype))
+        for t in prep.tensors
+    ]
 
 
 def _planned_labels(fn, prepared: Sequence[Prepared]) -> list[set[str]]:
@@ -113,7 +117,9 @@ def _probe_one(target: Target, prep: Prepared, mesh: DeviceMesh, found: set[str]
         pass
 
 
-def forced_cases(prepared: Sequence[Prepared], labels: Sequence[set[str]], mesh_shape, first_index: int, seed: int) -> list[Case]:
+def forced_cases(
+    prepared: Sequence[Prepared], labels: Sequence[set[str]], mesh_shape, first_index: int, seed: int
+) -> list[Case]:
     """One case per sharded algorithm: a sampled layout of a sample whose rows offer it, the algorithm forced."""
     cases = []
     for label in sorted(set().union(*labels)) if labels else []:
@@ -133,13 +139,17 @@ def _budget_for(target: Target, mesh_shape, budget: int | None) -> int:
     return base
 
 
-def plan_cases(target: Target, prepared, labels, mesh: str, mesh_shape, full: bool, budget: int | None, seed: int) -> list[Case]:
+def plan_cases(
+    target: Target, prepared, labels, mesh: str, mesh_shape, full: bool, budget: int | None, seed: int
+) -> list[Case]:
     if not prepared:
         return []
     if full:
         cases = list(all_cases(prepared, mesh_shape))
     else:
-        cases = sampled_cases(prepared, mesh_shape, _budget_for(target, mesh_shape, budget), seed_key(target.name, mesh, seed))
+        cases = sampled_cases(
+            prepared, mesh_shape, _budget_for(target, mesh_shape, budget), seed_key(target.name, mesh, seed)
+        )
     return cases + forced_cases(prepared, labels, mesh_shape, len(cases), seed_key(target.name, mesh, seed))
 
 
@@ -170,7 +180,14 @@ def verify(
         raise ShardingError(f"verify: no registered op matches {filters}; `shardops verify --list` shows them")
     if case is not None and (len(targets) != 1 or len(mesh_list) != 1):
         raise ShardingError("verify: --case needs exactly one op (--op NAME) and one mesh (--mesh ...)")
-    settings = {"ops": filters, "meshes": [m for m, _ in mesh_list], "full": full, "budget": budget, "seed": seed, "case": case}
+    settings = {
+        "ops": filters,
+        "meshes": [m for m, _ in mesh_list],
+        "full": full,
+        "budget": budget,
+        "seed": seed,
+        "case": case,
+    }
     t0 = time.perf_counter()
     with warnings.catch_warnings(), forcing.installed():  # a fresh decision cache before and after: tests patch rules
         warnings.simplefilter("ignore")
@@ -195,7 +212,9 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
         labels = algorithm_labels(t, prepared)
         row = rows.setdefault(t.group, OpRow(t.group))
         row.overloads.append(t.name)
-        row.algorithms_registered.update(*labels, registry.ALGORITHMS.get(t.fn, ()))  # what its rows offer, and what its rule declares
+        row.algorithms_registered.update(
+            *labels, registry.ALGORITHMS.get(t.fn, ())
+        )  # what its rows offer, and what its rule declares
         row.check_coverage = settings["case"] is None
         if not prepared:
             row.no_samples.append(f"{t.name}: {reason}")
@@ -203,13 +222,18 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
             cases = plan_cases(t, prepared, labels, mesh, shape, settings["full"], settings["budget"], settings["seed"])
             if settings["case"] is not None:
                 if not 0 <= settings["case"] < len(cases):
-                    raise ShardingError(f"verify: {t.name} on mesh {mesh} has cases 0..{len(cases) - 1}, not {settings['case']}")
+                    raise ShardingError(
+                        f"verify: {t.name} on mesh {mesh} has cases 0..{len(cases) - 1}, not {settings['case']}"
+                    )
                 cases = [cases[settings["case"]]]
             plans.append((t, prepared, mesh, shape, cases))
     total = sum(len(p[-1]) for p in plans)
     mode = "every layout combination (--full)" if settings["full"] else "a seeded sample"
-    console.print(f"verify: {total} cases over {len(targets)} registered ops on meshes {', '.join(settings['meshes'])}: {mode}, "
-                  "plus each sharded algorithm forced", highlight=False)
+    console.print(
+        f"verify: {total} cases over {len(targets)} registered ops on meshes {', '.join(settings['meshes'])}: {mode}, "
+        "plus each sharded algorithm forced",
+        highlight=False,
+    )
     columns = [TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, disable=not progress, transient=True) as bar:
         task = bar.add_task("verify", total=total)
@@ -222,7 +246,9 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
     return VerifyReport(rows, failures, {}, settings)
 
 
-def _run_unit(t: Target, prepared, mesh_name_: str, shape, cases: list[Case], row: OpRow, failures: list[Failure], settings) -> None:
+def _run_unit(
+    t: Target, prepared, mesh_name_: str, shape, cases: list[Case], row: OpRow, failures: list[Failure], settings
+) -> None:
     if not cases:
         return
     mesh = DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape))
@@ -233,8 +259,18 @@ def _run_unit(t: Target, prepared, mesh_name_: str, shape, cases: list[Case], ro
         except Exception as e:  # noqa: BLE001 - a verify bug must not hide the other results
             row.cases += 1
             row.failed += 1
-            failures.append(Failure(t.name, mesh_name_, c.index, _layouts_text(prepared[c.prepared], c), prepared[c.prepared].label,
-                                    f"could not build the case: {type(e).__name__}: {e}", "", repro_line(t.name, mesh_name_, c.index, settings)))
+            failures.append(
+                Failure(
+                    t.name,
+                    mesh_name_,
+                    c.index,
+                    _layouts_text(prepared[c.prepared], c),
+                    prepared[c.prepared].label,
+                    f"could not build the case: {type(e).__name__}: {e}",
+                    "",
+                    repro_line(t.name, mesh_name_, c.index, settings),
+                )
+            )
     by_force = lambda b: b.case.force or ""  # noqa: E731
     for force, group in groupby(sorted(built, key=by_force), key=by_force):
         group = list(group)
@@ -248,13 +284,25 @@ def _record(b, o, t: Target, mesh: str, row: OpRow, failures: list[Failure], set
     row.cases += 1
     row.grad_cases += o.grad_error is not None
     row.worst = max(row.worst, o.error, o.grad_error or 0.0)
-    row.algorithms_run.update(o.algorithms & row.algorithms_registered)  # the op's own; the ops it reaches have their rows
+    row.algorithms_run.update(
+        o.algorithms & row.algorithms_registered
+    )  # the op's own; the ops it reaches have their rows
     if o.problem is None:
         row.passed += 1
         return
     row.failed += 1
-    failures.append(Failure(t.name, mesh, b.case.index, _layouts_text(b.prep, b.case), b.prep.label,
-                            o.problem, o.out_placements, repro_line(t.name, mesh, b.case.index, settings)))
+    failures.append(
+        Failure(
+            t.name,
+            mesh,
+            b.case.index,
+            _layouts_text(b.prep, b.case),
+            b.prep.label,
+            o.problem,
+            o.out_placements,
+            repro_line(t.name, mesh, b.case.index, settings),
+        )
+    )
 
 
 def _layouts_text(prep: Prepared, case: Case) -> str:

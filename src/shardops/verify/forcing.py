@@ -17,12 +17,14 @@ cached, so the cache is cleared whenever the forced label changes.
     with installed(), forcing(LABEL_TWO_REDUCES):
         ... so.run(fn, 4) ...        # fn may use `with recording() as ran:`
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from .. import caches
 from ..planner.choice import CHOICE_HOOKS, choosing

@@ -1,16 +1,17 @@
 """Input layouts: which placements each operand gets on each mesh dim, swept or sampled.
 
-    alphabet(t)          every placement one mesh dim may give an operand: R, S(d), the pending kinds
-    sampled_cases(...)   the default run: a seeded sample that covers every placement kind of the
-                         main operand over the three meshes
-    all_cases(...)       --full: every combination
+alphabet(t)          every placement one mesh dim may give an operand: R, S(d), the pending kinds
+sampled_cases(...)   the default run: a seeded sample that covers every placement kind of the
+                     main operand over the three meshes
+all_cases(...)       --full: every combination
 """
+
 from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
@@ -123,14 +124,18 @@ def sampled_cases(prepared: Sequence[Prepared], mesh_shape: tuple[int, ...], bud
     rng.shuffle(order)
     slots = coverage_slots(prepared)
     start = sum(DEFAULT_BUDGET.get(d, 0) for d in range(1, ndim))  # each mesh sweeps on where the smaller ones stopped
-    slots = slots[start % len(slots):] + slots[: start % len(slots)]
+    slots = slots[start % len(slots) :] + slots[: start % len(slots)]
     cases: list[Case] = []
     seen: set = set()
     rejected = 0
     while len(cases) < budget and rejected < budget * 20:
         j = len(cases)
         slot = slots[j] if j < len(slots) else None
-        fits = [si for si in order if slot is None or slot in alphabet(prepared[si].tensors[main_operand(prepared[si].tensors)])]
+        fits = [
+            si
+            for si in order
+            if slot is None or slot in alphabet(prepared[si].tensors[main_operand(prepared[si].tensors)])
+        ]
         si = fits[(j + rejected) % len(fits)]
         tensors = prepared[si].tensors
         columns = [_random_column(tensors, rng) for _ in range(ndim)]

@@ -4,6 +4,7 @@ For each dtype in DTYPES, up to SAMPLES_PER_DTYPE samples from the op's
 generator (samples.py); torch computes the reference outputs and, where it can
 differentiate the op, the input gradients of sum(out * g) for a fixed random g.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -50,7 +51,9 @@ def differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def reference(target: Target, tree, leaves: list[Any], grad_out: list[torch.Tensor | None] | None, g: torch.Generator | None):
+def reference(
+    target: Target, tree, leaves: list[Any], grad_out: list[torch.Tensor | None] | None, g: torch.Generator | None
+):
     """The op on full tensors: output leaves, the g used per output, and input gradients of sum(out * g)."""
     with torch.no_grad():
         out = pytree.tree_leaves(call(target.reference, tree, leaves))
@@ -67,8 +70,14 @@ def _reference_grads(target: Target, tree, leaves: list[Any], grad_out, g):
     with torch.enable_grad():
         got = pytree.tree_leaves(call(target.reference, tree, inputs))
     if grad_out is None:
-        grad_out = [samples.make_tensor(o.shape, o.dtype, g) if differentiable(o) and o.requires_grad else None for o in got]
-    terms = [(o * w).sum() for o, w in zip(got, grad_out) if w is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        grad_out = [
+            samples.make_tensor(o.shape, o.dtype, g) if differentiable(o) and o.requires_grad else None for o in got
+        ]
+    terms = [
+        (o * w).sum()
+        for o, w in zip(got, grad_out)
+        if w is not None and isinstance(o, torch.Tensor) and o.requires_grad
+    ]
     wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     if not terms or not wrt:
         return [None] * len(got), None
@@ -94,7 +103,11 @@ def prepare(target: Target, seed: int) -> tuple[list[Prepared], str | None]:
                 reason = reason or f"torch rejects every sample ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
                 continue
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            if not s.check_values or not any(t.is_floating_point() for t in tensors) or target.reference is not target.fn:
+            if (
+                not s.check_values
+                or not any(t.is_floating_point() for t in tensors)
+                or target.reference is not target.fn
+            ):
                 grads = None  # a hand-written reference stands in for an op torch cannot run, let alone differentiate
             prepared.append(Prepared(s, dtype, tensors, tree, leaves, out, grad_out, grads))
     return prepared, (None if prepared else reason or "the generator gave no sample for any dtype")

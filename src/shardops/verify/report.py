@@ -6,6 +6,7 @@ op's own cases ran each (`algorithms_run`: only the op's own algorithms, never
 those of the ops it reaches); a registered algorithm that none of the op's own
 cases ran fails the run.
 """
+
 from __future__ import annotations
 
 import math
@@ -87,11 +88,21 @@ class VerifyReport:
             "cases": self.cases,
             "skipped": self.skipped,
             "ops": [
-                {"op": r.group, "overloads": r.overloads, "cases": r.cases, "passed": r.passed, "failed": r.failed,
-                 "grad_cases": r.grad_cases, "worst_error": r.worst if math.isfinite(r.worst) else "inf",
-                 "no_samples": r.no_samples, "status": r.status, "seconds": round(r.seconds, 3),
-                 "algorithms_registered": sorted(r.algorithms_registered), "algorithms_run": dict(sorted(r.algorithms_run.items())),
-                 "algorithms_not_run": r.algorithms_not_run}
+                {
+                    "op": r.group,
+                    "overloads": r.overloads,
+                    "cases": r.cases,
+                    "passed": r.passed,
+                    "failed": r.failed,
+                    "grad_cases": r.grad_cases,
+                    "worst_error": r.worst if math.isfinite(r.worst) else "inf",
+                    "no_samples": r.no_samples,
+                    "status": r.status,
+                    "seconds": round(r.seconds, 3),
+                    "algorithms_registered": sorted(r.algorithms_registered),
+                    "algorithms_run": dict(sorted(r.algorithms_run.items())),
+                    "algorithms_not_run": r.algorithms_not_run,
+                }
                 for r in self.rows.values()
             ],
             "failures": [f.__dict__ for f in self.failures],
@@ -120,25 +131,45 @@ def print_report(report: VerifyReport, console) -> None:
     for r in report.rows.values():
         worst = "-" if r.cases == 0 else ("mismatch" if not math.isfinite(r.worst) else f"{r.worst:.1e}")
         style = "red" if r.failed or r.algorithms_not_run else ("yellow" if r.no_samples else None)
-        table.add_row(r.group, str(len(r.overloads)), str(r.cases), str(r.passed), str(r.failed), str(r.grad_cases), _algorithms_cell(r), worst, r.status, style=style)
+        table.add_row(
+            r.group,
+            str(len(r.overloads)),
+            str(r.cases),
+            str(r.passed),
+            str(r.failed),
+            str(r.grad_cases),
+            _algorithms_cell(r),
+            worst,
+            r.status,
+            style=style,
+        )
     console.print(table)
     for r in report.rows.values():
         for note in r.no_samples:
             console.print(f"[yellow]no samples[/yellow] {note}", highlight=False)
         if r.algorithms_not_run:
-            console.print(f"[red]not run[/red] {r.group}: registered sharded algorithm(s) no case ran: {r.algorithms_not_run}", highlight=False)
+            console.print(
+                f"[red]not run[/red] {r.group}: registered sharded algorithm(s) no case ran: {r.algorithms_not_run}",
+                highlight=False,
+            )
     for f in report.failures:
         console.print(str(f), highlight=False, markup=False)
     skipped = ", ".join(f"{n} {k}" for k, n in report.skipped.items())
     unrun = sum(len(r.algorithms_not_run) for r in report.rows.values())
-    verdict = "[green]all passed[/green]" if report.ok else f"[red]{len(report.failures)} failing case(s), {unrun} algorithm(s) not run[/red]"
+    verdict = (
+        "[green]all passed[/green]"
+        if report.ok
+        else f"[red]{len(report.failures)} failing case(s), {unrun} algorithm(s) not run[/red]"
+    )
     ran = sum(len(r.algorithms_registered) - len(r.algorithms_not_run) for r in report.rows.values())
     if all(r.check_coverage for r in report.rows.values()):
         console.print(f"sharded algorithms: {ran} registered (op, label) pairs ran, {unrun} did not", highlight=False)
     else:
         console.print("sharded algorithms: not checked (a --case run)", highlight=False)
-    console.print(f"{report.cases} cases over {len(report.rows)} ops in {report.elapsed:.1f} s: {verdict}"
-                  + (f" (not run: {skipped}; their functional forms are checked)" if skipped else ""))
+    console.print(
+        f"{report.cases} cases over {len(report.rows)} ops in {report.elapsed:.1f} s: {verdict}"
+        + (f" (not run: {skipped}; their functional forms are checked)" if skipped else "")
+    )
 
 
 def _algorithms_cell(r: OpRow) -> str:

@@ -4,11 +4,13 @@ Each case calls the op directly on DTensors, compares `out.full_tensor()` with
 torch's result and, where torch differentiates the op, the input gradients of
 sum(out * g). A case that raises is recorded as failing and the rest go on.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -51,7 +53,9 @@ def _run_case(b: Built, rank: int) -> Outcome:
     result = Outcome(out_placements=placements)
     if not b.prep.sample.check_values:  # random or uninitialised values: shapes and dtypes only
         blank = lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-        result.error, result.problem = worst_of([(blank(f), blank(r)) for f, r in zip(full, b.ref_out)], b.tol, "output")
+        result.error, result.problem = worst_of(
+            [(blank(f), blank(r)) for f, r in zip(full, b.ref_out)], b.tol, "output"
+        )
         return result
     pairs = list(zip(full, b.ref_out)) if len(full) == len(b.ref_out) else [(full, b.ref_out)]
     if b.prep.sample.tie_outputs and len(full) == len(b.ref_out):

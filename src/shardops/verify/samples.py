@@ -19,12 +19,14 @@ To give a new op samples: add a row to `SAMPLES` (a Profile with the right
 shapes, or a small generator function for ops whose arguments must agree with
 each other, like view sizes).
 """
+
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -171,7 +173,9 @@ def _split_sum(x: torch.Tensor, m: int, g: torch.Generator) -> list[torch.Tensor
             noise = torch.randint(-3, 4, x.shape, generator=g)
             pieces.append(x * weights[k % len(weights)] + noise.to(x.dtype))
         else:
-            pieces.append(quantize(x.double() * weights[k % len(weights)] + _grid_noise(x.shape, x.dtype, g, 0.5), x.dtype))
+            pieces.append(
+                quantize(x.double() * weights[k % len(weights)] + _grid_noise(x.shape, x.dtype, g, 0.5), x.dtype)
+            )
     if exact:
         pieces.append(x - sum(pieces) if pieces else x.clone())
     else:  # exact too: every value sits on the sample grid
@@ -365,7 +369,12 @@ def _tensor_arg(ctx: Ctx, arg, profile: Profile) -> torch.Tensor:
 def _value(arg, ctx: Ctx, profile: Profile) -> Any:
     t = str(arg.type)
     if _is_tensor_type(t):
-        if t.startswith("Optional") and arg.has_default_value() and not profile.optional_tensors and arg.name not in profile.vary:
+        if (
+            t.startswith("Optional")
+            and arg.has_default_value()
+            and not profile.optional_tensors
+            and arg.name not in profile.vary
+        ):
             return None
         return _tensor_arg(ctx, arg, profile)
     if t == "List[Tensor]" or t == "List[Optional[Tensor]]":
@@ -419,7 +428,9 @@ def synthesise(op, profile: Profile, ctx: Ctx) -> Sample | None:
         bound = dict(zip([a.name for a in op._schema.arguments], args)) | kwargs
         tie = bound.get("dim", -1) if isinstance(bound.get("dim", -1), int) else -1
         names = [r.name for r in op._schema.returns]
-        outputs = tuple(i for i, n in enumerate(names) if n == "indices") or ((0,) if packet_name(op) == "argsort" else ())
+        outputs = tuple(i for i, n in enumerate(names) if n == "indices") or (
+            (0,) if packet_name(op) == "argsort" else ()
+        )
     return Sample(tuple(args), kwargs, check_values=profile.check_values, tie_dim=tie, tie_outputs=outputs)
 
 
@@ -437,7 +448,13 @@ def _pairs(pairs):
     return gen
 
 
-VIEW_PAIRS = [((8, 6), ([48],)), ((2, 4, 5), ([8, 5],)), ((2, 4, 5), ([2, 20],)), ((5, 3), ([-1],)), ((8, 6), ([4, 2, 6],))]
+VIEW_PAIRS = [
+    ((8, 6), ([48],)),
+    ((2, 4, 5), ([8, 5],)),
+    ((2, 4, 5), ([2, 20],)),
+    ((5, 3), ([-1],)),
+    ((8, 6), ([4, 2, 6],)),
+]
 EXPAND_PAIRS = [((6, 1), ([6, 4],)), ((5,), ([3, 5],)), ((1, 3), ([2, 4, 3],))]
 PERMUTE_PAIRS = [((2, 4, 5), ([2, 0, 1],)), ((8, 6), ([1, 0],)), ((2, 4, 5), ([1, 2, 0],))]
 SPLIT_SIZES_PAIRS = [((8, 6), ([3, 3], 1)), ((5, 3), ([1, 4], 0)), ((2, 4, 5), ([2, 0, 3], -1))]
@@ -582,8 +599,18 @@ def _solve_triangular(op, dtype, g, k):
 def _matmul(op, dtype, g, k):
     """mm/bmm/addmm/matmul-like: shapes chosen by argument name."""
     m, kk, n, b = (6, 5, 4, 2) if k % 2 == 0 else (5, 3, 2, 3)
-    shapes = {"self": (m, kk), "mat1": (m, kk), "mat2": (kk, n), "mat": (m, kk), "vec": (kk,), "other": (kk, n),
-              "input": (m, kk), "weight": (n, kk), "bias": (n,), "tensor": (kk,)}
+    shapes = {
+        "self": (m, kk),
+        "mat1": (m, kk),
+        "mat2": (kk, n),
+        "mat": (m, kk),
+        "vec": (kk,),
+        "other": (kk, n),
+        "input": (m, kk),
+        "weight": (n, kk),
+        "bias": (n,),
+        "tensor": (kk,),
+    }
     name = op._schema.name.split("::")[-1]
     if name in ("bmm", "baddbmm"):
         shapes |= {"self": (b, m, kk), "mat2": (b, kk, n), "batch1": (b, m, kk), "batch2": (b, kk, n)}
@@ -604,7 +631,9 @@ def _matmul(op, dtype, g, k):
 
 # ------------------------------------------------------------------ the table
 
-REDUCTION = Profile(vary=frozenset({"dim", "keepdim", "correction", "unbiased", "ord", "descending", "largest", "stable"}))
+REDUCTION = Profile(
+    vary=frozenset({"dim", "keepdim", "correction", "unbiased", "ord", "descending", "largest", "stable"})
+)
 SORTING = Profile(vary=frozenset({"dim", "keepdim", "descending", "largest", "stable"}), tie_dim=True)
 SCAN = Profile(vary=frozenset({"dim"}))
 SOFTMAX = Profile()
@@ -617,10 +646,14 @@ CLASS_LOSS = Profile(
 VALUE_LOSS = Profile(shapes=((8, 6), (5, 3)), vary=frozenset({"reduction"}))
 NORMALIZATION = Profile(shapes=((8, 6), (2, 4, 5)), norm_params=True, optional_tensors=True)
 SQUEEZE = Profile(shapes=((6, 1, 5), (1, 4), (5, 1)), vary=frozenset({"dim"}))
-VIEWLIKE = Profile(vary=frozenset({"dim", "start", "end", "step"}))  # select/slice/narrow/split/unbind/chunk/unsqueeze/transpose
+VIEWLIKE = Profile(
+    vary=frozenset({"dim", "start", "end", "step"})
+)  # select/slice/narrow/split/unbind/chunk/unsqueeze/transpose
 LINALG = Profile(shapes=((5, 5), (2, 4, 4), (6, 4)))
 LIKE = Profile(shapes=((8, 6), (5, 3)))
-FILL_WITH_TENSOR = Profile(shapes=((8, 6), (5, 3)), tensor_rules=(("value", lambda ctx: ctx.partner(())),))  # x[...] = 1.5
+FILL_WITH_TENSOR = Profile(
+    shapes=((8, 6), (5, 3)), tensor_rules=(("value", lambda ctx: ctx.partner(())),)
+)  # x[...] = 1.5
 RANDOM_LIKE = Profile(shapes=((8, 6), (5, 3)), check_values=False)
 HISTOGRAM = Profile(shapes=((8, 6), (5, 3)), vary=frozenset({"bins", "min", "max"}))
 FOREACH = Profile(shapes=((5, 5), (2, 4)))
@@ -646,7 +679,10 @@ SAMPLES: list[tuple[str, Callable[..., Sample | None]]] = [
     (r"view_as_real", _view_as_real),
     (r"_local_scalar_dense", SCALAR_OUT),
     # reductions, scans, moments, norms
-    (r"sum|nansum|mean|nanmean|prod|amax|amin|aminmax|argmax|argmin|any|all|count_nonzero|logsumexp|special_logsumexp", REDUCTION),
+    (
+        r"sum|nansum|mean|nanmean|prod|amax|amin|aminmax|argmax|argmin|any|all|count_nonzero|logsumexp|special_logsumexp",
+        REDUCTION,
+    ),
     (r"(max|min)\.(default|dim|unary_out)", REDUCTION),
     (r"var|std|var_mean|std_mean", REDUCTION),
     (r"norm|linalg_vector_norm|_foreach_norm|frobenius_norm|dist", REDUCTION),
@@ -675,7 +711,10 @@ SAMPLES: list[tuple[str, Callable[..., Sample | None]]] = [
     (r"_linalg_eigh|linalg_eigh|linalg_eigvalsh|eigh", _symmetric(LINALG)),
     (r"diagonal_backward", _diagonal_backward),
     (r"linalg_solve_triangular", _solve_triangular),
-    (r"svd|_linalg_svd|linalg_svd|linalg_qr|qr|diag|diagonal|diagonal_copy|diag_embed|tril|triu|linalg_\w+|_linalg_\w+", LINALG),
+    (
+        r"svd|_linalg_svd|linalg_svd|linalg_qr|qr|diag|diagonal|diagonal_copy|diag_embed|tril|triu|linalg_\w+|_linalg_\w+",
+        LINALG,
+    ),
     (r"mm|bmm|addmm|addmv|baddbmm|matmul|mv|dot|linear", _matmul),
     (r"_foreach_\w+", FOREACH),
     (r"stack|cat|concat|concatenate|hstack|vstack", _aten_tensor_list),
@@ -704,7 +743,10 @@ def generator_for(op) -> Callable[..., Sample | None] | None:
 def _cross_entropy(fn, dtype, g, k):
     ctx = Ctx(((8, 6), (5, 3))[k % 2], dtype, g, k)
     ignore = [-100, 1][k % 2]
-    return Sample((ctx.main(), class_targets(ctx.shape[0], ctx.shape[1], g, ignore)), {"ignore_index": ignore, "reduction": ["mean", "sum", "none"][k % 3]})
+    return Sample(
+        (ctx.main(), class_targets(ctx.shape[0], ctx.shape[1], g, ignore)),
+        {"ignore_index": ignore, "reduction": ["mean", "sum", "none"][k % 3]},
+    )
 
 
 def _layer_norm(fn, dtype, g, k):
@@ -815,19 +857,28 @@ def _attention_call(op, dtype, g, k):
     if kv_heads != h and "enable_gqa" in names:
         kwargs["enable_gqa"] = True
     if packet_name(op).endswith("_backward"):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, key, value, 0.0, kwargs["is_causal"], attn_mask=kwargs["attn_mask"])
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, key, value, 0.0, kwargs["is_causal"], attn_mask=kwargs["attn_mask"]
+        )
         return Sample((ctx.partner(out.shape), q, key, value, out, lse, 0.0, kwargs.pop("is_causal")), kwargs)
     return Sample((q, key, value), kwargs)
 
 
-SAMPLES.insert(0, (r"_scaled_dot_product_flash_attention_for_cpu(_backward)?|scaled_dot_product_attention", _attention_call))
+SAMPLES.insert(
+    0, (r"_scaled_dot_product_flash_attention_for_cpu(_backward)?|scaled_dot_product_attention", _attention_call)
+)
 
 
 # ------------------------------------------------------------------ matrix products, embeddings, their views
 #
 # Views between products: merge a (possibly uneven) sequence dim with the batch, split
 # heads out of a hidden dim, and back; the exact layouts include StridedShard.
-MATRIX_VIEW_PAIRS = [((3, 4, 5), ([12, 5],)), ((12, 5), ([3, 4, 5],)), ((2, 3, 8), ([2, 3, 2, 4],)), ((2, 3, 2, 4), ([6, 8],))]
+MATRIX_VIEW_PAIRS = [
+    ((3, 4, 5), ([12, 5],)),
+    ((12, 5), ([3, 4, 5],)),
+    ((2, 3, 8), ([2, 3, 2, 4],)),
+    ((2, 3, 2, 4), ([6, 8],)),
+]
 
 
 def _embedding(op, dtype, g, k):
@@ -875,11 +926,22 @@ def _index_family(op, dtype, g, k):
     idx = torch.randperm(n, generator=g)[: min(3, n)]
     if name == "slice_backward":
         start, end, step = [(1, n, 2), (0, 2, 1), (-3, None, 1)][k % 3]
-        return Sample((x[(slice(None),) * dim + (slice(start, end, step),)].clone(), list(shape), dim, start, end if end is not None else 2**62, step))
+        return Sample(
+            (
+                x[(slice(None),) * dim + (slice(start, end, step),)].clone(),
+                list(shape),
+                dim,
+                start,
+                end if end is not None else 2**62,
+                step,
+            )
+        )
     if name == "select_backward":
         return Sample((x.select(dim, -1).clone(), list(shape), dim, -1))
     if name == "constant_pad_nd":
-        return Sample((x, [[1, 2], [0, 1, 2, 0], [-1, 1]][k % 3], [0.0, 1.5, 0.0][k % 3] if dtype.is_floating_point else 0))
+        return Sample(
+            (x, [[1, 2], [0, 1, 2, 0], [-1, 1]][k % 3], [0.0, 1.5, 0.0][k % 3] if dtype.is_floating_point else 0)
+        )
     if name == "repeat":
         return Sample((x, [[1, 2], [2, 1], [2, 1, 1]][k % 3]))
     if name == "index":
@@ -927,7 +989,10 @@ def _prims_elementwise() -> str:
 
 
 _PRIMS_SAMPLED = _prims_elementwise()
-SAMPLES[:0] = [(r"flip|roll|scatter_reduce", _reorder), (r"scatter\.(reduce|value_reduce)", _reorder)]  # before VIEWLIKE / _gather_like, which have no dims/reduce
+SAMPLES[:0] = [
+    (r"flip|roll|scatter_reduce", _reorder),
+    (r"scatter\.(reduce|value_reduce)", _reorder),
+]  # before VIEWLIKE / _gather_like, which have no dims/reduce
 SAMPLES += [
     (r"slice_backward|select_backward|constant_pad_nd|repeat|index|index_put|_index_put_impl|index_add", _index_family),
     (r"_conj|conj|_neg_view|resolve_conj|resolve_neg|view_as_complex|real|imag", _complex_input),
@@ -990,7 +1055,11 @@ def _convolution(op, dtype, g, k):
 
 
 def _pool_input(dtype, g, k: int, spatial: int) -> torch.Tensor:
-    shapes = {1: [(3, 5, 7), (2, 3, 6)], 2: [(3, 5, 7, 6), (2, 3, 5, 5), (5, 2, 4, 6)], 3: [(2, 3, 4, 5, 4), (3, 2, 3, 4, 4)]}[spatial]
+    shapes = {
+        1: [(3, 5, 7), (2, 3, 6)],
+        2: [(3, 5, 7, 6), (2, 3, 5, 5), (5, 2, 4, 6)],
+        3: [(2, 3, 4, 5, 4), (3, 2, 3, 4, 4)],
+    }[spatial]
     return make_tensor(shapes[k % len(shapes)], dtype, g)
 
 
@@ -1001,8 +1070,10 @@ def _max_pool(op, dtype, g, k):
         return None
     spatial = 3 if "3d" in packet_name(op) else 2
     x = _pool_input(dtype, g, case, spatial)
-    kernel, stride, padding, dilation, ceil = [([3] * spatial, [2] * spatial, [1] * spatial, [1] * spatial, False),
-                                               ([2] * spatial, [1] * spatial, [0] * spatial, [2] * spatial, True)][case % 2]
+    kernel, stride, padding, dilation, ceil = [
+        ([3] * spatial, [2] * spatial, [1] * spatial, [1] * spatial, False),
+        ([2] * spatial, [1] * spatial, [0] * spatial, [2] * spatial, True),
+    ][case % 2]
     args = (kernel, stride, padding, dilation, ceil)
     forward = aten.max_pool3d_with_indices.default if spatial == 3 else aten.max_pool2d_with_indices.default
     if not packet_name(op).endswith("_backward"):
@@ -1018,9 +1089,11 @@ def _avg_pool(op, dtype, g, k):
         return None
     spatial = 3 if "3d" in packet_name(op) else 2
     x = _pool_input(dtype, g, case, spatial)
-    kernel, stride, padding, ceil, include, divisor = [([3] * spatial, [2] * spatial, [1] * spatial, False, False, None),
-                                                       ([2] * spatial, [1] * spatial, [0] * spatial, True, True, None),
-                                                       ([2] * spatial, [2] * spatial, [1] * spatial, False, True, 3)][case % 3]
+    kernel, stride, padding, ceil, include, divisor = [
+        ([3] * spatial, [2] * spatial, [1] * spatial, False, False, None),
+        ([2] * spatial, [1] * spatial, [0] * spatial, True, True, None),
+        ([2] * spatial, [2] * spatial, [1] * spatial, False, True, 3),
+    ][case % 3]
     args = (kernel, stride, padding, ceil, include, divisor)
     if not packet_name(op).endswith("_backward"):
         return Sample((x,) + args)
@@ -1107,7 +1180,9 @@ def _batch_norm(op, dtype, g, k):
         return Sample((x, w, b, rm, rv, 0.1, 1e-5))
     if name == "native_batch_norm_backward.default":
         _, mean, invstd = aten.native_batch_norm.default(x, w, b, rm.clone(), rv.clone(), training, 0.1, 1e-5)
-        return Sample((make_tensor(shape, dtype, g), x, w, rm, rv, mean, invstd, training, 1e-5, [True, affine, affine]))
+        return Sample(
+            (make_tensor(shape, dtype, g), x, w, rm, rv, mean, invstd, training, 1e-5, [True, affine, affine])
+        )
     if name == "native_batch_norm.default" and case % 5 == 4 and training:
         return Sample((x, w, b, None, None, True, 0.1, 1e-5))
     return Sample((x, w, b, rm, rv, training, 0.2, 1e-5))

@@ -5,11 +5,13 @@ RULES, REPLICATE_ONLY and DECOMPOSITIONS (out= and in-place variants left out:
 their functional forms are checked), and the torch-level callables in
 TORCH_FUNCTIONS.
 """
+
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -37,7 +39,9 @@ def _writes_self(op) -> bool:
 
 
 def aten_target(op, kind: str) -> Target:
-    return Target(str(op), str(op).rsplit(".", 1)[0], op, samples.reference_for(op) or op, samples.generator_for(op), kind)
+    return Target(
+        str(op), str(op).rsplit(".", 1)[0], op, samples.reference_for(op) or op, samples.generator_for(op), kind
+    )
 
 
 # A torch-level entry that only checks a call, then runs torch's own path (views' aliasing check,
@@ -55,14 +59,22 @@ def _is_random(fn) -> bool:
 
     if fn in RANDOM_ENTRIES:
         return True
-    return isinstance(fn, OpOverload) and torch.Tag.nondeterministic_seeded in fn.tags and str(fn) not in _DETERMINISTIC_WHEN_SAMPLED
+    return (
+        isinstance(fn, OpOverload)
+        and torch.Tag.nondeterministic_seeded in fn.tags
+        and str(fn) not in _DETERMINISTIC_WHEN_SAMPLED
+    )
 
 
 def discover() -> tuple[list[Target], dict[str, int]]:
     """Every registered op, one Target per overload (out= and in-place variants left out)."""
     skipped: Counter[str] = Counter()
     found: dict[str, Target] = {}
-    sources = [(registry.RULES, "rule"), (registry.REPLICATE_ONLY, "replicate"), (registry.DECOMPOSITIONS, "decomposition")]
+    sources = [
+        (registry.RULES, "rule"),
+        (registry.REPLICATE_ONLY, "replicate"),
+        (registry.DECOMPOSITIONS, "decomposition"),
+    ]
     for ops, kind in sources:
         for op in list(ops):
             if not isinstance(op, OpOverload):
