@@ -12,7 +12,7 @@ TORCH_SENSITIVE := tests/test_compile.py tests/test_compile_models.py tests/test
 	tests/test_checkpoint.py tests/test_checkpoint_gloo.py tests/test_parallel.py \
 	tests/test_resume.py tests/test_transformers.py tests/test_torch_hooks.py tests/test_default_generator.py
 
-.PHONY: demo test test-torch test-gpu gpu-check bench verify clean
+.PHONY: demo lint test test-torch test-gpu gpu-check bench verify clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ demo: $(STAMP)
 # Two workers, a test file each at a time (pytest-xdist): CI's 2 cores both busy, a file's tests in one process.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=600 -n 2 --dist loadfile
+
+# Lint, format and type check (CI runs it first): pinned tools, so findings do not move under us.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
 
 $(TSTAMP): pyproject.toml constraints.txt
 	test -x $(TVENV)/bin/python || $(PY) -m venv $(TVENV)
