@@ -131,8 +131,20 @@ def _pipeline_rank(schedule_name: str, stages_per_rank: int = 1) -> dict:
         out["actions"].append([str(a) for a in schedule.executed_actions])
         opt.step()
     out["peak"] = {s.stage_index: s.peak_in_flight for s in stages}
+    out["explained"] = schedule.explain()
     out["params"] = {n: q.detach().clone() for m in modules for n, q in m.named_parameters()}
     return out
+
+
+def _check_explained(results: list[dict]) -> None:
+    """schedule.explain(), from metadata only, says what a steady step ran and sent: the executed order,
+    CommDebugMode's p2p counts and bytes."""
+    for rank, r in enumerate(results):
+        explained = r["explained"]
+        assert list(explained.program) == r["actions"][1]
+        assert {k: n for k, n in explained.get_comm_counts().items() if n} == r["counts"][1], rank
+        assert explained.get_total_bytes() == r["bytes"][1]
+        assert f"total: {r['counts'][1].get('send', 0)} sends ({r['bytes'][1]:,} B)" in str(explained)
 
 
 def _check_equals_reference(results: list[dict], ref: dict, tol: float = TOL, losses: bool = True) -> None:
@@ -217,6 +229,7 @@ def reference() -> dict:
 def test_pp4_equals_single_device_training(reference, schedule):
     results = so.run(_pipeline_rank, 4, schedule)
     _check_equals_reference(results, reference)
+    _check_explained(results)
     p = 4
     for rank, r in enumerate(results):
         # steady steps: only the boundary transfers, exactly m activations forward and m gradients back per boundary
@@ -243,6 +256,7 @@ def test_pp4_equals_single_device_training(reference, schedule):
 def test_looped_bfs_two_stages_per_rank(reference):
     results = so.run(_pipeline_rank, 2, "LoopedBFS", 2)
     _check_equals_reference(results, reference)
+    _check_explained(results)
     # 4 stages on 2 ranks: every boundary crosses ranks; each carries m activations and m gradients
     assert sum(r["bytes"][1] for r in results) == 3 * 2 * M * ACT_BYTES
 
@@ -251,6 +265,7 @@ def test_interleaved_1f1b_two_stages_per_rank(reference):
     p, v = 4, 2
     results = so.run(_pipeline_rank, p, "Interleaved1F1B", v)
     _check_equals_reference(results, reference)
+    _check_explained(results)
     # 8 stages of one layer each: 7 boundaries, all across ranks, m activations and m gradients each (x v per rank pair)
     assert sum(r["bytes"][1] for r in results) == (p * v - 1) * 2 * M * ACT_BYTES
     # the bubble, in slots of one stage (1/v of a rank's layers): 2(p-1) per rank, where 1F1B on the same
@@ -269,6 +284,7 @@ def test_zero_bubble_two_stages_per_rank(reference, schedule):
     p, v = 2, 2
     results = so.run(_pipeline_rank, p, schedule, v)
     _check_equals_reference(results, reference)
+    _check_explained(results)
     for r in results:
         acts = r["actions"][1]
         assert not [a for a in acts if "B" in a]
@@ -658,7 +674,12 @@ def _dtensor_boundary_rank() -> dict:
         losses: list[torch.Tensor] = []
         schedule.step(*((x,) if s == 0 else ()), target=y if s == 1 else None, losses=losses)
     grads = {f"{s}.{n}": q.grad.full_tensor() for n, q in layer.named_parameters()}
-    return {"grads": grads, "sends": [b for kind, b in cm.log if kind == "send"], "losses": [x.item() for x in losses]}
+    return {
+        "grads": grads,
+        "sends": [b for kind, b in cm.log if kind == "send"],
+        "losses": [x.item() for x in losses],
+        "explained": schedule.explain(),
+    }
 
 
 def test_dtensor_crosses_a_boundary_as_its_local_shard(strict):
@@ -676,6 +697,34 @@ def test_dtensor_crosses_a_boundary_as_its_local_shard(strict):
     assert sum(results[2]["losses"]) / M == pytest.approx(loss.item(), rel=TOL)
     local_act = (BATCH // M) * (32 // 2) * 4  # each tp rank's half of the 32 features
     assert [r["sends"] for r in results] == [[local_act] * M] * 2 + [[local_act] * M] * 2
+    for r in results:  # explain prices the local shard that crosses, not the DTensor's global shape
+        assert r["explained"].get_total_bytes() == sum(r["sends"])
+        assert "S1; local [2, 16]" in str(r["explained"])
+
+
+def _explain_before_a_step_rank(declare: bool) -> str:
+    s = current_comm().rank
+    layer = _two_linears()[s]
+    example = {"input_args": torch.randn(BATCH // M, 16)} if s == 0 else {"input_args": torch.randn(BATCH // M, 32)}
+    if s == 0:
+        example["output_args"] = torch.randn(BATCH // M, 32)
+    stage = PipelineStage(layer, s, 2, "cpu", **(example if declare else {}))
+    schedule = Schedule1F1B(stage, M, loss_fn=F.mse_loss)
+    try:
+        return str(schedule.explain())
+    except so.ShardingError as e:
+        return f"error: {e}"
+
+
+def test_explain_before_the_first_step_needs_declared_shapes():
+    """Before a step, explain knows the boundary shapes only from input_args/output_args: without them it says so."""
+    assert all("run one step first" in text for text in so.run(_explain_before_a_step_rank, 2, False))
+    first, last = so.run(_explain_before_a_step_rank, 2, True)
+    one = (BATCH // M) * 32 * 4  # a micro-batch's boundary tensor, float32
+    assert "program: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3" in first  # 1F1B on stage 0 of 2: one warm-up forward
+    assert f"send activations to rank 1: {M} x (float32[2, 32]) = {M * one:,} B" in first
+    assert f"recv gradients from rank 1: {M} x (float32[2, 32])" in first
+    assert f"total: {M} sends ({M * one:,} B), {M} receives" in last
 
 
 def test_forward_only_returns_the_last_stages_outputs():

@@ -1,6 +1,7 @@
 """Pipeline parallelism with torch.distributed.pipelining's names: a model split by depth into
 `PipelineStage`s, run over micro-batches by a schedule, in both worlds (docs/pipelining.md)."""
 
+from .explain import PipelineExplanation, Transfer
 from .schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -15,6 +16,7 @@ from .schedules import (
 from .stage import PipelineStage
 
 __all__ = [
+    "PipelineExplanation",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "PipelineStage",
@@ -24,5 +26,6 @@ __all__ = [
     "ScheduleInterleavedZeroBubble",
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
+    "Transfer",
     "get_schedule_class",
 ]

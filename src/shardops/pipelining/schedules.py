@@ -24,6 +24,8 @@ from ..comm.base import P2POp, P2PWork
 from ..errors import ShardingError
 from ..world import current_comm
 from . import _meta, _zero_bubble
+from . import explain as _explain
+from .explain import RECV, SEND
 from .stage import PipelineStage, TensorMeta, local_part
 
 FORWARD, BACKWARD = "F", "B"
@@ -152,6 +154,60 @@ class _PipelineSchedule:
         if losses is not None:
             losses.extend(last.take_losses())
         return _merge(outputs, self._n_microbatches)
+
+    def explain(self, backward: bool = True) -> _explain.PipelineExplanation:
+        """This rank's program and point-to-point traffic for one step, from metadata (nothing runs).
+
+        Needs the shapes crossing the boundaries: run one step first, or give the stages `input_args`
+        and `output_args`. `backward=False` explains a forward-only step (as under torch.no_grad())."""
+        has_backward = backward and self._loss_fn is not None
+        transfers: list[_explain.Transfer] = []
+        for action in self._program(self.stages, has_backward):
+            transfers += self._transfers_of(action)
+        return _explain.PipelineExplanation(
+            type(self).__name__,
+            current_comm().rank,
+            self._num_stages,
+            self._n_microbatches,
+            tuple(self._group.ranks[self._place(s)] for s in range(self._num_stages)),
+            tuple(str(a) for a in self._program(self.stages, has_backward)),
+            tuple(transfers),
+        )
+
+    def _transfers_of(self, a: _Action) -> list[_explain.Transfer]:
+        """What action `a` receives and sends across ranks, as `_run` does it (W moves nothing)."""
+        if a.kind == BACKWARD_WEIGHT:
+            return []
+        stage = self._stages[a.stage]
+        forward = a.kind == FORWARD
+        what = "activations" if forward else "gradients"
+        source, dest = (a.stage - 1, a.stage + 1) if forward else (a.stage + 1, a.stage - 1)
+        found = []
+        if 0 <= source < self._num_stages:  # the previous stage's outputs (forward), the next's gradients (backward)
+            metas = self._metas(stage, "input" if forward else "output")
+            found.append((RECV, source, metas))
+        if 0 <= dest < self._num_stages:
+            metas = self._metas(stage, "output" if forward else "input")
+            found.append((SEND, dest, metas))
+        me = current_comm().rank
+        return [
+            _explain.Transfer(str(a), direction, peer, what, metas)
+            for direction, other, metas in found
+            if (peer := self._group.ranks[self._place(other)]) != me
+        ]
+
+    def _metas(self, stage: PipelineStage, side: str) -> tuple[TensorMeta, ...]:
+        metas = (
+            stage.input_metas or stage.declared_inputs
+            if side == "input"
+            else stage.output_metas or stage.declared_outputs
+        )
+        if metas is None:
+            raise ShardingError(
+                f"{type(self).__name__}.explain: stage {stage.stage_index}'s {side} shapes are not known yet; run one "
+                "step first (it infers them) or give the PipelineStage input_args and output_args"
+            )
+        return metas
 
     def _check_same_shapes(self, first: PipelineStage, args: tuple) -> None:
         """A later step's micro-batches must look like the first step's: every stage's buffers were sized then."""
