@@ -157,7 +157,7 @@ def test_torch_save_and_load_of_dtensors_weights_only(tmp_path):
         return out
 
     for result in so.run(main, 4):
-        for name, (shape, dtype, placements) in CASES.items():
+        for name, (shape, dtype, _placements) in CASES.items():
             expected = _global(name, shape, dtype)
             assert torch.equal(result[name], expected), name
 

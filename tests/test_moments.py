@@ -79,7 +79,8 @@ ALGO_CASES = [
 
 
 @pytest.mark.parametrize("case,mesh_shape,placements,shape,fn,want", ALGO_CASES, ids=[c[0] for c in ALGO_CASES])
-def test_chan_merge_one_round(latency_only_links, case, mesh_shape, placements, shape, fn, want):
+@pytest.mark.usefixtures("latency_only_links")
+def test_chan_merge_one_round(case, mesh_shape, placements, shape, fn, want):
     full = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=f64)
     got = run_case(fn, full, mesh_shape, placements)
     assert all(pl == want for pl in got.layouts)

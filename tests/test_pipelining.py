@@ -366,7 +366,7 @@ def test_gloo_equals_single_device_training(reference):
     assert [r["counts"] for r in results] == [r["counts"] for r in threads]
     assert [r["bytes"] for r in results] == [r["bytes"] for r in threads]
     # each error case: the same ShardingError on every process, none left waiting
-    for k, (case, words) in enumerate(ERROR_CASES):
+    for k, (_case, words) in enumerate(ERROR_CASES):
         _check_error_messages([r["errors"][k] for r in results], words)
     _check_p2p([r["p2p"] for r in results])
     _check_equals_reference([r["pp_tp"] for r in results], reference, tol=3e-5)

@@ -87,7 +87,8 @@ def _data(kind: str, shape, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(SCAN_FNS))
 @pytest.mark.parametrize("case,mesh_shape,placements,shape", ALGO_CASES, ids=[c[0] for c in ALGO_CASES])
-def test_sharded_scan_keeps_layout_and_matches_torch(latency_only_links, name, case, mesh_shape, placements, shape):
+@pytest.mark.usefixtures("latency_only_links")
+def test_sharded_scan_keeps_layout_and_matches_torch(name, case, mesh_shape, placements, shape):
     fn, kind = SCAN_FNS[name]
     got = run_case(fn, _data(kind, shape), mesh_shape, placements)
     assert all(pl == tuple(placements) for pl in got.layouts), f"{name}: output left the input's layout: {got.layouts}"

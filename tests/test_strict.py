@@ -59,13 +59,13 @@ REPLICATED_ON_PURPOSE = {
 @pytest.mark.parametrize("name", list(REPLICATED_ON_PURPOSE))
 def test_replicated_on_purpose_raises_unless_allowed(name):
     fn, ref, op = REPLICATED_ON_PURPOSE[name]
-    for err, comm, nbytes in _on_four_ranks(fn, [Shard(0)]):
+    for err, comm, _nbytes in _on_four_ranks(fn, [Shard(0)]):
         assert isinstance(err, so.ShardingError), err
         assert op in str(err) and "bytes" in str(err) and "allow_replicate" in str(err)
         assert comm == {}  # refused before anything moved
     with so.allow_replicate(op):  # the name the error gives
         results = _on_four_ranks(fn, [Shard(0)])
-    for out, comm, nbytes in results:
+    for out, _comm, nbytes in results:
         torch.testing.assert_close(out, ref(A))
         assert nbytes > 0
     # the block ended: refused again
@@ -111,7 +111,7 @@ GATHERING_ROWS = {  # ops with rules whose only plan for this layout gathers a s
 @pytest.mark.parametrize("name", list(GATHERING_ROWS))
 def test_replicating_row_raises_in_strict_mode(name):
     fn, ref, op = GATHERING_ROWS[name]
-    for err, comm, _ in _on_four_ranks(fn, [Shard(0)]):
+    for err, _comm, _ in _on_four_ranks(fn, [Shard(0)]):
         assert isinstance(err, so.ShardingError) and op in str(err) and "bytes" in str(err), err
     with so.allow_replicate(op):
         for out, _, _ in _on_four_ranks(fn, [Shard(0)]):

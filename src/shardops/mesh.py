@@ -248,5 +248,5 @@ def init_device_mesh(
     from .world import in_threads_world
 
     if not in_threads_world():
-        mesh.torch_mesh  # create torch's process groups now, collectively on every rank
+        _ = mesh.torch_mesh  # create torch's process groups now, collectively on every rank
     return mesh

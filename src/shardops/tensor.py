@@ -148,9 +148,7 @@ class DTensor(torch.Tensor):
     ) -> DTensor:
         return _redistribute(self, device_mesh, placements)
 
-    def _redistribute_checked(
-        self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None
-    ) -> DTensor:
+    def _redistribute_checked(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensor:
         if device_mesh is not None and device_mesh != self._spec.mesh:
             raise ShardingError(
                 f"redistribute: moving between meshes is not supported ({self._spec.mesh} -> {device_mesh})"

@@ -30,7 +30,7 @@ from ..explain.trace import warm_up
 from ..mesh import DeviceMesh
 from ..placements import Replicate
 from ..tensor import DTensor, from_local
-from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
+from .candidates import compute_share, enumerate_candidates, plan_entries
 from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
 from .plan import Plan, Scored, apply_candidate, mesh_names_for
 from .structure import find_structure
