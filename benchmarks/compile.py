@@ -172,7 +172,7 @@ def measure_compile(
             ]
             continue
         for system in systems:
-            slowest = lambda key: [max(r[system][key][i] for r in ranks) for i in range(steps)]  # noqa: E731
+            slowest = lambda key: [max(r[system][key][i] for r in ranks) for i in range(steps)]  # noqa: E731, B023 - called within this iteration
             rows.append(
                 {
                     "model": model_name,

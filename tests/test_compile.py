@@ -143,22 +143,22 @@ def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, 
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
 
         def update():
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # noqa: B023 - called within this iteration
+            opt.step()  # noqa: B023 - called within this iteration
 
         compiled_update = (
             torch.compile(update, backend=backend) if mode == "compiled" and compiled_part == "update" else update
         )
 
         def train_step():
-            opt.zero_grad()
+            opt.zero_grad()  # noqa: B023 - called within this iteration
             total = 0.0
             for batch in x.split(4) if compiled_part == "accumulating" else (x,):
-                y = m(batch)
+                y = m(batch)  # noqa: B023 - called within this iteration
                 loss = (y * y).sum()
                 loss.backward()
                 total = total + loss.detach()
-            compiled_update()
+            compiled_update()  # noqa: B023 - called within this iteration
             return total
 
         run = (

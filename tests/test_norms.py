@@ -173,9 +173,9 @@ def test_cat_of_partial_sums_passes_and_shards_pass():
 
         def body():
             mesh = so.init_device_mesh("cpu", (4,))
-            x, y = (so.distribute_tensor(t, mesh, placements) for t in (a, b))
+            x, y = (so.distribute_tensor(t, mesh, placements) for t in (a, b))  # noqa: B023 - called within this iteration
             with so.CommDebugMode() as comm:
-                z = fn(x, y)
+                z = fn(x, y)  # noqa: B023 - called within this iteration
             return tuple(z.placements), comm.get_total_counts(), z.full_tensor()
 
         layout, counts, got = so.run(body, 4)[0]

@@ -171,7 +171,7 @@ class Plan:
 
         names = self.mesh_dim_names
         for d, kind in enumerate(chosen.candidate.dims):
-            r = runner_up(lambda s, d=d: s.candidate.dims[d] != kind)
+            r = runner_up(lambda s, d=d, kind=kind: s.candidate.dims[d] != kind)
             if isinstance(r, str):
                 lines.append(f"mesh dim {d} {names[d]!r}: {kind}; {r}")
             else:
