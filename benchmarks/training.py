@@ -96,7 +96,8 @@ def measure(spec: RunSpec) -> dict[str, Any]:
 
 
 def _one_line(e: Exception) -> str:
-    """A table cell for a failure: the first line names it (a RankFailure: the rank, and its exception's type and message)."""
+    """A table cell for a failure: the first line names it (a RankFailure: the rank,
+    and its exception's type and message)."""
     lines = str(e).splitlines()
     return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
 

@@ -308,7 +308,8 @@ def test_a_crashing_benchmark_is_reported_and_the_rest_still_run(monkeypatch, tm
 
 
 def test_a_failing_gloo_rank_is_named_in_the_report(monkeypatch, tmp_path):
-    """A benchmark whose gloo rank raised: the targets row and the section name the rank's exception, with its traceback."""
+    """A benchmark whose gloo rank raised:
+    the targets row and the section name the rank's exception, with its traceback."""
     from shardops.training import launch
 
     def work():

@@ -193,7 +193,8 @@ def _single_device_training(reference: nn.Module, steps: int = 3) -> tuple[list[
 
 
 def _training_differences(out: dict, mesh_shape, same_bytes: bool) -> list[str]:
-    """Where a rank's compiled training differs from its eager training (and, tensor parallel only, eager from one device)."""
+    """Where a rank's compiled training differs from its eager training (and, tensor parallel only,
+    eager from one device)."""
     losses = lambda mode: [s[0] for s in out[mode]]  # noqa: E731
     close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))  # noqa: E731
     wrong = (

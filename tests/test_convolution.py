@@ -214,7 +214,8 @@ def test_group_norm_over_a_sharded_plane_sends_only_its_statistics(mesh, layouts
 
 
 def _batch_norm_run(mesh_shape, x_layout, stats_layout, training, x, w, b, rm, rv):
-    """F.batch_norm on every rank (strict): output, gradients, running statistics, and the bytes of forward and backward."""
+    """F.batch_norm on every rank (strict): output, gradients, running statistics,
+    and the bytes of forward and backward."""
     g = make(x.shape, 28)
 
     def main():

@@ -97,7 +97,7 @@ def test_var_of_an_empty_reduction_is_nan_like_torch():
     assert got.layouts[0] == (Shard(0),)
 
 
-# ------------------------------------------------------------------ bytes, rounds, accuracy (mesh (4,), f32[8, 4096] on S(1))
+# ------------------------------------------------------------ bytes, rounds, accuracy (mesh (4,), f32[8, 4096] on S(1))
 
 ROWS, COLS, RANKS = 8, 4096, 4
 STATS_PER_ROW = 2 * 8  # (mean, M2) in float64

@@ -358,7 +358,8 @@ def _gloo_rank(schedule: str) -> dict:
 
 
 def test_gloo_equals_single_device_training(reference):
-    """4 gloo processes: pp=4 1F1B, every error case of test_errors_raise_on_every_rank, the p2p primitives and (pp=2, tp=2)."""
+    """4 gloo processes: pp=4 1F1B, every error case of test_errors_raise_on_every_rank, the p2p primitives
+    and (pp=2, tp=2)."""
     results = run_gloo(_gloo_rank, 4, "1F1B", timeout=300)
     _check_equals_reference(results, reference)
     assert sum(r["bytes"][1] for r in results) == 3 * 2 * M * ACT_BYTES

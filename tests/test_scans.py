@@ -163,7 +163,7 @@ def test_scan_over_unsharded_dim_is_local_and_keeps_other_shards():
     assert_same(got, full.logcumsumexp(1), "logcumsumexp")
 
 
-# ------------------------------------------------------------------ bytes per rank (mesh (4,), x = f32[8, 4096] on S(1))
+# ----------------------------------------------------------------- bytes per rank (mesh (4,), x = f32[8, 4096] on S(1))
 
 ROWS, COLS, RANKS = 8, 4096, 4
 F32, I64 = 4, 8

@@ -18,7 +18,8 @@ A = torch.randn(8, 8, generator=torch.Generator().manual_seed(51))
 
 
 def _on_four_ranks(fn, placements, mode=True):
-    """fn(x) on x = A laid out in `placements`, strict mode `mode`: each rank's (result or error, comm counts, bytes)."""
+    """fn(x) on x = A laid out in `placements`, strict mode `mode`:
+    each rank's (result or error, comm counts, bytes)."""
 
     def main():
         mesh = so.init_device_mesh("cpu", (4,))
@@ -121,7 +122,8 @@ def test_replicating_row_raises_in_strict_mode(name):
 
 
 def test_strict_mode_prefers_a_sharded_candidate_to_a_replicating_gather():
-    """cat over a sharded dim of 2-d tensors: strict mode moves the shards to another dim (all_to_all), never gathers."""
+    """cat over a sharded dim of 2-d tensors: strict mode moves the shards to another dim (all_to_all),
+    never gathers."""
     for out, comm, _ in _on_four_ranks(lambda x: torch.cat([x, x], dim=0), [Shard(0)]):
         torch.testing.assert_close(out, torch.cat([A, A]))
         assert "all_gather" not in comm

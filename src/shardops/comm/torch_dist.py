@@ -86,7 +86,8 @@ class _TorchGroup:
         return name
 
     def exchanges_reduce_scatter(self, device: torch.device) -> bool:
-        """gloo's reduce_scatter is an all_reduce of the whole buffer: there it is an exchange (_reduce_scatter_by_exchange)."""
+        """gloo's reduce_scatter is an all_reduce of the whole buffer: there it is an exchange
+        (_reduce_scatter_by_exchange)."""
         return self.backend_for(device) == "gloo"
 
     def to_pg_order(self, items: Sequence[Any]) -> list[Any]:

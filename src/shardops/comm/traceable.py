@@ -279,7 +279,8 @@ _FUNCTIONAL_OPS = {
 
 
 def _functional(comm, group, kind: str, dtype: torch.dtype, op: str | None = None):
-    """(group name, torch group ranks by shardops index) when torch's functional collective `kind` does what eager does; else None."""
+    """(group name, torch group ranks by shardops index) when torch's functional collective `kind`
+    does what eager does; else None."""
     if dtype == torch.bool or dtype.is_complex or (op is not None and not natively_reducible(dtype, op)):
         return None
     return comm.functional_group(group, kind)  # None outside torch.distributed

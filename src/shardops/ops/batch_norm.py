@@ -240,7 +240,8 @@ def _no_training_rule(schema: OpSchema) -> list[Row]:
 
 
 def _batch_norm_updating(input, weight, bias, running_mean, running_var, training, momentum, eps):
-    """native_batch_norm / _native_batch_norm_legit on DTensors: the functional op, then the buffers updated by copy_."""
+    """native_batch_norm / _native_batch_norm_legit on DTensors: the functional op,
+    then the buffers updated by copy_."""
     has_mean, has_var = running_mean is not None, running_var is not None
     if has_mean != has_var:
         raise ShardingError("batch_norm: pass both running_mean and running_var, or neither.")

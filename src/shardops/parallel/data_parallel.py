@@ -141,7 +141,8 @@ def _dp_dims(mesh: DeviceMesh, sub_meshes: set[DeviceMesh]) -> tuple[int, ...]:
 
 
 def _lift(p: torch.Tensor, layout: DataParallelLayout) -> DTensor:
-    """The parameter on the whole mesh: replicated over dp (rank 0 of each dp group wins), then sharded in "shard" mode."""
+    """The parameter on the whole mesh: replicated over dp (rank 0 of each dp group wins),
+    then sharded in "shard" mode."""
     mesh = layout.mesh
     with torch.no_grad():
         if isinstance(p, DTensor):

@@ -88,7 +88,8 @@ def _target_dtensor(logits: DTensor, target):
 
 
 def _replicated(logits: DTensor, t):
-    """A plain tensor as a Replicate DTensor on the logits' mesh (each rank's copy, as torch's loss_parallel takes it)."""
+    """A plain tensor as a Replicate DTensor on the logits' mesh (each rank's copy,
+    as torch's loss_parallel takes it)."""
     if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
         return t
     return from_local(t, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)

@@ -301,7 +301,8 @@ class PrepareModuleInput(ParallelStyle):
 
 
 class PrepareModuleOutput(ParallelStyle):
-    """Turn a module's outputs into DTensors (`output_layouts`, None: leave alone) and move them to `desired_output_layouts`."""
+    """Turn a module's outputs into DTensors (`output_layouts`, None: leave alone)
+    and move them to `desired_output_layouts`."""
 
     def __init__(
         self,
@@ -347,7 +348,8 @@ class PrepareModuleOutput(ParallelStyle):
 
 
 class PrepareModuleInputOutput(ParallelStyle):
-    """PrepareModuleInput and PrepareModuleOutput on one module (`use_local_input` is the input side's use_local_output)."""
+    """PrepareModuleInput and PrepareModuleOutput on one module
+    (`use_local_input` is the input side's use_local_output)."""
 
     def __init__(
         self,
