@@ -191,7 +191,8 @@ def measure_compile(
 
 def format_compile_table(result: dict[str, Any]) -> str:
     lines = [
-        "| model | system | eager step (ms) | compiled step (ms) | compiled ÷ eager | first compiled step (s) | same loss | forward graphs, breaks |",
+        "| model | system | eager step (ms) | compiled step (ms) | compiled ÷ eager | first compiled step (s) | same "
+        "loss | forward graphs, breaks |",
         "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for r in result["rows"]:
@@ -200,7 +201,8 @@ def format_compile_table(result: dict[str, Any]) -> str:
             continue
         lines.append(
             f"| {r['model']} | {r['system']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-            f"{r['compiled_ms'] / r['eager_ms']:.2f}× | {r['first_compiled_s']:.1f} | {'yes' if r['same_loss'] else '**no**'} | {_graphs(r)} |"
+            f"{r['compiled_ms'] / r['eager_ms']:.2f}× | {r['first_compiled_s']:.1f} | "
+            f"{'yes' if r['same_loss'] else '**no**'} | {_graphs(r)} |"
         )
     return "\n".join(lines + _side_by_side(result["rows"]))
 

@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     results = launch.run_gloo(_rank, args.world, args, timeout=3600)[0]
     params = sum(p.numel() for p in _model(args).parameters())
     print(
-        f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, {params / 1e6:.1f}M parameters, {args.world} gloo processes"
+        f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, "
+        f"{params / 1e6:.1f}M parameters, {args.world} gloo processes"
     )
     print("| side | ms/step | peak tracked MiB/rank |\n|---|---|---|")
     for side in _sides(args):
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.only is not None and not key.startswith(args.only):
             continue
         print(
-            f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory {results[ours]['peak'] / results[theirs]['peak']:.2f}x"
+            f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory "
+            f"{results[ours]['peak'] / results[theirs]['peak']:.2f}x"
         )
 
 

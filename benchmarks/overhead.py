@@ -265,7 +265,8 @@ def _us(v: float | None) -> str:
 
 def format_overhead_table(result: dict[str, Any]) -> str:
     lines = [
-        "| op | shardops (µs) | DTensor (µs) | ratio | target | floor (µs) | ÷ floor | plain torch (µs) | shardops comm | DTensor comm |",
+        "| op | shardops (µs) | DTensor (µs) | ratio | target | floor (µs) | ÷ floor | plain torch (µs) | shardops "
+        "comm | DTensor comm |",
         "|---|---:|---:|---:|---|---:|---:|---:|---|---|",
     ]
     for r in overhead_rows(result):
@@ -278,9 +279,9 @@ def format_overhead_table(result: dict[str, Any]) -> str:
         if r["shardops_fallbacks"]:
             so_comm += " (fallback: " + ", ".join(r["shardops_fallbacks"]) + ")"
         lines.append(
-            f"| {r['op']} | {_us(r['us']['shardops'])} | {_us(r['us']['DTensor'])} | {ratio} "
-            f"| ≤ {r['target']:g}× ({r['target_kind']}): {met} | {_us(r['us']['floor'])} | {to_floor} | {_us(r['us']['plain'])} "
-            f"| {so_comm} | {_fmt_counts(r['dtensor_comm'])} |"
+            f"| {r['op']} | {_us(r['us']['shardops'])} | {_us(r['us']['DTensor'])} | {ratio} | ≤ {r['target']:g}× "
+            f"({r['target_kind']}): {met} | {_us(r['us']['floor'])} | {to_floor} | {_us(r['us']['plain'])} | {so_comm} "
+            f"| {_fmt_counts(r['dtensor_comm'])} |"
         )
     text = "\n".join(lines)
     if result.get("note"):

@@ -217,8 +217,9 @@ def _target_cell(judgement: str) -> str:
 
 def format_comm_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| case | mesh | layout | shardops bytes | DTensor bytes (default) | DTensor bytes (best path) | ratio to torch's best "
-        "| lower bound | rounds so / DT | shardops collectives | DTensor collectives | correct so / DT | ≤ torch's best | ≥ 30× less |",
+        "| case | mesh | layout | shardops bytes | DTensor bytes (default) | DTensor bytes (best path) | ratio to "
+        "torch's best | lower bound | rounds so / DT | shardops collectives | DTensor collectives | correct so / DT | "
+        "≤ torch's best | ≥ 30× less |",
         "|---|---|---|---:|---:|---:|---:|---:|---|---|---|---|---|---|",
     ]
     notes: list[str] = []
@@ -250,9 +251,10 @@ def format_comm_table(rows: Sequence[dict[str, Any]]) -> str:
         else:
             ratio = f"{r['ratio']:.3g}"
         lines.append(
-            f"| {r['case']} | {_fmt_mesh(r['mesh'])} | [{','.join(r['placements'][0])}] | {cells[0]} | {cells[1]} | {cells[2]} | {ratio} | {r['lower_bound_bytes']:,} "
-            f"| {s['rounds']} / {d['rounds']} | {so_coll} | {dt_coll} | {_check(s)} / {_check(d)} "
-            f"| {_target_cell(r['bytes_target'])} | {_target_cell(r['gather_target'])} |"
+            f"| {r['case']} | {_fmt_mesh(r['mesh'])} | [{','.join(r['placements'][0])}] | {cells[0]} | {cells[1]} | "
+            f"{cells[2]} | {ratio} | {r['lower_bound_bytes']:,} | {s['rounds']} / {d['rounds']} | {so_coll} | "
+            f"{dt_coll} | {_check(s)} / {_check(d)} | {_target_cell(r['bytes_target'])} | "
+            f"{_target_cell(r['gather_target'])} |"
         )
     text = "\n".join(lines)
     if notes:
@@ -629,8 +631,8 @@ def render_report(
 
     parts = [
         "## Benchmarks: shardops vs torch.distributed.tensor",
-        f"Command: `{command}` (the same as `python -m benchmarks.run{command[len('shardops bench') :]}` from the repository root; "
-        f"{sum(timings.values()):.0f} s).  \nMachine: {format_machine(machine)}.",
+        f"Command: `{command}` (the same as `python -m benchmarks.run{command[len('shardops bench') :]}` from the "
+        f"repository root; {sum(timings.values()):.0f} s).  \nMachine: {format_machine(machine)}.",
         "Ratios are shardops ÷ DTensor (lower is better for shardops).",
         "### Targets\n\n" + format_targets(targets(results)),
     ]
@@ -680,8 +682,9 @@ def render_report(
             + (
                 err
                 or "Propagation (`dispatch.core.plan_op`: the best-first search over each mesh dim's rows, as the "
-                "runtime plans) plus exact redistribution planning (`redistribute.plan`) of the chosen inputs, metadata "
-                "only, f32[1024, 32768]; medians of cold runs. DTensor has no metadata-only planning entry point to compare.\n\n"
+                "runtime plans) plus exact redistribution planning (`redistribute.plan`) of the chosen inputs, "
+                "metadata only, f32[1024, 32768]; medians of cold runs. DTensor has no metadata-only planning entry "
+                "point to compare.\n\n"
                 + format_growth_table(r["rows"])
                 + "\n\n"
                 + format_planning_table(r["rows"])

@@ -104,7 +104,8 @@ def _one_line(e: Exception) -> str:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| model | mesh | plan | shardops bytes/step | torch DTensor bytes/step | ratio | shardops ms/step (gloo) | torch ms/step (gloo) | shardops ms/step (threads) |",
+        "| model | mesh | plan | shardops bytes/step | torch DTensor bytes/step | ratio | shardops ms/step (gloo) | "
+        "torch ms/step (gloo) | shardops ms/step (threads) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -116,8 +117,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         ratio = f"{sb / tb:.2f}" if sb is not None and tb else "-"
         fmt = lambda v, err: f"{v:,.0f}" if v is not None else f"error: {err}"  # noqa: E731
         lines.append(
-            f"| {r['model']} | {mesh} | {plan} | {fmt(sb, r.get('shardops_error'))} | {fmt(tb, r.get('torch_error'))} | {ratio} "
-            f"| {fmt(r.get('shardops_ms'), '-')} | {fmt(r.get('torch_ms'), '-')} | {fmt(r.get('shardops_threads_ms'), r.get('shardops_threads_error'))} |"
+            f"| {r['model']} | {mesh} | {plan} | {fmt(sb, r.get('shardops_error'))} | {fmt(tb, r.get('torch_error'))} "
+            f"| {ratio} | {fmt(r.get('shardops_ms'), '-')} | {fmt(r.get('torch_ms'), '-')} | "
+            f"{fmt(r.get('shardops_threads_ms'), r.get('shardops_threads_error'))} |"
         )
     return "\n".join(lines)
 

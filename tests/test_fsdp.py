@@ -889,7 +889,8 @@ def test_peak_memory_per_rank_within_fsdp_bound_and_torch(capsys):
     for theirs, ours in run_gloo(_memory_both, 4, timeout=600):
         with capsys.disabled():
             print(
-                f"\npeak tracked bytes per rank: shardops {ours}, torch fully_shard {theirs} (Ψ/d {psi // 4}, unit {unit})"
+                f"\npeak tracked bytes per rank: shardops {ours}, torch fully_shard {theirs} (Ψ/d {psi // 4}, unit "
+                f"{unit})"
             )
         assert ours <= theirs
         assert ours <= psi // 4 + 4 * unit

@@ -131,9 +131,9 @@ def autoparallel(
         scored.append(Scored(cand, entries, m))
     if not scored:
         raise ShardingError(
-            f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does not "
-            "split evenly over the data-parallel dims, and the model has no repeated blocks for tensor parallelism; "
-            "give a batch divisible by the mesh size"
+            f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does "
+            "not split evenly over the data-parallel dims, and the model has no repeated blocks for tensor "
+            "parallelism; give a batch divisible by the mesh size"
         )
     feasible = [s for s in scored if s.measurement.feasible]
     if not feasible:

@@ -37,7 +37,8 @@ def _global_batch_slicer(mesh: DeviceMesh, dp_dims: tuple[int, ...]):
         if isinstance(x, torch.Tensor) and x.ndim > 0 and type(x) is torch.Tensor:
             if x.shape[0] % n:
                 raise ShardingError(
-                    f"autoparallel plan: the global batch of {x.shape[0]} does not split evenly over the {n} data-parallel ranks"
+                    f"autoparallel plan: the global batch of {x.shape[0]} does not split evenly over the {n} "
+                    "data-parallel ranks"
                 )
             return x.chunk(n)[index]
         return x

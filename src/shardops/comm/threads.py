@@ -208,7 +208,8 @@ class ThreadsCommunicator(Communicator):
         for r, o, s in zip(group.ranks, out, recv_shapes):
             if tuple(o.shape) != tuple(s):
                 raise CollectiveError(
-                    f"all_to_all over ranks {list(group.ranks)}: rank {r} sent shape {tuple(o.shape)} to rank {self.rank}, which expected {tuple(s)}"
+                    f"all_to_all over ranks {list(group.ranks)}: rank {r} sent shape {tuple(o.shape)} to rank "
+                    f"{self.rank}, which expected {tuple(s)}"
                 )
         return out
 

@@ -63,7 +63,8 @@ def refuse_while_tracing(what: str, why: str) -> None:
     """Raise at compile time for something a compiled graph would get silently wrong."""
     if tracing():
         raise ShardingError(
-            f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region (torch.compiler.disable)."
+            f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region "
+            "(torch.compiler.disable)."
         )
 
 

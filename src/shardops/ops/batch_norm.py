@@ -248,7 +248,8 @@ def _batch_norm_updating(input, weight, bias, running_mean, running_var, trainin
     if not training:
         if not has_mean:
             raise ShardingError(
-                "batch_norm in eval mode (training=False) needs running statistics; pass running_mean and running_var, or training=True."
+                "batch_norm in eval mode (training=False) needs running statistics; pass running_mean and "
+                "running_var, or training=True."
             )
         return aten._native_batch_norm_legit_no_training.default(
             input, weight, bias, running_mean, running_var, momentum, eps

@@ -212,7 +212,8 @@ def _check_pairs(layouts, desired, what: str, names: str) -> None:
             )
         if len(layouts) != len(desired):
             raise LayoutMismatchError(
-                f"{names} should have same length! {what}: layouts {layouts} and desired layouts {desired} differ in length"
+                f"{names} should have same length! {what}: layouts {layouts} and desired layouts {desired} differ in "
+                "length"
             )
 
 
@@ -294,9 +295,9 @@ class PrepareModuleInput(ParallelStyle):
 
     def __repr__(self) -> str:
         return (
-            f"PrepareModuleInput(input_layouts={self.input_layouts}, desired_input_layouts={self.desired_input_layouts}, "
-            f"input_kwarg_layouts={self.input_kwarg_layouts}, desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, "
-            f"use_local_output={self.use_local_output})"
+            f"PrepareModuleInput(input_layouts={self.input_layouts}, "
+            f"desired_input_layouts={self.desired_input_layouts}, input_kwarg_layouts={self.input_kwarg_layouts}, "
+            f"desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, use_local_output={self.use_local_output})"
         )
 
 
@@ -325,7 +326,8 @@ class PrepareModuleOutput(ParallelStyle):
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outs) != len(self.output_layouts):
             raise ShardingError(
-                f"PrepareModuleOutput: the module returned {len(outs)} outputs but output_layouts has {len(self.output_layouts)}"
+                f"PrepareModuleOutput: the module returned {len(outs)} outputs but output_layouts has "
+                f"{len(self.output_layouts)}"
             )
         prepared = []
         for out, layout, desired in zip(outs, self.output_layouts, self.desired_output_layouts):
@@ -342,8 +344,8 @@ class PrepareModuleOutput(ParallelStyle):
 
     def __repr__(self) -> str:
         return (
-            f"PrepareModuleOutput(output_layouts={self.output_layouts}, desired_output_layouts={self.desired_output_layouts}, "
-            f"use_local_output={self.use_local_output})"
+            f"PrepareModuleOutput(output_layouts={self.output_layouts}, "
+            f"desired_output_layouts={self.desired_output_layouts}, use_local_output={self.use_local_output})"
         )
 
 

@@ -291,7 +291,8 @@ def _param_placement(kind: str, module: nn.Module, name: str) -> Placement | Non
     if kind in ("replicate", "replicated_with_grad_allreduce", "local_params"):
         return None  # stays as it is
     raise ShardingError(
-        f"from_transformers: parameter {type(module).__name__}.{name} has plan kind {kind!r}, which shardops does not know for a parameter"
+        f"from_transformers: parameter {type(module).__name__}.{name} has plan kind {kind!r}, which shardops does not "
+        "know for a parameter"
     )
 
 
