@@ -6,11 +6,11 @@ The LLaMA-style model of `shardops.models` (float32, AdamW), pure data paralleli
 `--world` gloo processes, every side in the same run: torch `fully_shard` (FSDP2, a unit per
 block and the root) against shardops `fully_shard` (the same units; and with torchtitan's
 explicit prefetch chains: each block's gather starts while the previous one computes, both
-ways), torch DDP against shardops `replicate` (25 MB buckets). Per side: the median step time of the slowest rank (forward,
-backward, optimizer step; after one warm-up step), and the peak of tensor storage one
-forward + backward allocates per rank beyond the resident parameters and optimizer state (the
-CPU profiler's allocator events; the least of three steps, since a collective's buffer freed on
-gloo's thread reads as held to the end), the largest rank's.
+ways), torch DDP against shardops `replicate` (25 MB buckets). Per side: the median step time
+of the slowest rank (forward, backward, optimizer step; after one warm-up step), and the peak
+of tensor storage one forward + backward allocates per rank beyond the resident parameters and
+optimizer state (the CPU profiler's allocator events; the least of three steps, since a
+collective's buffer freed on gloo's thread reads as held to the end), the largest rank's.
 """
 
 from __future__ import annotations

@@ -208,7 +208,10 @@ def measure_overhead(ops: Sequence[str] = DEFAULT_OVERHEAD_OPS, iters: int = 200
         try:
             result = _measure_in_this_world((WORLD_SIZE,), ops, iters, repeats)
         except Exception as e:  # noqa: BLE001 - fall back to a one-rank threads world, and say so
-            note = f"shardops on the fake process group failed ({type(e).__name__}: {e}); shardops measured in a 1-rank threads world"
+            note = (
+                f"shardops on the fake process group failed ({type(e).__name__}: {e}); "
+                "shardops measured in a 1-rank threads world"
+            )
             world = f"shardops: 1-rank threads world (fallback); DTensor: rank 0 of {WORLD_SIZE}, fake process group"
             result = so.run(_measure_in_this_world, 1, (1,), ops, iters, repeats, timeout=3600)[0]
     finally:

@@ -1,6 +1,7 @@
 """Pipeline parallelism: shardops.pipelining beside torch.distributed.pipelining, as gloo processes.
 
-    python -m benchmarks.pipelining [--quick | --tiny] [--schedules GPipe 1F1B ZBVZeroBubble] [--dim 512] [--layers 8] [--seq 256]
+    python -m benchmarks.pipelining [--quick | --tiny] [--schedules GPipe 1F1B ZBVZeroBubble]
+                                    [--dim 512] [--layers 8] [--seq 256]
 
 The LLaMA-style model of `shardops.models` (float32, AdamW) split by depth torchtitan-style (each
 stage the model's own layers under their own names), pure pipeline parallelism over 4 gloo

@@ -433,7 +433,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         timed = [r for r in auto["rows"] if r["target_s"] is not None]
         out.append(
             {
-                "target": "so.autoparallel planning from metadata: LLaMA-7B shape ≤ 10 s on (8, 8), ≤ 60 s on (8, 8, 16) (CPU time)",
+                "target": (
+                    "so.autoparallel planning from metadata: LLaMA-7B shape ≤ 10 s on (8, 8), ≤ 60 s on (8, 8, 16) "
+                    "(CPU time)"
+                ),
                 "verdict": "met" if all(r["met"] for r in timed) else "missed",
                 "detail": "; ".join(
                     f"({', '.join(map(str, r['mesh']))}) {r['search_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU"
@@ -643,11 +646,12 @@ def render_report(
             "Rank 0 of 4 (threads worlds: `so.run` for shardops, torch's threaded process group for DTensor). "
             "Bytes: what the rank hands the transport (shardops: `CommDebugMode.get_wire_bytes()`, uneven "
             "all_gather/reduce_scatter padded to the largest shard as gloo needs, as torch's DTensor pads them; "
-            "the logical figure is `logical_bytes` in the JSON); lower bound: the reduced per-row values one round must move "
-            "(`Case.lower_bound_bytes`). Reductions include `.full_tensor()` of the small result; softmax, "
+            "the logical figure is `logical_bytes` in the JSON); lower bound: the reduced per-row values one round "
+            "must move (`Case.lower_bound_bytes`). Reductions include `.full_tensor()` of the small result; softmax, "
             "cross-entropy and norms are forward + backward to a scalar loss. "
-            "layout: the first input's placements. DTensor best path: torch's better equivalent where DTensor's default is not it "
-            "(cross-entropy: `loss_parallel()`), measured on the same case; the ratio and targets compare with the better of the two. "
+            "layout: the first input's placements. DTensor best path: torch's better equivalent where DTensor's "
+            "default is not it (cross-entropy: `loss_parallel()`), measured on the same case; the ratio and targets "
+            "compare with the better of the two. "
             '"≥ 30× less" applies where that path all-gathers or all-to-alls whole shards. '
             "correct: equal to single-device torch (values and gradients, every rank).\n\n"
             + (err or format_comm_table(results["comm"]["rows"]))
@@ -837,7 +841,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--docs",
         default=None,
-        help=f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)} for a whole run, none for --only/--cases; '' for none)",
+        help=(
+            f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)} for a whole run, "
+            "none for --only/--cases; '' for none)"
+        ),
     )
     args = parser.parse_args(argv)
     config = TINY if args.tiny else QUICK if args.quick else FULL

@@ -1,4 +1,5 @@
-"""Property tests: random meshes, layouts, shapes and op arguments; every result and gradient equals single-device torch.
+"""Property tests: random meshes, layouts, shapes and op arguments;
+every result and gradient equals single-device torch.
 
 Each example is one `Case`: an op with its arguments, global shapes, a mesh of 1-3 dims (up to
 8 ranks), one layout per tensor operand (Shard, StridedShard, Replicate, pending Partial), a

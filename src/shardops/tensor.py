@@ -333,7 +333,10 @@ class CompileMeta:
         return self
 
     def __repr__(self) -> str:
-        return f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate}, resolves={self.resolves})"
+        return (
+            f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate}, "
+            f"resolves={self.resolves})"
+        )
 
 
 # ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap

@@ -26,8 +26,9 @@ p = Shard(d) for a dim d != 1:
 The statistics: each rank's per-channel (mean, M2) in float64, merged by Chan's formula
 (moments.chan_merge) with every member's count known from the layout, so uneven and empty
 batch shards are exact; x is centred in float64 forward and backward (the backward's two
-sums travel in float64 too), so data with a large mean keeps its digits. The running statistics follow torch: momentum-weighted, with the
-unbiased variance M2 / (n - 1) of the global count n.
+sums travel in float64 too), so data with a large mean keeps its digits. The running
+statistics follow torch: momentum-weighted, with the unbiased variance M2 / (n - 1) of the
+global count n.
 
 native_batch_norm (what F.batch_norm reaches on CPU) and _native_batch_norm_legit update
 the running statistics in place; on DTensors they are rewritten (registry.DECOMPOSITIONS)

@@ -147,7 +147,10 @@ class ExpertParallel(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(ep_dim={self.ep_dim!r}, output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
+        return (
+            f"ExpertParallel(ep_dim={self.ep_dim!r}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output})"
+        )
 
 
 class _ExpertLayer:

@@ -122,7 +122,10 @@ def parts_table(spec: RunSpec, ours: Sequence[dict[str, Any]], theirs: Sequence[
     from rich.table import Table
 
     our_rank, our_records = _busiest(ours)
-    title = f"one training step, per part: collectives and bytes handed to the transport on the busiest rank (shardops rank {our_rank}"
+    title = (
+        "one training step, per part: collectives and bytes handed to the transport on the busiest rank "
+        f"(shardops rank {our_rank}"
+    )
     if theirs:
         their_rank, their_records = _busiest(theirs)
         title += f", torch DTensor rank {their_rank})"
