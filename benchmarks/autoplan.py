@@ -84,15 +84,16 @@ def format_autoplan_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model']}, built on the meta device; global batch one {result['seq']}-token sequence per rank.",
         "",
-        "| mesh | ranks | search wall (s) | CPU (s) | target (s) | candidates (feasible) | chosen plan | bytes / step, busiest rank |",
+        "| mesh | ranks | search wall (s) | CPU (s) | target (s) | candidates (feasible) | chosen plan | bytes / "
+        "step, busiest rank |",
         "|---|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in result["rows"]:
         mesh = "(" + ", ".join(str(s) for s in r["mesh"]) + ")"
         target = "—" if r["target_s"] is None else f"≤ {r['target_s']:g}" + ("" if r["met"] else " **MISSED**")
         lines.append(
-            f"| {mesh} | {r['ranks']:,} | {r['search_s']:.1f} | {r['cpu_s']:.1f} | {target} | {r['candidates']} ({r['feasible']}) "
-            f"| {r['plan']} | {r['bytes']:,} |"
+            f"| {mesh} | {r['ranks']:,} | {r['search_s']:.1f} | {r['cpu_s']:.1f} | {target} | {r['candidates']} "
+            f"({r['feasible']}) | {r['plan']} | {r['bytes']:,} |"
         )
     return "\n".join(lines)
 

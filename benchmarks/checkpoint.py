@@ -139,7 +139,8 @@ def rank_main(directory: str, mib: int, tensors: int, repeats: int) -> dict[str,
 
 def report(result: dict[str, Any], world: int) -> str:
     lines = [
-        f"Checkpoint throughput, {world} gloo processes, {result['total_mib']:.0f} MiB of float32 in all (MB/s per rank, higher is better)",
+        f"Checkpoint throughput, {world} gloo processes, {result['total_mib']:.0f} MiB of float32 in all (MB/s per "
+        "rank, higher is better)",
         "",
         "| case | MB per rank | shardops | torch DCP | shardops / torch |",
         "|---|---:|---:|---:|---:|",

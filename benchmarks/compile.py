@@ -49,7 +49,8 @@ SYSTEMS = ("shardops", "DTensor")
 
 
 def _interleaved(steps_by_system: dict[str, Any], steps: int) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Each system's step `steps` times, the systems taking turns (order flipped every round), each call after a barrier.
+    """Each system's step `steps` times, the systems taking turns (order flipped every round),
+    each call after a barrier.
 
     Taking turns in the same processes puts both sides under the same load: on a shared machine
     the load drifts by more than the gap between the systems within the minutes a run takes.
@@ -172,7 +173,7 @@ def measure_compile(
             ]
             continue
         for system in systems:
-            slowest = lambda key: [max(r[system][key][i] for r in ranks) for i in range(steps)]  # noqa: E731
+            slowest = lambda key: [max(r[system][key][i] for r in ranks) for i in range(steps)]  # noqa: E731, B023 - called within this iteration
             rows.append(
                 {
                     "model": model_name,
@@ -191,7 +192,8 @@ def measure_compile(
 
 def format_compile_table(result: dict[str, Any]) -> str:
     lines = [
-        "| model | system | eager step (ms) | compiled step (ms) | compiled ÷ eager | first compiled step (s) | same loss | forward graphs, breaks |",
+        "| model | system | eager step (ms) | compiled step (ms) | compiled ÷ eager | first compiled step (s) | same "
+        "loss | forward graphs, breaks |",
         "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for r in result["rows"]:
@@ -200,7 +202,8 @@ def format_compile_table(result: dict[str, Any]) -> str:
             continue
         lines.append(
             f"| {r['model']} | {r['system']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-            f"{r['compiled_ms'] / r['eager_ms']:.2f}× | {r['first_compiled_s']:.1f} | {'yes' if r['same_loss'] else '**no**'} | {_graphs(r)} |"
+            f"{r['compiled_ms'] / r['eager_ms']:.2f}× | {r['first_compiled_s']:.1f} | "
+            f"{'yes' if r['same_loss'] else '**no**'} | {_graphs(r)} |"
         )
     return "\n".join(lines + _side_by_side(result["rows"]))
 
@@ -218,7 +221,10 @@ def _side_by_side(rows: list[dict[str, Any]]) -> list[str]:
             pairs = list(zip(ours.get("compiled_steps_ms", []), theirs.get("compiled_steps_ms", [])))
             if pairs:  # the sides took turns: step i of one ran next to step i of the other
                 ratios = sorted(a / b for a, b in pairs)
-                line += f" (step by step: median {statistics.median(ratios):.3f}×, {ratios[0]:.3f}–{ratios[-1]:.3f}×, shardops faster in {sum(r < 1 for r in ratios)} of {len(ratios)})"
+                line += (
+                    f" (step by step: median {statistics.median(ratios):.3f}×, {ratios[0]:.3f}–{ratios[-1]:.3f}×, "
+                    f"shardops faster in {sum(r < 1 for r in ratios)} of {len(ratios)})"
+                )
             out.append(line)
     return out
 
@@ -230,8 +236,9 @@ def _graphs(row: dict[str, Any]) -> str:
 def compile_caption(result: dict[str, Any]) -> str:
     s = SIZES[result["size"]]
     return (
-        f"{result['world_size']} gloo processes, tensor parallel; dim {s['dim']}, {s['n_layers']} layers, seq {s['max_seq_len']}, "
-        f"batch {s['batch']}; step = forward + cross-entropy + backward; median of {result['steps']} steps (slowest rank); "
+        f"{result['world_size']} gloo processes, tensor parallel; dim {s['dim']}, {s['n_layers']} layers, "
+        f"seq {s['max_seq_len']}, batch {s['batch']}; step = forward + cross-entropy + backward; "
+        f"median of {result['steps']} steps (slowest rank); "
         'compiled = torch.compile(model, backend="inductor"); '
         "graphs and breaks: torch._dynamo.explain of the model's forward (slowest rank's count)."
     )

@@ -51,8 +51,8 @@ class Size:
 
     def describe(self) -> str:
         return (
-            f"x f32[{self.batch},{self.seq},{self.hidden}], scores f32[{self.batch},{self.heads},{self.seq},{self.seq}], "
-            f"logits f32[{self.batch * self.seq},{self.vocab}]"
+            f"x f32[{self.batch},{self.seq},{self.hidden}], scores "
+            f"f32[{self.batch},{self.heads},{self.seq},{self.seq}], logits f32[{self.batch * self.seq},{self.vocab}]"
         )
 
 
@@ -483,7 +483,8 @@ def format_end_to_end_table(result: dict[str, Any]) -> str:
         f"| **{s['total_ms']['DTensor']:.1f}** | **{ratio}** | target ≤ {s['target']:g}×: {met} |"
     )
     lines.append(
-        f"| total, every step each system runs | {s['all_steps_ms']['shardops']:.1f} | {s['all_steps_ms']['DTensor']:.1f} | | |"
+        f"| total, every step each system runs | {s['all_steps_ms']['shardops']:.1f} | "
+        f"{s['all_steps_ms']['DTensor']:.1f} | | |"
     )
     return "\n".join(lines)
 

@@ -6,11 +6,11 @@ The LLaMA-style model of `shardops.models` (float32, AdamW), pure data paralleli
 `--world` gloo processes, every side in the same run: torch `fully_shard` (FSDP2, a unit per
 block and the root) against shardops `fully_shard` (the same units; and with torchtitan's
 explicit prefetch chains: each block's gather starts while the previous one computes, both
-ways), torch DDP against shardops `replicate` (25 MB buckets). Per side: the median step time of the slowest rank (forward,
-backward, optimizer step; after one warm-up step), and the peak of tensor storage one
-forward + backward allocates per rank beyond the resident parameters and optimizer state (the
-CPU profiler's allocator events; the least of three steps, since a collective's buffer freed on
-gloo's thread reads as held to the end), the largest rank's.
+ways), torch DDP against shardops `replicate` (25 MB buckets). Per side: the median step time
+of the slowest rank (forward, backward, optimizer step; after one warm-up step), and the peak
+of tensor storage one forward + backward allocates per rank beyond the resident parameters and
+optimizer state (the CPU profiler's allocator events; the least of three steps, since a
+collective's buffer freed on gloo's thread reads as held to the end), the largest rank's.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     results = launch.run_gloo(_rank, args.world, args, timeout=3600)[0]
     params = sum(p.numel() for p in _model(args).parameters())
     print(
-        f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, {params / 1e6:.1f}M parameters, {args.world} gloo processes"
+        f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, "
+        f"{params / 1e6:.1f}M parameters, {args.world} gloo processes"
     )
     print("| side | ms/step | peak tracked MiB/rank |\n|---|---|---|")
     for side in _sides(args):
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.only is not None and not key.startswith(args.only):
             continue
         print(
-            f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory {results[ours]['peak'] / results[theirs]['peak']:.2f}x"
+            f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory "
+            f"{results[ours]['peak'] / results[theirs]['peak']:.2f}x"
         )
 
 

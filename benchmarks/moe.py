@@ -115,12 +115,13 @@ def measure_moe(quick: bool = True) -> list[dict[str, Any]]:
 def table(rows: Sequence[dict[str, Any]]) -> str:
     s = rows[0]["size"]
     head = (
-        f"MoE layer, {s['tokens']} tokens x {s['dim']}, {s['experts']} experts of width {s['hidden']}, top-{s['top_k']}, "
-        "forward + backward, 4 gloo processes (bytes: busiest rank per step).\n\n"
-        "| layout | bytes / step | collectives | step ms | exact |\n|---|---:|---|---:|---|\n"
+        f"MoE layer, {s['tokens']} tokens x {s['dim']}, {s['experts']} experts of width {s['hidden']}, "
+        f"top-{s['top_k']}, forward + backward, 4 gloo processes (bytes: busiest rank per step).\n\n| layout | bytes / "
+        "step | collectives | step ms | exact |\n|---|---:|---|---:|---|\n"
     )
     lines = [
-        f"| {r['layout']} | {r['bytes']:,} | {', '.join(f'{k} {v}' for k, v in sorted(r['counts'].items()))} | {r['ms']:.1f} | {'yes' if r['exact'] else 'NO'} |"
+        f"| {r['layout']} | {r['bytes']:,} | {', '.join(f'{k} {v}' for k, v in sorted(r['counts'].items()))} | "
+        f"{r['ms']:.1f} | {'yes' if r['exact'] else 'NO'} |"
         for r in rows
     ]
     return head + "\n".join(lines)

@@ -208,7 +208,10 @@ def measure_overhead(ops: Sequence[str] = DEFAULT_OVERHEAD_OPS, iters: int = 200
         try:
             result = _measure_in_this_world((WORLD_SIZE,), ops, iters, repeats)
         except Exception as e:  # noqa: BLE001 - fall back to a one-rank threads world, and say so
-            note = f"shardops on the fake process group failed ({type(e).__name__}: {e}); shardops measured in a 1-rank threads world"
+            note = (
+                f"shardops on the fake process group failed ({type(e).__name__}: {e}); "
+                "shardops measured in a 1-rank threads world"
+            )
             world = f"shardops: 1-rank threads world (fallback); DTensor: rank 0 of {WORLD_SIZE}, fake process group"
             result = so.run(_measure_in_this_world, 1, (1,), ops, iters, repeats, timeout=3600)[0]
     finally:
@@ -265,7 +268,8 @@ def _us(v: float | None) -> str:
 
 def format_overhead_table(result: dict[str, Any]) -> str:
     lines = [
-        "| op | shardops (µs) | DTensor (µs) | ratio | target | floor (µs) | ÷ floor | plain torch (µs) | shardops comm | DTensor comm |",
+        "| op | shardops (µs) | DTensor (µs) | ratio | target | floor (µs) | ÷ floor | plain torch (µs) | shardops "
+        "comm | DTensor comm |",
         "|---|---:|---:|---:|---|---:|---:|---:|---|---|",
     ]
     for r in overhead_rows(result):
@@ -278,9 +282,9 @@ def format_overhead_table(result: dict[str, Any]) -> str:
         if r["shardops_fallbacks"]:
             so_comm += " (fallback: " + ", ".join(r["shardops_fallbacks"]) + ")"
         lines.append(
-            f"| {r['op']} | {_us(r['us']['shardops'])} | {_us(r['us']['DTensor'])} | {ratio} "
-            f"| ≤ {r['target']:g}× ({r['target_kind']}): {met} | {_us(r['us']['floor'])} | {to_floor} | {_us(r['us']['plain'])} "
-            f"| {so_comm} | {_fmt_counts(r['dtensor_comm'])} |"
+            f"| {r['op']} | {_us(r['us']['shardops'])} | {_us(r['us']['DTensor'])} | {ratio} | ≤ {r['target']:g}× "
+            f"({r['target_kind']}): {met} | {_us(r['us']['floor'])} | {to_floor} | {_us(r['us']['plain'])} | {so_comm} "
+            f"| {_fmt_counts(r['dtensor_comm'])} |"
         )
     text = "\n".join(lines)
     if result.get("note"):

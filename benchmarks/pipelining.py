@@ -1,6 +1,7 @@
 """Pipeline parallelism: shardops.pipelining beside torch.distributed.pipelining, as gloo processes.
 
-    python -m benchmarks.pipelining [--quick | --tiny] [--schedules GPipe 1F1B ZBVZeroBubble] [--dim 512] [--layers 8] [--seq 256]
+    python -m benchmarks.pipelining [--quick | --tiny] [--schedules GPipe 1F1B ZBVZeroBubble]
+                                    [--dim 512] [--layers 8] [--seq 256]
 
 The LLaMA-style model of `shardops.models` (float32, AdamW) split by depth torchtitan-style (each
 stage the model's own layers under their own names), pure pipeline parallelism over 4 gloo
@@ -216,9 +217,10 @@ def measure_pipelining(
 def table(rows: Sequence[dict[str, Any]]) -> str:
     s = rows[0]["size"]
     head = (
-        f"LLaMA-style dim {s['dim']} x {s['layers']} layers, seq {s['seq']}, batch {s['batch']} in {s['microbatches']} micro-batches, "
-        f"{WORLD} gloo processes (pp={WORLD}; ZBV: 2 stages per rank). Median step time of the slowest rank; p2p bytes all ranks send per step.\n\n"
-        "| schedule | torch ms | shardops ms | shardops / torch | torch p2p bytes | shardops p2p bytes | losses agree |\n|---|---:|---:|---:|---:|---:|---|\n"
+        f"LLaMA-style dim {s['dim']} x {s['layers']} layers, seq {s['seq']}, batch {s['batch']} in {s['microbatches']} "
+        f"micro-batches, {WORLD} gloo processes (pp={WORLD}; ZBV: 2 stages per rank). Median step time of the slowest "
+        "rank; p2p bytes all ranks send per step.\n\n| schedule | torch ms | shardops ms | shardops / torch | torch "
+        "p2p bytes | shardops p2p bytes | losses agree |\n|---|---:|---:|---:|---:|---:|---|\n"
     )
     lines = []
     for r in rows:
@@ -226,7 +228,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         tb_cell = f"{tb[0]:,}" if len(set(tb)) == 1 else str(tb)
         sb_cell = f"{sb[0]:,}" if len(set(sb)) == 1 else str(sb)
         lines.append(
-            f"| {r['schedule']} | {r['torch ms']:.0f} | {r['shardops ms']:.0f} | {r['shardops ms'] / r['torch ms']:.2f}x | {tb_cell} | {sb_cell} | {'yes' if r['losses agree'] else 'NO'} |"
+            f"| {r['schedule']} | {r['torch ms']:.0f} | {r['shardops ms']:.0f} | "
+            f"{r['shardops ms'] / r['torch ms']:.2f}x | {tb_cell} | {sb_cell} | {'yes' if r['losses agree'] else 'NO'} "
+            "|"
         )
     return head + "\n".join(lines)
 

@@ -148,12 +148,14 @@ def measure_explain(reps: int = 5) -> list[dict[str, Any]]:
 
 def format_explain_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| op | (4096,) S(1) (µs) | (8,8,8,8) S(0),S(1),S(1),S(1) (µs) | 4-D / 1-D | 4-D candidates | 4-D choice (inputs) |",
+        "| op | (4096,) S(1) (µs) | (8,8,8,8) S(0),S(1),S(1),S(1) (µs) | 4-D / 1-D | 4-D candidates | 4-D choice "
+        "(inputs) |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['op']} | {r['one_d_us']:.0f} | {r['four_d_us']:.0f} | {r['ratio']:.1f}× | {r['candidates_4d']} | {r['choice_4d']} |"
+            f"| {r['op']} | {r['one_d_us']:.0f} | {r['four_d_us']:.0f} | {r['ratio']:.1f}× | {r['candidates_4d']} | "
+            f"{r['choice_4d']} |"
         )
     return "\n".join(lines)
 
@@ -230,7 +232,7 @@ def measure_planning(
             ("redistribute -> R", (Replicate(),) * mesh.ndim),
             ("redistribute -> transposed", transposed(mesh.ndim)),
         ):
-            t, p = _median_time(lambda: plan(x, dst), min_reps, max_reps, budget_s)
+            t, p = _median_time(lambda: plan(x, dst), min_reps, max_reps, budget_s)  # noqa: B023 - timed at once
             rows.append(
                 {
                     **base,
@@ -274,8 +276,8 @@ def format_planning_table(rows: Sequence[dict[str, Any]]) -> str:
         if r["fallback"]:
             choice = "no strategy: replicate fallback"
         lines.append(
-            f"| {r['op']} | {_fmt_mesh(r['mesh'])} | {r['ranks']} | {r['propagation_us']:.0f} | {r['redistribution_us']:.0f} "
-            f"| {r['total_us']:.0f} | {cands} | {choice} |"
+            f"| {r['op']} | {_fmt_mesh(r['mesh'])} | {r['ranks']} | {r['propagation_us']:.0f} | "
+            f"{r['redistribution_us']:.0f} | {r['total_us']:.0f} | {cands} | {choice} |"
         )
     return "\n".join(lines)
 

@@ -90,8 +90,8 @@ def format_random_table(r: dict[str, Any]) -> str:
     lines += [f"| {row['case']} | {row['ms']:.2f} | {row['ratio']:.2f}× |" for row in r["rows"]]
     verdict = "met" if r["met"] else "**MISSED**"
     lines.append(
-        f"\nTarget: DTensor dropout ≤ {TARGET_RATIO:g}× torch's bernoulli_ on a {r['numel_per_shard']:,}-element shard: "
-        f"{r['dropout_ratio']:.2f}× ({verdict}; {r['threads']} torch threads)."
+        f"\nTarget: DTensor dropout ≤ {TARGET_RATIO:g}× torch's bernoulli_ on a {r['numel_per_shard']:,}-element "
+        f"shard: {r['dropout_ratio']:.2f}× ({verdict}; {r['threads']} torch threads)."
     )
     return "\n".join(lines)
 

@@ -217,8 +217,9 @@ def _target_cell(judgement: str) -> str:
 
 def format_comm_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| case | mesh | layout | shardops bytes | DTensor bytes (default) | DTensor bytes (best path) | ratio to torch's best "
-        "| lower bound | rounds so / DT | shardops collectives | DTensor collectives | correct so / DT | ≤ torch's best | ≥ 30× less |",
+        "| case | mesh | layout | shardops bytes | DTensor bytes (default) | DTensor bytes (best path) | ratio to "
+        "torch's best | lower bound | rounds so / DT | shardops collectives | DTensor collectives | correct so / DT | "
+        "≤ torch's best | ≥ 30× less |",
         "|---|---|---|---:|---:|---:|---:|---:|---|---|---|---|---|---|",
     ]
     notes: list[str] = []
@@ -250,9 +251,10 @@ def format_comm_table(rows: Sequence[dict[str, Any]]) -> str:
         else:
             ratio = f"{r['ratio']:.3g}"
         lines.append(
-            f"| {r['case']} | {_fmt_mesh(r['mesh'])} | [{','.join(r['placements'][0])}] | {cells[0]} | {cells[1]} | {cells[2]} | {ratio} | {r['lower_bound_bytes']:,} "
-            f"| {s['rounds']} / {d['rounds']} | {so_coll} | {dt_coll} | {_check(s)} / {_check(d)} "
-            f"| {_target_cell(r['bytes_target'])} | {_target_cell(r['gather_target'])} |"
+            f"| {r['case']} | {_fmt_mesh(r['mesh'])} | [{','.join(r['placements'][0])}] | {cells[0]} | {cells[1]} | "
+            f"{cells[2]} | {ratio} | {r['lower_bound_bytes']:,} | {s['rounds']} / {d['rounds']} | {so_coll} | "
+            f"{dt_coll} | {_check(s)} / {_check(d)} | {_target_cell(r['bytes_target'])} | "
+            f"{_target_cell(r['gather_target'])} |"
         )
     text = "\n".join(lines)
     if notes:
@@ -431,7 +433,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         timed = [r for r in auto["rows"] if r["target_s"] is not None]
         out.append(
             {
-                "target": "so.autoparallel planning from metadata: LLaMA-7B shape ≤ 10 s on (8, 8), ≤ 60 s on (8, 8, 16) (CPU time)",
+                "target": (
+                    "so.autoparallel planning from metadata: LLaMA-7B shape ≤ 10 s on (8, 8), ≤ 60 s on (8, 8, 16) "
+                    "(CPU time)"
+                ),
                 "verdict": "met" if all(r["met"] for r in timed) else "missed",
                 "detail": "; ".join(
                     f"({', '.join(map(str, r['mesh']))}) {r['search_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU"
@@ -629,8 +634,8 @@ def render_report(
 
     parts = [
         "## Benchmarks: shardops vs torch.distributed.tensor",
-        f"Command: `{command}` (the same as `python -m benchmarks.run{command[len('shardops bench') :]}` from the repository root; "
-        f"{sum(timings.values()):.0f} s).  \nMachine: {format_machine(machine)}.",
+        f"Command: `{command}` (the same as `python -m benchmarks.run{command[len('shardops bench') :]}` from the "
+        f"repository root; {sum(timings.values()):.0f} s).  \nMachine: {format_machine(machine)}.",
         "Ratios are shardops ÷ DTensor (lower is better for shardops).",
         "### Targets\n\n" + format_targets(targets(results)),
     ]
@@ -641,11 +646,12 @@ def render_report(
             "Rank 0 of 4 (threads worlds: `so.run` for shardops, torch's threaded process group for DTensor). "
             "Bytes: what the rank hands the transport (shardops: `CommDebugMode.get_wire_bytes()`, uneven "
             "all_gather/reduce_scatter padded to the largest shard as gloo needs, as torch's DTensor pads them; "
-            "the logical figure is `logical_bytes` in the JSON); lower bound: the reduced per-row values one round must move "
-            "(`Case.lower_bound_bytes`). Reductions include `.full_tensor()` of the small result; softmax, "
+            "the logical figure is `logical_bytes` in the JSON); lower bound: the reduced per-row values one round "
+            "must move (`Case.lower_bound_bytes`). Reductions include `.full_tensor()` of the small result; softmax, "
             "cross-entropy and norms are forward + backward to a scalar loss. "
-            "layout: the first input's placements. DTensor best path: torch's better equivalent where DTensor's default is not it "
-            "(cross-entropy: `loss_parallel()`), measured on the same case; the ratio and targets compare with the better of the two. "
+            "layout: the first input's placements. DTensor best path: torch's better equivalent where DTensor's "
+            "default is not it (cross-entropy: `loss_parallel()`), measured on the same case; the ratio and targets "
+            "compare with the better of the two. "
             '"≥ 30× less" applies where that path all-gathers or all-to-alls whole shards. '
             "correct: equal to single-device torch (values and gradients, every rank).\n\n"
             + (err or format_comm_table(results["comm"]["rows"]))
@@ -680,8 +686,9 @@ def render_report(
             + (
                 err
                 or "Propagation (`dispatch.core.plan_op`: the best-first search over each mesh dim's rows, as the "
-                "runtime plans) plus exact redistribution planning (`redistribute.plan`) of the chosen inputs, metadata "
-                "only, f32[1024, 32768]; medians of cold runs. DTensor has no metadata-only planning entry point to compare.\n\n"
+                "runtime plans) plus exact redistribution planning (`redistribute.plan`) of the chosen inputs, "
+                "metadata only, f32[1024, 32768]; medians of cold runs. DTensor has no metadata-only planning entry "
+                "point to compare.\n\n"
                 + format_growth_table(r["rows"])
                 + "\n\n"
                 + format_planning_table(r["rows"])
@@ -834,7 +841,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--docs",
         default=None,
-        help=f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)} for a whole run, none for --only/--cases; '' for none)",
+        help=(
+            f"also write the report here (default: {DOCS_PATH.relative_to(ROOT)} for a whole run, "
+            "none for --only/--cases; '' for none)"
+        ),
     )
     args = parser.parse_args(argv)
     config = TINY if args.tiny else QUICK if args.quick else FULL

@@ -96,14 +96,16 @@ def measure(spec: RunSpec) -> dict[str, Any]:
 
 
 def _one_line(e: Exception) -> str:
-    """A table cell for a failure: the first line names it (a RankFailure: the rank, and its exception's type and message)."""
+    """A table cell for a failure: the first line names it (a RankFailure: the rank,
+    and its exception's type and message)."""
     lines = str(e).splitlines()
     return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| model | mesh | plan | shardops bytes/step | torch DTensor bytes/step | ratio | shardops ms/step (gloo) | torch ms/step (gloo) | shardops ms/step (threads) |",
+        "| model | mesh | plan | shardops bytes/step | torch DTensor bytes/step | ratio | shardops ms/step (gloo) | "
+        "torch ms/step (gloo) | shardops ms/step (threads) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -115,8 +117,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         ratio = f"{sb / tb:.2f}" if sb is not None and tb else "-"
         fmt = lambda v, err: f"{v:,.0f}" if v is not None else f"error: {err}"  # noqa: E731
         lines.append(
-            f"| {r['model']} | {mesh} | {plan} | {fmt(sb, r.get('shardops_error'))} | {fmt(tb, r.get('torch_error'))} | {ratio} "
-            f"| {fmt(r.get('shardops_ms'), '-')} | {fmt(r.get('torch_ms'), '-')} | {fmt(r.get('shardops_threads_ms'), r.get('shardops_threads_error'))} |"
+            f"| {r['model']} | {mesh} | {plan} | {fmt(sb, r.get('shardops_error'))} | {fmt(tb, r.get('torch_error'))} "
+            f"| {ratio} | {fmt(r.get('shardops_ms'), '-')} | {fmt(r.get('torch_ms'), '-')} | "
+            f"{fmt(r.get('shardops_threads_ms'), r.get('shardops_threads_error'))} |"
         )
     return "\n".join(lines)
 

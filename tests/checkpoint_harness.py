@@ -113,7 +113,8 @@ def train_and_checkpoint(
     args: ModelArgs = DROPOUT_ARGS,
     invariant_dropout: bool = False,
 ):
-    """GPT-2 (dropout per `args`) on one rank of any world; returns (losses, the step the extra dict held after loading)."""
+    """GPT-2 (dropout per `args`) on one rank of any world; returns (losses,
+    the step the extra dict held after loading)."""
     model, mesh, dp_rank = shardops_model(
         mesh_shape, seed=0, kind="gpt2", args=args, invariant_dropout=invariant_dropout
     )

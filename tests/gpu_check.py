@@ -34,7 +34,8 @@ if __name__ == "__main__":
     import torch
 
     print(
-        f"make test-gpu: {torch.cuda.device_count()} CUDA device(s): {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        f"make test-gpu: {torch.cuda.device_count()} CUDA device(s): {torch.cuda.get_device_name(0)}, torch "
+        f"{torch.__version__}"
         if "torch" in sys.modules
         else "make test-gpu: NVIDIA GPU present; torch is installed next"
     )

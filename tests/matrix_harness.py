@@ -86,9 +86,9 @@ def check(
         results = so.run(body, world_size=int(torch.tensor(mesh_shape).prod()))
     tol = tolerance(want.dtype)
     for rank, (_, out, got) in enumerate(results):
-        torch.testing.assert_close(out, want.detach(), **tol, msg=lambda m: f"rank {rank} output: {m}")
+        torch.testing.assert_close(out, want.detach(), **tol, msg=lambda m: f"rank {rank} output: {m}")  # noqa: B023 - called within this iteration
         for k, (g, ref) in enumerate(zip(got, refs)):
             if ref.grad is not None:
                 assert g is not None, f"rank {rank}: input {k} got no gradient"
-                torch.testing.assert_close(g, ref.grad, **tol, msg=lambda m: f"rank {rank} grad of input {k}: {m}")
+                torch.testing.assert_close(g, ref.grad, **tol, msg=lambda m: f"rank {rank} grad of input {k}: {m}")  # noqa: B023 - called within this iteration
     return results[0][0]

@@ -107,6 +107,7 @@ def run_cases(seed: int, mesh_shape, count: int, byte_log: list | None = None):
             ok_local = torch.allclose(mine, want, rtol=1e-9, atol=1e-9)
         if not (ok_full and ok_local and comm.get_total_bytes() == expected_bytes):
             failures.append(
-                f"shape={shape} {list(src)}->{list(dst)} full={ok_full} local={ok_local} bytes={comm.get_total_bytes()} plan={expected_bytes}"
+                f"shape={shape} {list(src)}->{list(dst)} full={ok_full} local={ok_local} "
+                f"bytes={comm.get_total_bytes()} plan={expected_bytes}"
             )
     return failures

@@ -29,24 +29,24 @@ def _strict_everywhere(strict):
 def _inputs(q_shape, kv_heads=None, kv_len=None, dtype=torch.float32, mask=None, seed=0):
     """q, k, v, the output gradient and a mask (None, 'additive', 'bool', 'additive4d')."""
     g = torch.Generator().manual_seed(seed)
-    b, h, l, d = q_shape
-    kv_shape = (b, kv_heads or h, kv_len or l, d)
+    b, h, length, d = q_shape
+    kv_shape = (b, kv_heads or h, kv_len or length, d)
     q, k, v = (torch.randn(s, generator=g).to(dtype) for s in (q_shape, kv_shape, kv_shape))
     grad = torch.randn(q_shape, generator=g).to(dtype)
     s = kv_shape[2]
     m = None
     if mask == "additive":
-        m = torch.randn(l, s, generator=g).to(dtype)
+        m = torch.randn(length, s, generator=g).to(dtype)
         m[:, 1::3] = -math.inf
     elif mask == "bool":
-        m = torch.rand(l, s, generator=g) > 0.4
+        m = torch.rand(length, s, generator=g) > 0.4
         m[:, 0] = True  # every row sees a key (torch gives NaN-free 0 rows either way, but keep it ordinary)
         m[2] = False  # one row that sees nothing: torch's kernel gives 0 there
     elif mask == "additive4d":
-        m = torch.randn(b, 1, l, s, generator=g).to(dtype)
+        m = torch.randn(b, 1, length, s, generator=g).to(dtype)
         m[..., ::4] = -math.inf
     elif mask == "per_head":
-        m = torch.randn(b, h, l, s, generator=g).to(dtype)
+        m = torch.randn(b, h, length, s, generator=g).to(dtype)
         m[:, ::2, :, 1::2] = -math.inf
     return q, k, v, grad, m
 
@@ -101,7 +101,7 @@ def _check(
     for placements, full, _, _ in results:
         assert placements[0] == placements[1] == tuple(PL[p] for p in q_layout), "output and dq keep q's layout"
         for name, got, want in zip(("out", "dq", "dk", "dv"), full, ref):
-            torch.testing.assert_close(got, want, **tol, msg=lambda s: f"{name}: {s}")
+            torch.testing.assert_close(got, want, **tol, msg=lambda s: f"{name}: {s}")  # noqa: B023 - called within this iteration
     return results
 
 
@@ -161,7 +161,7 @@ def test_masks(mesh_shape, layout, mask, mask_layout, causal):
 @pytest.mark.parametrize("layout", ["S0", "S1", "S2"])
 def test_per_head_mask_sharded_like_the_scores_moves_nothing_but_kv(layout):
     results = _check((4,), (layout,), (layout,), UNEVEN, mask="per_head", mask_layout=(layout,), is_causal=True)
-    for _, _, fwd, bwd in results:
+    for _, _, fwd, _bwd in results:
         expected = {"all_gather": 1} if layout == "S2" else {}
         assert fwd.get_comm_counts() == expected, "the mask, sharded like the scores, stays where it is"
 
@@ -276,20 +276,22 @@ def test_aten_flash_ops_direct(layout):
     def body():
         mesh = so.init_device_mesh("cpu", (4,))
         d = lambda t: so.distribute_tensor(t, mesh, [PL[layout]])  # noqa: E731
-        o, l = aten._scaled_dot_product_flash_attention_for_cpu(d(q), d(k), d(v), 0.0, True)
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(d(grad), d(q), d(k), d(v), o, l, 0.0, True)
+        o, o_lse = aten._scaled_dot_product_flash_attention_for_cpu(d(q), d(k), d(v), 0.0, True)
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d(grad), d(q), d(k), d(v), o, o_lse, 0.0, True
+        )
         return (
             o.placements,
             o.full_tensor(),
-            l.full_tensor(),
+            o_lse.full_tensor(),
             [t.full_tensor() for t in grads],
             [t.placements for t in grads],
         )
 
-    for o_pl, o, l, grads, pls in so.run(body, 4):
+    for o_pl, o, got_lse, grads, pls in so.run(body, 4):
         assert o_pl == (PL[layout],) and pls == [(PL[layout],)] * 3
         torch.testing.assert_close(o, out, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(l, lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_lse, lse, rtol=1e-5, atol=1e-5)
         for got, w in zip(grads, want):
             torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
 

@@ -308,7 +308,8 @@ def test_a_crashing_benchmark_is_reported_and_the_rest_still_run(monkeypatch, tm
 
 
 def test_a_failing_gloo_rank_is_named_in_the_report(monkeypatch, tmp_path):
-    """A benchmark whose gloo rank raised: the targets row and the section name the rank's exception, with its traceback."""
+    """A benchmark whose gloo rank raised:
+    the targets row and the section name the rank's exception, with its traceback."""
     from shardops.training import launch
 
     def work():
@@ -324,7 +325,10 @@ def test_a_failing_gloo_rank_is_named_in_the_report(monkeypatch, tmp_path):
     code = run.main(["--quick", "--only", "planning", "--no-plot", "--out", str(tmp_path), "--docs", ""])
     assert code == 1
     report = (tmp_path / "report.md").read_text()
-    want = "shardops.training.launch.RankFailure: run_gloo: rank 1 raised: ModuleNotFoundError: No module named 'benchmarks'"
+    want = (
+        "shardops.training.launch.RankFailure: run_gloo: rank 1 raised: "
+        "ModuleNotFoundError: No module named 'benchmarks'"
+    )
     assert f"| planning benchmark runs | **MISSED** | {want} |" in report
     assert "rank 1 (pid" in report and "in work" in report  # the rank's own traceback
 

@@ -157,7 +157,7 @@ def test_torch_save_and_load_of_dtensors_weights_only(tmp_path):
         return out
 
     for result in so.run(main, 4):
-        for name, (shape, dtype, placements) in CASES.items():
+        for name, (shape, dtype, _placements) in CASES.items():
             expected = _global(name, shape, dtype)
             assert torch.equal(result[name], expected), name
 
@@ -688,11 +688,12 @@ def test_torch_load_of_a_file_saved_on_a_larger_world_raises_at_once(tmp_path):
     assert time.monotonic() - start < 5
 
 
-# ------------------------------------------------------------------ load_state_dict across meshes over other ranks (issue 42 item 9)
+# ----------------------------------------------------- load_state_dict across meshes over other ranks (issue 42 item 9)
 
 
 def _tp_model(mesh) -> torch.nn.Module:
-    """Two linears (uneven sizes: 10 rows over 4 ranks, 7 columns over 2 or 4) with a TP plan on `mesh`, or plain if None."""
+    """Two linears (uneven sizes: 10 rows over 4 ranks, 7 columns over 2 or 4) with a TP plan on `mesh`,
+    or plain if None."""
     from shardops.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)

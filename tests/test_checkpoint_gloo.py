@@ -1,8 +1,9 @@
 """Checkpoints between torch DTensor and shardops as 4 gloo processes (one launch, several checks).
 
-Acceptance of issue 24 (plus torch's fully_shard checkpoints, both ways): torch's tensor-parallel Llama on a (4,) mesh trains a step and saves
-with torch's own `dcp.save`; a shardops model on (2,2) (dp x tp) loads it with torch's own
-`dcp.load` and continues: its next-step losses equal torch's. And the reverse: shardops
+Acceptance of issue 24 (plus torch's fully_shard checkpoints, both ways): torch's
+tensor-parallel Llama on a (4,) mesh trains a step and saves with torch's own `dcp.save`; a
+shardops model on (2,2) (dp x tp) loads it with torch's own `dcp.load` and continues: its
+next-step losses equal torch's. And the reverse: shardops
 saves (plain `dcp.save` through the subclass hooks, and `shardops.checkpoint.save`), torch
 loads and continues with shardops' losses. Also: torch's `dcp_to_torch_save` of a shardops
 checkpoint, and `torch.save` / `torch.load` of a shardops state dict per rank; the memory bound

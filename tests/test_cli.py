@@ -97,7 +97,8 @@ _SHARDOPS = "import sys; from shardops.cli import main; sys.exit(main())"  # wha
 
 
 def _this_checkouts_env() -> dict[str, str]:
-    """The environment of a `shardops` command run elsewhere, with this checkout's package (as an editable install has it)."""
+    """The environment of a `shardops` command run elsewhere, with this checkout's package
+    (as an editable install has it)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(_REPO, "src"), *filter(None, [env.get("PYTHONPATH")])])
     return env

@@ -348,7 +348,8 @@ def test_fake_backend_dry_run():
 
 
 def test_cpu_tensor_on_an_nccl_only_group_raises_saying_which_backend_to_use():
-    """shardops sends some metadata as CPU tensors: an nccl-only group must say how to init instead of failing inside nccl."""
+    """shardops sends some metadata as CPU tensors: an nccl-only group must say how to init
+    instead of failing inside nccl."""
     from shardops.comm.torch_dist import _c10d, _TorchGroup
     from shardops.errors import CollectiveError
 

@@ -22,7 +22,8 @@ def _sharding_error_in(e: BaseException) -> so.ShardingError | None:
 
 
 def _compile_error(step_of) -> list[str]:
-    """Each rank's ShardingError message from compiling `step_of(mesh)` with dynamic=True (or what went wrong instead)."""
+    """Each rank's ShardingError message from compiling `step_of(mesh)` with dynamic=True
+    (or what went wrong instead)."""
 
     def rank():
         torch._dynamo.reset()

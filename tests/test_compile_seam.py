@@ -40,7 +40,9 @@ from torch._higher_order_ops.effects import _get_effect
 def snapshot(so=None):
     shot = {
         "torch._dynamo": {k: id(v) for k, v in vars(torch._dynamo).items()},
-        "torch._dynamo.config": {k: getattr(torch._dynamo.config, k) for k in ("recompile_limit", "accumulated_recompile_limit")},
+        "torch._dynamo.config": {
+            k: getattr(torch._dynamo.config, k) for k in ("recompile_limit", "accumulated_recompile_limit")
+        },
         "OutputGraph": {k: id(v) for k, v in vars(torch._dynamo.output_graph.OutputGraph).items()},
         "sys.meta_path": [id(f) for f in sys.meta_path],
         "type handlers": len(SourcelessBuilder._type_handlers),
@@ -62,7 +64,8 @@ changed = sorted(k for k in before if before[k] != after_import[k])
 so._torch.install()
 after_install = snapshot(so)
 installed = sorted(k for k in after_install if after_import.get(k) != after_install[k])
-print(repr((changed, after_import["effect"], after_import["from_local opaque"], after_import["mesh constant"], after_import["mesh sourceless"], installed)))
+hooks = ("effect", "from_local opaque", "mesh constant", "mesh sourceless")
+print(repr((changed, *(after_import[k] for k in hooks), installed)))
 """
 
 
@@ -89,7 +92,9 @@ _LAZY_PROBE = """
 import sys, torch
 paths = list(sys.meta_path)
 import shardops as so
-assert sys.meta_path == paths and "torch._dynamo" not in sys.modules, "import shardops imported dynamo or added a finder"
+assert sys.meta_path == paths and "torch._dynamo" not in sys.modules, (
+    "import shardops imported dynamo or added a finder"
+)
 so._torch.install()
 assert len(sys.meta_path) == len(paths) + 1, "install() waits for torch._dynamo's import with a finder"
 import torch._dynamo

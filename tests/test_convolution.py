@@ -214,7 +214,8 @@ def test_group_norm_over_a_sharded_plane_sends_only_its_statistics(mesh, layouts
 
 
 def _batch_norm_run(mesh_shape, x_layout, stats_layout, training, x, w, b, rm, rv):
-    """F.batch_norm on every rank (strict): output, gradients, running statistics, and the bytes of forward and backward."""
+    """F.batch_norm on every rank (strict): output, gradients, running statistics,
+    and the bytes of forward and backward."""
     g = make(x.shape, 28)
 
     def main():
@@ -371,9 +372,9 @@ def test_cnn_with_a_sharded_batch_moves_no_activations(name, mesh_shape, placeme
         assert layout == tuple(placements)
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
         for n, p in ref.named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")  # noqa: B023 - called within this iteration
         for n, b in ref.named_buffers():
-            torch.testing.assert_close(buffers[n], b, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(buffers[n], b, msg=lambda m: f"{n}: {m}")  # noqa: B023 - called within this iteration
         if (
             channels
         ):  # only the global batch statistics travel: one all_gather forward, one all_reduce backward per layer

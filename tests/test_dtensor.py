@@ -1,6 +1,5 @@
 """The DTensor type: pointwise ops with autograd, pending partials, views, in-place ops, errors."""
 
-
 import pytest
 import torch
 
@@ -60,7 +59,7 @@ def test_pointwise_autograd_mesh2x2(layouts):
     layouts = [
         [p if not p.is_shard() or shapes[k][p.dim] > 1 else Replicate() for p in pl] for k, pl in enumerate(layouts)
     ]
-    for vals, loss_ok, grads_ok, placements in so.run(_pointwise_case, 4, (2, 2), layouts, shapes):
+    for vals, loss_ok, grads_ok, _placements in so.run(_pointwise_case, 4, (2, 2), layouts, shapes):
         assert vals and loss_ok and all(grads_ok)
 
 
@@ -97,7 +96,7 @@ def _partial_rules():
         p + q
         p * 2.5
         p * rep
-        -p
+        _ = -p
     out["comm"] = comm.get_total_counts()
     return out
 
@@ -218,7 +217,6 @@ def test_inplace_needing_layout_change_raises():
     def body():
         mesh = so.init_device_mesh("cpu", (2,))
         x = so.distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])
-        y = so.distribute_tensor(torch.ones(4), mesh, [Replicate()])
         x.unsqueeze_(0)  # fine: keeps the shard (renumbered)
         assert x.shape == (1, 4, 4) and x.placements == (Shard(1),)
         x.transpose_(1, 2)  # fine: an in-place view renumbers the shard dim, no data moves

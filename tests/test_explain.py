@@ -112,10 +112,8 @@ def test_explain_bytes_match_comm_debug_mode(name):
     fn, inputs, kwargs, needs = BYTE_CASES[name]
     _needs(*needs)
     mesh = parse_mesh(4)
-    specs = [
-        f"{ {torch.float32: 'f32', torch.float64: 'f64', torch.bool: 'bool', torch.int64: 'i64'}[dt] }{list(shape)}:{','.join(map(repr, pl))}"
-        for shape, dt, pl in inputs
-    ]
+    short = {torch.float32: "f32", torch.float64: "f64", torch.bool: "bool", torch.int64: "i64"}
+    specs = [f"{short[dt]}{list(shape)}:{','.join(map(repr, pl))}" for shape, dt, pl in inputs]
     e = explain(fn, *specs, mesh=mesh, **kwargs)
     counted = _counted(fn, inputs, kwargs)
     planned = [(e.bytes_at(mesh.coordinate_of(r)), e.rounds) for r in range(4)]

@@ -238,7 +238,8 @@ def prog_disagree(record: dict) -> tuple:
 
 
 def prog_group_made_on_first_use(record: dict):
-    """Rank 0's first collective over ranks {0, 2} of a hand-built mesh, whose group is made on first use; rank 2 is gone."""
+    """Rank 0's first collective over ranks {0, 2} of a hand-built mesh, whose group is made on first use;
+    rank 2 is gone."""
     world = so.init_device_mesh("cpu", (2, 2))
     by_hand = DeviceMesh("cpu", [[0, 1], [2, 3]])  # no torch DeviceMesh behind it: groups come from their members
     rank = world.get_rank()

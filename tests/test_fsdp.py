@@ -436,7 +436,7 @@ def test_replicate_syncs_parameters_from_the_first_rank(strict):
             torch.testing.assert_close(p, expected[name].detach())
 
 
-# ------------------------------------------------------------------ models whose ops have no DTensor rule: activations stay local
+# -------------------------------------------------------- models whose ops have no DTensor rule: activations stay local
 
 
 class Attention(nn.Module):
@@ -879,7 +879,8 @@ def _memory_both() -> tuple[int, int]:
 
 
 def test_peak_memory_per_rank_within_fsdp_bound_and_torch(capsys):
-    """Sharded gradients (Ψ/d) plus one gathered unit and its reduction's buffers; never more than torch's fully_shard."""
+    """Sharded gradients (Ψ/d) plus one gathered unit and its reduction's buffers;
+    never more than torch's fully_shard."""
     from mp import run_gloo
 
     model = _Residual()
@@ -888,7 +889,8 @@ def test_peak_memory_per_rank_within_fsdp_bound_and_torch(capsys):
     for theirs, ours in run_gloo(_memory_both, 4, timeout=600):
         with capsys.disabled():
             print(
-                f"\npeak tracked bytes per rank: shardops {ours}, torch fully_shard {theirs} (Ψ/d {psi // 4}, unit {unit})"
+                f"\npeak tracked bytes per rank: shardops {ours}, torch fully_shard {theirs} (Ψ/d {psi // 4}, unit "
+                f"{unit})"
             )
         assert ours <= theirs
         assert ours <= psi // 4 + 4 * unit
@@ -958,7 +960,8 @@ def _grouped_rank():
 
 
 def test_a_unit_over_several_modules(strict):
-    """fully_shard([block0, block1]): one gather in forward, one in backward, one reduce_scatter of both blocks' gradients."""
+    """fully_shard([block0, block1]): one gather in forward, one in backward,
+    one reduce_scatter of both blocks' gradients."""
     ref = _reference()
     for log, rank, blocks, root, ours in so.run(_grouped_rank, 4):
         assert log == [
@@ -1000,7 +1003,7 @@ def test_unshard_and_reshard():
             torch.testing.assert_close(p, full_model[name].detach(), rtol=0, atol=0)
 
 
-# ------------------------------------------------------------------ torch.compile per block (torchtitan's order: compile, then fully_shard)
+# ---------------------------------------------- torch.compile per block (torchtitan's order: compile, then fully_shard)
 
 
 def _compiled_rank(compiled: bool):

@@ -1,6 +1,5 @@
 """The same layouts, ops and autograd under torch.distributed (gloo, 4 processes on 127.0.0.1)."""
 
-
 import pytest
 import torch
 

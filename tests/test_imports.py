@@ -25,7 +25,7 @@ SOURCES = {"shardops": ROOT / "src" / "shardops", "benchmarks": ROOT / "benchmar
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for top, base in SOURCES.items():
+    for base in SOURCES.values():
         for path in base.rglob("*.py"):
             parts = list(path.relative_to(base.parent).with_suffix("").parts)
             if parts[-1] == "__init__":

@@ -69,7 +69,7 @@ def test_joint_group_skips_the_sharded_mesh_dim():
     placements = [so.Partial("sum"), so.Shard(0), so.Partial("sum")]
     results = _resolve(placements, lambda x, r: x * (r + 1), [R, so.Shard(0), R], mesh_shape=(2, 2, 2))
     # rank r = 4*c0 + 2*c1 + c2; the ranks sharing c1 hold (r + 1) for r in {c1*2 + 0, +1, +4, +5}
-    for full, counts, rounds, nbytes, local_bytes in results:
+    for _full, counts, rounds, nbytes, local_bytes in results:
         assert dict(counts) == {"all_reduce": 1} and rounds == 1 and nbytes == local_bytes
     want = torch.cat(
         [FULL[:3] * sum(2 * 0 + k + 1 for k in (0, 1, 4, 5)), FULL[3:] * sum(2 * 1 + k + 1 for k in (0, 1, 4, 5))]

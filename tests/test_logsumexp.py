@@ -59,7 +59,8 @@ ALGO_CASES = [
 
 
 @pytest.mark.parametrize("case,mesh_shape,placements,cols,dims", ALGO_CASES, ids=[c[0] for c in ALGO_CASES])
-def test_merge_of_extreme_rows_one_round(latency_only_links, case, mesh_shape, placements, cols, dims):
+@pytest.mark.usefixtures("latency_only_links")
+def test_merge_of_extreme_rows_one_round(case, mesh_shape, placements, cols, dims):
     full = _extreme_rows(cols)
     finite = full[[0, 1, 3, 6]]  # gradients where torch's are finite
     for x, grad in ((full, False), (finite, True)):

@@ -128,7 +128,7 @@ def _check(
     x = x.requires_grad_()
     ref = getattr(F, fn)(x, target, **_kwargs(reduction, weight, ignore, smoothing))
     ref.backward(upstream if reduction == "none" else None)
-    for loss_pl, xd_pl, g_pl, value, grad in results:
+    for _loss_pl, xd_pl, g_pl, value, grad in results:
         torch.testing.assert_close(value, ref.detach(), rtol=tol, atol=tol, equal_nan=True)
         torch.testing.assert_close(grad, x.grad, rtol=tol, atol=tol, equal_nan=True)
         if keeps_layout:

@@ -79,7 +79,8 @@ ALGO_CASES = [
 
 
 @pytest.mark.parametrize("case,mesh_shape,placements,shape,fn,want", ALGO_CASES, ids=[c[0] for c in ALGO_CASES])
-def test_chan_merge_one_round(latency_only_links, case, mesh_shape, placements, shape, fn, want):
+@pytest.mark.usefixtures("latency_only_links")
+def test_chan_merge_one_round(case, mesh_shape, placements, shape, fn, want):
     full = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=f64)
     got = run_case(fn, full, mesh_shape, placements)
     assert all(pl == want for pl in got.layouts)
@@ -96,7 +97,7 @@ def test_var_of_an_empty_reduction_is_nan_like_torch():
     assert got.layouts[0] == (Shard(0),)
 
 
-# ------------------------------------------------------------------ bytes, rounds, accuracy (mesh (4,), f32[8, 4096] on S(1))
+# ------------------------------------------------------------ bytes, rounds, accuracy (mesh (4,), f32[8, 4096] on S(1))
 
 ROWS, COLS, RANKS = 8, 4096, 4
 STATS_PER_ROW = 2 * 8  # (mean, M2) in float64

@@ -74,7 +74,8 @@ ALGO_CASES = [
 
 
 @pytest.mark.parametrize("case,mesh_shape,placements,shape,p,dims", ALGO_CASES, ids=[c[0] for c in ALGO_CASES])
-def test_norm_over_sharded_dims_is_pending(bandwidth_only_links, case, mesh_shape, placements, shape, p, dims):
+@pytest.mark.usefixtures("bandwidth_only_links")
+def test_norm_over_sharded_dims_is_pending(case, mesh_shape, placements, shape, p, dims):
     full = torch.randint(-3, 4, shape, generator=torch.Generator().manual_seed(2)).to(f64)
     got = run_case(lambda x: vector_norm(x, p, dims), full, mesh_shape, placements)
     reducing = [i for i, q in enumerate(placements) if q.is_shard() and (dims is None or q.dim in dims)]
@@ -119,7 +120,8 @@ def test_zero_norm_of_pending_counts_is_resolved_first():
     torch.testing.assert_close(got, vector_norm(vector_norm(full, 0, 1), 0))
 
 
-def test_foreach_norm_is_pending_per_tensor(bandwidth_only_links):
+@pytest.mark.usefixtures("bandwidth_only_links")
+def test_foreach_norm_is_pending_per_tensor():
     full = torch.randn(6, 40, generator=torch.Generator().manual_seed(5), dtype=f64)
     layouts, counts, got = _pending(lambda x: torch._foreach_norm([x, x.cumsum(1), x * 3], INF), full, [Shard(1)])
     assert (layouts, counts) == ([(NormPartial(INF),)] * 3, 1)  # the one collective is cumsum's shard totals
@@ -128,7 +130,8 @@ def test_foreach_norm_is_pending_per_tensor(bandwidth_only_links):
 
 
 @pytest.mark.parametrize("op", ["stack", "cat"])
-def test_stack_keeps_pending_norms_together(bandwidth_only_links, op):
+@pytest.mark.usefixtures("bandwidth_only_links")
+def test_stack_keeps_pending_norms_together(op):
     """Norms pending on different mesh dims, and a replicated one, stack into one pending tensor."""
     g = torch.Generator().manual_seed(6)
     a, b, c = (torch.randn(8, 30, generator=g, dtype=f64) for _ in range(3))
@@ -170,9 +173,9 @@ def test_cat_of_partial_sums_passes_and_shards_pass():
 
         def body():
             mesh = so.init_device_mesh("cpu", (4,))
-            x, y = (so.distribute_tensor(t, mesh, placements) for t in (a, b))
+            x, y = (so.distribute_tensor(t, mesh, placements) for t in (a, b))  # noqa: B023 - called within this iteration
             with so.CommDebugMode() as comm:
-                z = fn(x, y)
+                z = fn(x, y)  # noqa: B023 - called within this iteration
             return tuple(z.placements), comm.get_total_counts(), z.full_tensor()
 
         layout, counts, got = so.run(body, 4)[0]

@@ -374,7 +374,8 @@ def _gloo_rank(schedule: str) -> dict:
 
 
 def test_gloo_equals_single_device_training(reference):
-    """4 gloo processes: pp=4 1F1B, every error case of test_errors_raise_on_every_rank, the p2p primitives and (pp=2, tp=2)."""
+    """4 gloo processes: pp=4 1F1B, every error case of test_errors_raise_on_every_rank, the p2p primitives
+    and (pp=2, tp=2)."""
     results = run_gloo(_gloo_rank, 4, "1F1B", timeout=300)
     _check_equals_reference(results, reference)
     assert sum(r["bytes"][1] for r in results) == 3 * 2 * M * ACT_BYTES
@@ -382,7 +383,7 @@ def test_gloo_equals_single_device_training(reference):
     assert [r["counts"] for r in results] == [r["counts"] for r in threads]
     assert [r["bytes"] for r in results] == [r["bytes"] for r in threads]
     # each error case: the same ShardingError on every process, none left waiting
-    for k, (case, words) in enumerate(ERROR_CASES):
+    for k, (_case, words) in enumerate(ERROR_CASES):
         _check_error_messages([r["errors"][k] for r in results], words)
     _check_p2p([r["p2p"] for r in results])
     _check_equals_reference([r["pp_tp"] for r in results], reference, tol=3e-5)

@@ -1,4 +1,5 @@
-"""Property tests: random meshes, layouts, shapes and op arguments; every result and gradient equals single-device torch.
+"""Property tests: random meshes, layouts, shapes and op arguments;
+every result and gradient equals single-device torch.
 
 Each example is one `Case`: an op with its arguments, global shapes, a mesh of 1-3 dims (up to
 8 ranks), one layout per tensor operand (Shard, StridedShard, Replicate, pending Partial), a
@@ -594,7 +595,8 @@ REGRESSIONS = [
         layouts=((Shard(0), Replicate()),),
         kwargs=(("dim", 0), ("keepdim", False)),
     ),
-    # in-place pointwise ops (autograd's fill_ of a gradient buffer here) on a tensor sharded along a size-1 dim were refused
+    # in-place pointwise ops (autograd's fill_ of a gradient buffer here)
+    # on a tensor sharded along a size-1 dim were refused
     Case(
         op="pointwise.lerp", mesh=(2,), shapes=((0,), (), (1,)), layouts=((Replicate(),), None, (Shard(0),)), kwargs=()
     ),
@@ -626,7 +628,8 @@ REGRESSIONS = [
         layouts=((Shard(0), Replicate()), None, (Replicate(), Shard(0))),
         kwargs=(("reduction", "none"),),
     ),
-    # var_mean/std_mean: torch's (Welford) mean of a row holding +-inf is NaN unless the only infinity is the last element
+    # var_mean/std_mean: torch's (Welford) mean of a row holding +-inf is NaN
+    # unless the only infinity is the last element
     Case(
         op="moment.var_mean",
         mesh=(2,),

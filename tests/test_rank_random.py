@@ -133,7 +133,7 @@ def test_unseeded_dtensor_draws_take_the_first_rank_state():
         return x.uniform_().full_tensor(), x.normal_().to_local(), mesh.get_coordinate()
 
     results = so.run(body, 4)
-    for full, local, (dp, _) in results:
+    for full, _local, (_dp, _) in results:
         assert torch.equal(full, results[0][0])
     assert torch.equal(results[0][1], results[2][1]) and not torch.equal(results[0][0], so.run(body, 4)[0][0])
 

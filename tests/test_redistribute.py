@@ -94,7 +94,7 @@ def _two_branches_share_one_gradient():
 
 
 def test_one_gradient_reaching_two_redistribute_backwards_is_moved_once():
-    for counts, nbytes, weight, a_grad, b_grad, b_grad_after in so.run(_two_branches_share_one_gradient, 4):
+    for counts, _nbytes, weight, a_grad, b_grad, b_grad_after in so.run(_two_branches_share_one_gradient, 4):
         ref_a, ref_b = (torch.zeros(3, 5, requires_grad=True) for _ in range(2))
         ((ref_a + ref_b) * weight).sum().backward()  # single-device torch
         assert torch.allclose(a_grad, ref_a.grad) and torch.allclose(b_grad, ref_b.grad)

@@ -165,7 +165,7 @@ def test_all_of_bool_min_partial_stays_pending():
     assert torch.equal(fulls[0], full.all(1))
 
 
-# ------------------------------------------------------------------ bytes per rank (mesh (4,), x = f32[8, 4096] on S(1))
+# ----------------------------------------------------------------- bytes per rank (mesh (4,), x = f32[8, 4096] on S(1))
 
 ROWS, COLS, RANKS = 8, 4096, 4
 

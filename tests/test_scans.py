@@ -87,7 +87,8 @@ def _data(kind: str, shape, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(SCAN_FNS))
 @pytest.mark.parametrize("case,mesh_shape,placements,shape", ALGO_CASES, ids=[c[0] for c in ALGO_CASES])
-def test_sharded_scan_keeps_layout_and_matches_torch(latency_only_links, name, case, mesh_shape, placements, shape):
+@pytest.mark.usefixtures("latency_only_links")
+def test_sharded_scan_keeps_layout_and_matches_torch(name, case, mesh_shape, placements, shape):
     fn, kind = SCAN_FNS[name]
     got = run_case(fn, _data(kind, shape), mesh_shape, placements)
     assert all(pl == tuple(placements) for pl in got.layouts), f"{name}: output left the input's layout: {got.layouts}"
@@ -162,7 +163,7 @@ def test_scan_over_unsharded_dim_is_local_and_keeps_other_shards():
     assert_same(got, full.logcumsumexp(1), "logcumsumexp")
 
 
-# ------------------------------------------------------------------ bytes per rank (mesh (4,), x = f32[8, 4096] on S(1))
+# ----------------------------------------------------------------- bytes per rank (mesh (4,), x = f32[8, 4096] on S(1))
 
 ROWS, COLS, RANKS = 8, 4096, 4
 F32, I64 = 4, 8

@@ -18,7 +18,8 @@ A = torch.randn(8, 8, generator=torch.Generator().manual_seed(51))
 
 
 def _on_four_ranks(fn, placements, mode=True):
-    """fn(x) on x = A laid out in `placements`, strict mode `mode`: each rank's (result or error, comm counts, bytes)."""
+    """fn(x) on x = A laid out in `placements`, strict mode `mode`:
+    each rank's (result or error, comm counts, bytes)."""
 
     def main():
         mesh = so.init_device_mesh("cpu", (4,))
@@ -59,13 +60,13 @@ REPLICATED_ON_PURPOSE = {
 @pytest.mark.parametrize("name", list(REPLICATED_ON_PURPOSE))
 def test_replicated_on_purpose_raises_unless_allowed(name):
     fn, ref, op = REPLICATED_ON_PURPOSE[name]
-    for err, comm, nbytes in _on_four_ranks(fn, [Shard(0)]):
+    for err, comm, _nbytes in _on_four_ranks(fn, [Shard(0)]):
         assert isinstance(err, so.ShardingError), err
         assert op in str(err) and "bytes" in str(err) and "allow_replicate" in str(err)
         assert comm == {}  # refused before anything moved
     with so.allow_replicate(op):  # the name the error gives
         results = _on_four_ranks(fn, [Shard(0)])
-    for out, comm, nbytes in results:
+    for out, _comm, nbytes in results:
         torch.testing.assert_close(out, ref(A))
         assert nbytes > 0
     # the block ended: refused again
@@ -111,7 +112,7 @@ GATHERING_ROWS = {  # ops with rules whose only plan for this layout gathers a s
 @pytest.mark.parametrize("name", list(GATHERING_ROWS))
 def test_replicating_row_raises_in_strict_mode(name):
     fn, ref, op = GATHERING_ROWS[name]
-    for err, comm, _ in _on_four_ranks(fn, [Shard(0)]):
+    for err, _comm, _ in _on_four_ranks(fn, [Shard(0)]):
         assert isinstance(err, so.ShardingError) and op in str(err) and "bytes" in str(err), err
     with so.allow_replicate(op):
         for out, _, _ in _on_four_ranks(fn, [Shard(0)]):
@@ -121,7 +122,8 @@ def test_replicating_row_raises_in_strict_mode(name):
 
 
 def test_strict_mode_prefers_a_sharded_candidate_to_a_replicating_gather():
-    """cat over a sharded dim of 2-d tensors: strict mode moves the shards to another dim (all_to_all), never gathers."""
+    """cat over a sharded dim of 2-d tensors: strict mode moves the shards to another dim (all_to_all),
+    never gathers."""
     for out, comm, _ in _on_four_ranks(lambda x: torch.cat([x, x], dim=0), [Shard(0)]):
         torch.testing.assert_close(out, torch.cat([A, A]))
         assert "all_gather" not in comm

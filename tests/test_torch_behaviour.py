@@ -126,7 +126,8 @@ def test_loss_parallel_refuses_pending_logits_with_torchs_value_error():
 
 
 def test_loss_parallel_on_logits_with_an_unsharded_class_dim_is_exact():
-    """Deliberate: torch refuses (exactly one mesh dim must shard the class dim); shardops' loss is exact on any layout."""
+    """Deliberate: torch refuses (exactly one mesh dim must shard the class dim);
+    shardops' loss is exact on any layout."""
     g = torch.Generator().manual_seed(1)
     logits, target = torch.randn(8, 5, generator=g), torch.randint(0, 5, (8,), generator=g)
 

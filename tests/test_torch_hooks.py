@@ -64,7 +64,9 @@ imported = snapshot()
 so.DeviceMesh("cpu", [0])  # the first mesh (init_device_mesh's, a DTensor's) installs the hooks
 meshed = snapshot()
 so.run(lambda: None, 2)  # and so.run would: installed once, nothing more changes
-print(json.dumps({"import": changes(before, imported), "install": changes(before, meshed), "run": changes(meshed, snapshot())}))
+print(json.dumps({
+    "import": changes(before, imported), "install": changes(before, meshed), "run": changes(meshed, snapshot())
+}))
 """
     )
     assert result["import"] == []
@@ -93,7 +95,11 @@ import shardops as so
 from shardops._torch import TorchInternalMissing
 
 messages = {}
-for owner, name in ((torch._C, "_push_on_torch_dispatch_stack"), (torch.nn.init, "trunc_normal_"), (torch.random, "get_rng_state")):
+for owner, name in (
+    (torch._C, "_push_on_torch_dispatch_stack"),
+    (torch.nn.init, "trunc_normal_"),
+    (torch.random, "get_rng_state"),
+):
     kept = getattr(owner, name)
     delattr(owner, name)  # a torch release without it
     before = snapshot()

@@ -225,7 +225,7 @@ def test_compare_rules():
     assert V.compare(torch.tensor([1.0 + 1e-12]), torch.tensor([1.0], dtype=torch.float64).float(), 1e-5)[1] is None
 
 
-# ------------------------------------------------------------------ every sharded algorithm runs, not only the cost model's pick
+# --------------------------------------------------------- every sharded algorithm runs, not only the cost model's pick
 
 
 def test_both_softmax_variants_run_and_are_reported(tmp_path):

@@ -35,7 +35,8 @@ def _uneven_program() -> dict:
     sources = {
         "all_gather": (so.distribute_tensor(full, mesh, [Shard(0)]), [Replicate()], full),
         "reduce_scatter": (so.DTensor.from_local(full, mesh, [Partial("sum")]), [Shard(0)], 3 * full),
-        # no backend reduces int16: an all_to_all of the padded chunks, reduced locally (as every reduce_scatter on gloo)
+        # no backend reduces int16: an all_to_all of the padded chunks, reduced locally
+        # (as every reduce_scatter on gloo)
         "reduce_scatter int16": (
             so.DTensor.from_local(full.short(), mesh, [Partial("sum")]),
             [Shard(0)],

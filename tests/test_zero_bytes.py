@@ -126,7 +126,7 @@ def test_linear_on_uneven_leading_dims_moves_nothing(layout, form):
             torch.testing.assert_close(gb, b.grad, atol=1e-3, rtol=1e-5)
 
 
-# ------------------------------------------------------------------ (c) embedding max_norm on a vocabulary-sharded table
+# ----------------------------------------------------------------- (c) embedding max_norm on a vocabulary-sharded table
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0])

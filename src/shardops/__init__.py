@@ -1,20 +1,20 @@
 """shardops: sharded tensor math on PyTorch."""
 
-from . import (  # remesh: copy_ and load_state_dict across meshes
+from . import (
     checkpoint,
-    fsdp,  # noqa: E402
+    fsdp,
     parallel,
     pipelining,
-    remesh,
+    remesh,  # noqa: F401 - installs copy_ and load_state_dict across meshes
 )
 from . import ops as _ops  # noqa: F401  (registers strategies)
-from .autoparallel import autoparallel  # noqa: E402  (the function; the package stays importable by its full name)
+from .autoparallel import autoparallel  # the function; the package stays importable by its full name
 from .comm.base import CommDebugMode
 from .cost import Link, set_links
 from .dispatch.core import FallbackWarning, allow_replicate, set_debug, set_strict
 from .errors import CollectiveError, ShardingError
 from .explain import explain
-from .fsdp import fully_shard, replicate  # noqa: E402  (torch.distributed.fsdp.fully_shard, composable replicate)
+from .fsdp import fully_shard, replicate  # torch.distributed.fsdp.fully_shard, composable replicate
 from .interop import from_torch, to_torch
 from .interop import rank_random as _rank_random  # noqa: F401 - gives so.run's rank threads their own random state
 from .mesh import DeviceMesh, init_device_mesh
@@ -53,5 +53,5 @@ __all__ = [
     "set_strict",
     "to_torch",
 ]
-__all__ += ["fsdp", "fully_shard", "replicate"]
+__all__ += ["autoparallel", "fsdp", "fully_shard", "replicate"]
 __version__ = "0.1.0"

@@ -71,7 +71,7 @@ def set_links(links: str | Link | Sequence[str | Link]) -> None:
     caches.invalidate()  # every plan so far was priced under the old model
 
 
-# ------------------------------------------------------------------ collectives on links (ring model): used by the planner's pricing and by redistribute's search
+# ------------------------ collectives on links (ring model): used by the planner's pricing and by redistribute's search
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:

@@ -166,7 +166,8 @@ class DeviceMesh:
         world the shardops Group of that dim (both are what shardops.pipelining takes as a group)."""
         if mesh_dim is None and self.ndim != 1:
             raise ShardingError(
-                f"get_group: a {self.ndim}-d mesh has one group per dim; pass mesh_dim (an index or one of {self.mesh_dim_names})"
+                f"get_group: a {self.ndim}-d mesh has one group per dim; pass mesh_dim (an index or one of "
+                f"{self.mesh_dim_names})"
             )
         dim = 0 if mesh_dim is None else self._dim_index(mesh_dim)
         from .world import in_threads_world
@@ -248,5 +249,5 @@ def init_device_mesh(
     from .world import in_threads_world
 
     if not in_threads_world():
-        mesh.torch_mesh  # create torch's process groups now, collectively on every rank
+        _ = mesh.torch_mesh  # create torch's process groups now, collectively on every rank
     return mesh

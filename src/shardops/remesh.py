@@ -133,8 +133,9 @@ def _gather_layouts(src: Layout, dst: Layout, shape: tuple[int, ...], comm: Any)
     shapes = {tuple(g[2]) for g in gathered}
     if len(shapes) > 1:
         raise ShardingError(
-            f"aten.copy_ across meshes over different ranks: the ranks of the world copy tensors of different shapes {sorted(shapes)} "
-            "at the same step; every rank of the world must copy the same tensor (load_state_dict on every rank)"
+            "aten.copy_ across meshes over different ranks: the ranks of the world copy tensors of different shapes "
+            f"{sorted(shapes)} at the same step; every rank of the world must copy the same tensor (load_state_dict on "
+            "every rank)"
         )
     return {r: (g[0], g[1]) for r, g in enumerate(gathered)}
 
@@ -144,7 +145,8 @@ def copy_across_meshes(dst: Any, src: Any) -> Any:
     dspec, sspec = spec_of(dst), spec_of(src)
     if tuple(dspec.shape) != tuple(sspec.shape):
         raise ShardingError(
-            f"aten.copy_: across meshes the shapes must match (destination {list(dspec.shape)}, source {list(sspec.shape)})"
+            f"aten.copy_: across meshes the shapes must match (destination {list(dspec.shape)}, source "
+            f"{list(sspec.shape)})"
         )
     src_pl = without_partials(sspec.placements)
     src_local = shard_in(src, src_pl)  # a pending source resolves on its own mesh

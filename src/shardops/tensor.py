@@ -148,9 +148,7 @@ class DTensor(torch.Tensor):
     ) -> DTensor:
         return _redistribute(self, device_mesh, placements)
 
-    def _redistribute_checked(
-        self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None
-    ) -> DTensor:
+    def _redistribute_checked(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensor:
         if device_mesh is not None and device_mesh != self._spec.mesh:
             raise ShardingError(
                 f"redistribute: moving between meshes is not supported ({self._spec.mesh} -> {device_mesh})"
@@ -335,7 +333,10 @@ class CompileMeta:
         return self
 
     def __repr__(self) -> str:
-        return f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate}, resolves={self.resolves})"
+        return (
+            f"CompileMeta({self.spec!r}, requires_grad={self.requires_grad}, coordinate={self.coordinate}, "
+            f"resolves={self.resolves})"
+        )
 
 
 # ------------------------------------------------------------------ dispatch: unwrap, decide and run, wrap
@@ -396,8 +397,9 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
             if type(self_._local_tensor) is not torch.Tensor and traceable.is_traced_tensor(self_._local_tensor):
                 # a compiled graph writes back an input's data, never its layout: the caller's DTensor would keep P()
                 raise ShardingError(
-                    f"torch.compile: {func} resolves the pending partial of its DTensor input in place ({self_._spec!r}); "
-                    "a compiled graph cannot change an input's layout. Redistribute it (e.g. to Replicate) before the compiled region."
+                    f"torch.compile: {func} resolves the pending partial of its DTensor input in place "
+                    f"({self_._spec!r}); a compiled graph cannot change an input's layout. Redistribute it (e.g. to "
+                    "Replicate) before the compiled region."
                 )
             self_._set_spec(decision.in_specs[0].with_placements(decision.plans[0].dst))
         core.compute(decision, flat, tree)
@@ -484,11 +486,11 @@ def _refuse_write_to_copy(func, self_: DTensor) -> None:
         return
     mark = self_._copied_view
     raise ShardingError(
-        f"{func}: writes in place to the output of {mark.op}, which is a copy, not a view: {mark.op} on "
-        f"{mark.src!r} moved data to give {mark.out!r}, so the write would never reach the tensor it was taken from. "
-        "Write to the whole tensor instead (torch.where, masked_fill_ or index_put_ with a mask or index over its rows), "
-        "or redistribute that tensor first so the view is local (e.g. Replicate, or Shard of a dim the view keeps whole); "
-        "if a separate copy is what you want, say so with .clone() before writing."
+        f"{func}: writes in place to the output of {mark.op}, which is a copy, not a view: {mark.op} on {mark.src!r} "
+        f"moved data to give {mark.out!r}, so the write would never reach the tensor it was taken from. Write to the "
+        "whole tensor instead (torch.where, masked_fill_ or index_put_ with a mask or index over its rows), or "
+        "redistribute that tensor first so the view is local (e.g. Replicate, or Shard of a dim the view keeps "
+        "whole); if a separate copy is what you want, say so with .clone() before writing."
     )
 
 
@@ -615,7 +617,8 @@ def _dispatch_out_variant(func, args: tuple, kwargs: dict, names: tuple[str, ...
             raise ShardingError(f"{func}: out= must be a DTensor when the inputs are DTensors")
         if not torch.can_cast(res.dtype, out.dtype):
             raise ShardingError(
-                f"{func}: result type {res.dtype} can't be cast to the desired output type {out.dtype} of out= (as torch refuses it)"
+                f"{func}: result type {res.dtype} can't be cast to the desired output type {out.dtype} of out= (as "
+                "torch refuses it)"
             )
     for res, out in zip(results, outs):
         if not isinstance(res, DTensor):
@@ -887,8 +890,9 @@ def distribute_tensor(
         # sub-mesh too): the data of the rank at coordinate (src_data_rank, ..., src_data_rank) wins.
         if not isinstance(src_data_rank, int) or not all(0 <= src_data_rank < n for n in mesh.shape):
             raise ShardingError(
-                f"distribute_tensor: src_data_rank={src_data_rank} is not a group rank on every dim of {mesh} "
-                f"(shape {tuple(mesh.shape)}); use 0 <= src_data_rank < {min(mesh.shape)}, or None to keep each rank's own data."
+                f"distribute_tensor: src_data_rank={src_data_rank} is not a group rank on every dim of {mesh} (shape "
+                f"{tuple(mesh.shape)}); use 0 <= src_data_rank < {min(mesh.shape)}, or None to keep each rank's own "
+                "data."
             )
         src_rank = int(mesh.mesh[(src_data_rank,) * mesh.ndim])
         data = comm.broadcast(data.contiguous(), group.ranks.index(src_rank), group)
@@ -944,9 +948,9 @@ def from_local(
     expected = local_shape_and_offset(gshape, mesh.shape, mesh.get_coordinate(), placements)[0]
     if tuple(expected) != tuple(local_tensor.shape):
         raise ShardingError(
-            f"from_local: this rank (coordinate {mesh.get_coordinate()}) holds a local tensor of shape {tuple(local_tensor.shape)}, "
-            f"but global shape {tuple(gshape)} with placements {list(placements)} gives it {tuple(expected)}; "
-            "pass the right global shape= (uneven shards need it)."
+            f"from_local: this rank (coordinate {mesh.get_coordinate()}) holds a local tensor of shape "
+            f"{tuple(local_tensor.shape)}, but global shape {tuple(gshape)} with placements {list(placements)} gives "
+            f"it {tuple(expected)}; pass the right global shape= (uneven shards need it)."
         )
     spec = TensorSpec(mesh, placements, _global_meta(gshape, local_tensor.dtype, stride))
     return _FromLocal.apply(local_tensor, spec)
@@ -985,7 +989,8 @@ def check_same_everywhere(dt: DTensor, what: str) -> None:
     sizes = spec.mesh.comm.all_gather(torch.tensor([mine.numel()]), group)
     if len({int(s) for s in sizes}) > 1:
         raise ShardingError(
-            f"{what}: ranks disagree on the tensor's number of dims ({[int(s) for s in sizes]}); pass shape= on every rank"
+            f"{what}: ranks disagree on the tensor's number of dims ({[int(s) for s in sizes]}); pass shape= on every "
+            "rank"
         )
     for rank, theirs in zip(group.ranks, spec.mesh.comm.all_gather(mine, group)):
         if not torch.equal(theirs, mine):

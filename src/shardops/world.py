@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections.abc import Callable
-from contextlib import ExitStack
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ _local = threading.local()
 _torch_comm: Communicator | None = None
 # Context managers every rank thread of `run` runs inside, registered by modules this one cannot
 # import (they import it): interop/rank_random.py gives each rank thread its own random state.
-RANK_THREAD_CONTEXTS: list[Callable[[], ContextManager[Any]]] = []
+RANK_THREAD_CONTEXTS: list[Callable[[], AbstractContextManager[Any]]] = []
 
 
 def current_comm() -> Communicator:

@@ -38,7 +38,8 @@ def shard_in(x: DTensor, placements: Sequence[Placement]) -> torch.Tensor:
 
 
 def relabel(x: DTensor, spec: TensorSpec) -> None:
-    """Give `x` a new spec for the same local shard (a layout change that moves no data, e.g. a fill over a pending sum)."""
+    """Give `x` a new spec for the same local shard (a layout change that moves no data,
+    e.g. a fill over a pending sum)."""
     x._set_spec(spec)
 
 
@@ -56,6 +57,7 @@ def resolve_pending_gradient(x: DTensor) -> None:
 
 
 def relayout(x: DTensor, placements: Sequence[Placement]) -> None:
-    """Move `x`'s data to `placements` in place (same global tensor; e.g. a pending sum made Replicate before it is saved)."""
+    """Move `x`'s data to `placements` in place (same global tensor;
+    e.g. a pending sum made Replicate before it is saved)."""
     x._local_tensor = x._redistribute_local(placements)
     x._set_spec(x._spec.with_placements(tuple(placements)))

@@ -2,9 +2,10 @@
 
 One module per torch subsystem (`random`: the default generator, torch.manual_seed & co.,
 nn.init, the dispatch-mode stack; `compile`: dynamo, AOTAutograd, fake tensors, effect tokens,
-functional collectives; `autograd`: the engine's end-of-backward callback). Each names its hooks with the torch versions they are
-known for, and checks for the internals they need when installed: a missing one raises
-`TorchInternalMissing` naming the hook and the running torch, never a silent fallback.
+functional collectives; `autograd`: the engine's end-of-backward callback). Each names its hooks
+with the torch versions they are known for, and checks for the internals they need when
+installed: a missing one raises `TorchInternalMissing` naming the hook and the running torch,
+never a silent fallback.
 
 Modules that only read torch's internals change nothing and install nothing (`dispatch`: operator
 types, the torch-function and dispatch switches, wrapper subclasses; `pytree`: nested containers;

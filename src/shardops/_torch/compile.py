@@ -119,7 +119,7 @@ def functional_all_to_all(t: torch.Tensor, out_sizes: list[int], in_sizes: list[
     return wait(_functional_op("all_to_all_single")(t, out_sizes, in_sizes, group_name))
 
 
-# ------------------------------------------------------------------ dynamo's compiles (callbacks) and its per-thread config
+# -------------------------------------------------------------- dynamo's compiles (callbacks) and its per-thread config
 
 _watchers: list[tuple[Callable[..., None], Callable[..., None]]] = []
 

@@ -30,7 +30,7 @@ from ..explain.trace import warm_up
 from ..mesh import DeviceMesh
 from ..placements import Replicate
 from ..tensor import DTensor, from_local
-from .candidates import COMPUTE_SLACK, Candidate, compute_share, enumerate_candidates, plan_entries
+from .candidates import compute_share, enumerate_candidates, plan_entries
 from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
 from .plan import Plan, Scored, apply_candidate, mesh_names_for
 from .structure import find_structure
@@ -131,9 +131,9 @@ def autoparallel(
         scored.append(Scored(cand, entries, m))
     if not scored:
         raise ShardingError(
-            f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does not "
-            "split evenly over the data-parallel dims, and the model has no repeated blocks for tensor parallelism; "
-            "give a batch divisible by the mesh size"
+            f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does "
+            "not split evenly over the data-parallel dims, and the model has no repeated blocks for tensor "
+            "parallelism; give a batch divisible by the mesh size"
         )
     feasible = [s for s in scored if s.measurement.feasible]
     if not feasible:

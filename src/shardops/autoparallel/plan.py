@@ -37,7 +37,8 @@ def _global_batch_slicer(mesh: DeviceMesh, dp_dims: tuple[int, ...]):
         if isinstance(x, torch.Tensor) and x.ndim > 0 and type(x) is torch.Tensor:
             if x.shape[0] % n:
                 raise ShardingError(
-                    f"autoparallel plan: the global batch of {x.shape[0]} does not split evenly over the {n} data-parallel ranks"
+                    f"autoparallel plan: the global batch of {x.shape[0]} does not split evenly over the {n} "
+                    "data-parallel ranks"
                 )
             return x.chunk(n)[index]
         return x
@@ -171,7 +172,7 @@ class Plan:
 
         names = self.mesh_dim_names
         for d, kind in enumerate(chosen.candidate.dims):
-            r = runner_up(lambda s, d=d: s.candidate.dims[d] != kind)
+            r = runner_up(lambda s, d=d, kind=kind: s.candidate.dims[d] != kind)
             if isinstance(r, str):
                 lines.append(f"mesh dim {d} {names[d]!r}: {kind}; {r}")
             else:

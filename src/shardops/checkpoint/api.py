@@ -75,7 +75,8 @@ def _save_view(state: Mapping[str, Any]) -> dict[str, Any]:
 
     if not isinstance(state, Mapping):
         raise ShardingError(
-            f"checkpoint.save: state must map names to tensors, state dicts or objects with state_dict(); got {type(state).__name__}"
+            "checkpoint.save: state must map names to tensors, state dicts or objects with state_dict(); got "
+            f"{type(state).__name__}"
         )
     out = {}
     for name, obj in state.items():
@@ -92,7 +93,8 @@ def _save_view(state: Mapping[str, Any]) -> dict[str, Any]:
 def _load_view(state: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(state, Mapping):
         raise ShardingError(
-            f"checkpoint.load: state must map names to tensors, state dicts or objects with load_state_dict(); got {type(state).__name__}"
+            "checkpoint.load: state must map names to tensors, state dicts or objects with load_state_dict(); got "
+            f"{type(state).__name__}"
         )
     for obj in state.values():
         if isinstance(obj, torch.optim.Optimizer):
@@ -126,7 +128,8 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     if any(p.grad is not None for p in params):
         raise ShardingError(
-            "checkpoint.load: the optimizer has no state yet but its parameters hold gradients; call zero_grad(set_to_none=True) first"
+            "checkpoint.load: the optimizer has no state yet but its parameters hold gradients; call "
+            "zero_grad(set_to_none=True) first"
         )
     saved_lrs = [g["lr"] for g in opt.param_groups]
     for p in params:

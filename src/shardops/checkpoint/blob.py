@@ -161,7 +161,8 @@ def read_saved_tensor(f: IO[bytes], offset: int, length: int) -> SavedTensor:
         IndexError,
     ) as e:  # ValueError: bad names
         raise ShardingError(
-            f"checkpoint: the saved item at bytes {offset}..{offset + length} is not a readable torch.save archive ({e}); the file is truncated or corrupted"
+            f"checkpoint: the saved item at bytes {offset}..{offset + length} is not a readable torch.save archive "
+            f"({e}); the file is truncated or corrupted"
         ) from e
     if not (isinstance(record, tuple) and record and record[0] == "tensor"):
         raise ShardingError("checkpoint: a saved item is not a plain tensor")

@@ -108,7 +108,8 @@ class BlockSums:
         sums = self.files.get(relative_path)
         if sums is None:
             raise ShardingError(
-                f"checkpoint: {os.path.join(directory, relative_path)} has no block checksums; the checkpoint is damaged or was changed after its save"
+                f"checkpoint: {os.path.join(directory, relative_path)} has no block checksums; the checkpoint is "
+                "damaged or was changed after its save"
             )
         return sums
 
@@ -125,7 +126,8 @@ class BlockSums:
                 n = f.readinto(memoryview(out)[got:])
                 if not n:
                     raise ShardingError(
-                        f"checkpoint: {f.path} ends at byte {got}, before its saved size {f.size}; the file is truncated"
+                        f"checkpoint: {f.path} ends at byte {got}, before its saved size {f.size}; the file is "
+                        "truncated"
                     )
                 got += n
         return bytes(out)
@@ -146,7 +148,8 @@ class VerifiedFile:
             self._f.close()
             what = "truncated" if actual < sums.size else "longer than saved"
             raise ShardingError(
-                f"checkpoint: {path} holds {actual} bytes but was saved with {sums.size}; the file is {what} (corrupted)"
+                f"checkpoint: {path} holds {actual} bytes but was saved with {sums.size}; the file is {what} "
+                "(corrupted)"
             )
 
     @property
@@ -199,11 +202,13 @@ class VerifiedFile:
                 more = self._f.readinto(view[got:])
                 if not more:
                     raise ShardingError(
-                        f"checkpoint: {self.path} ends at byte {lo + got}, before its saved size {self.sums.size}; the file is truncated"
+                        f"checkpoint: {self.path} ends at byte {lo + got}, before its saved size {self.sums.size}; the "
+                        "file is truncated"
                     )
                 got += more
             if b >= len(self.sums.crcs) or zlib.crc32(view) != self.sums.crcs[b]:
                 raise ShardingError(
-                    f"checkpoint: bytes {lo}..{lo + n} of {self.path} fail their CRC-32 block check; the file is corrupted"
+                    f"checkpoint: bytes {lo}..{lo + n} of {self.path} fail their CRC-32 block check; the file is "
+                    "corrupted"
                 )
             self._checked.add(b)

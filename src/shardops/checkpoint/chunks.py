@@ -45,10 +45,10 @@ def check_torch_save_can_coordinate(fqn: str) -> None:
     if getattr(_coordinated, "active", False) or not in_threads_world() or current_comm().world_size == 1:
         return
     raise ShardingError(
-        f"torch.distributed.checkpoint.save of {fqn!r} inside so.run: torch's DCP coordinates ranks through a process group, "
-        f"which the threads world ({current_comm().world_size} rank threads) does not have, so the ranks would overwrite each "
-        "other's files; use shardops.checkpoint.save(state, path) (the same DCP files, readable by torch's dcp.load), "
-        "or run under torchrun"
+        f"torch.distributed.checkpoint.save of {fqn!r} inside so.run: torch's DCP coordinates ranks through a process "
+        f"group, which the threads world ({current_comm().world_size} rank threads) does not have, so the ranks would "
+        "overwrite each other's files; use shardops.checkpoint.save(state, path) (the same DCP files, readable by "
+        "torch's dcp.load), or run under torchrun"
     )
 
 
@@ -156,6 +156,6 @@ def get_tensor_shard(dt: Any, index: Any) -> torch.Tensor:
         if b.offsets == tuple(index.offset or ()):
             return b.narrow(local_of(dt))
     raise ShardingError(
-        f"checkpoint: {index.fqn!r} has no box at offsets {tuple(index.offset or ())} on rank {spec_of(dt).mesh.get_rank()} "
-        f"(its boxes: {[b.offsets for b in boxes]}, layout {spec_of(dt)!r})"
+        f"checkpoint: {index.fqn!r} has no box at offsets {tuple(index.offset or ())} on rank "
+        f"{spec_of(dt).mesh.get_rank()} (its boxes: {[b.offsets for b in boxes]}, layout {spec_of(dt)!r})"
     )

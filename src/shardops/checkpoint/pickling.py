@@ -59,9 +59,9 @@ def _check_mesh_fits_world(mesh: DeviceMesh) -> None:
     missing = sorted(r for r in mesh.mesh.flatten().tolist() if not 0 <= r < world_size)
     if missing:
         raise ShardingError(
-            f"torch.load: a DTensor saved on {mesh} ({mesh.size()} ranks) is loaded in a world of {world_size} ranks, which lacks "
-            f"rank(s) {missing}; load each rank's file in a world of the size it was saved from, or save with "
-            "shardops.checkpoint.save and load with shardops.checkpoint.load, which reshards onto any mesh"
+            f"torch.load: a DTensor saved on {mesh} ({mesh.size()} ranks) is loaded in a world of {world_size} ranks, "
+            f"which lacks rank(s) {missing}; load each rank's file in a world of the size it was saved from, or save "
+            "with shardops.checkpoint.save and load with shardops.checkpoint.load, which reshards onto any mesh"
         )
 
 

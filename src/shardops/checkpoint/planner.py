@@ -39,21 +39,24 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
                     continue
                 near = sorted(saved)[:5]
                 raise ShardingError(
-                    f"checkpoint load: key {fqn!r} is not in the checkpoint (it holds {len(saved)} keys, e.g. {near}); pass the state it was saved with"
+                    f"checkpoint load: key {fqn!r} is not in the checkpoint (it holds {len(saved)} keys, e.g. {near}); "
+                    "pass the state it was saved with"
                 )
             if isinstance(obj, torch.Tensor):
                 if isinstance(md, BytesStorageMetadata):
                     raise ShardingError(
-                        f"checkpoint load: key {fqn!r} is a tensor here ({_describe(obj)}) but a Python object in the checkpoint"
+                        f"checkpoint load: key {fqn!r} is a tensor here ({_describe(obj)}) but a Python object in the "
+                        "checkpoint"
                     )
                 if tuple(md.size) != tuple(obj.shape) or md.properties.dtype != obj.dtype:
                     raise ShardingError(
-                        f"checkpoint load: key {fqn!r} mismatches: checkpoint {str(md.properties.dtype).replace('torch.', '')}{list(md.size)}, "
-                        f"destination {_describe(obj)}"
+                        f"checkpoint load: key {fqn!r} mismatches: checkpoint "
+                        f"{str(md.properties.dtype).replace('torch.', '')}{list(md.size)}, destination {_describe(obj)}"
                     )
             elif isinstance(md, TensorStorageMetadata):
                 raise ShardingError(
-                    f"checkpoint load: key {fqn!r} is {type(obj).__name__} here but a tensor {list(md.size)} in the checkpoint"
+                    f"checkpoint load: key {fqn!r} is {type(obj).__name__} here but a tensor {list(md.size)} in the "
+                    "checkpoint"
                 )
 
     def _check_coverage(self, plan: LoadPlan) -> None:
@@ -67,8 +70,8 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
             needed = sum(math.prod(c.sizes) for c in chunks) if chunks is not None else obj.numel()
             if loaded.get(fqn, 0) != needed:
                 raise ShardingError(
-                    f"checkpoint load: key {fqn!r}: the checkpoint covers {loaded.get(fqn, 0)} of the {needed} elements this rank "
-                    "holds; the checkpoint is incomplete (a rank's shards were never written)"
+                    f"checkpoint load: key {fqn!r}: the checkpoint covers {loaded.get(fqn, 0)} of the {needed} "
+                    "elements this rank holds; the checkpoint is incomplete (a rank's shards were never written)"
                 )
 
 

@@ -64,7 +64,8 @@ class RangedFileSystemReader(FileSystemReader):
             return super().read_metadata(*args, **kwargs)
         except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError, IndexError, KeyError) as e:
             raise ShardingError(
-                f"checkpoint: {os.path.join(directory, '.metadata')} cannot be read ({type(e).__name__}: {e}); the file is corrupted"
+                f"checkpoint: {os.path.join(directory, '.metadata')} cannot be read ({type(e).__name__}: {e}); the "
+                "file is corrupted"
             ) from e
 
     def _open(self, relative_path: str) -> Any:
@@ -95,7 +96,8 @@ class RangedFileSystemReader(FileSystemReader):
                         continue
                     if info.transform_descriptors:
                         raise ShardingError(
-                            f"checkpoint: {req.storage_index.fqn!r} was saved through stream extensions {info.transform_descriptors}; load it with torch.distributed.checkpoint.load"
+                            f"checkpoint: {req.storage_index.fqn!r} was saved through stream extensions "
+                            f"{info.transform_descriptors}; load it with torch.distributed.checkpoint.load"
                         )
                     key = (info.offset, info.length)
                     saved = headers.get(key) or headers.setdefault(
@@ -104,7 +106,8 @@ class RangedFileSystemReader(FileSystemReader):
                     target = planner.resolve_tensor(req).detach()
                     if tuple(target.shape) != tuple(req.lengths):
                         raise ShardingError(
-                            f"checkpoint: {req.dest_index.fqn!r}: destination view {tuple(target.shape)} for a read of {tuple(req.lengths)}"
+                            f"checkpoint: {req.dest_index.fqn!r}: destination view {tuple(target.shape)} for a read of "
+                            f"{tuple(req.lengths)}"
                         )
                     need = min(self.buffer_bytes, _span_bytes(saved, req.storage_offsets, req.lengths))
                     if len(buf) < need:
@@ -145,7 +148,8 @@ def _load_bytes(planner: LoadPlanner, req: Any, data: bytearray, relative_path: 
         if isinstance(e, ShardingError):
             raise
         raise ShardingError(
-            f"checkpoint: the saved object {req.storage_index.fqn!r} in {relative_path} cannot be read ({type(e).__name__}: {e}); the file is corrupted"
+            f"checkpoint: the saved object {req.storage_index.fqn!r} in {relative_path} cannot be read "
+            f"({type(e).__name__}: {e}); the file is corrupted"
         ) from e
 
 
@@ -171,7 +175,8 @@ def _read_exact(stream: IO[bytes], offset: int, length: int, name: str, into: An
         n = stream.readinto(view[got:])
         if not n:
             raise ShardingError(
-                f"checkpoint: {name} ends at byte {offset + got}, but a saved item needs bytes up to {offset + length}; the file is truncated"
+                f"checkpoint: {name} ends at byte {offset + got}, but a saved item needs bytes up to "
+                f"{offset + length}; the file is truncated"
             )
         got += n
     return out

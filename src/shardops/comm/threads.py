@@ -101,7 +101,8 @@ class ThreadsWorld:
                         f"rank(s) {gone} returned from their function without joining this collective, so they did not "
                         f"arrive within the timeout of {self.timeout:g}s (rank {rank} stopped waiting at once)"
                         if gone
-                        else f"rank(s) {missing} did not arrive within the timeout of {self.timeout:g}s (rank {rank} gave up)"
+                        else f"rank(s) {missing} did not arrive within the timeout of {self.timeout:g}s "
+                        f"(rank {rank} gave up)"
                     )
                     self._set_failure(reason)
                     self._cond.notify_all()
@@ -208,7 +209,8 @@ class ThreadsCommunicator(Communicator):
         for r, o, s in zip(group.ranks, out, recv_shapes):
             if tuple(o.shape) != tuple(s):
                 raise CollectiveError(
-                    f"all_to_all over ranks {list(group.ranks)}: rank {r} sent shape {tuple(o.shape)} to rank {self.rank}, which expected {tuple(s)}"
+                    f"all_to_all over ranks {list(group.ranks)}: rank {r} sent shape {tuple(o.shape)} to rank "
+                    f"{self.rank}, which expected {tuple(s)}"
                 )
         return out
 

@@ -86,7 +86,8 @@ class _TorchGroup:
         return name
 
     def exchanges_reduce_scatter(self, device: torch.device) -> bool:
-        """gloo's reduce_scatter is an all_reduce of the whole buffer: there it is an exchange (_reduce_scatter_by_exchange)."""
+        """gloo's reduce_scatter is an all_reduce of the whole buffer: there it is an exchange
+        (_reduce_scatter_by_exchange)."""
         return self.backend_for(device) == "gloo"
 
     def to_pg_order(self, items: Sequence[Any]) -> list[Any]:
@@ -389,9 +390,10 @@ def _check_backend_carries(kind: str, g: _TorchGroup, device: torch.device) -> N
     (shapes in from_local's check, random keys, checkpoint plans): an nccl-only group cannot serve those."""
     if device.type == "cpu" and g.backend_for(device) == "nccl":
         raise CollectiveError(
-            f"{kind} of a CPU tensor over ranks {list(g.ranks)}: the process group's only backend is nccl, which carries "
-            "CUDA tensors only, and shardops exchanges some metadata as CPU tensors. Initialise the group with "
-            "dist.init_process_group('cpu:gloo,cuda:nccl') (torch's choice when no backend is named on a CUDA machine)."
+            f"{kind} of a CPU tensor over ranks {list(g.ranks)}: the process group's only backend is nccl, which "
+            "carries CUDA tensors only, and shardops exchanges some metadata as CPU tensors. Initialise the group "
+            "with dist.init_process_group('cpu:gloo,cuda:nccl') (torch's choice when no backend is named on a CUDA "
+            "machine)."
         )
 
 

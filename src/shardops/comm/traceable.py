@@ -63,7 +63,8 @@ def refuse_while_tracing(what: str, why: str) -> None:
     """Raise at compile time for something a compiled graph would get silently wrong."""
     if tracing():
         raise ShardingError(
-            f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region (torch.compiler.disable)."
+            f"torch.compile: {what} cannot be compiled: {why}. Run it outside the compiled region "
+            "(torch.compiler.disable)."
         )
 
 
@@ -279,7 +280,8 @@ _FUNCTIONAL_OPS = {
 
 
 def _functional(comm, group, kind: str, dtype: torch.dtype, op: str | None = None):
-    """(group name, torch group ranks by shardops index) when torch's functional collective `kind` does what eager does; else None."""
+    """(group name, torch group ranks by shardops index) when torch's functional collective `kind`
+    does what eager does; else None."""
     if dtype == torch.bool or dtype.is_complex or (op is not None and not natively_reducible(dtype, op)):
         return None
     return comm.functional_group(group, kind)  # None outside torch.distributed

@@ -13,8 +13,9 @@ def pack_padded(chunks: Sequence[torch.Tensor], order: Sequence[int]) -> torch.T
 
     Chunks that already are the heads of the rows of one (n, width) buffer, in wire order (what
     fully_shard packs its gradients into), are that buffer: no copy; the padding travels as it is
-    (a reduce_scatter's receiver cuts it off unread). Equal shapes (the common, even case) are stacked: one copy, even when the chunks are
-    strided slices of one tensor (`reshape(-1)` of a slice would copy it once more before the cat).
+    (a reduce_scatter's receiver cuts it off unread). Equal shapes (the common, even case) are
+    stacked: one copy, even when the chunks are strided slices of one tensor (`reshape(-1)` of a
+    slice would copy it once more before the cat).
     """
     packed = _packed_already(chunks, order)
     if packed is not None:

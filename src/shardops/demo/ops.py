@@ -285,7 +285,8 @@ def parse_device(argv: list[str] | None) -> str:
     device = p.parse_args(argv or []).device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
-            f"shardops demo --device cuda: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)"
+            f"shardops demo --device cuda: no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is "
+            "False)"
         )
     return device
 

@@ -212,7 +212,8 @@ def _torchrun_main(spec: RunSpec, checkpointing: Checkpointing) -> int:
             world = f"torch.distributed {dist.get_backend()}, {dist.get_world_size()} processes"
             console.print(report.summary(everyone, None, [check], world, seconds, None))
         dist.broadcast(ok, 0)
-        dist.barrier()  # every rank past its last collective before any tears gloo down (a fresh-clone run saw a rank abort at exit)
+        # every rank past its last collective before any tears gloo down (a fresh-clone run saw a rank abort at exit)
+        dist.barrier()
         return 0 if ok.item() else 1
     finally:
         dist.destroy_process_group()

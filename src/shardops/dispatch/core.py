@@ -434,9 +434,9 @@ def decide(
         ranked = candidates(rows, specs, out_shapes, links=links, filter_fn=filt, limit=limit)
     if not ranked:
         raise NoShardingStrategyError(  # a NotImplementedError too, as torch's for a layout its rules do not cover
-            f"Operator {schema.op} does not have a sharding strategy registered. shardops: for {specs[0]!r}, the in-place op "
-            "would need self in another layout, and an in-place op never changes its tensor's local shape. "
-            "Redistribute the tensor first, or use the out-of-place op."
+            f"Operator {schema.op} does not have a sharding strategy registered. shardops: for {specs[0]!r}, the "
+            "in-place op would need self in another layout, and an in-place op never changes its tensor's local "
+            "shape. Redistribute the tensor first, or use the out-of-place op."
         )
     best = with_plans(ranked[0], specs, links)
     gathers = None
@@ -527,9 +527,9 @@ def moved_bytes(d: Decision) -> int:
 def strict_error(d: Decision, how: str) -> ShardingError:
     name = op_name(d.func)
     text = (
-        f"{d.schema.name} {how}: strict mode refuses to move {moved_bytes(d)} bytes on this rank for inputs {list(d.in_specs)}. "
-        f"Allow it with so.allow_replicate({name!r}) (or `with so.allow_replicate({name!r}):`), redistribute the inputs yourself, "
-        "or call so.set_strict(False)."
+        f"{d.schema.name} {how}: strict mode refuses to move {moved_bytes(d)} bytes on this rank for inputs "
+        f"{list(d.in_specs)}. Allow it with so.allow_replicate({name!r}) (or `with so.allow_replicate({name!r}):`), "
+        "redistribute the inputs yourself, or call so.set_strict(False)."
     )
     if d.replicate_only or not how.startswith("has no sharded strategy"):
         return ShardingError(text)
@@ -560,8 +560,9 @@ def checked_fallback(d: Decision) -> None:
                 f"{d.schema.name} on {list(specs)}: torch refuses this call: {meta_error}"
             ) from meta_error
         raise NoShardingStrategyError(  # a NotImplementedError too, as torch's at this point
-            f"Operator {d.schema.op} does not have a sharding strategy registered. shardops: for {specs[0]!r}, an in-place op "
-            "with no sharded strategy would change self's layout. Redistribute self to Replicate first, or use the out-of-place op."
+            f"Operator {d.schema.op} does not have a sharding strategy registered. shardops: for {specs[0]!r}, an "
+            "in-place op with no sharded strategy would change self's layout. Redistribute self to Replicate first, "
+            "or use the out-of-place op."
         )
     if not refused:
         warn_fallback(d)
@@ -572,8 +573,8 @@ def warn_fallback(d: Decision) -> None:
         return
     moved = moved_bytes(d)
     warnings.warn(
-        f"shardops: {d.func} has no sharded strategy; replicated its inputs and ran locally ({moved} bytes moved on this rank). "
-        "so.set_strict(True) makes this an error.",
+        f"shardops: {d.func} has no sharded strategy; replicated its inputs and ran locally ({moved} bytes moved on "
+        "this rank). so.set_strict(True) makes this an error.",
         FallbackWarning,
         stacklevel=5,
     )

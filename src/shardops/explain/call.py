@@ -61,7 +61,8 @@ def explain(
         inputs = {k: parse_spec(v, mesh_obj, k) for k, v in kwargs.items()}
         if args:
             raise ShardingError(
-                f"explain: an expression takes its tensors by name (x=...), not positionally; got {len(args)} positional"
+                f"explain: an expression takes its tensors by name (x=...), not positionally; got {len(args)} "
+                "positional"
             )
         metas = {k: meta_tensor(s) for k, s in inputs.items()}
         for k, t in metas.items():

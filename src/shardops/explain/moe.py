@@ -108,9 +108,9 @@ class RoutingStep:
             )
         ep_opt, gather_opt = options
         reason = (
-            f"#1 {ep_opt.label}: what ExpertParallel runs, {_fmt(ep_opt.bytes)} per rank vs {_fmt(gather_opt.bytes)} for "
-            f"#2; balanced routing assumed ({slots} token-slots on rank 0, {mine} of {self.num_experts} experts local); "
-            "backward: the two token all_to_alls mirrored, same bytes"
+            f"#1 {ep_opt.label}: what ExpertParallel runs, {_fmt(ep_opt.bytes)} per rank vs {_fmt(gather_opt.bytes)} "
+            f"for #2; balanced routing assumed ({slots} token-slots on rank 0, {mine} of {self.num_experts} experts "
+            "local); backward: the two token all_to_alls mirrored, same bytes"
         )
         spec = tokens_spec.with_placements(placements)
         return Step(

@@ -22,7 +22,8 @@ def render(e: Any) -> str:
         lines += [""] + _render_step(s)
     lines += [
         "",
-        f"total: {len(e.steps)} step(s), {fmt_bytes(e.bytes)} per rank (rank 0), {e.rounds} round(s), est. {fmt_time(e.time)}",
+        f"total: {len(e.steps)} step(s), {fmt_bytes(e.bytes)} per rank (rank 0), {e.rounds} round(s), est. "
+        f"{fmt_time(e.time)}",
     ]
     t = e.timings
     warm = f"; one-time torch meta warm-up {fmt_time(t['warmup_s'])}" if t.get("warmup_s") else ""

@@ -21,7 +21,10 @@ SPEC_RE = re.compile(r"^\s*(?P<dtype>[A-Za-z0-9_]+)\s*\[(?P<shape>[0-9,\s]*)\]\s
 _PLACEMENT_RE = re.compile(
     r"_S\(\s*-?\d+\s*,\s*\d+\s*\)|S\(\s*-?\d+\s*\)|NormP\(\s*[-+a-z0-9.]+\s*\)|P\(\s*[a-z]*\s*\)|P|R"
 )
-SPEC_HELP = 'a spec is DTYPE[SHAPE]:PLACEMENTS, e.g. "f32[8,4096]:R,S(1)" (placements R, S(d), P(sum|avg|max|min|product), NormP(p), _S(d,k); one per mesh dim)'
+SPEC_HELP = (
+    'a spec is DTYPE[SHAPE]:PLACEMENTS, e.g. "f32[8,4096]:R,S(1)" '
+    "(placements R, S(d), P(sum|avg|max|min|product), NormP(p), _S(d,k); one per mesh dim)"
+)
 
 
 def parse_placement(text: str) -> Placement:

@@ -81,13 +81,13 @@ class FSDPParam:
     ) -> None:
         if param.ndim == 0:
             raise ShardingError(
-                f"fully_shard: a 0-d parameter ({occurrences[0][1]} of {type(occurrences[0][0]).__name__}) cannot be sharded on a dim; "
-                "pass it in ignored_params, or make it 1-d"
+                f"fully_shard: a 0-d parameter ({occurrences[0][1]} of {type(occurrences[0][0]).__name__}) cannot be "
+                "sharded on a dim; pass it in ignored_params, or make it 1-d"
             )
         if getattr(param, SHARDED_MARK, False):
             raise ShardingError(
-                f"fully_shard: {occurrences[0][1]} of {type(occurrences[0][0]).__name__} is already sharded by another unit "
-                "(a parameter shared between units, e.g. tied weights): put the modules that share it in one unit"
+                f"fully_shard: {occurrences[0][1]} of {type(occurrences[0][0]).__name__} is already sharded by another "
+                "unit (a parameter shared between units, e.g. tied weights): put the modules that share it in one unit"
             )
         self.occurrences = occurrences
         self.data = data
@@ -99,7 +99,8 @@ class FSDPParam:
         full = (local_of(param) if isinstance(param, DTensor) else param).detach()
         if not -full.ndim <= shard_dim < full.ndim:
             raise ShardingError(
-                f"fully_shard: Shard({shard_dim}) for a parameter of shape {tuple(param.shape)}; use a dim in [{-full.ndim}, {full.ndim})"
+                f"fully_shard: Shard({shard_dim}) for a parameter of shape {tuple(param.shape)}; use a dim in "
+                f"[{-full.ndim}, {full.ndim})"
             )
         self.shard_dim = shard_dim % full.ndim
         self.unsharded_shape = tuple(full.shape)
@@ -126,7 +127,8 @@ class FSDPParam:
         local_shape = spec.local_shape()
         if tuple(local_shape) != self.local_shard_shape:
             raise ShardingError(
-                f"fully_shard: internal error: layout {spec!r} gives this rank {local_shape}, FSDP's shard is {self.local_shard_shape}"
+                f"fully_shard: internal error: layout {spec!r} gives this rank {local_shape}, FSDP's shard is "
+                f"{self.local_shard_shape}"
             )
         return spec
 
@@ -230,8 +232,8 @@ def _composed_spec(data: DataMesh, tp: TensorSpec, shard_dim: int, meta: TensorM
     if root is None or tp_mesh.root_mesh != root or not root.mesh_dim_names:
         raise ShardingError(
             f"fully_shard: a parameter is a DTensor on {tp_mesh} but the data mesh is {dp_mesh}; slice both from one "
-            "mesh by name (mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, mesh['tp'], plan); "
-            "fully_shard(m, mesh=mesh['dp']))"
+            "mesh by name (mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, "
+            "mesh['tp'], plan); fully_shard(m, mesh=mesh['dp']))"
         )
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     if set(dp_names) & set(tp_names):
@@ -239,7 +241,8 @@ def _composed_spec(data: DataMesh, tp: TensorSpec, shard_dim: int, meta: TensorM
     for p in tp.placements:
         if not (isinstance(p, Replicate) or type(p) is Shard):
             raise ShardingError(
-                f"fully_shard: a tensor-parallel parameter laid out as {tp!r}; only Shard and Replicate tp layouts compose with FSDP"
+                f"fully_shard: a tensor-parallel parameter laid out as {tp!r}; only Shard and Replicate tp layouts "
+                "compose with FSDP"
             )
     names = [n for n in root.mesh_dim_names if n in dp_names or n in tp_names]
     order = {n: i for i, n in enumerate(names)}

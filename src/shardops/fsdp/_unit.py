@@ -46,8 +46,9 @@ class FSDPUnit:
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ShardingError(
-                f"fully_shard: one unit's parameters have several dtypes {sorted(map(str, dtypes))}; FSDP gathers a unit in one "
-                "flat buffer: give them one dtype, or MixedPrecisionPolicy(param_dtype=...), or shard them in separate units"
+                f"fully_shard: one unit's parameters have several dtypes {sorted(map(str, dtypes))}; FSDP gathers a "
+                "unit in one flat buffer: give them one dtype, or MixedPrecisionPolicy(param_dtype=...), or shard "
+                "them in separate units"
             )
         self.param_dtype = dtypes.pop() if dtypes else None
         self.reduce_dtype = mp.reduce_dtype or self.param_dtype

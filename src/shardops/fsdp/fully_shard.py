@@ -132,7 +132,8 @@ def fully_shard(
         raise ShardingError("fully_shard: an empty list of modules")
     if dp_mesh_dims is not None:
         raise ShardingError(
-            "fully_shard: dp_mesh_dims is not supported yet; pass the data mesh (mesh=mesh['dp'], or mesh[('dp_replicate', 'dp_shard')] for HSDP)"
+            "fully_shard: dp_mesh_dims is not supported yet; pass the data mesh (mesh=mesh['dp'], or "
+            "mesh[('dp_replicate', 'dp_shard')] for HSDP)"
         )
     data = DataMesh(_data_mesh(mesh))
     if data.mesh.ndim not in (1, 2):
@@ -157,7 +158,8 @@ def _data_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh):
             raise ShardingError(
-                f"fully_shard: mesh must be a shardops DeviceMesh (so.init_device_mesh / DeviceMesh.from_torch), got {type(mesh).__name__}"
+                "fully_shard: mesh must be a shardops DeviceMesh (so.init_device_mesh / DeviceMesh.from_torch), got "
+                f"{type(mesh).__name__}"
             )
         return mesh
     entered = current_mesh()

@@ -163,7 +163,8 @@ def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = N
     unknown = set(kwargs) - _ACCEPTED - {"device_mesh", "bucket_cap_mb"}
     if unknown:
         raise ShardingError(
-            f"replicate: unknown keyword(s) {sorted(unknown)}; DDP's keywords are {sorted(_ACCEPTED | {'device_mesh', 'bucket_cap_mb'})}"
+            f"replicate: unknown keyword(s) {sorted(unknown)}; DDP's keywords are "
+            f"{sorted(_ACCEPTED | {'device_mesh', 'bucket_cap_mb'})}"
         )
     if unit_of_any(module):
         raise ShardingError(

@@ -625,8 +625,9 @@ def _parse_sdpa(b: dict, args: tuple, kwargs: dict) -> tuple | None:
     meshes = {spec_of(t).mesh for t in (q, k, v, mask) if t is not None}
     if len(meshes) > 1:
         raise ShardingError(
-            f"scaled_dot_product_attention: q, k, v (and attn_mask) live on different meshes ({sorted(map(str, meshes))}); "
-            "redistribute them onto one mesh first (e.g. build them with the same DeviceMesh)."
+            "scaled_dot_product_attention: q, k, v (and attn_mask) live on different meshes "
+            f"({sorted(map(str, meshes))}); redistribute them onto one mesh first (e.g. build them with the same "
+            "DeviceMesh)."
         )
     causal, scale = bool(b["is_causal"]), b["scale"]
     plan = _plan(q, k, v, mask, causal, scale, b)

@@ -26,8 +26,9 @@ p = Shard(d) for a dim d != 1:
 The statistics: each rank's per-channel (mean, M2) in float64, merged by Chan's formula
 (moments.chan_merge) with every member's count known from the layout, so uneven and empty
 batch shards are exact; x is centred in float64 forward and backward (the backward's two
-sums travel in float64 too), so data with a large mean keeps its digits. The running statistics follow torch: momentum-weighted, with the
-unbiased variance M2 / (n - 1) of the global count n.
+sums travel in float64 too), so data with a large mean keeps its digits. The running
+statistics follow torch: momentum-weighted, with the unbiased variance M2 / (n - 1) of the
+global count n.
 
 native_batch_norm (what F.batch_norm reaches on CPU) and _native_batch_norm_legit update
 the running statistics in place; on DTensors they are rewritten (registry.DECOMPOSITIONS)
@@ -240,14 +241,16 @@ def _no_training_rule(schema: OpSchema) -> list[Row]:
 
 
 def _batch_norm_updating(input, weight, bias, running_mean, running_var, training, momentum, eps):
-    """native_batch_norm / _native_batch_norm_legit on DTensors: the functional op, then the buffers updated by copy_."""
+    """native_batch_norm / _native_batch_norm_legit on DTensors: the functional op,
+    then the buffers updated by copy_."""
     has_mean, has_var = running_mean is not None, running_var is not None
     if has_mean != has_var:
         raise ShardingError("batch_norm: pass both running_mean and running_var, or neither.")
     if not training:
         if not has_mean:
             raise ShardingError(
-                "batch_norm in eval mode (training=False) needs running statistics; pass running_mean and running_var, or training=True."
+                "batch_norm in eval mode (training=False) needs running statistics; pass running_mean and "
+                "running_var, or training=True."
             )
         return aten._native_batch_norm_legit_no_training.default(
             input, weight, bias, running_mean, running_var, momentum, eps

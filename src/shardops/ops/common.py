@@ -70,7 +70,8 @@ def all_gather_packed(
     mesh_dims: Sequence[int],
     shapes: Sequence[Sequence[int]] | None = None,
 ) -> list[list[torch.Tensor]]:
-    """Several tensors of any dtypes gathered in ONE collective over `mesh_dims`; per member in group order, its tensors.
+    """Several tensors of any dtypes gathered in ONE collective over `mesh_dims`;
+    per member in group order, its tensors.
 
     They travel as the bytes of one uint8 buffer (float statistics next to int64 indices, exactly).
     `shapes`: every member's shape, shared by its tensors (uneven shards); default: every member's

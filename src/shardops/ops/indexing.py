@@ -247,7 +247,12 @@ def _flip_algorithm(ctx, x: torch.Tensor, dims, *args, **kwargs) -> torch.Tensor
         if _sharded_here(ctx, d):
             n = spec.shape[d]
             x = reindex_along(
-                x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: torch.arange(n - 1, -1, -1)
+                x,
+                spec.mesh,
+                d,
+                _axis(spec, d),
+                _axis(ctx.out_specs[0], d),
+                lambda: torch.arange(n - 1, -1, -1),  # noqa: B023 - reindex_along calls it at once
             )
         else:
             left.append(d)
@@ -279,7 +284,12 @@ def _roll_algorithm(ctx, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if _sharded_here(ctx, d):
             n = spec.shape[d]
             x = reindex_along(
-                x, spec.mesh, d, _axis(spec, d), _axis(ctx.out_specs[0], d), lambda: (torch.arange(n) - s) % max(n, 1)
+                x,
+                spec.mesh,
+                d,
+                _axis(spec, d),
+                _axis(ctx.out_specs[0], d),
+                lambda: (torch.arange(n) - s) % max(n, 1),  # noqa: B023 - reindex_along calls it at once
             )
         else:
             shifts.append(s)
@@ -323,7 +333,7 @@ def _repeat_algorithm(ctx, x: torch.Tensor, repeats, *args, **kwargs) -> torch.T
                 d,
                 _axis(spec, d),
                 _axis(ctx.out_specs[0], d + lead),
-                lambda: torch.arange(n * r) % max(n, 1),
+                lambda: torch.arange(n * r) % max(n, 1),  # noqa: B023 - reindex_along calls it at once
             )
             local_repeats[d + lead] = 1
     return x.repeat(local_repeats)
@@ -368,7 +378,7 @@ def _pad_algorithm(ctx, x: torch.Tensor, pad, value=0, *args, **kwargs) -> torch
                 d,
                 _axis(spec, d),
                 _axis(ctx.out_specs[0], d),
-                lambda: _pad_source(n, left, right),
+                lambda: _pad_source(n, left, right),  # noqa: B023 - reindex_along calls it at once
                 fill=value,
             )
             i = spec.ndim - 1 - d

@@ -329,7 +329,7 @@ def _nll_backward_rule(schema: OpSchema) -> list[Row]:
     return rows
 
 
-# ------------------------------------------------------------------ ops F.cross_entropy dispatches that no family owns yet
+# --------------------------------------------------------------- ops F.cross_entropy dispatches that no family owns yet
 # label_smoothing with a weight runs `weight.gather(0, target)` and `masked_fill_` (torch 2.13 CPU).
 # NOTE: both belong elsewhere (gather with indexing ops, masked_fill_ in pointwise.py's table);
 # they live here until then so that cross-entropy never gathers on their account.

@@ -82,8 +82,8 @@ def _group_local(op, t, param, is_grad: bool):
     ):
         if not is_grad:
             raise ShardingError(
-                f"{op}: optimizer state {list(t.placements)} is laid out unlike its parameter {list(param.placements)}; "
-                "make states with zeros_like(param), or redistribute them"
+                f"{op}: optimizer state {list(t.placements)} is laid out unlike its parameter "
+                f"{list(param.placements)}; make states with zeros_like(param), or redistribute them"
             )
         t = t.redistribute(placements=param.placements)
     return _local(t)

@@ -159,11 +159,12 @@ def _tagged_pointwise() -> list[OpOverload]:
 
 # prims.* elementwise ops (torch's decompositions and PyTorch's own DTensor tests call them directly):
 # they carry no pointwise tag, so they are listed by name.
-_PRIMS_ELEMENTWISE = """abs acos acosh add asin asinh atan atan2 atanh bessel_i0 bessel_i0e bessel_i1 bessel_i1e bessel_j0
-bessel_j1 bitwise_and bitwise_not bitwise_or bitwise_xor cbrt ceil conj_physical convert_element_type cos cosh digamma div
-eq erf erf_inv erfc erfcx exp exp2 expm1 floor fmax fmin fmod gcd ge gt hypot igamma igammac isfinite le lgamma log log10
-log1p log2 lt maximum minimum mul ndtri ne neg nextafter pow reciprocal remainder round rsqrt shift_left
-shift_right_arithmetic sign signbit sin sinh spherical_bessel_j0 sqrt sub tan tanh trunc where zeta""".split()
+_PRIMS_ELEMENTWISE = """abs acos acosh add asin asinh atan atan2 atanh bessel_i0 bessel_i0e bessel_i1 bessel_i1e
+bessel_j0 bessel_j1 bitwise_and bitwise_not bitwise_or bitwise_xor cbrt ceil conj_physical convert_element_type cos
+cosh digamma div eq erf erf_inv erfc erfcx exp exp2 expm1 floor fmax fmin fmod gcd ge gt hypot igamma igammac
+isfinite le lgamma log log10 log1p log2 lt maximum minimum mul ndtri ne neg nextafter pow reciprocal remainder round
+rsqrt shift_left shift_right_arithmetic sign signbit sin sinh spherical_bessel_j0 sqrt sub tan tanh trunc where
+zeta""".split()
 
 
 @strategy(

@@ -400,9 +400,10 @@ def _dropout_rule(schema: OpSchema) -> list[Row]:
 )
 def _refuse_rule(schema: OpSchema) -> list[Row]:
     raise ShardingError(
-        f"{schema.name} on {list(schema.tensor_specs)}: this random op has no layout-invariant version in shardops, and "
-        "running torch's would draw different values on each rank (the ranks share or diverge from torch's generator). "
-        "Call it on dt.full_tensor() (every rank the same seed and generator state) and distribute the result."
+        f"{schema.name} on {list(schema.tensor_specs)}: this random op has no layout-invariant version in shardops, "
+        "and running torch's would draw different values on each rank (the ranks share or diverge from torch's "
+        "generator). Call it on dt.full_tensor() (every rank the same seed and generator state) and distribute the "
+        "result."
     )
 
 
@@ -441,7 +442,8 @@ def _trunc_normal_over(original: Callable) -> Callable:
 def _dtensor_trunc_normal_(tensor, mean: float, std: float, a: float, b: float, generator) -> Any:
     if mean < a - 2 * std or mean > b + 2 * std:
         warnings.warn(
-            "mean is more than 2 std from [a, b] in nn.init.trunc_normal_. The distribution of values may be incorrect.",
+            "mean is more than 2 std from [a, b] in nn.init.trunc_normal_. The distribution of values may be "
+            "incorrect.",
             stacklevel=3,
         )
     _relabel_pending(tensor)
@@ -475,9 +477,9 @@ def _sparse_over(original: Callable) -> Callable:
 
         if isinstance(tensor, DTensor):
             raise ShardingError(
-                f"nn.init.sparse_ on a DTensor {spec_of(tensor)!r}: it picks its zeros with torch.randperm, which draws from "
-                "torch's generator and has no layout-invariant version; initialise a plain tensor on every rank (same seed) "
-                "and distribute_tensor it."
+                f"nn.init.sparse_ on a DTensor {spec_of(tensor)!r}: it picks its zeros with torch.randperm, which "
+                "draws from torch's generator and has no layout-invariant version; initialise a plain tensor on every "
+                "rank (same seed) and distribute_tensor it."
             )
         return original(tensor, sparsity, std, generator=generator)
 

@@ -239,7 +239,8 @@ def _exact_view(layout: tuple):
     def run(ctx, local, *args, **kwargs):
         if tuple(ctx.in_specs[0].placements) != layout:
             raise ShardingError(
-                f"{ctx.schema.name}: internal error: exact view rows for {list(layout)} used on {list(ctx.in_specs[0].placements)}"
+                f"{ctx.schema.name}: internal error: exact view rows for {list(layout)} used on "
+                f"{list(ctx.in_specs[0].placements)}"
             )
         return _with_local_size(ctx, local, *args, **kwargs)
 
@@ -490,9 +491,9 @@ def _refuse_strided_local(func, spec: TensorSpec, local: torch.Tensor, size, lay
     local_size = local_shape_and_offset(tuple(size), spec.mesh.shape, coordinate, layout)[0]
     if not _viewable(local, list(local_size)):
         raise ShardingError(
-            f"{_name(func)}: this rank's shard of {spec!r} (local shape {list(local.shape)}, strides {list(local.stride())}) "
-            f"cannot be viewed as {list(local_size)}: no view of it reaches that shape, and a view must alias its input. "
-            "Use reshape (which may copy), or give from_local a contiguous local tensor."
+            f"{_name(func)}: this rank's shard of {spec!r} (local shape {list(local.shape)}, strides "
+            f"{list(local.stride())}) cannot be viewed as {list(local_size)}: no view of it reaches that shape, and a "
+            "view must alias its input. Use reshape (which may copy), or give from_local a contiguous local tensor."
         )
 
 
@@ -501,9 +502,9 @@ def _cannot_alias(
 ) -> ShardingError:
     instead = "Use reshape (which may copy), or redistribute" if suggest_reshape else "Redistribute"
     return ShardingError(
-        f"{_name(func)}: viewing {spec!r} on mesh {tuple(spec.mesh.shape)} as {list(size)} would need data moved ({why}), "
-        "but a view must alias its input, or an in-place op on it would miss the input. "
-        f"{instead} the input first, e.g. x.redistribute(placements={list(target)})."
+        f"{_name(func)}: viewing {spec!r} on mesh {tuple(spec.mesh.shape)} as {list(size)} would need data moved "
+        f"({why}), but a view must alias its input, or an in-place op on it would miss the input. {instead} the input "
+        f"first, e.g. x.redistribute(placements={list(target)})."
     )
 
 

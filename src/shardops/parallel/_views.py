@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch.nn as nn
 
@@ -45,7 +44,7 @@ class LocalView:
     only_for_plain_inputs: bool = False
 
 
-View = Union[tuple[Placement, ...], LocalView]
+View = tuple[Placement, ...] | LocalView
 
 
 def compute_layouts(module: nn.Module) -> dict[str, View]:

@@ -98,8 +98,8 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
             if isinstance(p, DTensor):
                 if p.device_mesh != primary.device_mesh:
                     raise ShardingError(
-                        f"parallelize_module: a tied parameter is laid out on {primary.device_mesh} by one module and on "
-                        f"{p.device_mesh} by {type(sub).__name__}.{name}; tied modules must use one mesh"
+                        f"parallelize_module: a tied parameter is laid out on {primary.device_mesh} by one module and "
+                        f"on {p.device_mesh} by {type(sub).__name__}.{name}; tied modules must use one mesh"
                     )
                 if p.placements != primary.placements:
                     set_compute_layout(sub, name, p.placements)

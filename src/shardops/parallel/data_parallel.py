@@ -77,8 +77,8 @@ def data_parallel(
     layout = DataParallelLayout(mesh, _dp_dims(mesh, sub_meshes), batch_dim, mode)
     if mesh.data_parallel_dims not in ((), layout.dp_dims):
         raise ShardingError(
-            f"data_parallel: {mesh} already splits the batch over mesh dims {mesh.data_parallel_dims}, this module would over "
-            f"{layout.dp_dims}; give both modules the same data-parallel dims (or separate meshes)"
+            f"data_parallel: {mesh} already splits the batch over mesh dims {mesh.data_parallel_dims}, this module "
+            f"would over {layout.dp_dims}; give both modules the same data-parallel dims (or separate meshes)"
         )
     mesh.data_parallel_dims = layout.dp_dims  # the loss convention on these dims (tensor.dp_grad_scale)
     lifted: dict[int, nn.Parameter] = {}
@@ -129,7 +129,8 @@ def _dp_dims(mesh: DeviceMesh, sub_meshes: set[DeviceMesh]) -> tuple[int, ...]:
         if sub == mesh or not names or not mesh.mesh_dim_names or any(n not in mesh.mesh_dim_names for n in names):
             raise ShardingError(
                 f"data_parallel: the module's parameters live on {sub}; give data_parallel the whole mesh they were "
-                f"sliced from by name (e.g. parallelize_module(m, mesh['tp'], plan), then data_parallel(m, mesh)), got {mesh}"
+                "sliced from by name (e.g. parallelize_module(m, mesh['tp'], plan), then data_parallel(m, mesh)), got "
+                f"{mesh}"
             )
         used.update(names)
     dims = tuple(d for d, n in enumerate(mesh.mesh_dim_names) if n not in used)
@@ -141,7 +142,8 @@ def _dp_dims(mesh: DeviceMesh, sub_meshes: set[DeviceMesh]) -> tuple[int, ...]:
 
 
 def _lift(p: torch.Tensor, layout: DataParallelLayout) -> DTensor:
-    """The parameter on the whole mesh: replicated over dp (rank 0 of each dp group wins), then sharded in "shard" mode."""
+    """The parameter on the whole mesh: replicated over dp (rank 0 of each dp group wins),
+    then sharded in "shard" mode."""
     mesh = layout.mesh
     with torch.no_grad():
         if isinstance(p, DTensor):

@@ -98,7 +98,8 @@ class ExpertParallel(ParallelStyle):
         self.output_layouts = as_placement(output_layouts) or Replicate()
         if not isinstance(self.output_layouts, (Replicate, Partial)):
             raise ShardingError(
-                f"ExpertParallel: output_layouts is the output's placement over tp, Replicate() or Partial(); got {self.output_layouts}"
+                "ExpertParallel: output_layouts is the output's placement over tp, Replicate() or Partial(); got "
+                f"{self.output_layouts}"
             )
         self.use_local_output = use_local_output
 
@@ -122,16 +123,17 @@ class ExpertParallel(ParallelStyle):
                 )
             if p.ndim < 2 or p.shape[0] != num_experts:
                 raise ShardingError(
-                    f"ExpertParallel: {type(module).__name__}.{name} has shape {tuple(p.shape)}; every parameter of an experts "
-                    f"module is stacked over its {num_experts} experts on dim 0"
+                    f"ExpertParallel: {type(module).__name__}.{name} has shape {tuple(p.shape)}; every parameter of an "
+                    f"experts module is stacked over its {num_experts} experts on dim 0"
                 )
             placements: list[Placement] = [Replicate()] * device_mesh.ndim
             placements[ep] = Shard(0)
             if tp is not None:
                 if name not in self.tp_layouts:
                     raise ShardingError(
-                        f"ExpertParallel: no tensor-parallel layout for {type(module).__name__}.{name} on mesh {device_mesh}; "
-                        f"pass tp_layouts={{'{name}': Shard(d)}} (the dims known: {sorted(self.tp_layouts)})"
+                        f"ExpertParallel: no tensor-parallel layout for {type(module).__name__}.{name} on mesh "
+                        f"{device_mesh}; pass tp_layouts={{'{name}': Shard(d)}} (the dims known: "
+                        f"{sorted(self.tp_layouts)})"
                     )
                 placements[tp] = self.tp_layouts[name]
             with torch.no_grad():
@@ -145,7 +147,10 @@ class ExpertParallel(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(ep_dim={self.ep_dim!r}, output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
+        return (
+            f"ExpertParallel(ep_dim={self.ep_dim!r}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output})"
+        )
 
 
 class _ExpertLayer:
@@ -195,8 +200,8 @@ class _ExpertLayer:
         """Hidden states: tokens sharded (or sliced) over ep, Replicate over tp; the routing laid out alike."""
         if hidden.device_mesh != self.mesh:
             raise ShardingError(
-                f"{name}: hidden_states live on {hidden.device_mesh}, but the experts were parallelized on {self.mesh}; "
-                "route tokens on the mesh the experts live on"
+                f"{name}: hidden_states live on {hidden.device_mesh}, but the experts were parallelized on "
+                f"{self.mesh}; route tokens on the mesh the experts live on"
             )
         if hidden.ndim != 2:
             raise ShardingError(f"{name}: expected hidden_states [tokens, hidden], got shape {tuple(hidden.shape)}")
@@ -401,8 +406,9 @@ def expert_parameters(module: nn.Module, mesh: DeviceMesh) -> set[int]:
                 continue
             if p.device_mesh != mesh:
                 raise ShardingError(
-                    f"data_parallel: the expert-parallel {type(sub).__name__}.{name} lives on {p.device_mesh}, not on {mesh}; "
-                    "parallelize the experts on the whole mesh given to data_parallel (its ep dim splits the batch too)"
+                    f"data_parallel: the expert-parallel {type(sub).__name__}.{name} lives on {p.device_mesh}, not on "
+                    f"{mesh}; parallelize the experts on the whole mesh given to data_parallel (its ep dim splits the "
+                    "batch too)"
                 )
             found.add(id(p))
     return found

@@ -79,16 +79,18 @@ def _target_dtensor(logits: DTensor, target):
     placements = target_placements(logits.placements, 1 if logits.ndim >= 2 else 0)
     if any(p.is_shard() for p in placements):
         raise ShardingError(
-            f"loss_parallel() requires a DTensor (not a plain torch.Tensor) when the derived placements {list(placements)} "
-            f"contain Shard: the logits {list(logits.placements)} shard a non-class dim (e.g. the batch under data "
-            "parallelism), so a plain target could be the global one or this rank's piece. Wrap it with "
-            f"DTensor.from_local(target, mesh, {list(placements)}) (this rank's piece) or distribute_tensor (the global one)."
+            "loss_parallel() requires a DTensor (not a plain torch.Tensor) when the derived placements "
+            f"{list(placements)} contain Shard: the logits {list(logits.placements)} shard a non-class dim (e.g. the "
+            "batch under data parallelism), so a plain target could be the global one or this rank's piece. Wrap it "
+            f"with DTensor.from_local(target, mesh, {list(placements)}) (this rank's piece) or distribute_tensor (the "
+            "global one)."
         )
     return _replicated(logits, target)
 
 
 def _replicated(logits: DTensor, t):
-    """A plain tensor as a Replicate DTensor on the logits' mesh (each rank's copy, as torch's loss_parallel takes it)."""
+    """A plain tensor as a Replicate DTensor on the logits' mesh (each rank's copy,
+    as torch's loss_parallel takes it)."""
     if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
         return t
     return from_local(t, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)

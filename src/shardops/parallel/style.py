@@ -212,7 +212,8 @@ def _check_pairs(layouts, desired, what: str, names: str) -> None:
             )
         if len(layouts) != len(desired):
             raise LayoutMismatchError(
-                f"{names} should have same length! {what}: layouts {layouts} and desired layouts {desired} differ in length"
+                f"{names} should have same length! {what}: layouts {layouts} and desired layouts {desired} differ in "
+                "length"
             )
 
 
@@ -294,14 +295,15 @@ class PrepareModuleInput(ParallelStyle):
 
     def __repr__(self) -> str:
         return (
-            f"PrepareModuleInput(input_layouts={self.input_layouts}, desired_input_layouts={self.desired_input_layouts}, "
-            f"input_kwarg_layouts={self.input_kwarg_layouts}, desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, "
-            f"use_local_output={self.use_local_output})"
+            f"PrepareModuleInput(input_layouts={self.input_layouts}, "
+            f"desired_input_layouts={self.desired_input_layouts}, input_kwarg_layouts={self.input_kwarg_layouts}, "
+            f"desired_input_kwarg_layouts={self.desired_input_kwarg_layouts}, use_local_output={self.use_local_output})"
         )
 
 
 class PrepareModuleOutput(ParallelStyle):
-    """Turn a module's outputs into DTensors (`output_layouts`, None: leave alone) and move them to `desired_output_layouts`."""
+    """Turn a module's outputs into DTensors (`output_layouts`, None: leave alone)
+    and move them to `desired_output_layouts`."""
 
     def __init__(
         self,
@@ -324,7 +326,8 @@ class PrepareModuleOutput(ParallelStyle):
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outs) != len(self.output_layouts):
             raise ShardingError(
-                f"PrepareModuleOutput: the module returned {len(outs)} outputs but output_layouts has {len(self.output_layouts)}"
+                f"PrepareModuleOutput: the module returned {len(outs)} outputs but output_layouts has "
+                f"{len(self.output_layouts)}"
             )
         prepared = []
         for out, layout, desired in zip(outs, self.output_layouts, self.desired_output_layouts):
@@ -341,13 +344,14 @@ class PrepareModuleOutput(ParallelStyle):
 
     def __repr__(self) -> str:
         return (
-            f"PrepareModuleOutput(output_layouts={self.output_layouts}, desired_output_layouts={self.desired_output_layouts}, "
-            f"use_local_output={self.use_local_output})"
+            f"PrepareModuleOutput(output_layouts={self.output_layouts}, "
+            f"desired_output_layouts={self.desired_output_layouts}, use_local_output={self.use_local_output})"
         )
 
 
 class PrepareModuleInputOutput(ParallelStyle):
-    """PrepareModuleInput and PrepareModuleOutput on one module (`use_local_input` is the input side's use_local_output)."""
+    """PrepareModuleInput and PrepareModuleOutput on one module
+    (`use_local_input` is the input side's use_local_output)."""
 
     def __init__(
         self,

@@ -118,11 +118,14 @@ def _rotary_tables_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
     def replicated(module: nn.Module, args: Any, out: Any) -> Any:
         dp = data_parallel_of(module)
         m = dp.mesh if dp is not None else mesh
-        wrap = lambda t: (
-            from_local(t, m, [Replicate()] * m.ndim)
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
-            else t
-        )  # noqa: E731
+
+        def wrap(t: Any) -> Any:
+            return (
+                from_local(t, m, [Replicate()] * m.ndim)
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
+                else t
+            )
+
         return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
     for module in model.modules():
@@ -288,7 +291,8 @@ def _param_placement(kind: str, module: nn.Module, name: str) -> Placement | Non
     if kind in ("replicate", "replicated_with_grad_allreduce", "local_params"):
         return None  # stays as it is
     raise ShardingError(
-        f"from_transformers: parameter {type(module).__name__}.{name} has plan kind {kind!r}, which shardops does not know for a parameter"
+        f"from_transformers: parameter {type(module).__name__}.{name} has plan kind {kind!r}, which shardops does not "
+        "know for a parameter"
     )
 
 

@@ -103,7 +103,10 @@ def _layout_problem(everyone: list[dict], group: Group, place: Callable[[int], i
         return ", ".join(f"rank {d['rank']}: {d[key]}" for d in everyone)
 
     if len({json.dumps(d["num_stages"]) for d in everyone}) > 1 or any(len(set(d["num_stages"])) > 1 for d in everyone):
-        return f"mismatched stage counts (num_stages by rank: {per_rank('num_stages')}); give every PipelineStage the same num_stages"
+        return (
+            f"mismatched stage counts (num_stages by rank: {per_rank('num_stages')}); "
+            "give every PipelineStage the same num_stages"
+        )
     if len({d["schedule"] for d in everyone}) > 1:
         return f"different schedules ({per_rank('schedule')}); build the same schedule class on every rank"
     if len({d["n_microbatches"] for d in everyone}) > 1:
@@ -119,7 +122,10 @@ def _layout_problem(everyone: list[dict], group: Group, place: Callable[[int], i
         wrong = [s for s in d["stages"] if group.ranks[place(s)] != d["rank"]]
         if wrong:
             where = ", ".join(f"stage {s} on rank {group.ranks[place(s)]}" for s in wrong)
-            return f"rank {d['rank']} holds stage(s) {wrong}, which this schedule places elsewhere ({where}; stages by rank: {per_rank('stages')})"
+            return (
+                f"rank {d['rank']} holds stage(s) {wrong}, which this schedule places elsewhere "
+                f"({where}; stages by rank: {per_rank('stages')})"
+            )
     return None
 
 

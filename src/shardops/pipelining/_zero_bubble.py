@@ -32,7 +32,8 @@ def greedy_programs(
     while sim.remaining:
         if not sim.run_slot():
             raise RuntimeError(
-                f"zero-bubble order: no rank can progress at slot {sim.clock} (p={group_size}, stages={num_stages}, m={n_microbatches})"
+                f"zero-bubble order: no rank can progress at slot {sim.clock} (p={group_size}, stages={num_stages}, "
+                f"m={n_microbatches})"
             )
     return sim.programs
 

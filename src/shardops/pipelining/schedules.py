@@ -64,7 +64,8 @@ class _PipelineSchedule:
         given = [k for k, v in specs.items() if v is not None]
         if given:
             raise ShardingError(
-                f"{type(self).__name__}: {given} are not supported yet; micro-batches split every tensor argument on dim 0"
+                f"{type(self).__name__}: {given} are not supported yet; micro-batches split every tensor argument on "
+                "dim 0"
             )
         if not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ShardingError(f"{type(self).__name__}: n_microbatches must be a positive int, got {n_microbatches!r}")
@@ -108,7 +109,8 @@ class _PipelineSchedule:
         Returns the last stage's outputs (micro-batches concatenated) there, None elsewhere."""
         if kwargs:
             raise ShardingError(
-                f"{type(self).__name__}.step: keyword inputs {sorted(kwargs)} are not supported yet; pass them positionally"
+                f"{type(self).__name__}.step: keyword inputs {sorted(kwargs)} are not supported yet; pass them "
+                "positionally"
             )
         name = type(self).__name__
         first, last = self._stages.get(0), self._stages.get(self._num_stages - 1)
@@ -215,8 +217,9 @@ class _PipelineSchedule:
         then = first.input_metas or ()
         if [(m.shape, m.dtype) for m in now] != [(m.shape, m.dtype) for m in then]:
             raise ShardingError(
-                f"{type(self).__name__}.step: this step's micro-batch {_meta.describe(now)} differs from the first step's "
-                f"{_meta.describe(then)}, which sized every stage's transfers; keep the batch shape fixed (or build a new schedule)"
+                f"{type(self).__name__}.step: this step's micro-batch {_meta.describe(now)} differs from the first "
+                f"step's {_meta.describe(then)}, which sized every stage's transfers; keep the batch shape fixed (or "
+                "build a new schedule)"
             )
 
     def _split(self, values: Sequence[Any], what: str) -> tuple[list[tuple], str | None]:
@@ -319,7 +322,8 @@ class PipelineScheduleSingle(_PipelineSchedule):
     ) -> None:
         if not isinstance(stage, PipelineStage):
             raise ShardingError(
-                f"{type(self).__name__}: takes one PipelineStage, got {type(stage).__name__}; multi-stage schedules take a list"
+                f"{type(self).__name__}: takes one PipelineStage, got {type(stage).__name__}; multi-stage schedules "
+                "take a list"
             )
         super().__init__(
             [stage],
@@ -411,8 +415,9 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
         p = self._group.size
         if n_microbatches % p:
             raise ShardingError(
-                f"ScheduleInterleaved1F1B: n_microbatches={n_microbatches} is not a multiple of the pipeline's {p} ranks; "
-                f"the schedule runs micro-batches in rounds of {p} (use {max(p, n_microbatches - n_microbatches % p)} or {n_microbatches + p - n_microbatches % p})"
+                f"ScheduleInterleaved1F1B: n_microbatches={n_microbatches} is not a multiple of the pipeline's {p} "
+                f"ranks; the schedule runs micro-batches in rounds of {p} (use "
+                f"{max(p, n_microbatches - n_microbatches % p)} or {n_microbatches + p - n_microbatches % p})"
             )
 
     def _program(self, stages: list[PipelineStage], has_backward: bool) -> list[_Action]:
@@ -459,7 +464,8 @@ class _ZeroBubble(PipelineScheduleMulti):
         name = type(self).__name__
         if not backward_requires_autograd:
             raise ShardingError(
-                f"{name}: backward_requires_autograd=False (a custom backward) is not supported; the split backward uses autograd"
+                f"{name}: backward_requires_autograd=False (a custom backward) is not supported; the split backward "
+                "uses autograd"
             )
         del defer_pp_recv  # receives always wait right before the action that needs them
         super().__init__(
@@ -491,7 +497,8 @@ def _check_no_fully_shard(stages: list[PipelineStage], schedule: str) -> None:
         if any(isinstance(m, FSDPModule) for m in stage.submod.modules()):
             raise ShardingError(
                 f"{schedule}: stage {stage.stage_index}'s module has fully_shard units; the split backward (I, then W) "
-                "does not compose with fully_shard yet; use Schedule1F1B, ScheduleInterleaved1F1B or ScheduleGPipe with it"
+                "does not compose with fully_shard yet; use Schedule1F1B, ScheduleInterleaved1F1B or ScheduleGPipe "
+                "with it"
             )
 
 
@@ -504,8 +511,8 @@ class ScheduleInterleavedZeroBubble(_ZeroBubble):
         rounds = max(1, m // p)
         if m % rounds:
             raise ShardingError(
-                f"ScheduleInterleavedZeroBubble: n_microbatches={m} is not a multiple of its {rounds} rounds (n_microbatches // {p} ranks); "
-                f"use {rounds * (m // rounds)} or {rounds * (m // rounds + 1)}"
+                f"ScheduleInterleavedZeroBubble: n_microbatches={m} is not a multiple of its {rounds} rounds "
+                f"(n_microbatches // {p} ranks); use {rounds * (m // rounds)} or {rounds * (m // rounds + 1)}"
             )
 
 
@@ -516,7 +523,8 @@ class ScheduleZBVZeroBubble(_ZeroBubble):
     def _check_stages_per_rank(self, v: int) -> None:
         if v != 2:
             raise ShardingError(
-                f"ScheduleZBVZeroBubble: takes exactly 2 stages per rank (r and 2p-1-r), got {v} (stages {[s.stage_index for s in self.stages]})"
+                f"ScheduleZBVZeroBubble: takes exactly 2 stages per rank (r and 2p-1-r), got {v} (stages "
+                f"{[s.stage_index for s in self.stages]})"
             )
 
     def _place(self, stage_index: int) -> int:

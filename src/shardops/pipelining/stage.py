@@ -72,7 +72,8 @@ def _encode(placement: Any) -> str:
     if type(placement) is Partial:
         return f"P{placement.reduce_op}"
     raise ShardingError(
-        f"PipelineStage: a DTensor with placement {placement!r} cannot cross a stage boundary yet; redistribute it to Shard, Replicate or Partial"
+        f"PipelineStage: a DTensor with placement {placement!r} cannot cross a stage boundary yet; redistribute it to "
+        "Shard, Replicate or Partial"
     )
 
 

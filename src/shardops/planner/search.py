@@ -179,7 +179,8 @@ class Search:
             self.pend_coef.append(pend)
 
     def _suffix_bounds(self) -> None:
-        """Per suffix of mesh dims (index j covers j..ndim-1): the least time and changes, any pending, the most sharding."""
+        """Per suffix of mesh dims (index j covers j..ndim-1):
+        the least time and changes, any pending, the most sharding."""
         ndim = len(self.mesh_shape)
         n_tuples = self.n_in + self.n_out
         self.rest_time = [0.0] * (ndim + 1)

@@ -24,7 +24,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +84,7 @@ class Steps:
 
     def __init__(
         self,
-        meter: Callable[[], ContextManager[Meter]] = NoComm,
+        meter: Callable[[], contextlib.AbstractContextManager[Meter]] = NoComm,
         on_step: Callable[[int, StepRecord], None] | None = None,
     ):
         self.meter = meter

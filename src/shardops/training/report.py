@@ -30,10 +30,10 @@ def header(spec: RunSpec) -> str:
     )
     mesh = "x".join(map(str, spec.mesh_shape))
     return (
-        f"[bold]shardops demo[/]: train {spec.model} ({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, vocab {c.vocab_size}, "
-        f"~{n_params / 1e6:.2f}M params) for {spec.steps} steps on a {mesh} mesh "
-        f"({'dp x tp' if len(spec.mesh_shape) == 2 else 'tp'}), batch {spec.batch_size} x {c.max_seq_len} tokens, AdamW, strict mode, "
-        f"dropout {c.dropout:g}{' (this model has none)' if spec.model == 'llama' else ''}, "
+        f"[bold]shardops demo[/]: train {spec.model} ({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, vocab "
+        f"{c.vocab_size}, ~{n_params / 1e6:.2f}M params) for {spec.steps} steps on a {mesh} mesh "
+        f"({'dp x tp' if len(spec.mesh_shape) == 2 else 'tp'}), batch {spec.batch_size} x {c.max_seq_len} tokens, "
+        f"AdamW, strict mode, dropout {c.dropout:g}{' (this model has none)' if spec.model == 'llama' else ''}, "
         f"attention {'on local shards' if spec.local_attention else 'on DTensors'}"
     )
 
@@ -122,7 +122,10 @@ def parts_table(spec: RunSpec, ours: Sequence[dict[str, Any]], theirs: Sequence[
     from rich.table import Table
 
     our_rank, our_records = _busiest(ours)
-    title = f"one training step, per part: collectives and bytes handed to the transport on the busiest rank (shardops rank {our_rank}"
+    title = (
+        "one training step, per part: collectives and bytes handed to the transport on the busiest rank "
+        f"(shardops rank {our_rank}"
+    )
     if theirs:
         their_rank, their_records = _busiest(theirs)
         title += f", torch DTensor rank {their_rank})"
@@ -172,8 +175,9 @@ def summary(
         ratio = our_records[-1].nbytes / max(their_records[-1].nbytes, 1)
         lines.append(
             f"torch DTensor ({len(theirs)} gloo processes): {t_ms:.0f} ms/step, {theirs_seconds:.1f} s with start-up; "
-            f"bytes per step on the busiest rank (handed to the transport): shardops {our_records[-1].nbytes:,} vs torch "
-            f"{their_records[-1].nbytes:,} ({ratio:.2f}x; the runs differ where torch's column leaves out dropout or "
-            f"attention on DTensors). Step times are not comparable across worlds: see `shardops bench` for both sides as gloo processes."
+            f"bytes per step on the busiest rank (handed to the transport): shardops {our_records[-1].nbytes:,} vs "
+            f"torch {their_records[-1].nbytes:,} ({ratio:.2f}x; the runs differ where torch's column leaves out "
+            "dropout or attention on DTensors). Step times are not comparable across worlds: see `shardops bench` for "
+            "both sides as gloo processes."
         )
     return "\n".join(lines)

@@ -108,7 +108,8 @@ def train_rank(
     first = progress["step"]
     if first >= spec.steps:
         raise NothingToResume(
-            f"the checkpoint {checkpointing.resume} was saved after step {first}: nothing left of {spec.steps} steps (raise --steps)"
+            f"the checkpoint {checkpointing.resume} was saved after step {first}: nothing left of {spec.steps} steps "
+            "(raise --steps)"
         )
     report = (lambda i, record: on_step(first + i, record)) if on_step is not None and mesh.get_rank() == 0 else None
     run = Steps(ShardopsMeter, report)

@@ -159,7 +159,8 @@ def train_rank(spec: RunSpec) -> dict[str, Any]:
 
 
 def train(spec: RunSpec, timeout: float = 600) -> list[dict[str, Any]]:
-    """torch DTensor training on prod(mesh_shape) gloo processes; each rank's records (rank 0 also its final parameters)."""
+    """torch DTensor training on prod(mesh_shape) gloo processes; each rank's records
+    (rank 0 also its final parameters)."""
     from .launch import run_gloo
 
     return run_gloo(train_rank, spec.world_size, spec, timeout=timeout)

@@ -22,7 +22,10 @@ def add_arguments(parser) -> None:
         "--budget",
         type=int,
         default=None,
-        help="cases per op and mesh in the sampled run (default: 4 / 4 / 2 by mesh dims; plus one case per sharded algorithm)",
+        help=(
+            "cases per op and mesh in the sampled run "
+            "(default: 4 / 4 / 2 by mesh dims; plus one case per sharded algorithm)"
+        ),
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled run")
     parser.add_argument(

@@ -62,7 +62,7 @@ def tie_aware(got: list[Any], ref: list[Any], inputs: list[torch.Tensor], dim: i
     for k, (gv, rv) in enumerate(zip(got, ref)):
         if k in which and isinstance(gv, torch.Tensor) and gv.shape == rv.shape and gv.dtype == rv.dtype and x.ndim:
             d = dim % x.ndim
-            pick = lambda idx: x.take_along_dim(idx if idx.ndim == x.ndim else idx.unsqueeze(d), d)  # noqa: E731
+            pick = lambda idx: x.take_along_dim(idx if idx.ndim == x.ndim else idx.unsqueeze(d), d)  # noqa: E731, B023 - called within this iteration
             in_range = bool(((gv >= 0) & (gv < max(x.shape[d], 1))).all())
             out.append((pick(gv) if in_range else gv, pick(rv)))
         else:

@@ -28,7 +28,10 @@ class Failure:
 
     def __str__(self) -> str:
         out = f" -> {self.out_placements}" if self.out_placements else ""
-        return f"FAIL {self.target} mesh {self.mesh} case {self.case}: {self.layouts}{out}\n     {self.problem}\n     repro: {self.repro}"
+        return (
+            f"FAIL {self.target} mesh {self.mesh} case {self.case}: {self.layouts}{out}\n"
+            f"     {self.problem}\n     repro: {self.repro}"
+        )
 
 
 @dataclass

@@ -1102,7 +1102,8 @@ def _avg_pool(op, dtype, g, k):
 
 
 def _adaptive_pool(op, dtype, g, k):
-    """_adaptive_avg_pool{2,3}d, adaptive_max_pool{2,3}d (+ backward): output sizes that do and do not divide the input."""
+    """_adaptive_avg_pool{2,3}d, adaptive_max_pool{2,3}d (+ backward):
+    output sizes that do and do not divide the input."""
     case = _cnn_case(dtype, k)
     if case is None:
         return None
