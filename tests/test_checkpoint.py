@@ -16,13 +16,14 @@ import torch
 
 import shardops as so
 import shardops.checkpoint as ckpt
+from checkpoint_harness import (
+    ARGS,
+    full,
+    shardops_model,
+    shardops_step,
+    train_and_checkpoint,
+)  # tests/ is not a package
 from shardops import Partial, Replicate, Shard, StridedShard
-
-try:
-    from .checkpoint_harness import ARGS, full, shardops_model, shardops_step, train_and_checkpoint
-except ImportError:  # tests/ is not a package
-    from checkpoint_harness import ARGS, full, shardops_model, shardops_step, train_and_checkpoint
-
 from shardops.checkpoint.blocksums import SUMS_FILE
 from shardops.models import ModelArgs
 

@@ -20,12 +20,15 @@ import os
 import pytest
 import torch
 
-try:
-    from .checkpoint_harness import full, shardops_model, shardops_step, torch_model, torch_step, train_and_checkpoint
-    from .mp import run_gloo
-except ImportError:  # tests/ is not a package
-    from checkpoint_harness import full, shardops_model, shardops_step, torch_model, torch_step, train_and_checkpoint
-    from mp import run_gloo
+from checkpoint_harness import (
+    full,
+    shardops_model,
+    shardops_step,
+    torch_model,
+    torch_step,
+    train_and_checkpoint,
+)  # tests/ is not a package
+from mp import run_gloo
 
 LR = 1e-2
 
@@ -131,12 +134,8 @@ def _fully_shard_both_ways(tmp: str) -> tuple[bool, bool]:
     from torch.distributed.fsdp import fully_shard
 
     import shardops as so
+    from checkpoint_harness import ARGS
     from shardops.models import Llama
-
-    try:
-        from .checkpoint_harness import ARGS
-    except ImportError:
-        from checkpoint_harness import ARGS
 
     def fsdp_llama(seed: int):
         model = Llama(ARGS, seed=seed)
@@ -325,12 +324,8 @@ def _save_maybe_dying(path: str, step: int, die_rank: int | None) -> None:
 @pytest.mark.timeout(600)
 def test_a_rank_killed_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     import shardops as so
+    from mp import RankFailure
     from shardops import Shard
-
-    try:
-        from .mp import RankFailure
-    except ImportError:
-        from mp import RankFailure
 
     path = str(tmp_path / "ckpt")
     run_gloo(_save_maybe_dying, 4, path, 1, None, timeout=300)

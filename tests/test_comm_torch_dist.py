@@ -13,14 +13,10 @@ import zlib
 import pytest
 import torch
 
+from mp import RankFailure, run_gloo  # tests/ is not a package: pytest put tests/ on sys.path
 from shardops.comm import CommDebugMode, Group
 from shardops.mesh import DeviceMesh, init_device_mesh
 from shardops.world import current_comm, in_threads_world, run
-
-try:
-    from .mp import RankFailure, run_gloo
-except ImportError:  # tests/ is not a package: pytest put tests/ on sys.path
-    from mp import RankFailure, run_gloo
 
 DTYPES = (
     torch.bool,

@@ -45,16 +45,12 @@ import torch
 import torch.multiprocessing as torch_mp
 
 import shardops as so
+from mp import RankFailure, run_gloo  # tests/ is not a package: pytest put tests/ on sys.path
 from shardops import Replicate, Shard, caches
 from shardops.dispatch import core
 from shardops.dispatch.registry import RULES, strategy
 from shardops.mesh import DeviceMesh
 from shardops.planner.rows import row
-
-try:
-    from .mp import RankFailure, run_gloo
-except ImportError:  # tests/ is not a package: pytest put tests/ on sys.path
-    from mp import RankFailure, run_gloo
 
 WORLD = 4
 FAULT_RANK = 1

@@ -14,12 +14,8 @@ from __future__ import annotations
 import torch
 
 import shardops as so
+from mp import run_gloo  # tests/ is not a package: pytest put tests/ on sys.path
 from shardops import Partial, Replicate, Shard
-
-try:
-    from .mp import run_gloo
-except ImportError:  # tests/ is not a package: pytest put tests/ on sys.path
-    from mp import run_gloo
 
 ROWS = [3, 3, 1]
 ROW_BYTES = 2 * 4
