@@ -170,6 +170,7 @@ class AlgoContext:
     in_specs: tuple[TensorSpec, ...]  # inputs as the algorithm receives them
     out_specs: tuple[TensorSpec, ...]
     func: Any
+    keep: dict[str, Any] | None = None  # where a caller asks: what the algorithm keeps for its backward (attention)
 
     @property
     def mesh(self):
