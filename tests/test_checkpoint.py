@@ -40,7 +40,7 @@ def _global(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
 
 # name -> (shape, dtype, placements on a (2, 2) mesh)
-CASES = {
+CASES: dict[str, tuple[tuple[int, ...], torch.dtype, list[so.Placement]]] = {
     "even": ((8, 6), torch.float32, [Shard(0), Shard(1)]),
     "uneven": ((7, 5), torch.float32, [Shard(0), Shard(1)]),
     "empty_shards": ((3, 2), torch.float32, [Shard(0), Shard(0)]),  # 3 rows over 4 ranks: one holds none
@@ -390,7 +390,7 @@ def _fuzz_save(path: str, monkeypatch) -> None:
     so.run(main, 4)
 
 
-def _fuzz_load(path: str, mesh_shape: tuple[int, ...], placements: list, with_rep: bool) -> dict:
+def _fuzz_load(path: str, mesh_shape: tuple[int, ...], placements: list, with_rep: bool) -> list[dict]:
     import math
 
     def main():

@@ -76,7 +76,7 @@ def _class_weights() -> torch.Tensor:
     return torch.rand(VOCAB, generator=torch.Generator().manual_seed(7)) + 0.5
 
 
-def _peak_during(step) -> tuple[tuple[int, str, tuple[int, ...]], int, int]:
+def _peak_during(step) -> list[tuple[tuple[int, str, tuple[int, ...]], int, int]]:
     def body():
         mesh = so.init_device_mesh("cpu", (WORLD,))
         x = _vocab_sharded_logits(mesh)

@@ -28,7 +28,7 @@ def _uneven_program() -> dict:
     mesh = so.init_device_mesh("cpu", (3,))
     full = torch.arange(14.0).reshape(7, 2)
     out = {}
-    sources = {
+    sources: dict[str, tuple[so.DTensor, list[so.Placement], torch.Tensor]] = {
         "all_gather": (so.distribute_tensor(full, mesh, [Shard(0)]), [Replicate()], full),
         "reduce_scatter": (so.DTensor.from_local(full, mesh, [Partial("sum")]), [Shard(0)], 3 * full),
         # no backend reduces int16: an all_to_all of the padded chunks, reduced locally (as every reduce_scatter on gloo)
