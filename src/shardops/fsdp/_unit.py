@@ -65,7 +65,8 @@ class FSDPUnit:
         self.pending_backward = False
         self.forwards_in_pass = 0
         self.inputs_pending = 0  # post-backward functions of this forward whose backward has not run yet
-        self.root: Any = None  # the RootState (of fsdp/_state.py, which imports this module) of the model this unit runs in (set at the root's first forward)
+        # the RootState of the model this unit runs in (set at the root's first forward); Any: _state.py imports this
+        self.root: Any = None
 
     # -- parameters
     def start_unshard(self) -> None:
