@@ -47,7 +47,7 @@ def shardops_model(
     so.parallel.parallelize_module(model, mesh["tp"] if len(mesh_shape) == 2 else mesh, plan)
     if len(mesh_shape) == 2:
         so.parallel.data_parallel(model, mesh, mode=dp_mode)
-    return model, mesh, (mesh.get_coordinate()[0] if len(mesh_shape) == 2 else 0)
+    return model, mesh, (mesh.own_coordinate()[0] if len(mesh_shape) == 2 else 0)
 
 
 def shardops_step(model: Any, opt: Any, step: int, dp: int = 1, dp_rank: int = 0) -> float:

@@ -82,7 +82,7 @@ def reference_training(model: torch.nn.Module, tokens, targets, steps: int = 3, 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n: _grad(p).clone() for n, p in model.named_parameters()}
         losses.append(loss.item())
         opt.step()
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -118,7 +118,7 @@ def sharded_training(
         if plan is not None:
             parallelize_module(model, mesh["tp"], plan)
         data_parallel(model, mesh, mode)
-        dp = mesh.get_coordinate()[0]
+        dp = mesh.own_coordinate()[0]
         tok, tgt = tokens.chunk(mesh_shape[0])[dp], targets.chunk(mesh_shape[0])[dp]
         # this dp rank's piece of the target, said explicitly (torch's loss_parallel refuses a plain one there)
         tgt = so.from_local(tgt, mesh, [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1))
@@ -129,19 +129,21 @@ def sharded_training(
         with loss_parallel():
             loss = loss_fn(model(tok), tgt)
             loss.backward()
-        pending.append(sum(sum(a != b for a, b in zip(p.grad.placements, p.placements)) for p in model.parameters()))
+        pending.append(
+            sum(sum(a != b for a, b in zip(_dt(p.grad).placements, _dt(p).placements)) for p in model.parameters())
+        )
         with so.CommDebugMode() as comm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # reads every gradient first
             opt.step()
         step_comms.append(comm.get_total_counts())
         with so.CommDebugMode() as comm:
             for p in model.parameters():
-                p.grad * 1.0  # a read in the parameter's layout: free once resolved
+                _grad(p) * 1.0  # a read in the parameter's layout: free once resolved
         reread_comms.append(comm.get_total_counts())
         if step == 0:
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            grads = {n: _dt(p.grad).full_tensor() for n, p in model.named_parameters()}
         losses.append(loss.full_tensor().item() if isinstance(loss, so.DTensor) else loss.item())
-    params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    params = {n: _dt(p.detach()).full_tensor() for n, p in model.named_parameters()}
     return losses, grads, params, pending, step_comms, reread_comms
 
 
@@ -167,6 +169,17 @@ def check_training(results, reference, tol: float = 1e-4) -> None:
 
 def _full(t):
     return t.full_tensor() if isinstance(t, so.DTensor) else t
+
+
+def _dt(t: object) -> so.DTensor:
+    """`t`, which the model's parallel plan made a DTensor (a parameter or its gradient)."""
+    assert isinstance(t, so.DTensor), type(t)
+    return t
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None, "no gradient"
+    return p.grad
 
 
 def count_step(model, feed, loss_of):

@@ -12,7 +12,7 @@ PARTIALS = [so.Partial(op) for op in ("sum", "avg", "max", "min", "product")]
 
 
 def random_placement(rng: random.Random, ndim: int, source: bool):
-    opts = [so.Replicate()]
+    opts: list[so.Placement] = [so.Replicate()]
     if ndim:
         opts += [so.Shard(d) for d in range(ndim)] * 2 + [so.StridedShard(d, rng.choice([2, 3])) for d in range(ndim)]
     if source:
@@ -92,7 +92,7 @@ def run_cases(seed: int, mesh_shape, count: int, byte_log: list | None = None):
         if any(isinstance(p, so.NormPartial) for p in src):
             full = full.abs()
         x = make_source(full, mesh, src, seed * 31 + t)
-        expected_bytes = plan_bytes(x._spec, plan(x._spec, dst), mesh.get_coordinate())
+        expected_bytes = plan_bytes(x._spec, plan(x._spec, dst), mesh.own_coordinate())
         with so.CommDebugMode() as comm:
             y = x.redistribute(placements=dst)
         if byte_log is not None:

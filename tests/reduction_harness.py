@@ -148,8 +148,8 @@ def assert_same(actual: torch.Tensor, want: torch.Tensor, what: str, exact64: bo
         assert torch.equal(actual, want), f"{what}: {actual} != torch's {want}"
 
 
-def check_case(op: Op, mesh_shape, placements, shape_name: str, seed: int = 0) -> None:
-    full = make_data(op, SHAPES[shape_name] if shape_name in SHAPES else shape_name, seed)
+def check_case(op: Op, mesh_shape, placements, shape_name: str | tuple[int, ...], seed: int = 0) -> None:
+    full = make_data(op, SHAPES[shape_name] if isinstance(shape_name, str) else shape_name, seed)
     outs, weights, grad = expected(op, full)
     got = run_sharded(op, full, mesh_shape, placements, seed, weights)
     assert len(got["out"]) == len(outs)

@@ -26,11 +26,7 @@ from shardops import Partial, Replicate, Shard
 from shardops.experimental import implicit_replication
 from shardops.mesh import DeviceMesh
 from shardops.placements import chunk_size_and_offset, dim_positions, local_shape_and_offset
-
-try:
-    from .test_properties import OPS, missing
-except ImportError:  # tests/ is not a package
-    from test_properties import OPS, missing
+from test_properties import OPS, missing  # tests/ is not a package
 
 aten = torch.ops.aten
 nan, inf = math.nan, math.inf

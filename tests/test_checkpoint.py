@@ -16,13 +16,14 @@ import torch
 
 import shardops as so
 import shardops.checkpoint as ckpt
+from checkpoint_harness import (
+    ARGS,
+    full,
+    shardops_model,
+    shardops_step,
+    train_and_checkpoint,
+)  # tests/ is not a package
 from shardops import Partial, Replicate, Shard, StridedShard
-
-try:
-    from .checkpoint_harness import ARGS, full, shardops_model, shardops_step, train_and_checkpoint
-except ImportError:  # tests/ is not a package
-    from checkpoint_harness import ARGS, full, shardops_model, shardops_step, train_and_checkpoint
-
 from shardops.checkpoint.blocksums import SUMS_FILE
 from shardops.models import ModelArgs
 
@@ -39,7 +40,7 @@ def _global(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
 
 # name -> (shape, dtype, placements on a (2, 2) mesh)
-CASES = {
+CASES: dict[str, tuple[tuple[int, ...], torch.dtype, list[so.Placement]]] = {
     "even": ((8, 6), torch.float32, [Shard(0), Shard(1)]),
     "uneven": ((7, 5), torch.float32, [Shard(0), Shard(1)]),
     "empty_shards": ((3, 2), torch.float32, [Shard(0), Shard(0)]),  # 3 rows over 4 ranks: one holds none
@@ -389,7 +390,7 @@ def _fuzz_save(path: str, monkeypatch) -> None:
     so.run(main, 4)
 
 
-def _fuzz_load(path: str, mesh_shape: tuple[int, ...], placements: list, with_rep: bool) -> dict:
+def _fuzz_load(path: str, mesh_shape: tuple[int, ...], placements: list, with_rep: bool) -> list[dict]:
     import math
 
     def main():

@@ -17,16 +17,20 @@ share them.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
 
-try:
-    from .checkpoint_harness import full, shardops_model, shardops_step, torch_model, torch_step, train_and_checkpoint
-    from .mp import run_gloo
-except ImportError:  # tests/ is not a package
-    from checkpoint_harness import full, shardops_model, shardops_step, torch_model, torch_step, train_and_checkpoint
-    from mp import run_gloo
+from checkpoint_harness import (
+    full,
+    shardops_model,
+    shardops_step,
+    torch_model,
+    torch_step,
+    train_and_checkpoint,
+)  # tests/ is not a package
+from mp import run_gloo
 
 LR = 1e-2
 
@@ -58,7 +62,7 @@ def _checks(tmp: str) -> dict:
 
     sm, mesh, dp_rank = shardops_model((2, 2), seed=7)
     sopt = torch.optim.AdamW(sm.parameters(), lr=LR)
-    state = {"model": get_model_state_dict(sm), "optim": get_optimizer_state_dict(sm, sopt)}
+    state: dict[str, Any] = {"model": get_model_state_dict(sm), "optim": get_optimizer_state_dict(sm, sopt)}
     dcp.load(state, checkpoint_id=os.path.join(tmp, "torch"))
     set_model_state_dict(sm, state["model"])
     set_optimizer_state_dict(sm, sopt, state["optim"])
@@ -132,23 +136,19 @@ def _fully_shard_both_ways(tmp: str) -> tuple[bool, bool]:
     from torch.distributed.fsdp import fully_shard
 
     import shardops as so
+    from checkpoint_harness import ARGS
     from shardops.models import Llama
-
-    try:
-        from .checkpoint_harness import ARGS
-    except ImportError:
-        from checkpoint_harness import ARGS
 
     def fsdp_llama(seed: int):
         model = Llama(ARGS, seed=seed)
         mesh = init_device_mesh("cpu", (4,))
-        for layer in model.layers.values() if hasattr(model.layers, "values") else model.layers:
+        for layer in model.layers.children():
             fully_shard(layer, mesh=mesh)
         return fully_shard(model, mesh=mesh)
 
     dcp.save(get_model_state_dict(fsdp_llama(4)), checkpoint_id=os.path.join(tmp, "fsdp"))
     sm, _, _ = shardops_model((2, 2), seed=0)
-    state = get_model_state_dict(sm)
+    state: dict[str, Any] = get_model_state_dict(sm)
     dcp.load(state, checkpoint_id=os.path.join(tmp, "fsdp"))
     into_shardops = all(torch.equal(full(state[k]), v) for k, v in Llama(ARGS, seed=4).state_dict().items())
     sm, _, _ = shardops_model((2, 2), seed=6)
@@ -236,7 +236,7 @@ def _resharding_load_memory(path: str) -> dict:
     python_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     rss_growth = _proc_status("VmHWM") - before
-    i, j = mesh22.get_coordinate()
+    i, j = mesh22.own_coordinate()
     halves = [torch.randn(rows, BIG[1], generator=torch.Generator().manual_seed(2 * i + k)) for k in range(2)]
     expected = torch.cat(halves)[:, j * shard[1] : (j + 1) * shard[1]]
     return {
@@ -318,7 +318,7 @@ def _save_maybe_dying(path: str, step: int, die_rank: int | None) -> None:
         def die(self, plan, planner):
             os._exit(3)  # the process is gone mid-save, without a word to the others
 
-        FileSystemWriter.write_data = die
+        FileSystemWriter.write_data = die  # type: ignore[method-assign]  # this process dies mid-save on purpose
     so.checkpoint.save({"w": weights, "step": step}, path)
 
 
@@ -326,12 +326,8 @@ def _save_maybe_dying(path: str, step: int, die_rank: int | None) -> None:
 @pytest.mark.timeout(600)
 def test_a_rank_killed_mid_save_leaves_the_last_good_checkpoint(tmp_path):
     import shardops as so
+    from mp import RankFailure
     from shardops import Shard
-
-    try:
-        from .mp import RankFailure
-    except ImportError:
-        from mp import RankFailure
 
     path = str(tmp_path / "ckpt")
     run_gloo(_save_maybe_dying, 4, path, 1, None, timeout=300)

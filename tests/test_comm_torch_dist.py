@@ -13,14 +13,10 @@ import zlib
 import pytest
 import torch
 
+from mp import RankFailure, run_gloo  # tests/ is not a package: pytest put tests/ on sys.path
 from shardops.comm import CommDebugMode, Group
 from shardops.mesh import DeviceMesh, init_device_mesh
 from shardops.world import current_comm, in_threads_world, run
-
-try:
-    from .mp import RankFailure, run_gloo
-except ImportError:  # tests/ is not a package: pytest put tests/ on sys.path
-    from mp import RankFailure, run_gloo
 
 DTYPES = (
     torch.bool,
@@ -119,7 +115,8 @@ def program_meshes() -> dict:
 
             comm = current_comm()
             out[shape, "torch_order"] = {
-                tag: tuple(dist.get_process_group_ranks(comm.process_group(g))) for tag, g in _groups_of(mesh).items()
+                tag: tuple(dist.get_process_group_ranks(comm.process_group(g)))  # type: ignore[attr-defined]  # a TorchDistComm
+                for tag, g in _groups_of(mesh).items()
             }
     # Groups not along mesh dims: ranks {1, 3} and {0, 2}, listed against torch's order.
     # In torch this is a new process group that only its members create.
@@ -153,7 +150,7 @@ def program_from_torch() -> dict:
             out[name, "torch_view"] = (
                 tuple(tmesh.shape),
                 tmesh.mesh_dim_names,
-                list(tmesh.get_coordinate()),
+                list(tmesh.get_coordinate() or ()),
                 tmesh.mesh.tolist(),
             )
         out[name, "view"] = (
@@ -219,7 +216,8 @@ def program_dry_run() -> dict:
     mesh = init_device_mesh("cpu", (2, 2, 4))
     comm = current_comm()
     out: dict = {}
-    for dims in [0, 1, 2, (0, 2), (2, 0), (0, 1, 2)]:
+    all_dims: list[int | tuple[int, ...]] = [0, 1, 2, (0, 2), (2, 0), (0, 1, 2)]
+    for dims in all_dims:
         group = mesh.group(dims)
         n, me = group.size, group.index(comm.rank)
         with CommDebugMode() as mode:

@@ -11,6 +11,7 @@ the values is also single-device torch, computed in the test.
 import copy
 import functools
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, so.DTensor) else t
 
 
-def _compare_compiled_with_eager(mesh_shape, backend) -> dict:
+def _compare_compiled_with_eager(mesh_shape, backend) -> list[dict]:
     reference = _mlp()
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     ref_y = reference(x)
@@ -295,7 +296,9 @@ def _shard_pending_training(mesh, backend: str | None, steps: int = 3) -> tuple[
         opt.zero_grad()
         x = so.distribute_tensor(torch.randn(5, 3, generator=torch.Generator().manual_seed(step)), mesh, [Shard(0)])
         ((w * x) ** 2).sum().backward()
-        pending = (w.grad.placements, w.grad._pending_layout)
+        g = w.grad
+        assert isinstance(g, so.DTensor)
+        pending = (g.placements, g._pending_layout)
         with so.CommDebugMode() as comm:
             run()
         steps_seen.append((pending, comm.get_comm_counts(), comm.get_total_bytes()))
@@ -482,9 +485,15 @@ def test_compiled_parallel_mlp_with_inductor():
 
 COLUMNS = 15  # uneven over 2 ranks: 8 and 7
 
+
 # op -> (function of a [4, COLUMNS] tensor, the dim its DTensor is sharded on): ops with a sharded
 # algorithm over that dim (collectives inside), forward and backward
-SHARDED_ALGORITHMS = {
+def _causal_attention(x):
+    q = x.view(1, 1, 4, COLUMNS)
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).view(4, COLUMNS)
+
+
+SHARDED_ALGORITHMS: dict[str, tuple[Any, ...]] = {  # (function, x's sharded dim, makers of other operands)
     "cumsum": (lambda x: torch.cumsum(x, 1), 1),
     "cumprod": (lambda x: torch.cumprod(x, 1), 1),
     "logcumsumexp": (lambda x: torch.logcumsumexp(x, 1), 1),
@@ -511,12 +520,7 @@ SHARDED_ALGORITHMS = {
     "flip": (lambda x: torch.flip(x, (1,)), 1),
     "roll": (lambda x: torch.roll(x, 3, 1), 1),
     "row_parallel_matmul": (lambda x, w: x @ w, 1, lambda: torch.ones(COLUMNS, 5)),
-    "causal_attention": (
-        lambda x: torch.nn.functional.scaled_dot_product_attention(
-            *[x.view(1, 1, 4, COLUMNS)] * 3, is_causal=True
-        ).view(4, COLUMNS),
-        0,
-    ),
+    "causal_attention": (_causal_attention, 0),
 }
 
 
@@ -532,20 +536,20 @@ def _sharded_algorithm_differences(backend: str = "aot_eager") -> dict[str, list
         reference = x0.clone().requires_grad_()
         want = f(reference, *plain)
         (want * want).sum().backward()
-        runs = {}
+        runs: dict[str, Any] = {}
         for mode, run in (("eager", f), ("compiled", torch.compile(f, backend=backend, fullgraph=True))):
             x = so.distribute_tensor(x0, mesh, [so.Shard(dim)]).requires_grad_()
             try:
                 with so.CommDebugMode() as comm:
                     y = run(x, *replicated)
                     (y * y).sum().backward()
-                runs[mode] = (_full(y).detach(), x.grad.full_tensor(), comm.get_total_bytes())
+                runs[mode] = (_full(y).detach(), _full(x.grad), comm.get_total_bytes())
             except Exception as e:  # noqa: BLE001 - the failure is the finding
                 runs[mode] = f"{type(e).__name__}: {str(e)[:300]}"
         wrong = [f"{mode}: {r}" for mode, r in runs.items() if isinstance(r, str)]
         if not wrong:
             for mode, (y, grad, _) in runs.items():
-                if not (torch.allclose(y, want, atol=1e-5) and torch.allclose(grad, reference.grad, atol=1e-4)):
+                if not (torch.allclose(y, want, atol=1e-5) and torch.allclose(grad, _full(reference.grad), atol=1e-4)):
                     wrong.append(f"{mode}: values or gradient differ from single-device torch")
             if runs["compiled"][2] > runs["eager"][2]:
                 wrong.append(f"compiled sends {runs['compiled'][2]} B, eager {runs['eager'][2]} B")

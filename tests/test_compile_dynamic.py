@@ -13,7 +13,7 @@ from shardops import Shard
 
 def _sharding_error_in(e: BaseException) -> so.ShardingError | None:
     """Dynamo reports an error raised while it runs an op on fake tensors as the cause of its own."""
-    seen = e
+    seen: BaseException | None = e
     while seen is not None:
         if isinstance(seen, so.ShardingError):
             return seen

@@ -159,12 +159,17 @@ def _dotted(node: ast.AST) -> list[str] | None:
 _DOTTED_TORCH_NAME = re.compile(r"\btorch(?:\.\w+)+")  # in a string: torch._C._nn, torch.utils._pytree.tree_map
 
 
+def _body(node: ast.AST) -> list:
+    body = getattr(node, "body", None)
+    return body if isinstance(body, list) else []
+
+
 def _prose(tree: ast.AST) -> set[int]:
     """The string statements of every body (docstrings, bare strings): prose about torch, not code."""
     return {
         id(st.value)
         for n in ast.walk(tree)
-        for st in (n.body if isinstance(getattr(n, "body", None), list) else [])
+        for st in _body(n)
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str)
     }
 

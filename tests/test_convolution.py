@@ -25,6 +25,12 @@ aten = torch.ops.aten
 # ------------------------------------------------------------------ convolution
 
 
+def _dt(t: object) -> so.DTensor:
+    """`t`, an op's result on DTensors (or a DTensor's gradient): a DTensor."""
+    assert isinstance(t, so.DTensor), type(t)
+    return t
+
+
 def conv2d(x, w, b=None):
     return F.conv2d(x, w, b, padding=1)
 
@@ -399,8 +405,8 @@ def _resnet_step_in_a_process(norm_name: str):
             y.square().sum().backward()
     finally:
         so.set_strict(False)
-    grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
-    buffers = {n: b.full_tensor() for n, b in m.named_buffers()}
+    grads = {n: _dt(p.grad).full_tensor() for n, p in m.named_parameters()}
+    buffers = {n: _dt(b).full_tensor() for n, b in m.named_buffers()}
     return y.full_tensor(), grads, buffers, dict(comm.get_comm_counts()), comm.get_total_bytes()
 
 

@@ -17,12 +17,8 @@ from __future__ import annotations
 import pytest
 
 import shardops as so
+import test_properties as props  # tests/ is not a package: pytest puts it on sys.path
 from shardops.dispatch import core
-
-try:
-    from . import test_properties as props
-except ImportError:  # tests/ is not a package
-    import test_properties as props
 
 # Re-collected here, under the debug fixture below.
 from test_dtensor import (  # noqa: F401,E402

@@ -10,6 +10,8 @@ seed per rank so that a generator shared between the rank threads cannot give th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.data import DataLoader, RandomSampler, random_split
 
@@ -20,12 +22,18 @@ SEED = 1234
 WORLD = 2
 
 
+def _dt(t: object) -> so.DTensor:
+    """`t`, an op's result on DTensors: a DTensor."""
+    assert isinstance(t, so.DTensor), type(t)
+    return t
+
+
 def _draws(rank: int) -> dict:
     """Every use of the default generator by name that a script makes, seeded for `rank`."""
     torch.manual_seed(SEED + rank)
-    out: dict = {
-        "random_split": [list(part) for part in random_split(range(8), [4, 4])]
-    }  # its default arg: the generator
+    # (torch takes any sequence as a dataset; its stubs say Dataset)
+    parts: list[Any] = random_split(range(8), [4, 4])  # type: ignore[arg-type]
+    out: dict = {"random_split": [list(part) for part in parts]}  # its default arg: the generator
     out["randperm"] = torch.randperm(8, generator=torch.default_generator)
     out["rand"] = torch.rand(4, generator=torch.default_generator)
     out["bernoulli_"] = torch.ones(8).bernoulli_(0.5, generator=torch.default_generator)
@@ -35,14 +43,16 @@ def _draws(rank: int) -> dict:
     )  # a reference taken at import
     out["sampler"] = list(RandomSampler(range(10), generator=torch.default_generator))
     out["loader, generator=default"] = [
-        b.tolist() for b in DataLoader(range(10), batch_size=4, shuffle=True, generator=torch.default_generator)
+        b.tolist()
+        for b in DataLoader(range(10), batch_size=4, shuffle=True, generator=torch.default_generator)  # type: ignore[arg-type]
     ]
 
     torch.default_generator.manual_seed(SEED + 10 + rank)  # the generator's own methods
     out["initial_seed"] = (torch.default_generator.initial_seed(), torch.initial_seed())
     out["rand after its manual_seed"] = torch.rand(3)
     out["loader"] = [
-        b.tolist() for b in DataLoader(range(10), batch_size=4, shuffle=True)
+        b.tolist()
+        for b in DataLoader(range(10), batch_size=4, shuffle=True)  # type: ignore[arg-type]
     ]  # RandomSampler draws its seed
     state = torch.default_generator.get_state()
     first = torch.rand(3)
@@ -65,8 +75,10 @@ def _rank_draws(with_dtensor: bool = False) -> dict:
     if with_dtensor:  # a DTensor draw keyed by the default generator given explicitly, by either reference
         torch.manual_seed(SEED + 20 + mesh.get_rank())  # after _draws' seed(): a random seed
         x = so.distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
-        out["DTensor uniform_"] = x.uniform_(generator=torch.default_generator).full_tensor()
-        out["DTensor normal_, earlier reference"] = x.normal_(generator=torch.random.default_generator).full_tensor()
+        out["DTensor uniform_"] = _dt(x.uniform_(generator=torch.default_generator)).full_tensor()
+        out["DTensor normal_, earlier reference"] = _dt(
+            x.normal_(generator=torch.random.default_generator)
+        ).full_tensor()
     return out
 
 

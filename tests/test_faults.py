@@ -45,16 +45,12 @@ import torch
 import torch.multiprocessing as torch_mp
 
 import shardops as so
+from mp import RankFailure, run_gloo  # tests/ is not a package: pytest put tests/ on sys.path
 from shardops import Replicate, Shard, caches
 from shardops.dispatch import core
 from shardops.dispatch.registry import RULES, strategy
 from shardops.mesh import DeviceMesh
 from shardops.planner.rows import row
-
-try:
-    from .mp import RankFailure, run_gloo
-except ImportError:  # tests/ is not a package: pytest put tests/ on sys.path
-    from mp import RankFailure, run_gloo
 
 WORLD = 4
 FAULT_RANK = 1
@@ -133,7 +129,9 @@ def _sharded_input(mesh) -> so.DTensor:
 
 
 def _softmax_full(x: so.DTensor) -> torch.Tensor:
-    return torch.softmax(x, dim=1).full_tensor()
+    y = torch.softmax(x, dim=1)
+    assert isinstance(y, so.DTensor)
+    return y.full_tensor()
 
 
 def setup_done(mesh) -> None:
@@ -226,7 +224,9 @@ def prog_disagree(record: dict) -> tuple:
     rank = mesh.get_rank()
     x = so.distribute_tensor(torch.ones(8), mesh, [Shard(0)], src_data_rank=None)
     with implicit_replication():
-        (x + torch.ones(8)).full_tensor()
+        y = x + torch.ones(8)
+        assert isinstance(y, so.DTensor)
+        y.full_tensor()
     setup_done(mesh)
     mine = torch.full((8,), float(rank == FAULT_RANK))
 
@@ -346,7 +346,7 @@ def gloo_outcomes(
             for conn in wait(list(waiting.values()), timeout=max(0.0, end - time.monotonic())):
                 rank = conns.index(conn)
                 try:
-                    outcomes[rank] = pickle.loads(conn.recv_bytes())
+                    outcomes[rank] = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]  # our Connections
                 except EOFError:
                     procs[rank].join(5)
                     outcomes[rank] = ("exited", procs[rank].exitcode)

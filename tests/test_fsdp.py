@@ -8,6 +8,7 @@ each data-parallel rank trains on its slice of that batch with a rank-local mean
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -73,13 +74,19 @@ def _reference(steps: int = STEPS, lr: float = 1e-2) -> dict:
         loss.backward()
         losses.append(loss.item())
         if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
         opt.step()
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor | None) -> torch.Tensor:
+    assert t is not None, "no gradient"
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _whole(t: Any) -> torch.Tensor:
+    """A DTensor's full tensor: torch's or shardops' (the side-by-side runs use both)."""
+    return t.full_tensor()
 
 
 def _batch_slice(mesh: so.DeviceMesh, dp_dim: str | None, x: torch.Tensor) -> torch.Tensor:
@@ -101,10 +108,10 @@ def _train(model: nn.Module, mesh: so.DeviceMesh, dp_dim: str | None, steps: int
         if grads is None:
             grads = {n: _full(p.grad) for n, p in model.named_parameters()}
         opt.step()
-    group = mesh.group(mesh.mesh_dim_names.index(dp_dim) if dp_dim else tuple(range(mesh.ndim)))
+    group = mesh.group((mesh.mesh_dim_names or ()).index(dp_dim) if dp_dim else tuple(range(mesh.ndim)))
     local_losses = mesh.comm.all_gather(torch.stack(losses), group)
     return {
-        "losses": (sum(local_losses) / dp_size).tolist(),
+        "losses": (sum(local_losses, torch.zeros(())) / dp_size).tolist(),
         "grads": grads,
         "params": {n: _full(p).detach() for n, p in model.named_parameters()},
     }
@@ -195,8 +202,8 @@ def test_hsdp_trains_as_single_device(strict):
 
 def _unit_params(model: Model) -> dict[str, list[torch.Tensor]]:
     """The units' original parameters (before sharding), by unit: each block, then the root's own."""
-    units = {f"blocks.{i}": list(b.parameters()) for i, b in enumerate(model.blocks)}
-    units["root"] = list(model.inp.parameters()) + list(model.out.parameters())
+    units: dict[str, list[torch.Tensor]] = {f"blocks.{i}": list(b.parameters()) for i, b in enumerate(model.blocks)}
+    units["root"] = [*model.inp.parameters(), *model.out.parameters()]
     return units
 
 
@@ -502,7 +509,7 @@ def _local_activations_rank(kind: str, how: str, mesh_shape: tuple[int, ...]):
     torch.manual_seed(0)
     model = MODELS[kind][0]()
     if len(mesh_shape) == 2:  # the MLP tensor-parallel, the attention outside the plan
-        parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        parallelize_module(model.get_submodule("mlp"), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     if how == "fully_shard":
         fully_shard(model, mesh=mesh["dp"])
     else:
@@ -542,6 +549,9 @@ def test_activations_stay_local(strict, kind, mesh_shape, how):
 def _side_by_side(torch_side: bool, param_dtype, steps: int = 5) -> dict:
     """This process's run of the same model and batches under torch's fully_shard or shardops':
     every step's global loss and gradients, the final parameters, the forward's all_gather bytes."""
+    Policy: Any  # torch's or shardops' (likewise below)
+    shard: Any
+    mesh: Any
     if torch_side:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
@@ -570,12 +580,12 @@ def _side_by_side(torch_side: bool, param_dtype, steps: int = 5) -> dict:
         total = loss.detach().float().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / 4)
-        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        grads.append({n: _whole(p.grad) for n, p in model.named_parameters()})
         opt.step()
     return {
         "losses": losses,
         "grads": grads,
-        "params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
+        "params": {n: _whole(p).detach() for n, p in model.named_parameters()},
         "gathered": gathered,
     }
 
@@ -669,6 +679,11 @@ def test_state_dict_is_sharded_under_the_original_names(tmp_path):
 def _sharded_model(torch_side: bool, seed: int, tp: bool):
     """The test model under torch's fully_shard or shardops', with its AdamW: pure FSDP on (4,), or
     (dp=2, tp=2) with the blocks' MLPs tensor-parallel (torch's StridedShard layout on both sides)."""
+    init_device_mesh: Any  # torch's or shardops' (likewise below)
+    shard: Any
+    Col: Any
+    Row: Any
+    parallelize: Any
     if torch_side:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as shard
@@ -741,7 +756,7 @@ def _load(model: nn.Module, opt: torch.optim.Optimizer, how: str, path: str) -> 
         set_optimizer_state_dict,
     )
 
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
@@ -849,6 +864,8 @@ def _memory_rank(torch_side: bool) -> int:
     profiler records the allocator's events of this thread only, and a collective's buffers
     are now and then freed on gloo's thread (when its work object goes), which then reads as
     held to the end, on either side."""
+    shard: Any  # torch's or shardops'
+    mesh: Any
     from torch.autograd.profiler import profile
 
     if torch_side:
@@ -1011,7 +1028,7 @@ def _compiled_rank(compiled: bool):
     model = _model()
     if compiled:
         for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block, fullgraph=True)
+            model.blocks[i] = torch.compile(block, fullgraph=True)  # type: ignore[assignment]  # a module's compile is a module
     model = _shard_blocks(model, mesh=mesh)
     logs = []
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)

@@ -86,7 +86,7 @@ def _single() -> dict:
         loss = _step_loss(model, tokens, labels, tokens.numel())
         loss.backward()
         losses.append(loss.item())
-        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = grads or {n: _full(p.grad).clone() for n, p in model.named_parameters()}
         opt.step()
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 

@@ -325,6 +325,11 @@ def test_checkpoint_save_and_load_round_trip(tmp_path):
 # ------------------------------------------------------------------ the torch.distributed world
 
 
+def _dt(t: object) -> so.DTensor:
+    assert isinstance(t, so.DTensor), type(t)  # an op on a DTensor (or its gradient) gives one
+    return t
+
+
 def _dist_world_program(device: str) -> dict[str, torch.Tensor]:
     """Each rank's results (moved to CPU to travel back): softmax, matmul, redistribute, a re-index, backward."""
     world = dist.get_world_size()
@@ -334,13 +339,13 @@ def _dist_world_program(device: str) -> dict[str, torch.Tensor]:
     dw = so.distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
     y = torch.softmax(dx, dim=1) @ dw  # the matmul's contraction dim is sharded: a pending sum
     y.sum().backward()
-    assert dx.to_local().device.type == device and y.to_local().device.type == device
+    assert dx.to_local().device.type == device and _dt(y).to_local().device.type == device
     return {
-        "y": y.full_tensor().cpu(),
-        "x_grad": dx.grad.full_tensor().cpu(),
-        "w_grad": dw.grad.full_tensor().cpu(),
-        "flip": torch.flip(dx.detach(), dims=[1]).full_tensor().cpu(),
-        "cumsum": torch.cumsum(dx.detach(), dim=1).redistribute(mesh, [Shard(0)]).full_tensor().cpu(),
+        "y": _dt(y).full_tensor().cpu(),
+        "x_grad": _dt(dx.grad).full_tensor().cpu(),
+        "w_grad": _dt(dw.grad).full_tensor().cpu(),
+        "flip": _dt(torch.flip(dx.detach(), dims=[1])).full_tensor().cpu(),
+        "cumsum": _dt(torch.cumsum(dx.detach(), dim=1)).redistribute(mesh, [Shard(0)]).full_tensor().cpu(),
     }
 
 

@@ -51,7 +51,7 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = _resolve(name, is_package, node.level, node.module) if node.level else node.module
+                base = _resolve(name, is_package, node.level, node.module) if node.level else node.module or ""
                 for a in node.names:
                     sub = f"{base}.{a.name}"
                     targets.append(sub if sub in mods else base)
@@ -318,7 +318,7 @@ def registry_writes(source: str) -> list[int]:
             if isinstance(node, ast.AugAssign)
             else []
         )
-        if any(isinstance(t, ast.Subscript) and table(t.value) for t in targets):
+        if isinstance(node, ast.stmt) and any(isinstance(t, ast.Subscript) and table(t.value) for t in targets):
             lines.append(node.lineno)
         elif (
             isinstance(node, ast.Call)

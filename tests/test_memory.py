@@ -19,11 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardops as so
 from shardops import Shard
 from shardops.parallel import loss_parallel
-
-try:
-    from .test_properties import OPS, missing
-except ImportError:  # tests/ is not a package
-    from test_properties import OPS, missing
+from test_properties import OPS, missing  # tests/ is not a package
 
 ROWS, VOCAB, WORLD = 64, 128000, 4
 LIMIT = 2.0  # the largest local temporary, in local shards
@@ -80,7 +76,7 @@ def _class_weights() -> torch.Tensor:
     return torch.rand(VOCAB, generator=torch.Generator().manual_seed(7)) + 0.5
 
 
-def _peak_during(step) -> tuple[tuple[int, str, tuple[int, ...]], int, int]:
+def _peak_during(step) -> list[tuple[tuple[int, str, tuple[int, ...]], int, int]]:
     def body():
         mesh = so.init_device_mesh("cpu", (WORLD,))
         x = _vocab_sharded_logits(mesh)

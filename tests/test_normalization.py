@@ -19,7 +19,7 @@ from shardops.dispatch.registry import RULES
 aten = torch.ops.aten
 R = Replicate()
 SHAPE = (20, 5, 10)  # over 4 ranks: 5,5,5,5 / 2,2,1,0 (an empty shard) / 3,3,3,1
-LAYOUTS = {
+LAYOUTS: dict[tuple[int, ...], dict[str, list[so.Placement]]] = {
     (4,): {"S0": [Shard(0)], "S1": [Shard(1)], "S2": [Shard(2)]},
     (2, 2): {
         "S0,S2": [Shard(0), Shard(2)],

@@ -43,6 +43,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (torch.linalg.vector_norm((a - b).double()) / torch.linalg.vector_norm(b.double()).clamp_min(1e-30)).item()
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient, which the step just made (a missing one fails the test here)."""
+    assert p.grad is not None, "no gradient"
+    return p.grad
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor:
+    """The whole tensor of a DTensor (a parameter or its gradient)."""
+    assert isinstance(t, so.DTensor), t
+    return t.full_tensor()
+
+
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
@@ -61,6 +73,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 class LlamaStage(nn.Module):
     """The layers of one stage, torchtitan-style: the whole model's FQNs for what it keeps, None for the rest."""
 
+    freqs_cis: torch.Tensor  # a buffer
+
     def __init__(self, model: Llama, layer_ids: list[str], first: bool, last: bool) -> None:
         super().__init__()
         self.tok_embeddings = model.tok_embeddings if first else None
@@ -74,7 +88,7 @@ class LlamaStage(nn.Module):
         freqs = self.freqs_cis[:SEQ]  # not h.shape[1]: under sequence parallelism h is this rank's sequence shard
         for layer in self.layers.values():
             h = layer(h, freqs)
-        return self.output(self.norm(h)) if self.norm is not None else h
+        return self.output(self.norm(h)) if self.norm is not None and self.output is not None else h
 
 
 def _stage_module(stage: int, num_stages: int, seed: int = 0) -> LlamaStage:
@@ -92,7 +106,7 @@ def _reference() -> dict:
         loss = _loss(model(tokens), target)
         loss.backward()
         losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: _grad(p).clone() for n, p in model.named_parameters()})
         opt.step()
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
@@ -109,11 +123,11 @@ def _pipeline_rank(schedule_name: str, stages_per_rank: int = 1) -> dict:
         indices = [comm.rank, 2 * p - 1 - comm.rank]
     modules = [_stage_module(s, num_stages) for s in indices]
     stages = [PipelineStage(m, s, num_stages, "cpu", group=group) for m, s in zip(modules, indices)]
-    cls = get_schedule_class(schedule_name)
+    cls: Callable[..., Any] = get_schedule_class(schedule_name)  # each class takes its own stage arguments
     schedule = cls(stages if stages_per_rank > 1 else stages[0], M, loss_fn=_loss)
     params = [q for m in modules for q in m.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
-    out = {"losses": [], "grads": [], "counts": [], "bytes": [], "log": [], "actions": [], "peak": {}}
+    out: dict[str, Any] = {"losses": [], "grads": [], "counts": [], "bytes": [], "log": [], "actions": [], "peak": {}}
     for tokens, target in _batches():
         opt.zero_grad()
         losses: list[torch.Tensor] = []
@@ -124,7 +138,7 @@ def _pipeline_rank(schedule_name: str, stages_per_rank: int = 1) -> dict:
                 losses=losses,
             )
         out["losses"].append([x.item() for x in losses])
-        out["grads"].append({n: q.grad.clone() for m in modules for n, q in m.named_parameters()})
+        out["grads"].append({n: _grad(q).clone() for m in modules for n, q in m.named_parameters()})
         out["counts"].append(cm.get_comm_counts())
         out["bytes"].append(cm.get_total_bytes())
         out["log"].append(list(cm.log))
@@ -184,10 +198,12 @@ def _slots(
     F depends on the previous stage's F; B or I on the next stage's B or I; W on its own I (same rank, earlier)."""
     import re
 
-    parsed = [
-        [tuple(int(x) if x.isdigit() else x for x in re.fullmatch(r"(\d+)([FBIW])(\d+)", a).groups()) for a in acts]
-        for acts in actions_by_rank
-    ]
+    def parse(action: str) -> tuple[int, str, int]:
+        m = re.fullmatch(r"(\d+)([FBIW])(\d+)", action)
+        assert m is not None, action
+        return int(m[1]), m[2], int(m[3])
+
+    parsed = [[parse(a) for a in acts] for acts in actions_by_rank]
     last_stage = max(s for acts in parsed for s, _, _ in acts)
     done: dict[tuple, int] = {}
     pos, clock, busy = [0] * len(parsed), [0] * len(parsed), [0] * len(parsed)
@@ -329,7 +345,8 @@ def _zbv_parallel_rank(kind: str) -> dict:
             parallelize_module(m, mesh["tp"], _tp_plan(m))
         else:
             data_parallel(m, mesh["dp"], mode="replicate")
-    loss_fn, rows = _loss, BATCH
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _loss
+    rows = BATCH
     if kind == "dp":  # this rank's rows; the target as the outputs' shard
         loss_fn, rows = (lambda out, target: _loss(out, so.from_local(target, mesh["dp"], [so.Shard(0)]))), BATCH // 2
     else:
@@ -347,9 +364,9 @@ def _zbv_parallel_rank(kind: str) -> dict:
             losses=losses,
         )
         out["losses"].append([(x.full_tensor() if hasattr(x, "full_tensor") else x).item() for x in losses])
-        out["grads"].append({n: q.grad.full_tensor().clone() for m in modules for n, q in m.named_parameters()})
+        out["grads"].append({n: _full(q.grad).clone() for m in modules for n, q in m.named_parameters()})
         opt.step()
-    out["params"] = {n: q.full_tensor().detach().clone() for m in modules for n, q in m.named_parameters()}
+    out["params"] = {n: _full(q).detach().clone() for m in modules for n, q in m.named_parameters()}
     return out
 
 
@@ -407,7 +424,7 @@ def _error_rank(case: str) -> str:
     comm = current_comm()
     p, rank = comm.world_size, comm.rank
     num_stages = p + 1 if case == "stage_count" and rank == p - 1 else p
-    module = _stage_module(min(rank, num_stages - 1), p)
+    module: nn.Module = _stage_module(min(rank, num_stages - 1), p)
     input_args = None
     if case == "declared_shape" and rank == 2:
         input_args = torch.zeros(BATCH // M, SEQ, ARGS.dim + 1)
@@ -617,7 +634,7 @@ def _pp_tp_rank() -> dict:
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, M, loss_fn=_loss)
     opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    out = {"losses": [], "grads": [], "sends": []}
+    out: dict[str, Any] = {"losses": [], "grads": [], "sends": []}
     for tokens, target in _batches():
         opt.zero_grad()
         losses: list[torch.Tensor] = []
@@ -626,7 +643,7 @@ def _pp_tp_rank() -> dict:
         out["losses"].append([x.item() for x in losses])
         out["grads"].append(
             {
-                n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).clone()
+                n: (_full(q.grad) if hasattr(q.grad, "full_tensor") else _grad(q)).clone()
                 for n, q in module.named_parameters()
             }
         )
@@ -674,7 +691,7 @@ def _dtensor_boundary_rank() -> dict:
     with so.CommDebugMode() as cm:
         losses: list[torch.Tensor] = []
         schedule.step(*((x,) if s == 0 else ()), target=y if s == 1 else None, losses=losses)
-    grads = {f"{s}.{n}": q.grad.full_tensor() for n, q in layer.named_parameters()}
+    grads = {f"{s}.{n}": _full(q.grad) for n, q in layer.named_parameters()}
     return {
         "grads": grads,
         "sends": [b for kind, b in cm.log if kind == "send"],
@@ -783,11 +800,11 @@ def _train_stage(
                 losses=losses,
             )
         out["losses"].append([loss_value(x) for x in losses])
-        out["grads"].append({n: q.grad.full_tensor().clone() for n, q in module.named_parameters()})
+        out["grads"].append({n: _full(q.grad).clone() for n, q in module.named_parameters()})
         out["sends"].append([b for kind, b in cm.log if kind == "send"])
         out["reduce_scatters"].append(cm.get_comm_counts().get("reduce_scatter", 0))
         opt.step()
-    out["params"] = {n: q.full_tensor().detach().clone() for n, q in module.named_parameters()}
+    out["params"] = {n: _full(q).detach().clone() for n, q in module.named_parameters()}
     return out
 
 
@@ -808,7 +825,7 @@ def _pp_dp_rank() -> dict:
         return _loss(out, so.from_local(target, dp_mesh, [so.Shard(0)]))
 
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
-    return _train_stage(module, Schedule1F1B(stage, M, loss_fn=loss_fn), s, d, rows, lambda x: x.full_tensor().item())
+    return _train_stage(module, Schedule1F1B(stage, M, loss_fn=loss_fn), s, d, rows, lambda x: _full(x).item())
 
 
 def test_pp2_dp2_equals_single_device_training(strict, reference):
@@ -862,9 +879,8 @@ def _pp_fsdp_rank(schedule_name: str) -> dict:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(module, mesh=mesh["dp"])
     stage = PipelineStage(module, s, 2, "cpu", group=mesh["pp"].get_group())
-    out = _train_stage(
-        module, get_schedule_class(schedule_name)(stage, M, loss_fn=_loss), s, d, BATCH // 2, lambda x: x.item()
-    )
+    cls: Callable[..., Any] = get_schedule_class(schedule_name)  # each class takes its own stage arguments
+    out = _train_stage(module, cls(stage, M, loss_fn=_loss), s, d, BATCH // 2, lambda x: x.item())
     out["units"] = len(module.layers) + 1  # every layer, and the stage's own (embedding or norm + output)
     return out
 

@@ -39,7 +39,7 @@ def _spec(mesh, shape, placements, dtype=torch.float32) -> TensorSpec:
 
 
 def _placement(rng: random.Random, ndim: int, partials: bool):
-    choices = [R] + [Shard(d) for d in range(ndim)]
+    choices: list[so.Placement] = [R] + [Shard(d) for d in range(ndim)]
     if partials:
         choices += [Partial("sum"), Partial("max"), NormPartial(2.0)]
     return rng.choice(choices)

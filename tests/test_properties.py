@@ -31,7 +31,9 @@ family registers.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import os
 import sys
 import warnings
@@ -52,7 +54,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import shardops as so  # noqa: E402
 from redistribute_cases import make_source  # noqa: E402
-from shardops import NormPartial, Partial, Replicate, Shard, StridedShard  # noqa: E402
+from shardops import NormPartial, Partial, Placement, Replicate, Shard, StridedShard  # noqa: E402
 from shardops.dispatch.registry import DECOMPOSITIONS, REPLICATE_ONLY, RULES, TORCH_FUNCTIONS  # noqa: E402
 from shardops.ops._view_layout import view_layout  # noqa: E402
 from shardops.verify import forcing  # noqa: E402
@@ -140,7 +142,7 @@ class Case:
     op: str
     mesh: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]  # global shape of each tensor operand
-    layouts: tuple[tuple, ...]  # placements of each tensor operand (None: a plain torch.Tensor)
+    layouts: tuple[tuple | None, ...]  # placements of each tensor operand (None: a plain torch.Tensor)
     kwargs: tuple[tuple[str, Any], ...] = ()
     dtype: str = "float64"
     data: str = "randn"
@@ -229,7 +231,7 @@ def float_inputs(case: Case) -> list[torch.Tensor]:
     return [make_data(s, case.torch_dtype, case.data, case.seed * 101 + i) for i, s in enumerate(case.shapes)]
 
 
-def _tolerances(dtype: torch.dtype) -> dict[str, float]:
+def _tolerances(dtype: torch.dtype) -> dict[str, Any]:
     if dtype == torch.float64:
         return dict(rtol=1e-9, atol=1e-9)
     if dtype in (torch.float32, torch.complex64):
@@ -289,7 +291,11 @@ def reference_grads(case: Case, spec: OpSpec, inputs: list[torch.Tensor]) -> lis
         if not (pairs and at):
             return None
         return list(
-            torch.autograd.grad(sum((o * w).sum() for o, w in pairs), [leaves[k] for k in at], allow_unused=True)
+            torch.autograd.grad(
+                functools.reduce(operator.add, ((o * w).sum() for o, w in pairs)),
+                [leaves[k] for k in at],
+                allow_unused=True,
+            )
         )
     except RuntimeError:  # e.g. a backward torch does not implement
         return None
@@ -311,7 +317,8 @@ def rank_body(case: Case, inputs: list[torch.Tensor], want_grad: bool):
         if isinstance(dts[k], so.DTensor):
             dts[k] = dts[k].requires_grad_()
     outputs = _flat_outputs(spec.fn(*dts, **case.kw))
-    fulls, facts = [], []
+    fulls: list[Any] = []
+    facts: list[tuple | None] = []
     for o in outputs:
         if isinstance(o, so.DTensor):
             facts.append(
@@ -330,7 +337,7 @@ def rank_body(case: Case, inputs: list[torch.Tensor], want_grad: bool):
             if w is not None and isinstance(f, torch.Tensor) and f.requires_grad
         ]
         if terms:
-            sum(terms).backward()
+            functools.reduce(operator.add, terms).backward()
             grads = []
             for k in grad_at:
                 g = dts[k].grad if isinstance(dts[k], so.DTensor) else None
@@ -486,7 +493,7 @@ def rounding_spread(case: Case, spec: OpSpec, inputs, expected, expected_grads) 
     slack = [_spread(want, [o[k] for o in outs]) for k, want in enumerate(expected)]
     if expected_grads is None or any(g is None for g in grads):
         return slack, no_slack[1]
-    return slack, [_spread(want, [g[k] for g in grads]) for k, want in enumerate(expected_grads)]
+    return slack, [_spread(want, [g[k] for g in grads if g is not None]) for k, want in enumerate(expected_grads)]
 
 
 def _one_rounding(t: torch.Tensor, pattern: str, seed: int) -> torch.Tensor:
@@ -739,7 +746,7 @@ def layouts(
     """
     if plain and draw(st.integers(0, 9)) == 0:
         return None  # a plain torch.Tensor operand
-    options = [Replicate()] + [Shard(d) for d in range(ndim)]
+    options: list[Placement] = [Replicate()] + [Shard(d) for d in range(ndim)]
     if strided and ndim:
         options += [StridedShard(d, 2) for d in range(ndim)]
     if partial:
@@ -766,7 +773,7 @@ def one_operand(draw, name: str, mesh, shape, kwargs: tuple, dtype: str, data: s
 
 def dims_strategy(ndim: int, allow_none: bool = True, allow_list: bool = True):
     """A `dim` argument: None (every dim), one dim (maybe negative), or a list of dims."""
-    options = []
+    options: list[st.SearchStrategy[Any]] = []
     if ndim:
         options.append(st.integers(-ndim, ndim - 1))
         if allow_list:
@@ -801,7 +808,7 @@ def property_test(name: str, cases: st.SearchStrategy, n_ci: int, *, skip=None, 
     built = given(forced(cases) if force else cases)(examples(n_ci)(test))
     if PROFILE == "ci":
         built = seed(zlib.crc32(name.encode()))(built)
-    built.forces_algorithms = force
+    built.forces_algorithms = force  # type: ignore[attr-defined]  # a function attribute (read by the coverage test)
     return skip(built) if skip is not None else built
 
 
@@ -840,7 +847,7 @@ test_redistribute = property_test("test_redistribute", redistribute_cases(), 100
 
 # ------------------------------------------------------------------ pointwise and broadcasting
 
-POINTWISE = {
+POINTWISE: dict[str, tuple[int, Callable[..., Any]]] = {
     "add": (2, lambda a, b: torch.add(a, b, alpha=-1.5)),
     "sub": (2, lambda a, b: a - b),
     "mul": (2, lambda a, b: a * b),
@@ -1539,7 +1546,7 @@ def test_every_sharded_algorithm_ran():
     assert not missing, f"sharded algorithms no property example ran: {missing}"
 
 
-test_every_sharded_algorithm_ran.checks_forced_examples = True
+test_every_sharded_algorithm_ran.checks_forced_examples = True  # type: ignore[attr-defined]  # a function attribute
 
 
 # ------------------------------------------------------------------ pinned reproductions of known issues

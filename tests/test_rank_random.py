@@ -9,6 +9,7 @@ activation checkpointing, repeated (the shared-generator bug was intermittent).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -156,9 +157,12 @@ def _checkpointed_grads(dtensor: bool, use_reentrant: bool) -> list[tuple[torch.
             y = checkpoint(block, x, use_reentrant=use_reentrant) if use_checkpoint else block(x)
             y.sum().backward()
             after = torch.rand(4)  # the sequence continues as if nothing was recomputed
-            grad = x.grad.full_tensor() if dtensor else x.grad
+            grad = x.grad
+            assert grad is not None
+            if dtensor:
+                grad = _dt(grad).full_tensor()
             grads.append(torch.cat([grad.flatten(), after]))
-        pairs.append(tuple(grads))
+        pairs.append((grads[0], grads[1]))
     return pairs
 
 
@@ -182,18 +186,23 @@ def _spec():
     )
 
 
+def _dt(t: torch.Tensor) -> so.DTensor:
+    assert isinstance(t, so.DTensor), type(t)  # an op on a DTensor gives one
+    return t
+
+
 def _same_script() -> dict:
     """One rank's draws, masks and GPT-2 training, seeded as a torchrun user seeds."""
     from shardops.training.shardops_side import train_rank
 
     mesh = so.init_device_mesh("cpu", (2, 2))
     torch.manual_seed(SEED)
-    out = {"rand": torch.rand(5), "randn": torch.randn(5), "randint": torch.randint(100, (5,))}
+    out: dict[str, Any] = {"rand": torch.rand(5), "randn": torch.randn(5), "randint": torch.randint(100, (5,))}
     out["mask"] = F.dropout(torch.ones(32), 0.5)
     x = so.distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0), Shard(1)])
-    out["dt uniform_"] = x.uniform_().full_tensor()
-    out["dt normal_"] = x.normal_().full_tensor()
-    out["dt mask"] = F.dropout(x + 1.0, 0.5).full_tensor()
+    out["dt uniform_"] = _dt(x.uniform_()).full_tensor()
+    out["dt normal_"] = _dt(x.normal_()).full_tensor()
+    out["dt mask"] = _dt(F.dropout(x + 1.0, 0.5)).full_tensor()
     torch.manual_seed(SEED)
     trained = train_rank(_spec(), None, True)
     out["losses"] = [r.loss for r in trained["records"]]

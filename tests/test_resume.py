@@ -11,11 +11,7 @@ import pytest
 import torch
 
 import shardops as so
-
-try:
-    from .checkpoint_harness import train_and_checkpoint
-except ImportError:  # tests/ is not a package
-    from checkpoint_harness import train_and_checkpoint
+from checkpoint_harness import train_and_checkpoint  # tests/ is not a package
 
 
 def test_resume_with_dropout_is_bitwise_on_the_same_mesh_and_within_1e6_on_another(tmp_path):

@@ -14,12 +14,8 @@ from __future__ import annotations
 import torch
 
 import shardops as so
+from mp import run_gloo  # tests/ is not a package: pytest put tests/ on sys.path
 from shardops import Partial, Replicate, Shard
-
-try:
-    from .mp import run_gloo
-except ImportError:  # tests/ is not a package: pytest put tests/ on sys.path
-    from mp import run_gloo
 
 ROWS = [3, 3, 1]
 ROW_BYTES = 2 * 4
@@ -32,7 +28,7 @@ def _uneven_program() -> dict:
     mesh = so.init_device_mesh("cpu", (3,))
     full = torch.arange(14.0).reshape(7, 2)
     out = {}
-    sources = {
+    sources: dict[str, tuple[so.DTensor, list[so.Placement], torch.Tensor]] = {
         "all_gather": (so.distribute_tensor(full, mesh, [Shard(0)]), [Replicate()], full),
         "reduce_scatter": (so.DTensor.from_local(full, mesh, [Partial("sum")]), [Shard(0)], 3 * full),
         # no backend reduces int16: an all_to_all of the padded chunks, reduced locally

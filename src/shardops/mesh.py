@@ -44,7 +44,7 @@ class DeviceMesh:
         self.ndim = ranks.ndim
         self._flat = tuple(ranks.flatten().tolist())
         self._key = (device_type, self.shape, self._flat, self.mesh_dim_names)
-        self._groups: dict[tuple[int, int], Group] = {}
+        self._groups: dict[tuple[int, tuple[int, ...]], Group] = {}
         # Mesh dims that split a data-parallel batch (set by shardops.parallel.data_parallel): on them,
         # plain tensors carry gradients of the rank-local loss, as under DDP (see tensor.dp_grad_scale).
         self.data_parallel_dims: tuple[int, ...] = ()
@@ -85,6 +85,13 @@ class DeviceMesh:
 
     def get_rank(self) -> int:
         return self.comm.rank
+
+    def own_coordinate(self) -> list[int]:
+        """This rank's coordinate, for code that runs only on the mesh's ranks (ShardingError on any other)."""
+        coord = self.get_coordinate()
+        if coord is None:
+            raise ShardingError(f"rank {self.get_rank()} is not part of {self}")
+        return coord
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
         coord = self.get_coordinate()

@@ -78,11 +78,16 @@ def _replicated_like(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     mesh = getattr(x, "device_mesh", None)
     if mesh is None or hasattr(table, "device_mesh"):
         return table
+    replicate: object
     if type(x).__module__.startswith("shardops"):
         from .placements import Replicate
+
+        replicate = Replicate()
     else:
-        from torch.distributed.tensor import Replicate
-    return type(x).from_local(table, mesh, [Replicate()] * mesh.ndim)
+        from torch.distributed.tensor import Replicate as TorchReplicate
+
+        replicate = TorchReplicate()
+    return type(x).from_local(table, mesh, [replicate] * mesh.ndim)  # type: ignore[attr-defined]  # x is a DTensor
 
 
 class Attention(nn.Module):
@@ -105,6 +110,8 @@ class Attention(nn.Module):
         xk = xk.view(bs, seqlen, -1, self.head_dim)
         xv = xv.view(bs, seqlen, -1, self.head_dim)
         if self.rotary:
+            if freqs_cis is None:
+                raise ValueError("Attention(rotary=True) needs freqs_cis")
             xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
         out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
@@ -148,6 +155,7 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    freqs_cis: torch.Tensor  # a buffer
     """The LLaMA-style model; a variant sets `block` (its layers) and `default_args`."""
 
     block: type[LlamaBlock] = LlamaBlock

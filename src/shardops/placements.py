@@ -190,6 +190,20 @@ class NormPartial(Partial):
         return f"NormP({int(p) if p.is_integer() else p})"
 
 
+def as_shard(p: Placement) -> Shard | StridedShard:
+    """`p`, which the caller knows shards a dim (a plan's step, a checked layout), typed as such."""
+    if not isinstance(p, (Shard, StridedShard)):
+        raise TypeError(f"{p!r} is not a shard placement")
+    return p
+
+
+def as_partial(p: Placement) -> Partial:
+    """`p`, which the caller knows is a pending reduction, typed as such."""
+    if not isinstance(p, Partial):
+        raise TypeError(f"{p!r} is not a Partial placement")
+    return p
+
+
 def reduce_values(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
     """Reduce equal-shaped tensors with a plain reduce op, in the given order (deterministic)."""
     out = values[0].clone()
@@ -296,7 +310,7 @@ def local_shape_and_offset(
     """
     shape = list(global_shape)
     offset = [0] * len(global_shape)
-    for d in {p.dim for p in placements if p.is_shard()}:
+    for d in {p.dim for p in placements if isinstance(p, (Shard, StridedShard))}:
         pos = dim_positions(global_shape[d], d, mesh_shape, coordinate, placements)
         shape[d] = len(pos)
         offset[d] = pos[0] if len(pos) else global_shape[d]
@@ -320,7 +334,7 @@ def normalize_placements(
     for p in placements:
         if not isinstance(p, Placement):
             raise ShardingError(f"{what}: {p!r} is not a placement; use Shard(d), Replicate() or Partial().")
-        if p.is_shard():
+        if isinstance(p, (Shard, StridedShard)):
             d = p.dim
             if not -ndim <= d < ndim or ndim == 0:
                 raise ShardingError(

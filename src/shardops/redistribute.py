@@ -33,7 +33,18 @@ from . import caches, cost
 from .comm.base import CommDebugMode
 from .cost import joint_collective_time, step_time
 from .errors import ShardingError
-from .placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard, dim_positions, shard_positions
+from .placements import (
+    NormPartial,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    as_partial,
+    as_shard,
+    dim_positions,
+    shard_positions,
+)
 from .spec import TensorSpec
 
 
@@ -83,7 +94,7 @@ def _joint_reductions(state: tuple[Placement, ...]) -> list[tuple[int, ...]]:
     for i, p in enumerate(state):
         if p.is_partial():
             by_partial.setdefault(p, []).append(i)
-    out = []
+    out: list[tuple[int, ...]] = []
     for dims in by_partial.values():
         for size in range(2, len(dims) + 1):
             out += itertools.combinations(dims, size)
@@ -194,7 +205,7 @@ class _PlanSearch:
                 last[d] = i
                 parts *= mesh_shape[i]
         local = self.numel / parts * self.itemsize
-        moves = []
+        moves: list[tuple[str, tuple[int, ...], int, float]] = []
         times = self.step_times
         for i, options in enumerate(self.choices):
             a = state[i]
@@ -219,10 +230,10 @@ class _PlanSearch:
                 )
         best = self.best
         for kind, dims, b, dt in moves:
-            nxt = list(state)
+            moved = list(state)
             for i in dims:
-                nxt[i] = b
-            nxt = tuple(nxt)
+                moved[i] = b
+            nxt = tuple(moved)
             key = (t + dt, nsteps + 1)
             if key < best.get(nxt, (math.inf, 0)):
                 best[nxt] = key
@@ -235,21 +246,21 @@ def _kind_and_guard(src: Placement, dst: Placement) -> tuple[str | None, tuple[i
     (shards nest left to right: the innermost level is undone first)."""
     if src == dst:
         return None, ()
-    if src.is_shard():
+    if isinstance(src, (Shard, StridedShard)):
         if dst.is_replicate():
             return "all_gather", (src.dim,)
-        if dst.is_shard() and dst.dim != src.dim:
+        if isinstance(dst, (Shard, StridedShard)) and dst.dim != src.dim:
             return "all_to_all", (src.dim, dst.dim)
         return None, ()
     if src.is_partial():
         if dst.is_replicate():
             return "all_reduce", ()
-        if dst.is_shard():
+        if isinstance(dst, (Shard, StridedShard)):
             return "reduce_scatter", (dst.dim,)
         return None, ()
-    if dst.is_shard():
+    if isinstance(dst, (Shard, StridedShard)):
         return "slice", (dst.dim,)
-    if dst.is_partial() and dst.reachable:
+    if isinstance(dst, Partial) and dst.reachable:
         return "partition", ()
     return None, ()
 
@@ -375,37 +386,38 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     """Run plan `p` on this rank's shard of `spec`; returns the new local shard."""
     mesh = spec.mesh
     comm = mesh.comm
-    coordinate = mesh.get_coordinate()
     x = materialize_lazy_bits(local) if p.steps else local
     joint = _joint_norm_resolution(spec, p)
     if joint is not None:
         norm_dims, p = joint
-        x = _all_reduce_partial(comm, x, spec.placements[norm_dims[0]], mesh.group(norm_dims))
+        x = _all_reduce_partial(comm, x, as_partial(spec.placements[norm_dims[0]]), mesh.group(norm_dims))
     state = list(p.src)
     for step in p.steps:
         if step.joint:  # the same pending partial on several mesh dims: one all_reduce over their joint group
-            x = _all_reduce_partial(comm, x, step.src, mesh.group(step.joint))
+            x = _all_reduce_partial(comm, x, as_partial(step.src), mesh.group(step.joint))
             for i in step.joint:
                 state[i] = step.dst
             continue
         i, n = step.mesh_dim, mesh.shape[step.mesh_dim]
         group = mesh.group(i)
+        coordinate = mesh.own_coordinate()
         me = coordinate[i]
         if step.kind == "slice":
-            x = _take(x, step.dst.dim, shard_positions(step.dst, x.shape[step.dst.dim], n, me))
+            dst = as_shard(step.dst)
+            x = _take(x, dst.dim, shard_positions(dst, x.shape[dst.dim], n, me))
         elif step.kind == "partition":
-            x = step.dst.split(x, me)
+            x = as_partial(step.dst).split(x, me)
         elif step.kind == "all_gather":
-            d = step.src.dim
+            d = as_shard(step.src).dim
             shapes = [_member_shape(spec, coordinate, state, i, c) for c in range(n)]
             x = _assemble(comm.all_gather(x, group, shapes), d, step.src)
         elif step.kind == "all_reduce":
-            x = _all_reduce_partial(comm, x, step.src, group)
+            x = _all_reduce_partial(comm, x, as_partial(step.src), group)
         elif step.kind == "reduce_scatter":
-            chunks = _split(x, step.dst.dim, step.dst, n)
-            x = _reduce_scatter_partial(comm, chunks, step.src, group)
+            chunks = _split(x, as_shard(step.dst).dim, step.dst, n)
+            x = _reduce_scatter_partial(comm, chunks, as_partial(step.src), group)
         elif step.kind == "all_to_all":
-            a, b = step.src.dim, step.dst.dim
+            a, b = as_shard(step.src).dim, as_shard(step.dst).dim
             chunks = _split(x, b, step.dst, n)
             recv = []
             for c in range(n):

@@ -61,7 +61,9 @@ class Layout:
 
     def block(self, rank: int) -> tuple[int, ...]:
         """The rank's coordinates on the sharding mesh dims: ranks with the same block hold the same data."""
-        return tuple(c for c, p in zip(self.coordinate(rank), self.placements) if p.is_shard())
+        coord = self.coordinate(rank)
+        assert coord is not None, f"rank {rank} is off the mesh"  # callers ask only for ranks that hold a block
+        return tuple(c for c, p in zip(coord, self.placements) if p.is_shard())
 
     @cached_property
     def holders(self) -> dict[tuple[int, ...], list[int]]:
@@ -186,7 +188,9 @@ def _exchange(
     mine_dst = layouts[me][1].positions(shape, me)
     sources = _sources(layouts)
     my_source = sources[me] if mine_dst is not None else None
-    sends, recv_shapes, recv_places = [], [], []
+    sends: list[torch.Tensor] = []
+    recv_shapes: list[tuple[int, ...]] = []
+    recv_places: list[Any] = []
     for r in ranks:
         # what I send to r: the part of my source block r needs, if r reads that block from me
         needs = layouts[r][1].positions(shape, r)
@@ -206,6 +210,7 @@ def _exchange(
         holds = layouts[r][0].positions(shape, r)
         if (
             my_source is not None
+            and mine_dst is not None
             and holds is not None
             and layouts[r][0] == my_source
             and my_source.holder(my_source.block(r), me) == r

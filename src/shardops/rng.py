@@ -92,6 +92,7 @@ def current_state() -> RngState:
     restarts the counter.
     """
     generator = rank_generator()
+    st: RngState | None
     if generator is None:
         st = _process
         generator = torch.default_generator
@@ -147,8 +148,9 @@ def next_key(generator: torch.Generator | None = None) -> int:
     """The 64-bit key of one draw (one op call); advances the counter or the given generator."""
     _refuse_while_tracing()
     if generator is not None:
-        if rank_generator() is not None and torch_random.is_process_default_generator(generator):
-            generator = rank_generator()  # a reference to torch's default taken before (random_split's default)
+        own = rank_generator()
+        if own is not None and torch_random.is_process_default_generator(generator):
+            generator = own  # a reference to torch's default taken before (random_split's default)
         return int(torch.empty((), dtype=torch.int64, device=generator.device).random_(generator=generator)) & MASK64
     st = current_state()
     key = splitmix64(splitmix64(st.seed) ^ st.counter)
@@ -275,8 +277,8 @@ def index_layout(
     while k > 0 and len(positions[k - 1]) == global_shape[k - 1]:
         k -= 1
     run, run_start = math.prod(global_shape[k:]), 0
-    if k > 0 and isinstance(positions[k - 1], range):
-        pos = positions[k - 1]
+    pos = positions[k - 1] if k > 0 else None
+    if isinstance(pos, range):
         run_start = (pos.start if len(pos) else 0) * strides[k - 1]
         run *= len(pos)
         k -= 1

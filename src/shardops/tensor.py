@@ -48,6 +48,11 @@ _NO_KWARGS: dict = {}
 class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: TensorSpec
+    _grad_hook: bool
+    _pending_layout: tuple[Placement, ...] | None
+    _compile_meta: CompileMeta | None
+    _copied_view: CopiedView | None
+    _pending_aliases: list[weakref.ref[DTensor]] | None
     __slots__ = (
         "_local_tensor",
         "_spec",
@@ -109,7 +114,7 @@ class DTensor(torch.Tensor):
     def _set_spec(self, spec: TensorSpec) -> None:
         self._spec = spec
 
-    def __repr__(self) -> str:  # noqa: D105
+    def __repr__(self) -> str:  # type: ignore[override]  # torch's takes a keyword only its printing passes
         return f"DTensor(local={self._local_tensor!r}, spec={self._spec!r})"
 
     # -- dispatch
@@ -354,7 +359,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         _refuse_write_to_copy(func, args[0])  # before any relabelling: a refused write changes nothing
     if func in OVERWRITES_SELF:
         _relabel_overwritten_self(func, args[0] if args else (kwargs or _NO_KWARGS).get("self"))
-    key = [func]
+    key: list[Any] = [func]
     tensor_pos: list[int] = []
     if not kwargs and _operand_key(func, args, key, tensor_pos):
         flat, tree = list(args), None
@@ -363,8 +368,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         key, tensor_pos = [func, "leaves", core.tree_key(tree)], []
         _operand_key(func, flat, key, tensor_pos, tree)
     key.append(caches.EPOCH[0])  # a new link model or strict mode decides anew
-    key = tuple(key)
-    decision = core._CACHE.get(key)
+    cache_key = tuple(key)
+    decision = core._CACHE.get(cache_key)
     if decision is None:
         if func is _COPY and _across_meshes(args):
             return CROSS_MESH_COPY[0](args[0], args[1])  # load_state_dict from a model on another mesh or plan
@@ -379,7 +384,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         positions = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
         for i, spec in zip(positions, _operand_specs(leaves, positions, func)):
             leaves[i] = spec
-        decision = core.decide_for_dispatch(key, func, leaves, leaves_tree, positions)
+        decision = core.decide_for_dispatch(cache_key, func, leaves, leaves_tree, positions)
     if core._state["debug"]:
         check_agreement(decision, [(k, flat[i]) for k, i in enumerate(tensor_pos) if not isinstance(flat[i], DTensor)])
     self_ = flat[tensor_pos[0]] if decision.inplace else None
@@ -389,10 +394,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         if isinstance(a, DTensor):
             flat[i] = a._local_tensor
     if decision.moves:
-        if decision.inplace and decision.moves[0] == 0 and _pending_alias_of(self_) is not None:
-            raise _aliased_resolve_error(func, self_)
+        if self_ is not None and decision.moves[0] == 0 and (other := _pending_alias_of(self_)) is not None:
+            raise _aliased_resolve_error(func, self_, other)
         core.move_inputs(decision, flat, tensor_pos)
-    if decision.inplace:
+    if self_ is not None:  # decision.inplace
         if decision.moves and decision.moves[0] == 0:  # self's pending partial was resolved in place
             if type(self_._local_tensor) is not torch.Tensor and traceable.is_traced_tensor(self_._local_tensor):
                 # a compiled graph writes back an input's data, never its layout: the caller's DTensor would keep P()
@@ -485,6 +490,8 @@ def _refuse_write_to_copy(func, self_: DTensor) -> None:
     if func in _METADATA_ONLY or not core._writes_self(func):
         return
     mark = self_._copied_view
+    if mark is None:  # the caller checked: only a copy's writes come here
+        return
     raise ShardingError(
         f"{func}: writes in place to the output of {mark.op}, which is a copy, not a view: {mark.op} on {mark.src!r} "
         f"moved data to give {mark.out!r}, so the write would never reach the tensor it was taken from. Write to the "
@@ -509,12 +516,12 @@ def _pending_alias_of(self_: DTensor) -> DTensor | None:
 
 def refuse_pending_alias(func, self_: DTensor) -> None:
     """Raise where resolving or relabelling the pending `self_` in place would leave an alias wrong."""
-    if _pending_alias_of(self_) is not None:
-        raise _aliased_resolve_error(func, self_)
-
-
-def _aliased_resolve_error(func, self_: DTensor) -> ShardingError:
     other = _pending_alias_of(self_)
+    if other is not None:
+        raise _aliased_resolve_error(func, self_, other)
+
+
+def _aliased_resolve_error(func, self_: DTensor, other: DTensor) -> ShardingError:
     return ShardingError(
         f"{func}: would resolve or overwrite the pending sum of {self_._spec!r} in place, but it shares its data with "
         f"a view or base still in use ({other._spec!r}), which would keep its pending label over the new values. "
@@ -583,7 +590,7 @@ def _operand_key(func, items: Sequence[Any], key: list, tensor_pos: list[int], t
 def _operand_specs(flat: Sequence[Any], tensor_pos: Sequence[int], func) -> list[TensorSpec]:
     """Each tensor operand's spec; a plain tensor (one element, or inside implicit_replication:
     _operand_key checked it) is taken as Replicate on the DTensors' mesh."""
-    mesh = None
+    mesh: DeviceMesh | None = None
     for i in tensor_pos:
         if isinstance(flat[i], DTensor):
             m = flat[i]._spec.mesh
@@ -600,6 +607,8 @@ def _operand_specs(flat: Sequence[Any], tensor_pos: Sequence[int], func) -> list
         if isinstance(a, DTensor):
             specs.append(a._spec)
         else:
+            if mesh is None:
+                raise ShardingError(f"internal error: {func} reached DTensor dispatch without a DTensor operand")
             meta = TensorMeta(tuple(a.shape), tuple(a.stride()), a.dtype)
             specs.append(TensorSpec(mesh, (Replicate(),) * mesh.ndim, meta))
     return specs
@@ -707,7 +716,7 @@ def _derived_once(source: torch.Tensor, key: Any, derive: Callable[[], torch.Ten
         return hit[1], True
     value = derive()
     if kept is None:
-        kept = source._shardops_derived = {}
+        kept = source._shardops_derived = {}  # type: ignore[attr-defined]  # torch.Tensor takes new attributes
     kept[key] = (source._version, value, value._version)
     return value, False
 
@@ -906,17 +915,17 @@ def distribute_tensor(
 
 def execute_local_layout(data: torch.Tensor, replicated: TensorSpec, placements: Sequence[Placement]) -> torch.Tensor:
     """Slice a replicated tensor into this rank's shard of `placements` (no communication)."""
-    coord = replicated.mesh.get_coordinate()
+    coord = replicated.mesh.own_coordinate()
     x = data
     for i, p in enumerate(placements):
-        if p.is_shard():
+        if isinstance(p, (Shard, StridedShard)):
             pos = shard_positions(p, x.shape[p.dim], replicated.mesh.shape[i], coord[i])
             x = (
                 x.narrow(p.dim, pos.start, len(pos))
                 if isinstance(pos, range)
                 else x.index_select(p.dim, torch.tensor(pos, dtype=torch.long, device=x.device))
             )
-        elif p.is_partial():
+        elif isinstance(p, Partial):
             x = p.split(x, coord[i])
     return x.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensor
 
@@ -937,7 +946,7 @@ def from_local(
     if shape is None:
         gshape = list(local_tensor.shape)
         for n, p in zip(mesh.shape, placements):
-            if p.is_shard():
+            if isinstance(p, (Shard, StridedShard)):
                 gshape[p.dim] *= n
     else:
         gshape = list(shape)
@@ -945,7 +954,7 @@ def from_local(
             raise ShardingError(
                 f"from_local: shape {tuple(shape)} has {len(gshape)} dims but the local tensor has {local_tensor.ndim}"
             )
-    expected = local_shape_and_offset(gshape, mesh.shape, mesh.get_coordinate(), placements)[0]
+    expected = local_shape_and_offset(gshape, mesh.shape, mesh.own_coordinate(), placements)[0]
     if tuple(expected) != tuple(local_tensor.shape):
         raise ShardingError(
             f"from_local: this rank (coordinate {mesh.get_coordinate()}) holds a local tensor of shape "
@@ -1012,11 +1021,11 @@ traceable.eager_only(dispatch)
 # The autograd engine calls __torch_dispatch__ from eager code, also under a backward run after a graph
 # break. Compiled as a frame (torch 2.14 traces it whole), a gradient accumulation into a pending gradient
 # became a graph that took the gradient as an input and so resolved it at entry (issue 41).
-traceable.eager_only(DTensor.__torch_dispatch__.__func__)
+traceable.eager_only(DTensor.__torch_dispatch__.__func__)  # type: ignore[attr-defined]  # a classmethod's function
 # Dynamo inlines __torch_function__ where it traces user code; never compile it as a frame of its own
 # (entered from eager code under dynamo's frame hook, e.g. an optimizer step after a graph break, the
 # frame would be traced with _dynamo_tracing() true and call itself at run time without end).
-traceable.eager_only(DTensor.__torch_function__.__func__)
+traceable.eager_only(DTensor.__torch_function__.__func__)  # type: ignore[attr-defined]  # a classmethod's function
 traceable.eager_only(DTensor.__tensor_unflatten__)  # AOTAutograd's run-time wrappers call it from eager code
 traceable.on_graph_entry(_resolves_pending, _enter_graph)
 traceable.setup(

@@ -10,6 +10,7 @@ thread also has its own default random state, as each process has under torchrun
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -125,7 +126,7 @@ def run(
         "they raise at their next collective."
     )
     if failed:
-        if stuck:
+        if stuck and sys.version_info >= (3, 11):  # Python 3.10 has no exception notes
             failed[0].add_note(left_behind)
         raise failed[0]
     if stuck:

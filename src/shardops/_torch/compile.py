@@ -270,7 +270,7 @@ class _AfterDynamoImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             _install_dynamo_hooks()
 
-        spec.loader.exec_module = exec_then_install  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_then_install
         return spec
 
 

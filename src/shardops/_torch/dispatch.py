@@ -25,7 +25,7 @@ the import with TorchInternalMissing naming the hook. torch has no public twin f
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import Hook, internal
 
@@ -34,8 +34,11 @@ SUBCLASS = Hook("dispatch.subclass", "DTensor is a torch.Tensor wrapper subclass
 MODES = Hook("dispatch.modes", "a mode that sees every aten call (explain, training's torch side)")
 C_NAMESPACES = Hook("dispatch.c_namespaces", "name torch's builtins as users call them")
 
-OpOverload: type = internal(OPERATORS, "torch._ops.OpOverload")
-OpOverloadPacket: type = internal(OPERATORS, "torch._ops.OpOverloadPacket")
+if TYPE_CHECKING:  # the checker reads torch's own classes; at run time they come through the hook
+    from torch._ops import OpOverload, OpOverloadPacket
+else:
+    OpOverload = internal(OPERATORS, "torch._ops.OpOverload")
+    OpOverloadPacket = internal(OPERATORS, "torch._ops.OpOverloadPacket")
 _all_op_names: Callable[[], list[str]] = internal(OPERATORS, "torch._C._dispatch_get_all_op_names")
 
 make_wrapper_subclass: Callable[..., Any] = internal(SUBCLASS, "torch.Tensor._make_wrapper_subclass")

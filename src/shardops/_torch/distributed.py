@@ -14,6 +14,7 @@ raises TorchInternalMissing naming the hook there.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from . import Hook, internal
 
@@ -21,7 +22,7 @@ PLACEMENTS = Hook("distributed.placements", "convert StridedShard and NormPartia
 
 
 @functools.cache
-def strided_shard_class() -> type:
+def strided_shard_class() -> type[Any]:
     return internal(PLACEMENTS, "torch.distributed.tensor.placement_types._StridedShard")
 
 

@@ -86,7 +86,7 @@ def is_process_default_generator(generator: Any) -> bool:
     """Whether `generator` is torch's default CPU generator (possibly a new Python wrapper of it)."""
     if _default_cdata is None:
         _resolve_default_cdata()
-    return isinstance(generator, torch.Generator) and generator._cdata == _default_cdata
+    return isinstance(generator, torch.Generator) and generator._cdata == _default_cdata  # type: ignore[attr-defined]  # not in torch's stubs
 
 
 def _resolve_default_cdata() -> None:

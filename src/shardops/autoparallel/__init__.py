@@ -110,7 +110,7 @@ def autoparallel(
     structure = find_structure(model, example)
     # repeated blocks cost the same each: price a 1-block and a 2-block copy and extrapolate
     depths = (1, 2) if structure.blocks and structure.n_blocks > 2 else (None,)
-    models = [model if k is None else _truncated(model, structure.blocks, k) for k in depths]
+    models = [model if k is None or not structure.blocks else _truncated(model, structure.blocks, k) for k in depths]
     refs = [reference_step(m, example, loss_fn) for m in models]
     batch = example[0].shape[0]
     scored: list[Scored] = []

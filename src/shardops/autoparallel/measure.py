@@ -106,7 +106,7 @@ def _compare(m: nn.Module, loss: torch.Tensor, ref: Reference) -> str | None:
             want = ref.grads.get(name)
             if (want is None) != (p.grad is None):
                 return f"gradient of {name} is {'missing' if p.grad is None else 'unexpected'}"
-            if want is not None and tuple(p.grad.shape) != tuple(want.shape):
+            if want is not None and p.grad is not None and tuple(p.grad.shape) != tuple(want.shape):
                 return f"gradient of {name} has shape {tuple(p.grad.shape)}, not {tuple(want.shape)}"
         return None
     if not torch.allclose(loss, ref.loss, rtol=1e-4, atol=1e-5):
@@ -116,7 +116,7 @@ def _compare(m: nn.Module, loss: torch.Tensor, ref: Reference) -> str | None:
         got = None if p.grad is None else _full(p.grad)
         if (want is None) != (got is None):
             return f"gradient of {name} is {'missing' if got is None else 'unexpected'}"
-        if want is not None and not torch.allclose(got, want, rtol=1e-3, atol=1e-5):
+        if want is not None and got is not None and not torch.allclose(got, want, rtol=1e-3, atol=1e-5):
             return f"gradient of {name} differs from single-device"
     return None
 

@@ -27,7 +27,7 @@ def mesh_names_for(c: Candidate) -> tuple[str, ...]:
 
 def _global_batch_slicer(mesh: DeviceMesh, dp_dims: tuple[int, ...]):
     """The model takes the global batch (the same on every rank); each dp rank keeps its batch shard."""
-    coord = mesh.get_coordinate()
+    coord = mesh.own_coordinate()
     n = math.prod(mesh.shape[d] for d in dp_dims)
     index = 0
     for d in dp_dims:
@@ -53,7 +53,10 @@ def apply_candidate(model: nn.Module, mesh: DeviceMesh, c: Candidate, entries: l
     if mesh.ndim != len(c.dims):
         raise ShardingError(f"autoparallel plan: made for a {len(c.dims)}-d mesh, got {mesh}")
     if c.tp_dim is not None:
-        tp_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[c.tp_dim]]
+        names = mesh.mesh_dim_names
+        if mesh.ndim > 1 and names is None:
+            raise ShardingError(f"autoparallel plan: {mesh} has no mesh_dim_names; name its dims (see mesh_names_for)")
+        tp_mesh = mesh if mesh.ndim == 1 or names is None else mesh[names[c.tp_dim]]
         parallelize_module(model, tp_mesh, {e.key: e.make() for e in entries})
     if c.dp_dims:
         model.register_forward_pre_hook(_global_batch_slicer(mesh, c.dp_dims), with_kwargs=True, prepend=True)
@@ -163,7 +166,7 @@ class Plan:
         cost = chosen.measurement.total_bytes
         lines = [f"chosen plan: {cost:,} B per step on the busiest rank ({len(feasible)} feasible alternatives)"]
 
-        def runner_up(differs) -> str:
+        def runner_up(differs) -> str | tuple[str, Scored]:
             others = [s for s in feasible if differs(s)]
             if not others:
                 return "runner-up: none feasible"

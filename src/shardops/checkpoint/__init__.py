@@ -22,10 +22,11 @@ from .random_state import RandomState
 # torch's persistence protocols, installed on DTensor here (this package reads DTensors through
 # the seam, so tensor.py cannot import it): pickling as torch's DTensor pickles (this rank's
 # shard and layout), and the tensor-subclass hooks torch.distributed.checkpoint's planner calls.
-DTensor.__reduce_ex__ = lambda self, proto: reduce_dtensor(self)
-DTensor.__create_write_items__ = lambda self, fqn, object: create_write_items(self, fqn)
-DTensor.__create_chunk_list__ = create_chunk_list
-DTensor.__get_tensor_shard__ = get_tensor_shard
+# (mypy: these are installed on the class on purpose, so each assignment says so)
+DTensor.__reduce_ex__ = lambda self, proto: reduce_dtensor(self)  # type: ignore[method-assign]
+DTensor.__create_write_items__ = lambda self, fqn, object: create_write_items(self, fqn)  # type: ignore[attr-defined]
+DTensor.__create_chunk_list__ = create_chunk_list  # type: ignore[attr-defined]
+DTensor.__get_tensor_shard__ = get_tensor_shard  # type: ignore[attr-defined]
 register_safe_globals(DTensor)
 
 __all__ = ["RandomState", "load", "load_safetensors", "save"]

@@ -78,7 +78,7 @@ def _save_view(state: Mapping[str, Any]) -> dict[str, Any]:
             "checkpoint.save: state must map names to tensors, state dicts or objects with state_dict(); got "
             f"{type(state).__name__}"
         )
-    out = {}
+    out: dict[str, Any] = {}
     for name, obj in state.items():
         owner = _owner(obj, state) if isinstance(obj, torch.optim.Optimizer) else None
         if owner is not None:

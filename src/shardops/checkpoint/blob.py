@@ -73,7 +73,7 @@ class FileSlice(io.RawIOBase):
         if n <= 0:
             return 0
         self._f.seek(self._start + self._pos)
-        got = self._f.readinto(memoryview(buf)[:n])
+        got = self._f.readinto(memoryview(buf)[:n])  # type: ignore[attr-defined]  # a binary file: typing.IO lacks it
         self._pos += got
         return got
 
@@ -168,6 +168,10 @@ def read_saved_tensor(f: IO[bytes], offset: int, length: int) -> SavedTensor:
         raise ShardingError("checkpoint: a saved item is not a plain tensor")
     _, (storage_type, key, numel), storage_offset, shape, stride, dtype_v3 = record
     dtype = dtype_v3 if dtype_v3 is not None else _storage_dtype(storage_type)
+    if dtype is None:
+        raise ShardingError(
+            f"checkpoint: saved storage {key} is untyped and its record names no dtype; it cannot be read"
+        )
     if byteorder != sys.byteorder:
         raise ShardingError(f"checkpoint: saved with {byteorder}-endian bytes; this machine is {sys.byteorder}-endian")
     info = archive.getinfo(f"{prefix}/data/{key}")

@@ -31,6 +31,7 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         return plan
 
     def _check_keys(self) -> None:
+        assert self.metadata is not None  # set_up_planner gave it
         saved = self.metadata.state_dict_metadata
         for fqn, obj in self.state_dict.items():
             md = saved.get(fqn)
@@ -63,6 +64,7 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         loaded: dict[str, int] = {}
         for item in plan.items:
             loaded[item.dest_index.fqn] = loaded.get(item.dest_index.fqn, 0) + math.prod(item.lengths)
+        assert self.metadata is not None  # set_up_planner gave it
         for fqn, obj in self.state_dict.items():
             if not isinstance(obj, torch.Tensor) or fqn not in self.metadata.state_dict_metadata:
                 continue

@@ -172,7 +172,7 @@ def _read_exact(stream: IO[bytes], offset: int, length: int, name: str, into: An
     out = into if into is not None else bytearray(length)
     view, got = memoryview(out)[:length], 0
     while got < length:
-        n = stream.readinto(view[got:])
+        n = stream.readinto(view[got:])  # type: ignore[attr-defined]  # a binary file: typing.IO lacks it
         if not n:
             raise ShardingError(
                 f"checkpoint: {name} ends at byte {offset + got}, but a saved item needs bytes up to "

@@ -123,7 +123,7 @@ class CollectiveWork:
     def wait(self) -> Any:
         if self._wait is not None:
             self._result, self._wait = self._wait(), None
-        return self._result  # type: ignore[return-value]
+        return self._result
 
     def is_completed(self) -> bool:
         return self._wait is None
@@ -186,15 +186,17 @@ class Communicator:
         record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
         return self._all_gather_async(t.contiguous(), group, shapes)
 
-    def _gather_shapes(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None) -> list[tuple]:
+    def _gather_shapes(
+        self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None
+    ) -> list[tuple[int, ...]]:
         if shapes is None:
             shapes = [tuple(t.shape)] * group.size
-        shapes = [tuple(s) for s in shapes]
-        if shapes[group.index(self.rank)] != tuple(t.shape):
+        out = [tuple(s) for s in shapes]
+        if out[group.index(self.rank)] != tuple(t.shape):
             raise ShardingError(
-                f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {shapes[group.index(self.rank)]}"
+                f"all_gather: this rank holds shape {tuple(t.shape)} but the plan says {out[group.index(self.rank)]}"
             )
-        return shapes
+        return out
 
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
         """chunks[i] goes to member i; returns the op-reduction of every member's chunk for this rank."""

@@ -11,6 +11,7 @@ failure propagation simple: `fail()` wakes every waiter, and each raises.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -232,5 +233,7 @@ class ThreadsCommunicator(Communicator):
                 self.world.post(group, self.rank, p2p.peer, p2p.tensor, p2p.tag)
                 works.append(P2PWork())
             else:
-                works.append(P2PWork(lambda g=group, p=p2p: self.world.take(g, p.peer, self.rank, p.tensor, p.tag)))
+                works.append(
+                    P2PWork(functools.partial(self.world.take, group, p2p.peer, self.rank, p2p.tensor, p2p.tag))
+                )
         return works

@@ -37,6 +37,7 @@ import math
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ def is_traced_tensor(t: torch.Tensor) -> bool:
 # ------------------------------------------------------------------ meshes by id
 
 _MESH_IDS: dict[tuple, int] = {}
-_MESHES: dict[int, object] = {}
+_MESHES: dict[int, Any] = {}  # DeviceMesh objects (mesh.py sits above comm)
 _NEXT_MESH_ID = itertools.count()
 _lock = threading.Lock()
 

@@ -61,7 +61,9 @@ caches.register("decisions", _CACHE.clear)
 # EVERY: all arguments exactly. Learned from the decisions' reads; it only grows (invalidate clears it).
 _FLOAT_READS: dict[Any, dict[str, Callable[[Any], Any] | None]] = {}
 _LEAF_NAMES: dict[tuple, tuple[str | None, ...]] = {}
-_UNREAD = ("float, unread",)  # the key of a float argument no decision of its op reads
+_UNREAD: Any = (
+    "float, unread",
+)  # (typed Any: a sentinel, compared by identity) the key of a float argument no decision of its op reads
 _CLASS = "class"
 
 
@@ -168,6 +170,7 @@ class AlgoContext:
     in_specs: tuple[TensorSpec, ...]  # inputs as the algorithm receives them
     out_specs: tuple[TensorSpec, ...]
     func: Any
+    keep: dict[str, Any] | None = None  # where a caller asks: what the algorithm keeps for its backward (attention)
 
     @property
     def mesh(self):
@@ -185,7 +188,7 @@ class Decision:
     candidate: Candidate | None
     fallback: bool = False
     inplace: bool = False
-    schema: OpSchema | None = None
+    schema: OpSchema = field(kw_only=True)  # every decision has one (keyword: it follows defaults)
     candidates: list[Candidate] = field(default_factory=list)  # every candidate, cheapest first (explain reads it)
     out_metas: list[TensorMeta] = field(default_factory=list)
     replicate_only: bool = False
@@ -217,7 +220,7 @@ def flatten_args(args: tuple, kwargs: dict) -> tuple[list, Any]:
         else:
             return list(args), None
     leaves: list = []
-    shape = []
+    shape: list[Any] = []
     for a in (*args, *kwargs.values()):
         t = type(a)
         if t is list or t is tuple:
@@ -277,7 +280,8 @@ def float_key(func, tree: Any, i: int, value: float) -> Any:
     how = reads.get(EVERY, _UNREAD)
     if how is _UNREAD:
         names = _leaf_names(func, tree)
-        how = reads.get(names[i], _UNREAD) if i < len(names) and names[i] is not None else EXACTLY
+        name = names[i] if i < len(names) else None
+        how = reads.get(name, _UNREAD) if name is not None else EXACTLY
         if how is _UNREAD:
             return _UNREAD
     if how is EXACTLY:
@@ -416,6 +420,7 @@ def decide(
             replicate_only=func in REPLICATE_ONLY,
             meta_error=metas if isinstance(metas, Exception) else None,
         )
+    assert metas is not None  # a rule's meta run returned outputs (its failure returned above)
     out_metas = metas[0]
     rows = rule(schema)
     filt = _inplace_filter(specs) if inplace else None
@@ -517,7 +522,7 @@ def _inplace_filter(specs):
 
 def moved_bytes(d: Decision) -> int:
     """Bytes this rank puts into the decision's input moves."""
-    coord = d.in_specs[0].mesh.get_coordinate()
+    coord = d.in_specs[0].mesh.own_coordinate()
     internal = (
         sum(b for r in d.candidate.rows for _, b in r.comm) if d.candidate is not None else 0
     )  # a gathering algorithm's own

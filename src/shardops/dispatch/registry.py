@@ -59,7 +59,7 @@ COPYING_VIEW_ALGORITHMS: set[Callable[..., Any]] = set()
 
 
 def _overloads(ops: Iterable[Any]) -> list[OpOverload]:
-    out = []
+    out: list[OpOverload] = []
     for op in ops:
         if isinstance(op, OpOverloadPacket):
             out.extend(getattr(op, name) for name in op.overloads())
@@ -171,7 +171,7 @@ def torch_entry(func: Any, signature: CallSignature, parse: Parse, apply: Callab
         return apply(*parsed)
 
     entry.__name__ = f"{getattr(func, '__name__', func)}_entry"
-    entry.not_ours = not_ours
+    entry.not_ours = not_ours  # type: ignore[attr-defined]  # a function attribute (tests read it)
     return entry
 
 
@@ -182,7 +182,7 @@ def call_key(args: tuple, kwargs: dict) -> tuple | None:
     """What a torch-level parse reads, as one flat hashable key: grad mode, and per argument its type and
     value (a tensor: its spec id, or shape and dtype, and requires_grad). None: not keyable (then the
     call is parsed every time)."""
-    key = [torch.is_grad_enabled()]
+    key: list[Any] = [torch.is_grad_enabled()]
     # a subclass's tensor properties (requires_grad, shape) would each enter __torch_function__
     with _NO_SUBCLASS_TORCH_FUNCTION():
         for a in (*args, *kwargs.items()) if kwargs else args:

@@ -188,7 +188,7 @@ class CallSignature:
         return None
 
 
-_UNSEEN = object()
+_UNSEEN: Any = object()  # typed Any: a sentinel, compared by identity
 
 EXACTLY = None  # OpSchema.reads: the argument's value was read
 EVERY = "*"  # OpSchema.reads: every argument may have been read exactly (OpSchema.bound)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ShardingError
-from ..placements import Replicate, Shard, chunk_size_and_offset, local_shape_and_offset
+from ..placements import Placement, Replicate, Shard, chunk_size_and_offset, local_shape_and_offset
 from ..planner import pricing
 from ..spec import TensorSpec
 from .result import Option, Step
@@ -56,7 +56,7 @@ class RoutingStep:
         tp = None if mesh.ndim == 1 else next(d for d in range(mesh.ndim) if d != ep)
         if mesh.ndim > 2:
             raise ShardingError(f"explain moe(): a mesh (ep,) or (ep, tp), got {mesh.shape}")
-        want = [Replicate()] * mesh.ndim
+        want: list[Placement] = [Replicate()] * mesh.ndim
         want[ep] = Shard(0)
         placements = tuple(want)
         n = mesh.shape[ep]
@@ -68,14 +68,19 @@ class RoutingStep:
         others = self.num_experts - mine
         count_bytes = others * 8
         token_bytes = math.ceil(slots * others / self.num_experts) * row
-        ep_comm = [
+        ep_comm: list[tuple[tuple[int, ...], str, float]] = [
             ((ep,), "all_to_all", float(count_bytes)),
             ((ep,), "all_to_all", float(token_bytes)),
             ((ep,), "all_to_all", float(token_bytes)),
         ]
         all_tokens = tokens_spec.shape[0] * row
-        gather_comm = [((ep,), "all_gather", float(tokens * row)), ((ep,), "reduce_scatter", float(all_tokens))]
-        tp_comm = [] if tp is None else [((tp,), "all_reduce", float(tokens * row))]
+        gather_comm: list[tuple[tuple[int, ...], str, float]] = [
+            ((ep,), "all_gather", float(tokens * row)),
+            ((ep,), "reduce_scatter", float(all_tokens)),
+        ]
+        tp_comm: list[tuple[tuple[int, ...], str, float]] = (
+            [] if tp is None else [((tp,), "all_reduce", float(tokens * row))]
+        )
 
         def t(comm):
             return sum(_time(kind, b, mesh.shape[d[0]], links[d[0]]) for d, kind, b in comm)

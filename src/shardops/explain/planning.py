@@ -216,7 +216,7 @@ def _fallback_step(index, func, call, input_names, specs, out_tensors, replicate
 
 
 def plan_all(rec: Recorder, names: Names, links, top: int) -> list[Step]:
-    steps = []
+    steps: list[Step] = []
     for func, args, kwargs, out in rec.calls:
         if is_routing(func):  # a mixture-of-experts routing (explain.moe): priced by its own rule
             step = func.plan(len(steps) + 1, names.spec_of(args[0]), links)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -51,7 +52,7 @@ class DataMesh:
 
     @property
     def shard_rank(self) -> int:
-        return self.mesh.get_coordinate()[-1]
+        return self.mesh.own_coordinate()[-1]
 
     @property
     def size(self) -> int:
@@ -110,7 +111,8 @@ class FSDPParam:
         self.member_numels = [length * rest for _, length in self.member_slices]
         start, length = self.member_slices[data.shard_rank]
         local = full.narrow(self.shard_dim, start, length).clone(memory_format=torch.contiguous_format)
-        self.sharded = nn.Parameter(wrap(local, self._sharded_spec(param)), requires_grad=param.requires_grad)
+        # a DTensor that is also an nn.Parameter: no one type says both
+        self.sharded: Any = nn.Parameter(wrap(local, self._sharded_spec(param)), requires_grad=param.requires_grad)
         for t in (self.sharded, param):  # the original too: a module outside this unit may still hold it (tied weights)
             setattr(t, SHARDED_MARK, True)
         self.unsharded: nn.Parameter | None = None
@@ -190,9 +192,10 @@ class FSDPParam:
     def take_unsharded_grad(self, reduce_dtype: torch.dtype) -> torch.Tensor | None:
         """The unsharded gradient (this rank's, local to the tp layout) plus unsynced accumulation; cleared."""
         g = self.unsharded.grad if self.unsharded is not None else None
-        if g is not None:
+        if self.unsharded is not None and g is not None:
             self.unsharded.grad = None
             if isinstance(g, DTensor):
+                assert self.tp_spec is not None  # a DTensor gradient: the parameter was one
                 g = shard_in(g, self.tp_spec.placements)
             g = g.to(reduce_dtype)
         if self.accumulated is not None:
@@ -235,7 +238,7 @@ def _composed_spec(data: DataMesh, tp: TensorSpec, shard_dim: int, meta: TensorM
             "mesh by name (mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, "
             "mesh['tp'], plan); fully_shard(m, mesh=mesh['dp']))"
         )
-    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    dp_names, tp_names = dp_mesh.mesh_dim_names or (), tp_mesh.mesh_dim_names or ()  # (named: sliced from root)
     if set(dp_names) & set(tp_names):
         raise ShardingError(f"fully_shard: the data mesh {dp_names} and the parameter's mesh {tp_names} share dims")
     for p in tp.placements:

@@ -51,7 +51,7 @@ class RootState:
                 unit.reshard()  # a prefetch whose backward never came
 
 
-def unit_of(module: nn.Module) -> FSDPUnit | None:
+def unit_of(module: object) -> FSDPUnit | None:
     return module.__dict__.get(STATE_ATTR)
 
 
@@ -74,8 +74,15 @@ def _lazy_init(module: nn.Module, unit: FSDPUnit) -> None:
             found.reshard_after_forward = found is not unit  # the root's backward comes first: keep it gathered
 
 
-def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _hooked_unit(module: nn.Module) -> FSDPUnit:
+    """The unit of a module whose hooks run (install_hooks set both)."""
     unit = unit_of(module)
+    assert unit is not None, "fully_shard's hooks on a module without its state"
+    return unit
+
+
+def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    unit = _hooked_unit(module)
     if unit.root is None:
         _lazy_init(module, unit)
     mp = unit.mp
@@ -90,7 +97,7 @@ def _pre_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, d
 
 
 def _post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
-    unit = unit_of(module)
+    unit = _hooked_unit(module)
     unit.forwards_in_pass += 1
     grad = torch.is_grad_enabled()
     if unit.forwards_in_pass >= len(unit.modules):

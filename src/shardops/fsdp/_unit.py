@@ -21,6 +21,8 @@ the gradients (`_pack`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -64,7 +66,8 @@ class FSDPUnit:
         self.pending_backward = False
         self.forwards_in_pass = 0
         self.inputs_pending = 0  # post-backward functions of this forward whose backward has not run yet
-        self.root = None  # the RootState of the model this unit runs in (set at the root's first forward)
+        # the RootState of the model this unit runs in (set at the root's first forward); Any: _state.py imports this
+        self.root: Any = None
 
     # -- parameters
     def start_unshard(self) -> None:
@@ -83,6 +86,7 @@ class FSDPUnit:
             self.is_unsharded = True
             return
         self.start_unshard()
+        assert self.gathering is not None  # start_unshard started it
         pieces = self.gathering.wait()
         self.gathering = None
         buffers = [p.alloc() for p in self.params]
@@ -116,6 +120,8 @@ class FSDPUnit:
         """The unsharded gradients to reduce, taken off the unsharded parameters (reduce_dtype).
         Unsynced: they are kept (accumulated) instead, and nothing is returned."""
         dtype = self.reduce_dtype
+        if dtype is None:  # no parameters (a unit's dtypes are its parameters')
+            return []
         if not self.requires_gradient_sync:
             for p in self.params:
                 p.accumulate(dtype)

@@ -30,10 +30,13 @@ class FSDPModule:
         return self
 
     def _unit(self) -> FSDPUnit:
-        return unit_of(self)
+        unit = unit_of(self)
+        assert unit is not None  # fully_shard gave this module its unit
+        return unit
 
     def _units(self, recurse: bool) -> list[FSDPUnit]:
-        modules = self.modules() if recurse else [self]
+        # a mixin: FSDP<Cls> is an nn.Module too
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
         units: list[FSDPUnit] = []
         for m in modules:
             unit = unit_of(m)
@@ -170,7 +173,7 @@ def _data_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     cached = getattr(comm, "_shardops_default_mesh", None)
     if cached is None or cached[0] != key:
         cached = (key, init_device_mesh("cpu", (comm.world_size,)))
-        comm._shardops_default_mesh = cached
+        comm._shardops_default_mesh = cached  # type: ignore[attr-defined]  # a cache kept on the communicator
     return cached[1]
 
 

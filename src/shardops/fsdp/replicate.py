@@ -99,6 +99,7 @@ class ReplicateState:
         bucket.ready = len(bucket.params) + 1  # started: the end of backward only waits for it
 
     def _write_back(self, bucket: _Bucket) -> None:
+        assert bucket.work is not None  # started by the bucket's last gradient
         total = bucket.work.wait()
         bucket.work = None
         total.div_(self.group.size)  # a fresh tensor from the collective: divided in place, no second bucket
@@ -139,20 +140,22 @@ def _local_zeros(p: torch.Tensor) -> torch.Tensor:
 
 def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
     g = p.grad
-    if isinstance(g, DTensor):
+    if isinstance(g, DTensor) and isinstance(p, DTensor):
         return shard_in(g, spec_of(p).placements)
     return g
 
 
 def _set_grad(p: torch.Tensor, flat: torch.Tensor) -> None:
+    grad = p.grad
+    assert grad is not None  # only parameters that had a gradient get one back
     if isinstance(p, DTensor):
         spec = spec_of(p)
-        local = flat.view(local_of(p).shape).to(p.grad.dtype).contiguous()
+        local = flat.view(local_of(p).shape).to(grad.dtype).contiguous()
         p.grad = wrap(
-            local, TensorSpec(spec.mesh, spec.placements, TensorMeta(spec.shape, spec.meta.stride, p.grad.dtype))
+            local, TensorSpec(spec.mesh, spec.placements, TensorMeta(spec.shape, spec.meta.stride, grad.dtype))
         )
     else:
-        p.grad.copy_(flat.view(p.grad.shape))
+        grad.copy_(flat.view(grad.shape))
 
 
 def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = None, **kwargs: Any) -> nn.Module:

@@ -34,7 +34,7 @@ from .._torch.dispatch import DisableTorchFunctionSubclass
 from ..dispatch.registry import torch_level
 from ..dispatch.schema import CallSignature
 from ..errors import ShardingError
-from ..placements import Placement, Replicate, without_partials
+from ..placements import Placement, Replicate, Shard, StridedShard, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
 from ..tensor import DTensor
@@ -50,7 +50,10 @@ R = Replicate()
 
 def reduced_layout(layout: Sequence[Placement], dims: Sequence[int], keepdim: bool) -> tuple[Placement, ...]:
     """The output-shaped layout matching `layout`: kept dims keep their shards, reduced dims are whole."""
-    return tuple((R if p.dim in dims else shift_after_reduce(p, dims, keepdim)) if p.is_shard() else p for p in layout)
+    return tuple(
+        (R if p.dim in dims else shift_after_reduce(p, dims, keepdim)) if isinstance(p, (Shard, StridedShard)) else p
+        for p in layout
+    )
 
 
 def local_in(t: torch.Tensor, placements: Sequence[Placement], mesh) -> torch.Tensor:
@@ -83,7 +86,7 @@ class Call:
     flat: bool = False  # prod(): the product of every element, flattened
     nan_aware: bool = False  # max()/median(): NaN equals a NaN result (torch's evenly_distribute_backward)
     result_type: Any = None  # torch.return_types.* for ops returning (values, indices)
-    func: Callable[..., Any] = None
+    func: Callable[..., Any] | None = None
     args: tuple = ()
     kwargs: dict | None = None
 
@@ -101,6 +104,7 @@ class ShardedReduction(torch.autograd.Function):
             # (reduce_scatter then gather, or all_reduce) can round differently, and then `x == result`
             # would miss the extreme. The backward would have to resolve x anyway.
             x = resolve_partials(x)
+        assert call.func is not None  # set by the entry before apply
         with DisableTorchFunctionSubclass():
             out = call.func(x, *call.args, **(call.kwargs or {}))
         outs = tuple(out) if isinstance(out, tuple) else (out,)

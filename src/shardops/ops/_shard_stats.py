@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..dispatch.schema import normalize_dim
-from ..placements import Placement, Replicate, dim_positions, without_partials
+from ..placements import Placement, Replicate, Shard, StridedShard, dim_positions, without_partials
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
@@ -72,7 +72,7 @@ def shard_line(spec: TensorSpec, dim: int) -> ShardLine:
     coords = member_coordinates(spec, mesh_dims)
     pos = [dim_positions(spec.shape[dim], dim, spec.mesh.shape, c, spec.placements) for c in coords]
     starts = tuple(p[0] if len(p) else spec.shape[dim] for p in pos)
-    me = coords.index(list(spec.mesh.get_coordinate()))
+    me = coords.index(list(spec.mesh.own_coordinate()))
     return ShardLine(spec, dim, mesh_dims, me, starts, tuple(len(p) for p in pos))
 
 
@@ -125,7 +125,11 @@ def unsqueeze_reduced(t: torch.Tensor, ndim: int, dims: Sequence[int], keepdim: 
 def reduction_stats_bytes(spec: TensorSpec, dims: Sequence[int], per_row_bytes: float) -> float:
     """Bytes one rank puts into a statistics all_gather: per output element, over this layout's shards."""
     rows = math.prod(s for d, s in enumerate(spec.shape) if d not in dims)
-    others = math.prod(n for n, p in zip(spec.mesh.shape, spec.placements) if p.is_shard() and p.dim not in dims)
+    others = math.prod(
+        n
+        for n, p in zip(spec.mesh.shape, spec.placements)
+        if isinstance(p, (Shard, StridedShard)) and p.dim not in dims
+    )
     return rows / max(others, 1) * per_row_bytes
 
 
@@ -155,7 +159,10 @@ def reduction_layouts(
     the statistic there, whichever positions a shard holds), the shifted shard otherwise.
     """
     layout = tuple(p if p.is_shard() else R for p in in_spec.placements)
-    out = tuple(shift_after_reduce(p, dims, keepdim) if p.is_shard() and p.dim not in dims else R for p in layout)
+    out = tuple(
+        shift_after_reduce(p, dims, keepdim) if isinstance(p, (Shard, StridedShard)) and p.dim not in dims else R
+        for p in layout
+    )
     return layout, out
 
 

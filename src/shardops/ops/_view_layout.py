@@ -31,7 +31,8 @@ def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int],
     """Pair up runs of input and output dims whose sizes multiply to the same number."""
     groups, i, j = [], 0, 0
     while i < len(src) or j < len(dst):
-        gi, gj = [], []
+        gi: list[int] = []
+        gj: list[int] = []
         pi = pj = 1
         while True:
             if (pi == pj and gi and gj) or (i >= len(src) and j >= len(dst)):
@@ -107,7 +108,7 @@ def view_layout(
     where some shard does not map exactly (then the input must move first)."""
     out = list(placements)
     for gi, gj in view_groups(src, dst):
-        cuts = [(i, p) for i, p in enumerate(placements) if p.is_shard() and p.dim in gi]
+        cuts = [(i, p) for i, p in enumerate(placements) if isinstance(p, (Shard, StridedShard)) and p.dim in gi]
         for i, p in [(i, p) for i, p in cuts if src[p.dim] == 1]:
             paired = _paired_size_one_dim(p.dim, gi, gj, src, dst)
             if paired is None or isinstance(p, StridedShard):

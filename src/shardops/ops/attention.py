@@ -56,7 +56,7 @@ from ..dispatch.mixed import implicit_replication
 from ..dispatch.registry import call_default, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, static_key
 from ..errors import ShardingError
-from ..placements import Partial, Placement, Replicate, Shard, without_partials
+from ..placements import Partial, Placement, Replicate, Shard, StridedShard, without_partials
 from ..planner.choice import CHOICE_HOOKS, candidates
 from ..planner.rows import Candidate, Row, row
 from ..redistribute import redistribute_local
@@ -124,7 +124,8 @@ def rows_forward(q, k, v, *, q_start: int, is_causal: bool, mask, scale) -> tupl
     lses = []
     for (start, end, causal), (_, lse) in zip(chunks, results):
         if mask is not None:  # a row the mask hides from the whole chunk: the kernel says lse 0, it means -inf
-            lse = torch.where(_sees_a_key(_mask_columns(mask, start, end), causal, lse.shape), lse, -math.inf)
+            columns = mask.narrow(-1, start, end - start)  # _mask_columns
+            lse = torch.where(_sees_a_key(columns, causal, lse.shape), lse, -math.inf)
         lses.append(lse)
     lse = torch.logsumexp(torch.stack(lses), 0)
     finite = lse > -math.inf
@@ -139,7 +140,7 @@ def rows_backward(grad, q, k, v, out, lse, *, q_start: int, is_causal: bool, mas
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     if q.numel() == 0 or k.shape[SEQ] == 0 or q.shape[HEADS] == 0:
         return torch.zeros_like(q), dk, dv
-    dq = None
+    dq: torch.Tensor | None = None
     grad, out, lse = grad.contiguous(), out.contiguous(), lse.contiguous()
     for start, end, causal in _key_chunks(q_start, q.shape[SEQ], k.shape[SEQ], is_causal):
         kc, vc = k.narrow(SEQ, start, end - start), v.narrow(SEQ, start, end - start)
@@ -149,6 +150,7 @@ def rows_backward(grad, q, k, v, out, lse, *, q_start: int, is_causal: bool, mas
         dq = gq if dq is None else dq + gq
         dk.narrow(SEQ, start, end - start).copy_(gk)
         dv.narrow(SEQ, start, end - start).copy_(gv)
+    assert dq is not None  # k.shape[SEQ] > 0: at least one key chunk
     return dq.contiguous(), dk, dv
 
 
@@ -296,10 +298,10 @@ def _gqa_head_dims(q: TensorSpec, k: TensorSpec) -> list[int]:
             chosen.append(i)
             product *= mesh_shape[i]
     if not chosen:  # one mesh dim alone may still align uneven chunks (see _aligned_chunks)
-        chosen = [
-            next((i for i in current + list(range(len(mesh_shape))) if _aligned_chunks(hq, hk, mesh_shape[i])), None)
-        ]
-        chosen = [i for i in chosen if i is not None]
+        first = next(
+            (i for i in current + list(range(len(mesh_shape))) if _aligned_chunks(hq, hk, mesh_shape[i])), None
+        )
+        chosen = [first] if first is not None else []
     return sorted(chosen)
 
 
@@ -311,7 +313,11 @@ def _aligned_chunks(hq: int, hk: int, n: int) -> bool:
 
 def _shard_bytes(spec: TensorSpec, n: int) -> float:
     """Bytes of one rank's piece of `spec` sharded on its sequence over n ranks (other dims as they are now)."""
-    others = math.prod(size for size, p in zip(spec.mesh.shape, spec.placements) if p.is_shard() and p.dim != SEQ)
+    others = math.prod(
+        size
+        for size, p in zip(spec.mesh.shape, spec.placements)
+        if isinstance(p, (Shard, StridedShard)) and p.dim != SEQ
+    )
     return spec.numel * spec.itemsize / max(others, 1) / n
 
 
@@ -446,10 +452,10 @@ class _Attention(torch.autograd.Function):
         v_l, v_spec = _layout_of(v, layouts[2])
         m_l = shard_in(mask, layouts[3]) if mask is not None else None
         # the forward op's own algorithm (verify records and forces it there), keeping its gathered K/V
-        run = core.AlgoContext(None, (q_spec, k_spec, v_spec), (), FLASH)
-        run.keep = {}
+        run = core.AlgoContext(None, (q_spec, k_spec, v_spec), (), FLASH)  # type: ignore[arg-type]  # reads no schema
+        kept: dict[str, Any] = {}
+        run.keep = kept
         out, lse = (algorithm or _forward_sharded)(run, q_l, k_l, v_l, 0.0, is_causal, attn_mask=m_l, scale=scale)
-        kept = run.keep
         ctx.save_for_backward(q_l, kept["k"], kept["v"], out, lse)
         ctx.options, ctx.line, ctx.heads = kept["options"], kept["line"], kept["heads"]
         ctx.layouts, ctx.inputs = layouts, (spec_of(q), spec_of(k), spec_of(v))
@@ -491,7 +497,9 @@ def _sdpa_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 def _check_like_torch(b: dict[str, Any]) -> None:
     """torch's own validation of the call, run on meta tensors: bad input is refused before any data moves."""
-    meta = {n: torch.empty(b[n].shape, dtype=b[n].dtype, device="meta") for n in ("query", "key", "value")}
+    meta: dict[str, Any] = {
+        n: torch.empty(b[n].shape, dtype=b[n].dtype, device="meta") for n in ("query", "key", "value")
+    }
     mask = b["attn_mask"]
     if mask is not None:
         meta["attn_mask"] = torch.empty(mask.shape, dtype=mask.dtype, device="meta")
@@ -546,11 +554,13 @@ def _keeping_queries(decision: core.Decision) -> Candidate:
     def keeps_queries(c: Candidate) -> bool:
         return all(got == had for got, had in zip(c.inputs[0], mine) if had.is_shard())
 
-    if keeps_queries(decision.candidate):
-        return decision.candidate
+    chosen = decision.candidate
+    assert chosen is not None  # a decision that is not a fallback has its candidate
+    if keeps_queries(chosen):
+        return chosen
     out_shapes = [(m.shape, m.dtype.itemsize) for m in decision.out_metas]
     kept = candidates(_forward_rule(decision.schema), decision.in_specs, out_shapes, filter_fn=keeps_queries, limit=1)
-    return kept[0] if kept else decision.candidate
+    return kept[0] if kept else chosen
 
 
 # (q, k, v, mask layouts and shapes, causal, scale, link model) -> (input layouts, algorithm)

@@ -16,14 +16,13 @@ R = Replicate()
 def mesh_dims_sharding(spec: TensorSpec, tensor_dims: int | Sequence[int]) -> tuple[int, ...]:
     """Mesh dims whose placement shards any of `tensor_dims` (a reduction's statistics travel over them)."""
     dims = (tensor_dims,) if isinstance(tensor_dims, int) else tuple(tensor_dims)
-    return tuple(i for i, p in enumerate(spec.placements) if p.is_shard() and p.dim in dims)
+    return tuple(i for i, p in enumerate(spec.placements) if isinstance(p, (Shard, StridedShard)) and p.dim in dims)
 
 
-def shard_placements(spec: TensorSpec) -> list[Placement]:
+def shard_placements(spec: TensorSpec) -> list[Shard | StridedShard]:
     """Shard(d) for every dim, plus the input's own StridedShard placements: the shards worth a row."""
-    return [Shard(d) for d in range(spec.ndim)] + [
-        p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)
-    ]
+    shards: list[Shard | StridedShard] = [Shard(d) for d in range(spec.ndim)]
+    return shards + [p for p in dict.fromkeys(spec.placements) if isinstance(p, StridedShard)]
 
 
 def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -33,8 +32,16 @@ def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def global_positions(spec: TensorSpec, tensor_dim: int, coordinate: Sequence[int] | None = None) -> range | list[int]:
     """Global indices along `tensor_dim` held by this rank (a range for plain shards)."""
-    coord = spec.mesh.get_coordinate() if coordinate is None else coordinate
+    coord = spec.mesh.own_coordinate() if coordinate is None else coordinate
     return dim_positions(spec.shape[tensor_dim], tensor_dim, spec.mesh.shape, coord, spec.placements)
+
+
+def global_range(spec: TensorSpec, tensor_dim: int) -> range:
+    """`global_positions` where the caller's rows split `tensor_dim` with plain shards only (nested or not)."""
+    pos = global_positions(spec, tensor_dim)
+    if not isinstance(pos, range):
+        raise TypeError(f"{spec!r}: dim {tensor_dim} is split by a StridedShard; its positions are not a range")
+    return pos
 
 
 def global_index_tensor(spec: TensorSpec, tensor_dim: int, device=None) -> torch.Tensor:
@@ -48,7 +55,7 @@ def global_index_tensor(spec: TensorSpec, tensor_dim: int, device=None) -> torch
 def member_coordinates(spec: TensorSpec, mesh_dims: Sequence[int]) -> list[list[int]]:
     """Coordinates of the group members over `mesh_dims`, row-major (the group's order)."""
     mesh = spec.mesh
-    coord = list(mesh.get_coordinate())
+    coord = list(mesh.own_coordinate())
     out = []
     for idx in range(math.prod(mesh.shape[d] for d in mesh_dims)):
         c, rem = list(coord), idx
@@ -131,12 +138,12 @@ def all_reduce(t: torch.Tensor, spec: TensorSpec, mesh_dims: Sequence[int], op: 
 
 def replace_dims(placements: Sequence[Placement], dims: Sequence[int], new: Placement = R) -> tuple[Placement, ...]:
     """Placements with every shard of `dims` replaced (e.g. by Replicate or Partial)."""
-    return tuple(new if p.is_shard() and p.dim in dims else p for p in placements)
+    return tuple(new if isinstance(p, (Shard, StridedShard)) and p.dim in dims else p for p in placements)
 
 
 def shift_after_reduce(p: Placement, reduced: Sequence[int], keepdim: bool) -> Placement:
     """A shard placement's dim after `reduced` dims are removed (keepdim=False)."""
-    if not p.is_shard() or keepdim:
+    if not isinstance(p, (Shard, StridedShard)) or keepdim:
         return p
     shift = sum(1 for d in reduced if d < p.dim)
-    return type(p)(p.dim - shift) if isinstance(p, Shard) else type(p)(p.dim - shift, p.split_factor)
+    return Shard(p.dim - shift) if isinstance(p, Shard) else StridedShard(p.dim - shift, p.split_factor)

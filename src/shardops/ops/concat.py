@@ -129,6 +129,7 @@ def _apply_concat(func, args: tuple, kwargs: dict):
         and torch.is_grad_enabled()
         and not rest
         and isinstance(dim, int)
+        and tensors is not None
         and all(isinstance(t, DTensor) for t in tensors)
         and any(t.ndim == 1 and t.shape[0] == 0 and t.requires_grad for t in tensors)
         and len({spec_of(t).mesh for t in tensors}) == 1

@@ -35,7 +35,7 @@ from ..dispatch.schema import OpSchema
 from ..errors import ShardingError
 from ..placements import Partial, Replicate, Shard
 from ..planner.rows import Row, row
-from .common import global_positions
+from .common import global_range
 
 aten = torch.ops.aten
 R = Replicate()
@@ -48,7 +48,7 @@ LABEL_VOCAB_RENORM = "vocabulary parallel renorm: owned rows only"
 def _owned_rows(ctx) -> range:
     """Global rows of the table this rank holds (nested mesh dims included)."""
     weight = ctx.in_specs[0]
-    return global_positions(weight, 0)
+    return global_range(weight, 0)
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, op: str) -> None:
@@ -86,7 +86,7 @@ def _vocab_table_grad(
 ) -> torch.Tensor:
     """The rows this rank owns; other ids go to a spare row that is dropped."""
     out = ctx.out_specs[0]
-    rows = global_positions(out, 0)
+    rows = global_range(out, 0)
     n_local = len(rows)
     owned = (ids >= rows.start) & (ids < rows.stop)
     local_ids = torch.where(owned, ids - rows.start, n_local)

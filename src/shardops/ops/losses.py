@@ -43,7 +43,7 @@ from ..placements import Partial, Replicate, Shard
 from ..planner.rows import Row, row
 from ..redistribute import redistribute_local
 from ..spec import TensorSpec
-from .common import all_reduce, global_positions, opmath_dtype
+from .common import all_reduce, global_positions, global_range, opmath_dtype
 
 aten = torch.ops.aten
 R = Replicate()
@@ -165,8 +165,8 @@ class NllLayout:
         self.weight_spec = weight_spec
         self.cdim = class_dim(self_spec.ndim)
         self.num_classes = self_spec.shape[self.cdim]
-        self.classes = global_positions(self_spec, self.cdim)
-        self.weight_classes = global_positions(weight_spec, 0) if weight_spec is not None else range(self.num_classes)
+        self.classes = global_range(self_spec, self.cdim)
+        self.weight_classes = global_range(weight_spec, 0) if weight_spec is not None else range(self.num_classes)
         # The total weight is partial over mesh dims where the target or the weight is cut.
         self.total_mesh_dims = [
             i
@@ -186,8 +186,9 @@ class NllLayout:
         """weight[t] for the targets this rank picks (0 elsewhere), from a weight slice that covers its classes."""
         if weight is None:
             return owned.to(dtype)
+        assert self.weight_spec is not None  # a weight tensor has its spec
         weight, spec = covering(weight, self.weight_spec, self.self_spec, [(self.cdim, 0)])
-        return target_weights(t, owned, weight, global_positions(spec, 0), dtype)
+        return target_weights(t, owned, weight, global_range(spec, 0), dtype)
 
 
 def _specs(ctx, has_weight: bool, first: int) -> tuple[TensorSpec, TensorSpec, TensorSpec | None]:
@@ -339,7 +340,7 @@ def _gather_sharded(ctx, x: torch.Tensor, dim: int, index: torch.Tensor, *args, 
     """self sharded along the gathered dim, index replicated: pick what this rank holds, 0 elsewhere -> P(sum)."""
     spec = ctx.in_specs[0]
     dim = dim % max(x.ndim, 1)
-    held = global_positions(spec, dim)
+    held = global_range(spec, dim)
     owned = (index >= held.start) & (index < held.stop)
     if x.shape[dim] == 0:
         return torch.zeros(index.shape, dtype=x.dtype, device=x.device)

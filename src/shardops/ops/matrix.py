@@ -34,6 +34,7 @@ over A, pending (P(sum)) where A is sharded.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -65,7 +66,8 @@ def _base(schema: OpSchema) -> str:
 def _shard_makers(schema: OpSchema) -> list[Callable[[int], Placement]]:
     """Shard, plus one StridedShard maker per split factor already present on an operand."""
     factors = sorted({p.split_factor for s in schema.tensor_specs for p in s.placements if isinstance(p, StridedShard)})
-    return [Shard] + [lambda d, sf=sf: StridedShard(d, sf) for sf in factors]
+    makers: list[Callable[[int], Placement]] = [Shard]
+    return makers + [functools.partial(StridedShard, split_factor=sf) for sf in factors]
 
 
 @strategy(
@@ -143,7 +145,7 @@ def _uneven_leading_dims(x) -> list[int]:
     """x's leading (non-last) dims whose shards are uneven (their size not a multiple of the shard count)."""
     counts: dict[int, int] = {}
     for n, p in zip(x.device_mesh.shape, x.placements):
-        if p.is_shard() and p.dim % x.ndim < x.ndim - 1:
+        if isinstance(p, (Shard, StridedShard)) and p.dim % x.ndim < x.ndim - 1:
             counts[p.dim % x.ndim] = counts.get(p.dim % x.ndim, 1) * n
     return [d for d, c in counts.items() if x.shape[d] % c]
 
@@ -159,7 +161,7 @@ def _keeps_leading_dims(x, weight) -> bool:
     if not uneven or any(d > 1 for d in uneven):
         return False
     merged = set(range(1, x.ndim - 1)) if x.ndim > 3 else set()
-    return not any(p.is_shard() and p.dim % x.ndim in merged for p in x.placements)
+    return not any(isinstance(p, (Shard, StridedShard)) and p.dim % x.ndim in merged for p in x.placements)
 
 
 def _bmm_keeping_leading_dims(x, rhs, bias=None):

@@ -59,7 +59,9 @@ def _moment_params(op, bound: dict, ndim: int) -> tuple[tuple[int, ...] | None, 
 
 
 def _moment_args(schema: OpSchema) -> tuple[tuple[int, ...], float, bool]:
-    return _moment_params(schema.op, schema.bound, schema.self_spec.ndim)
+    dims, correction, keepdim = _moment_params(schema.op, schema.bound, schema.self_spec.ndim)
+    assert dims is not None  # an aten call's dims are ints
+    return dims, correction, keepdim
 
 
 def _base(op) -> str:
@@ -226,7 +228,7 @@ def _moments_unbiased(self, unbiased, *, dim=None, keepdim=False, correction=Non
 def _moments_call(self, dim=None, unbiased=None, keepdim=False, *, correction=None, out=None): ...  # noqa: E704
 
 
-_moments_unbiased.accepts = lambda args, kwargs: len(args) > 1 and type(args[1]) is bool
+_moments_unbiased.accepts = lambda args, kwargs: len(args) > 1 and type(args[1]) is bool  # type: ignore[attr-defined]  # a function attribute CallSignature reads
 MOMENTS_SIGNATURE = CallSignature(_moments_unbiased, _moments_call, aliases={"input": "self"})
 
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from ..dispatch.registry import strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema
 from ..errors import ShardingError
-from ..placements import Partial, Placement, Replicate, Shard, StridedShard
+from ..placements import Partial, Placement, Replicate, Shard, StridedShard, as_shard
 from ..planner.rows import Row, row
 from ..spec import TensorSpec
 from ..tensor import dispatch
@@ -87,7 +87,7 @@ def _on_weight_dim(p: Placement, axis: int) -> Placement:
     """The placement of a normalized input dim, moved onto the weight's matching dim."""
     if isinstance(p, StridedShard):
         return StridedShard(p.dim - axis, p.split_factor)
-    return Shard(p.dim - axis)
+    return Shard(as_shard(p).dim - axis)
 
 
 def _rows_per_rank(spec: TensorSpec, axis: int) -> float:
@@ -96,11 +96,13 @@ def _rows_per_rank(spec: TensorSpec, axis: int) -> float:
 
     NOTE: assumes the outer dims keep their current sharding, which is the usual choice.
     """
-    parts = math.prod(n for n, p in zip(spec.mesh.shape, spec.placements) if p.is_shard() and p.dim < axis)
+    parts = math.prod(
+        n for n, p in zip(spec.mesh.shape, spec.placements) if isinstance(p, (Shard, StridedShard)) and p.dim < axis
+    )
     return math.prod(spec.shape[:axis]) / parts
 
 
-def _norm_mesh_dims(spec: TensorSpec, axis: int) -> list[int]:
+def _norm_mesh_dims(spec: TensorSpec, axis: int) -> tuple[int, ...]:
     return mesh_dims_sharding(spec, range(axis, spec.ndim))
 
 
@@ -113,7 +115,7 @@ def _group_sum(t: torch.Tensor, spec: TensorSpec, mesh_dims: Sequence[int], gath
     return all_reduce(t, spec, mesh_dims, "sum")
 
 
-def _sum_comm(gather: bool, nbytes: int) -> list[tuple[str, int]]:
+def _sum_comm(gather: bool, nbytes: float) -> list[tuple[str, float]]:
     return [("all_gather" if gather else "all_reduce", nbytes)]
 
 

@@ -177,6 +177,7 @@ def _norm_backward(g: torch.Tensor, x: torch.Tensor, norm: torch.Tensor | None, 
     """torch's norm_backward (FunctionsManual.cpp), given the global norm; g and norm keepdim-shaped."""
     if p == 1.0:
         return x.sgn() * g
+    assert norm is not None  # only p == 1 goes without the norm
     if p == 2.0:
         return g * (x / norm).masked_fill(norm == 0, 0)
     if p < 1.0:

@@ -65,7 +65,7 @@ _SCALED_NEG = _SCALED + [(MIN, (MAX,)), (MAX, (MIN,))]  # c < 0 swaps max and mi
 # NOTE: (a + b) / c = a/c + b/c except at c == 0, where parts of opposite sign give inf - inf = NaN
 # instead of the total's +-inf; integer operands are where zeros are common, so their true division
 # resolves the pending sum first (see _excluded). Floor/trunc division is not linear at all.
-PASS_THROUGH: dict[tuple[str, str], list] = {
+PASS_THROUGH: dict[tuple[str, str | None], list] = {
     ("add", "TT"): [(SUM, (SUM, SUM)), (AVG, (AVG, AVG))],
     ("sub", "TT"): [(SUM, (SUM, SUM)), (AVG, (AVG, AVG))],
     ("mul", "TT"): [(SUM, (SUM, R)), (SUM, (R, SUM))],

@@ -462,7 +462,7 @@ def _dtensor_trunc_normal_(tensor, mean: float, std: float, a: float, b: float, 
             local_of(tensor),
             spec.shape,
             spec.mesh.shape,
-            spec.mesh.get_coordinate(),
+            spec.mesh.own_coordinate(),
             spec.placements,
             rng.next_key(generator),
             transform,
@@ -487,7 +487,7 @@ def _sparse_over(original: Callable) -> Callable:
 
 
 # torch-level entries (verify skips them with the random aten ops: their values are not torch's)
-RANDOM_ENTRIES = {
+RANDOM_ENTRIES: set[Callable[..., Any]] = {
     getattr(torch.Tensor, m)
     for m in ("uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "log_normal_", "cauchy_")
 }
@@ -504,7 +504,7 @@ for _entry in RANDOM_ENTRIES | {
     torch.Tensor.fill_,
 }:  # each parse knows its callable: apply re-calls it
     torch_level(_entry, signature=CallSignature(_fill_call, aliases={"self": "tensor"}), apply=call_default)(
-        partial(_relabel_then_fill, _entry)
+        partial(_relabel_then_fill, _entry)  # type: ignore[arg-type]  # torch's stubs type these methods as `function`
     )
 # torch's have no __torch_function__ entry to hook: shardops._torch.install() replaces them
 torch_random.replace_init_function("trunc_normal_", _trunc_normal_over)

@@ -32,7 +32,7 @@ import torch
 
 from ..dispatch.registry import strategy
 from ..dispatch.schema import OpSchema
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..planner.rows import Row, row
 from ..spec import TensorSpec, contiguous_stride
 from ._reduction_autograd import (
@@ -125,7 +125,7 @@ def reduced_dims(schema: OpSchema) -> tuple[int, ...]:
 def shard_options(spec: TensorSpec, d: int) -> list[Placement]:
     """Placements that shard dim d worth a row: plain Shard unless the dim is trivial, plus any strided shard in use."""
     present = [p for p in spec.placements if p.is_shard(d)]
-    plain = [Shard(d)] if spec.shape[d] > 1 else []
+    plain: list[Placement] = [Shard(d)] if spec.shape[d] > 1 else []
     return list(dict.fromkeys(present + plain))
 
 
@@ -142,7 +142,11 @@ def kept_dim_rows(spec: TensorSpec, dims: Sequence[int], keepdim: bool, n_out: i
 def output_bytes_per_rank(spec: TensorSpec, dims: Sequence[int], bytes_per_element: float) -> float:
     """Bytes of this op's output on one rank, kept dims sharded as now (for the cost of gathering it)."""
     kept = math.prod(s for i, s in enumerate(spec.shape) if i not in dims)
-    split = math.prod(n for n, p in zip(spec.mesh.shape, spec.placements) if p.is_shard() and p.dim not in dims)
+    split = math.prod(
+        n
+        for n, p in zip(spec.mesh.shape, spec.placements)
+        if isinstance(p, (Shard, StridedShard)) and p.dim not in dims
+    )
     return kept * bytes_per_element / max(split, 1)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..dispatch.registry import torch_level
 from ..dispatch.schema import CallSignature
-from ..placements import Placement
+from ..placements import Placement, Shard, StridedShard
 from ..wrapping import local_of, spec_of
 from .indexing import _positions
 
@@ -47,7 +47,7 @@ def _per_dim(index: Any, ndim: int) -> list[int | slice] | None:
 
 
 def _sharded_dims(placements: tuple[Placement, ...]) -> set[int]:
-    return {p.dim for p in placements if p.is_shard()}
+    return {p.dim for p in placements if isinstance(p, (Shard, StridedShard))}
 
 
 def _parse_setitem(b: dict, *_) -> tuple | None:

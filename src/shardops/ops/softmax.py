@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -69,7 +70,7 @@ def merge_max_sumexp(maxes: torch.Tensor, sums: torch.Tensor) -> tuple[torch.Ten
 
 
 def row_max_sumexp(
-    x: torch.Tensor, dim: int, spec: TensorSpec, mesh_dims: list[int], two_reduces: bool
+    x: torch.Tensor, dim: int, spec: TensorSpec, mesh_dims: Sequence[int], two_reduces: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global per-row (max, sum exp(x - max)) over the ranks along `mesh_dims`, keepdim."""
     if two_reduces:

@@ -42,7 +42,7 @@ import torch
 from ..dispatch.registry import replicate_when, strategy, torch_level
 from ..dispatch.schema import CallSignature, OpSchema, normalize_dim
 from ..errors import ShardingError
-from ..placements import Placement, Replicate, dim_positions, without_partials
+from ..placements import Placement, Replicate, Shard, StridedShard, dim_positions, without_partials
 from ..planner.rows import Row, row
 from ..redistribute import redistribute_local
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
@@ -80,7 +80,9 @@ def _avg_local_numel(spec: TensorSpec, skip_dim: int | None = None) -> float:
     NOTE: assumes the other dims keep their current sharding, which is the usual choice.
     """
     dims = [d for d in range(spec.ndim) if d != skip_dim]
-    parts = math.prod(n for n, p in zip(spec.mesh.shape, spec.placements) if p.is_shard() and p.dim in dims)
+    parts = math.prod(
+        n for n, p in zip(spec.mesh.shape, spec.placements) if isinstance(p, (Shard, StridedShard)) and p.dim in dims
+    )
     return math.prod(spec.shape[d] for d in dims) / parts
 
 
@@ -203,7 +205,9 @@ def _sort_rule(schema: OpSchema) -> list[Row]:
 def _sorts_a_sharded_dim(schema: OpSchema) -> bool:
     """sort/argsort over a sharded dim: its only algorithm gathers that dim (strict mode asks so.allow_replicate)."""
     spec = schema.self_spec
-    return spec.ndim > 0 and any(p.is_shard() and p.dim == schema.dim("dim") for p in spec.placements)
+    return spec.ndim > 0 and any(
+        isinstance(p, (Shard, StridedShard)) and p.dim == schema.dim("dim") for p in spec.placements
+    )
 
 
 # ------------------------------------------------------------------ backward: scatter to the owner
@@ -240,7 +244,8 @@ def _rows_of(values_grad, index: DTensor, dim: int, x_layout: Sequence[Placement
     g, i = _gather_dim([g, i], spec, dim, gathered)
     whole = [R if m in gathered else p for m, p in enumerate(layout)]
     sliced = [
-        p if whole[m].is_replicate() and p.is_shard() and p.dim != dim else whole[m] for m, p in enumerate(x_layout)
+        p if whole[m].is_replicate() and isinstance(p, (Shard, StridedShard)) and p.dim != dim else whole[m]
+        for m, p in enumerate(x_layout)
     ]
     if sliced != whole:
         g, i = _relaid(g, spec, whole, sliced), _relaid(i, spec, whole, sliced)

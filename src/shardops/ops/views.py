@@ -365,7 +365,7 @@ def _refuse_dropping_a_shard(functional, self, args) -> None:
     shape = spec_of(self).shape
     dims = range(len(shape)) if not args else [args[0]] if isinstance(args[0], int) else args[0]
     dropped = {d % max(len(shape), 1) for d in dims if shape[d] == 1}
-    if any(p.is_shard() and p.dim in dropped for p in spec_of(self).placements):
+    if any(isinstance(p, (Shard, StridedShard)) and p.dim in dropped for p in spec_of(self).placements):
         raise ShardingError(
             f"squeeze_: in-place op on {spec_of(self)!r} would drop a sharded dim and change self's layout; "
             "redistribute self first, or use the out-of-place squeeze."
@@ -405,7 +405,7 @@ def _aliasing_view(func, args: tuple, kwargs: dict) -> Any:
 
 
 def _refuse_a_copy(func, args: tuple, kwargs: dict) -> None:
-    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    x: Any = args[0] if args else kwargs.get("input", kwargs.get("self"))
     spec = spec_of(x)
     key = call_key(args, kwargs)
     verdict = _VERDICTS.get((func, key), _UNSEEN) if key is not None else _UNSEEN
@@ -427,8 +427,8 @@ def _global_verdict(func, spec: TensorSpec, args: tuple, kwargs: dict) -> tuple 
     size = tuple(out.shape)
     if func in _SQUEEZES:
         dropped = _dropped_dims(spec, args, kwargs)
-        if any(p.is_shard() and p.dim in dropped for p in spec.placements):
-            target = [R if p.is_shard() and p.dim in dropped else p for p in spec.placements]
+        if any(isinstance(p, (Shard, StridedShard)) and p.dim in dropped for p in spec.placements):
+            target = [R if isinstance(p, (Shard, StridedShard)) and p.dim in dropped else p for p in spec.placements]
             raise _cannot_alias(func, spec, size, "a dropped size-1 dim is sharded", target, suggest_reshape=False)
         return None  # the kept dims keep their shards: the local squeeze is a view
     layout = view_layout(spec.shape, size, spec.mesh.shape, spec.placements)
@@ -438,7 +438,7 @@ def _global_verdict(func, spec: TensorSpec, args: tuple, kwargs: dict) -> tuple 
     return size, layout
 
 
-_UNSEEN = object()
+_UNSEEN: Any = object()  # typed Any: a sentinel, compared by identity
 # (view callable, call key) -> its global verdict: a model's views repeat a few call shapes
 _VERDICTS: dict[tuple, tuple | None] = {}
 MAX_VERDICTS = 4096
@@ -462,7 +462,13 @@ def _meta_result(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
     except (RuntimeError, TypeError, ValueError, IndexError):
         return None
     base = m_args[0] if args else m_kwargs.get("input", m_kwargs.get("self"))
-    if not isinstance(out, torch.Tensor) or out is base or out._base is not base or out.dtype != base.dtype:
+    if (
+        base is None
+        or not isinstance(out, torch.Tensor)
+        or out is base
+        or out.dtype != base.dtype
+        or out._base is not base
+    ):
         return None
     return out
 
@@ -536,4 +542,4 @@ for _func in _VIEWS:
     torch_level(_func, signature=CallSignature(_view_call, aliases={"input": "self"}), apply=_aliasing_view)(
         functools.partial(_parse_view, _func)
     )
-    TORCH_FUNCTIONS[_func].guard_only = True  # a check before torch's own path: verify checks the aten ops it reaches
+    TORCH_FUNCTIONS[_func].guard_only = True  # type: ignore[attr-defined]  # a function attribute; a check before torch's own path: verify checks the aten ops it reaches

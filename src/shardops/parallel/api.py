@@ -90,7 +90,7 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
     for group in groups:
         current = [sub._parameters[name] for sub, name in group]
         primary = next((p for p in current if isinstance(p, DTensor)), None)
-        if primary is None or all(p is primary for p in current):
+        if not isinstance(primary, DTensor) or all(p is primary for p in current):  # (None: no DTensor)
             continue
         for (sub, name), p in zip(group, current):
             if p is primary:

@@ -52,7 +52,7 @@ import torch.nn as nn
 from .._torch import pytree
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
-from ..placements import Partial, Placement, Replicate, Shard
+from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..tensor import DTensor, from_local
 from ._layout import DATA_PARALLEL_ATTR, DataParallelLayout, as_mesh, distribute_param
 from ._views import VIEWS_ATTR, LocalView, set_compute_layout
@@ -133,7 +133,7 @@ def _dp_dims(mesh: DeviceMesh, sub_meshes: set[DeviceMesh]) -> tuple[int, ...]:
                 f"{mesh}"
             )
         used.update(names)
-    dims = tuple(d for d, n in enumerate(mesh.mesh_dim_names) if n not in used)
+    dims = tuple(d for d, n in enumerate(mesh.mesh_dim_names or ()) if n not in used)
     if not dims:
         raise ShardingError(
             f"data_parallel: every dim of {mesh} is used by the tensor-parallel plan; no dim is left for data"
@@ -162,7 +162,7 @@ def _lift(p: torch.Tensor, layout: DataParallelLayout) -> DTensor:
 
 def _storage_layout(dt: DTensor, layout: DataParallelLayout) -> tuple[Placement, ...]:
     """FSDP storage: the dp dims shard the first tensor dim no other mesh dim shards (none free: replicated)."""
-    taken = {p.dim for p in dt.placements if p.is_shard()}
+    taken = {p.dim for p in dt.placements if isinstance(p, (Shard, StridedShard))}
     free = next((d for d in range(dt.ndim) if d not in taken), None)
     if free is None:
         return dt.placements
@@ -208,7 +208,7 @@ def _lift_local_view(layout: DataParallelLayout, sub: DeviceMesh, view: LocalVie
 
 def _sub_mesh_of(layout: DataParallelLayout, p: DTensor) -> DeviceMesh:
     """The tp sub-mesh a lifted parameter came from (its non-dp dims, by name)."""
-    names = [n for d, n in enumerate(layout.mesh.mesh_dim_names) if d not in layout.dp_dims]
+    names = [n for d, n in enumerate(layout.mesh.mesh_dim_names or ()) if d not in layout.dp_dims]
     return layout.mesh[names[0]] if len(names) == 1 else layout.mesh[tuple(names)]
 
 

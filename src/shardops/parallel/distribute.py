@@ -56,7 +56,7 @@ def distribute_module(
                 lambda f: lambda m, i, out: f(out, mesh),
             )
         )
-    module._distribute_module_applied = True
+    module._distribute_module_applied = True  # type: ignore[assignment]  # nn.Module's stub admits only tensors and modules
     return module
 
 

@@ -404,7 +404,7 @@ def expert_parameters(module: nn.Module, mesh: DeviceMesh) -> set[int]:
         for name, p in sub._parameters.items():
             if p is None:
                 continue
-            if p.device_mesh != mesh:
+            if isinstance(p, DTensor) and p.device_mesh != mesh:
                 raise ShardingError(
                     f"data_parallel: the expert-parallel {type(sub).__name__}.{name} lives on {p.device_mesh}, not on "
                     f"{mesh}; parallelize the experts on the whole mesh given to data_parallel (its ep dim splits the "

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ShardingError
-from ..placements import Placement, Replicate, Shard
+from ..placements import Placement, Replicate, Shard, StridedShard
 from ..tensor import DTensor, from_local
 
 __all__ = ["loss_parallel"]
@@ -34,7 +34,7 @@ def target_placements(input_placements: tuple[Placement, ...], class_dim: int) -
     """The target's layout for logits laid out as given: the class dim dropped."""
     out: list[Placement] = []
     for p in input_placements:
-        if p.is_shard() and p.dim != class_dim:
+        if isinstance(p, (Shard, StridedShard)) and p.dim != class_dim:
             out.append(Shard(p.dim - 1 if p.dim > class_dim else p.dim))
         else:
             out.append(Replicate())

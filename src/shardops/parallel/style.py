@@ -81,6 +81,9 @@ def _prepare_output(output_layouts, use_local_output: bool, mod, outputs, mesh):
 class _LinearEmbeddingStyle(ParallelStyle):
     """Shared by Colwise/Rowwise: one input, one output, nn.Linear and nn.Embedding only."""
 
+    _default_input: Placement  # each subclass's
+    _default_output: Placement
+
     def __init__(
         self,
         *,

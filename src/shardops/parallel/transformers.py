@@ -341,6 +341,7 @@ class ReplicatedWithGradSum(ParallelStyle):
         _distribute_params(module, device_mesh, {"*": Replicate()}, self.src_data_rank)
         if self.use_local_output:
             for name, p in module.named_parameters(recurse=False):
+                assert isinstance(p, DTensor)  # _distribute_params made each one
                 set_compute_layout(module, name, LocalView((Partial(),) * p.device_mesh.ndim))
         return module
 

@@ -202,7 +202,7 @@ def _stage_shapes(
         return stage.output_metas, None
     try:
         args = (
-            tuple(first_args)
+            tuple(first_args or ())
             if stage.is_first
             else tuple(
                 m.wrap(torch.zeros(m.shape, dtype=m.dtype, device=stage.device), stage.mesh if m.placements else None)

@@ -49,7 +49,7 @@ class _Simulation:
         self.next_mb = {
             (s, kind): 0 for s in range(num_stages) for kind in "FI"
         }  # each stage runs F and I in micro-batch order
-        self.owed = [[] for _ in range(p)]  # W's owed, oldest first
+        self.owed: list[list[tuple[int, str, int]]] = [[] for _ in range(p)]  # W's owed, oldest first
         self.live = [0] * p  # micro-batches live in each rank's first stage
         self.programs: list[list[Step]] = [[] for _ in range(p)]
         self.remaining = 3 * num_stages * m

@@ -81,8 +81,9 @@ class _PipelineSchedule:
         self.scale_grads = scale_grads
         self._group = stages[0].group
         self._num_stages = stages[0].num_stages
+        ranks = self._group.ranks
         for stage in stages:  # where every stage lives, for the transfers
-            stage.stage_to_rank = lambda s, ranks=self._group.ranks: ranks[self._place(s)]
+            stage.stage_to_rank = lambda s: ranks[self._place(s)]
         self._checked = False
         self._sends: list[P2PWork] = []
         self._local: dict[tuple, tuple[torch.Tensor, ...]] = {}  # hand-offs between two stages of this rank
@@ -128,7 +129,7 @@ class _PipelineSchedule:
             self._checked = True
         elif split_error or target_error:
             raise ShardingError(split_error or target_error)
-        elif first is not None:
+        elif first is not None and mb_args is not None:  # (with a first stage, the inputs split)
             self._check_same_shapes(first, mb_args[0])
         has_backward = self._loss_fn is not None and torch.is_grad_enabled()
         for stage in self.stages:
@@ -239,11 +240,11 @@ class _PipelineSchedule:
     def _run(self, a: _Action, mb_args: list[tuple] | None, mb_targets: list[tuple] | None, outputs: dict) -> None:
         stage = self._stages[a.stage]
         if a.kind == FORWARD:
-            args = (
-                mb_args[a.microbatch]
-                if stage.is_first
-                else self._receive(stage, a.stage - 1, a.microbatch, "act", stage.input_metas)
-            )
+            if stage.is_first:
+                assert mb_args is not None  # step() split the inputs for the first stage
+                args = mb_args[a.microbatch]
+            else:
+                args = self._receive(stage, a.stage - 1, a.microbatch, "act", stage.input_metas)
             target = mb_targets[a.microbatch][0] if stage.is_last and mb_targets else None
             out = stage.forward_one_chunk(a.microbatch, args, target, self._loss_fn)
             if stage.is_last:

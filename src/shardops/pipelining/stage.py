@@ -38,10 +38,11 @@ class TensorMeta:
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
         requires_grad = bool(t.requires_grad or t.is_floating_point())
-        if hasattr(t, "placements"):
-            local = t.to_local()
+        d: Any = t  # a DTensor (shardops' or torch's) where it has placements
+        if hasattr(d, "placements"):
+            local = d.to_local()
             return TensorMeta(
-                tuple(local.shape), t.dtype, requires_grad, tuple(_encode(p) for p in t.placements), tuple(t.shape)
+                tuple(local.shape), t.dtype, requires_grad, tuple(_encode(p) for p in d.placements), tuple(t.shape)
             )
         return TensorMeta(tuple(t.shape), t.dtype, requires_grad)
 
@@ -87,7 +88,8 @@ def _decode(code: str) -> Any:
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """What travels: a DTensor's local shard, a plain tensor itself."""
-    return t.to_local() if hasattr(t, "placements") else t
+    d: Any = t  # a DTensor (shardops' or torch's) where it has placements
+    return d.to_local() if hasattr(d, "placements") else t
 
 
 def as_tuple(value: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -206,9 +208,7 @@ class PipelineStage:
             self._losses[mb] = loss_fn(out, target)
         return outputs
 
-    def backward_one_chunk(
-        self, mb: int, output_grads: Sequence[torch.Tensor] | None
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward_one_chunk(self, mb: int, output_grads: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
         """Backward of micro-batch `mb`; returns the gradients of its inputs (for the previous stage)."""
         inputs, outputs = self._inputs.pop(mb), self._outputs.pop(mb)
         self.backwards_left -= 1
@@ -222,7 +222,7 @@ class PipelineStage:
 
     def backward_input_one_chunk(
         self, mb: int, output_grads: Sequence[torch.Tensor] | None
-    ) -> tuple[torch.Tensor | None, ...]:
+    ) -> tuple[torch.Tensor, ...]:
         """The first half of a split backward (zero-bubble schedules' I): only the gradients of micro-batch `mb`'s
         inputs, for the previous stage; what the weights still need is kept for `backward_weight_one_chunk`."""
         inputs, outputs = self._inputs.pop(mb), self._outputs.pop(mb)
@@ -291,6 +291,7 @@ def _input_grad(x: torch.Tensor) -> torch.Tensor:
     """The gradient going back for input `x`, in x's own layout (what the sending stage's output meta says)."""
     if x.grad is None:
         return torch.zeros_like(x)
-    if hasattr(x, "placements") and tuple(x.grad.placements) != tuple(x.placements):
-        return x.grad.redistribute(x.device_mesh, x.placements)
+    d: Any = x  # a DTensor (shardops' or torch's) where it has placements
+    if hasattr(d, "placements") and tuple(d.grad.placements) != tuple(d.placements):
+        return d.grad.redistribute(d.device_mesh, d.placements)
     return x.grad

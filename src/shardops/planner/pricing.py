@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 
 from ..cost import Link, collective_time, joint_collective_time, step_time  # noqa: F401 (the planner's formulas, priced here)
-from ..placements import Placement
+from ..placements import Placement, Shard, StridedShard
 from ..spec import TensorSpec
 from .rows import Candidate, Row
 
@@ -72,12 +72,12 @@ def move_guard(a: Placement, b: Placement) -> frozenset[int]:
     """Tensor dims a one-mesh-dim move a -> b touches (no later mesh dim may shard them then)."""
     if a == b:
         return frozenset()
-    return frozenset(p.dim for p in (a, b) if p.is_shard())
+    return frozenset(p.dim for p in (a, b) if isinstance(p, (Shard, StridedShard)))
 
 
 def unblock_term(guarded: frozenset[int], a: Placement, b: Placement, local: float, n: int, link: Link) -> float:
     """A mesh dim that keeps its shard of a tensor dim an earlier mesh dim's move touches: gathered first."""
-    if a == b and a.is_shard() and a.dim in guarded:
+    if a == b and isinstance(a, (Shard, StridedShard)) and a.dim in guarded:
         return collective_time("all_gather", local * n, n, link)
     return 0.0
 

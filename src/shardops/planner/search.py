@@ -303,7 +303,7 @@ class Search:
         out: list[Candidate] = []
         while heap and len(out) < limit:
             _, kind, _, item = heapq.heappop(heap)
-            if kind == 0:  # a priced candidate: nothing left in the heap can rank before it
+            if isinstance(item, Candidate):  # kind 0, a priced candidate: nothing left in the heap can rank before it
                 out.append(item)
                 continue
             if len(item.indices) == ndim:

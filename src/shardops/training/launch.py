@@ -108,7 +108,7 @@ def _collect(procs: list, readers: list, deadline: float, timeout: float) -> lis
         for reader in wait(list(waiting.values()), timeout=left):
             rank = readers.index(reader)
             try:
-                status, payload = pickle.loads(reader.recv_bytes())
+                status, payload = pickle.loads(reader.recv_bytes())  # type: ignore[union-attr]  # wait() returns our Connections
             except EOFError:
                 procs[rank].join(5)
                 raise RankFailure(

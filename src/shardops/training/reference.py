@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..mesh import init_device_mesh
 from ..placements import Replicate
-from ..tensor import distribute_tensor
+from ..tensor import DTensor, distribute_tensor
 from .config import RunSpec, build
 from .loop import train_reference
 
@@ -37,7 +37,9 @@ class LayoutInvariantDropout(torch.nn.Module):
         if not self.training or self.p == 0:
             return x
         ones = distribute_tensor(torch.ones(x.shape, dtype=x.dtype), self.mesh, [Replicate()])
-        scaled_mask = F.dropout(ones, self.p, training=True).to_local()  # 0 or 1/(1-p)
+        dropped = F.dropout(ones, self.p, training=True)
+        assert isinstance(dropped, DTensor)  # an op on a DTensor gives one
+        scaled_mask = dropped.to_local()  # 0 or 1/(1-p)
         return x * scaled_mask
 
 

@@ -99,7 +99,7 @@ def train_rank(
     mesh = init_device_mesh("cpu", spec.mesh_shape, mesh_dim_names=names)
     model = parallelize(spec, build(spec), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
-    dp_rank = mesh.get_coordinate()[0] if spec.dp > 1 else 0
+    dp_rank = mesh.own_coordinate()[0] if spec.dp > 1 else 0
     rows = spec.batch_size // spec.dp
     progress = {"step": 0}
     state = {"model": model, "optim": opt, "rng": so_checkpoint.RandomState(), "progress": progress}

@@ -101,7 +101,7 @@ class TorchMeter:
 def _retie(model: torch.nn.Module, name: str) -> None:
     """torch's parallelize_module unties GPT-2's shared embedding: a torch user has to tie it again."""
     if name == "gpt2":
-        model.lm_head.weight = model.wte.weight
+        model.get_submodule("lm_head").weight = model.get_submodule("wte").weight
 
 
 def train_rank(spec: RunSpec) -> dict[str, Any]:
@@ -142,6 +142,8 @@ def train_rank(spec: RunSpec) -> dict[str, Any]:
         with run.timed("grad_sync"):
             # DDP's traffic without its bucketing: every gradient averaged over dp
             for p in model.parameters() if dp_group is not None else ():
+                if p.grad is None:  # not used this step, on every rank alike: nothing to average
+                    continue
                 g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(g, group=dp_group)
                 g.div_(spec.dp)

@@ -58,7 +58,7 @@ def _local_piece(full: torch.Tensor, pieces, placements, mesh: DeviceMesh, coord
         x = pieces[flat]
     for d in range(full.ndim):
         pos = dim_positions(full.shape[d], d, mesh.shape, coord, placements)
-        x = x.narrow(d, pos.start if len(pos) else 0, len(pos))
+        x = x.narrow(d, pos[0] if len(pos) else 0, len(pos))
     return x.contiguous().clone()
 
 
@@ -69,7 +69,7 @@ def build(target: Target, prep: Prepared, case: Case, mesh: DeviceMesh, seed: in
         pending = [p for p in placements if p.is_partial()]
         m = math.prod(n for n, p in zip(mesh.shape, placements) if p.is_partial())
         pieces = split_pending(t, pending[0], m, g) if pending else None
-        ref_inputs.append(resolve_pending(pieces, pending[0]) if pending else t)
+        ref_inputs.append(resolve_pending(pieces, pending[0]) if pieces is not None else t)
         specs.append(
             TensorSpec(mesh, tuple(placements), TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype))
         )
@@ -121,6 +121,6 @@ def _has_ties(x: torch.Tensor, dim: int | None) -> bool:
     return bool((ordered.diff(dim=dim % x.ndim) == 0).any())
 
 
-def replace_tensors(leaves: list[Any], tensors: Sequence[torch.Tensor]) -> list[Any]:
+def replace_tensors(leaves: list[Any], tensors: Sequence[Any]) -> list[Any]:
     it = iter(tensors)
     return [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]

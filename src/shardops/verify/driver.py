@@ -78,7 +78,7 @@ def _specs_on(mesh: DeviceMesh, prep: Prepared) -> list[TensorSpec]:
 
 def _planned_labels(fn, prepared: Sequence[Prepared]) -> list[set[str]]:
     mesh = DeviceMesh("cpu", torch.arange(PROBE_RANKS))
-    found = []
+    found: list[set[str]] = []
     for prep in prepared:
         args, kwargs = pytree.tree_unflatten(replace_tensors(prep.leaves, _specs_on(mesh, prep)), prep.tree)
         try:
@@ -121,7 +121,7 @@ def forced_cases(
     prepared: Sequence[Prepared], labels: Sequence[set[str]], mesh_shape, first_index: int, seed: int
 ) -> list[Case]:
     """One case per sharded algorithm: a sampled layout of a sample whose rows offer it, the algorithm forced."""
-    cases = []
+    cases: list[Case] = []
     for label in sorted(set().union(*labels)) if labels else []:
         fits = [i for i, found in enumerate(labels) if label in found]
         picked = sampled_cases([prepared[i] for i in fits], mesh_shape, 1, seed_key(label, mesh_shape, seed))
@@ -272,8 +272,8 @@ def _run_unit(
                 )
             )
     by_force = lambda b: b.case.force or ""  # noqa: E731
-    for force, group in groupby(sorted(built, key=by_force), key=by_force):
-        group = list(group)
+    for force, same_force in groupby(sorted(built, key=by_force), key=by_force):
+        group = list(same_force)
         with forcing.forcing(force or None):
             outcomes = run_cases(group, mesh.size())
         for b, o in zip(group, outcomes):

@@ -60,7 +60,7 @@ def _choose(ranked: list[Candidate]) -> list[Candidate]:
         ranked = [c for c in ranked if label in algorithm_labels(c)] or ranked
     for c in ranked:
         labels = sorted(algorithm_labels(c))
-        if labels and not hasattr(c.algorithm, "recorded_label"):
+        if labels and c.algorithm is not None and not hasattr(c.algorithm, "recorded_label"):
             c.algorithm = _recorded(c.algorithm, labels[0])
     return ranked
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..notation import tensor_text
-from ..placements import NormPartial, Partial, Placement, Replicate, Shard
+from ..placements import NormPartial, Partial, Placement, Replicate, Shard, StridedShard
 from .references import Prepared
 
 R = Replicate()
@@ -30,7 +30,8 @@ DEFAULT_BUDGET = {1: 4, 2: 4, 3: 2}
 
 def alphabet(t: torch.Tensor) -> list[Placement]:
     """Every placement one mesh dim may give this operand."""
-    shards = [Shard(d) for d in range(t.ndim)]
+    shards: list[Placement] = [Shard(d) for d in range(t.ndim)]
+    kinds: list[Placement]
     if t.dtype == torch.bool:
         kinds = [Partial("max"), Partial("min")]
     elif t.is_complex():
@@ -51,7 +52,7 @@ def _aligned(p: Placement, main: torch.Tensor, t: torch.Tensor) -> Placement:
     """The placement of operand t that matches `p` on the main operand (same tensor dim, same pending kind)."""
     if t is main:
         return p
-    if p.is_shard():
+    if isinstance(p, (Shard, StridedShard)):
         size = main.shape[p.dim]
         for d in (p.dim - (main.ndim - t.ndim), p.dim):
             if 0 <= d < t.ndim and t.shape[d] == size:
@@ -73,7 +74,7 @@ def coverage_slots(prepared: Sequence[Prepared]) -> list[Placement]:
     found: set[Placement] = set()
     for prep in prepared:
         found.update(alphabet(prep.tensors[main_operand(prep.tensors)]))
-    shards = sorted((p for p in found if p.is_shard()), key=lambda p: p.dim)
+    shards = sorted((p for p in found if isinstance(p, (Shard, StridedShard))), key=lambda p: p.dim)
     return [p for p in PARTIAL_KINDS if p in found] + shards + [R]
 
 

@@ -59,6 +59,7 @@ def _run_case(b: Built, rank: int) -> Outcome:
         return result
     pairs = list(zip(full, b.ref_out)) if len(full) == len(b.ref_out) else [(full, b.ref_out)]
     if b.prep.sample.tie_outputs and len(full) == len(b.ref_out):
+        assert b.prep.sample.tie_dim is not None  # a sample with tie outputs names their dim
         pairs = tie_aware(full, b.ref_out, b.ref_inputs, b.prep.sample.tie_dim, b.prep.sample.tie_outputs)
     result.error, result.problem = worst_of(pairs, b.tol, "output")
     if wants_grad:
@@ -75,6 +76,7 @@ def _check_grads(b: Built, full: list[Any], leaves: list[DTensor]) -> tuple[floa
     grads = iter(torch.autograd.grad(sum(terms), wrt, allow_unused=True))
     got = [next(grads) if x.requires_grad else None for x in leaves]
     pairs = []
+    assert b.ref_grads is not None  # a case that checks gradients has torch's
     with torch.no_grad():
         for gv, rv, x in zip(got, b.ref_grads, leaves):
             if not x.requires_grad:

@@ -32,7 +32,7 @@ import torch
 
 from .._torch.dispatch import OpOverload, OpOverloadPacket
 from ..comm.base import reduce_stack
-from ..placements import NormPartial, Placement
+from ..placements import NormPartial, Placement, as_partial
 
 aten = torch.ops.aten
 
@@ -152,14 +152,14 @@ def split_pending(x: torch.Tensor, p: Placement, m: int, g: torch.Generator) -> 
         w = torch.rand((m,) + tuple(x.shape), generator=g, dtype=torch.float64) + 0.1
         w = w / w.sum(0)
         return [(x.double().abs() * w[k].sqrt()).to(x.dtype) for k in range(m)]
-    kind = p.reduce_op
+    kind = as_partial(p).reduce_op
     if kind in ("max", "min"):
         return _split_extreme(x, kind, m, g)
     if kind == "product":
         return _split_product(x, m, g)
     if kind == "avg":
         noise = [_grid_noise(x.shape, x.dtype, g, 0.5) for _ in range(m - 1)]
-        noise.append(-sum(noise))
+        noise.append(-sum(noise, torch.zeros((), dtype=torch.float64)))
         return [(x.double() + n).to(x.dtype) for n in noise]
     return _split_sum(x, m, g)
 
@@ -212,7 +212,7 @@ def resolve_pending(pieces: Sequence[torch.Tensor], p: Placement) -> torch.Tenso
     """The value the pieces stand for, computed as the runtime's all_reduce computes it."""
     if isinstance(p, NormPartial):
         return reduce_stack([q * q for q in pieces], "sum").sqrt()
-    return reduce_stack(list(pieces), p.reduce_op)
+    return reduce_stack(list(pieces), as_partial(p).reduce_op)
 
 
 # ------------------------------------------------------------------ argument rules (by name)
@@ -225,7 +225,7 @@ def _opt(options: Sequence[Any]) -> Callable[[Ctx, Any], Any]:
 def _dims(ctx: Ctx, arg) -> Any:
     nd = ctx.ndim
     if str(arg.type).startswith(("List", "Optional[List")):
-        opts = [[nd - 1], [0], sorted({0, nd - 1})]
+        opts: list[list[int] | None] = [[nd - 1], [0], sorted({0, nd - 1})]
         if str(arg.type).startswith("Optional"):
             opts.append(None)
         return opts[ctx.k % len(opts)]
@@ -423,7 +423,8 @@ def synthesise(op, profile: Profile, ctx: Ctx) -> Sample | None:
                 args.append(value)
     except _NoSample:
         return None
-    tie, outputs = None, ()
+    tie: int | None = None
+    outputs: tuple[int, ...] = ()
     if profile.tie_dim:
         bound = dict(zip([a.name for a in op._schema.arguments], args)) | kwargs
         tie = bound.get("dim", -1) if isinstance(bound.get("dim", -1), int) else -1
@@ -1055,11 +1056,12 @@ def _convolution(op, dtype, g, k):
 
 
 def _pool_input(dtype, g, k: int, spatial: int) -> torch.Tensor:
-    shapes = {
+    by_spatial: dict[int, list[tuple[int, ...]]] = {
         1: [(3, 5, 7), (2, 3, 6)],
         2: [(3, 5, 7, 6), (2, 3, 5, 5), (5, 2, 4, 6)],
         3: [(2, 3, 4, 5, 4), (3, 2, 3, 4, 4)],
-    }[spatial]
+    }
+    shapes = by_spatial[spatial]
     return make_tensor(shapes[k % len(shapes)], dtype, g)
 
 

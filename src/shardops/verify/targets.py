@@ -116,4 +116,9 @@ def select(targets: Sequence[Target], filters: Sequence[str] | None) -> list[Tar
         exact = [t for t in targets if t.name == f]
         chosen += exact or [t for t in targets if f in t.name]
     seen: set[str] = set()
-    return [t for t in chosen if not (t.name in seen or seen.add(t.name))]
+    unique = []
+    for t in chosen:  # each name once, at its first place
+        if t.name not in seen:
+            seen.add(t.name)
+            unique.append(t)
+    return unique
