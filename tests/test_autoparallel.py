@@ -4,6 +4,7 @@ more than the hand plan of docs/parallel.md, and it gives single-device values i
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -275,3 +276,55 @@ def test_autoplan_cli_plans_llama_7b_on_4096_ranks_from_metadata(capsys):
     assert "autoparallel plan for Llama on mesh (8, 8, 16)" in out and "from metadata" in out
     searched = re.search(r"searched (\d+) candidates \((\d+) feasible\)", out)
     assert searched and int(searched[1]) == int(searched[2]) > 1  # dp, tp on 16 and on 8: every one priced on meta
+
+
+def _trains_exactly(plan, net, x, loss_fn):
+    """The applied plan in strict mode: single-device loss and gradients (computed here), and the
+    bytes it sends on every rank are its prediction."""
+    ref = copy.deepcopy(net)
+    ref_loss = loss_fn(ref(x), x)
+    ref_loss.backward()
+
+    def main():
+        model = plan.apply(copy.deepcopy(net))
+        with strict():
+            return count_step(model, x, lambda out: loss_fn(out, x))
+
+    results = so.run(main, math.prod(plan.mesh_shape))
+    for _, loss, grads in results:
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=1e-6)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert max(sent for sent, _, _ in results) == plan.predicted_bytes
+    return results
+
+
+def _replicated_target(y):
+    def loss_fn(out, x):  # the same global target on every rank, said so where it meets DTensor outputs
+        target = y.to(out.device)  # on the meta device when priced from metadata
+        if isinstance(out, so.DTensor):
+            target = so.from_local(target, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim)
+        return ((out - target) ** 2).mean()
+
+    return loss_fn
+
+
+def test_a_small_cnn_is_planned_and_trains_exactly():
+    """Conv2d -> ReLU -> AdaptiveAvgPool2d -> Flatten -> Linear on (2,): the convolution family's rules
+    split the batch, so data parallelism works: one all_reduce of every gradient, DDP's bytes."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 4),
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 4, generator=g)
+    loss_fn = _replicated_target(y)
+    plan = so.autoparallel(net, (2,), (x,), loss_fn=loss_fn)
+    assert plan.candidate.dims == ("dp",)
+    assert plan.predicted_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
+    _same_pricing_from_metadata(plan, net, (2,), (x,), loss_fn=loss_fn)
+    _trains_exactly(plan, net, x, loss_fn)
