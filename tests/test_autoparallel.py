@@ -328,3 +328,87 @@ def test_a_small_cnn_is_planned_and_trains_exactly():
     assert plan.predicted_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
     _same_pricing_from_metadata(plan, net, (2,), (x,), loss_fn=loss_fn)
     _trains_exactly(plan, net, x, loss_fn)
+
+
+class _AttentionBlock(torch.nn.Module):
+    """A block whose attention is nn.MultiheadAttention: it reads in_proj_weight directly and out_proj's
+    weight without calling out_proj, so neither is a Linear group the search splits."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.attn = torch.nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class _AttentionModel(torch.nn.Module):
+    def __init__(self, hidden: int, dim: int = 16, vocab: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList([_AttentionBlock(dim, hidden) for _ in range(2)])
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def _matmul_elements(model: torch.nn.Module) -> int:
+    """Elements of every weight of >= 2 dims a module multiplies with (embedding tables are looked up)."""
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Embedding):
+            for p in module.parameters(recurse=False):
+                if p.ndim >= 2:
+                    total += (p.to_local() if isinstance(p, so.DTensor) else p).numel()
+    return total
+
+
+@pytest.mark.parametrize("hidden", [32, 128])
+def test_parameters_a_module_reads_directly_are_in_the_memory_and_compute_figures(hidden):
+    """nn.MultiheadAttention's in_proj_weight (read directly, replicated by every tensor-parallel candidate)
+    counts in each rank's matmul share and parameter bytes, as the applied candidates hold them here."""
+    from shardops.autoparallel.candidates import COMPUTE_SLACK, compute_share
+    from shardops.autoparallel.plan import apply_candidate
+    from shardops.autoparallel.structure import find_structure
+
+    make = lambda: _AttentionModel(hidden)  # noqa: E731
+    tokens = _tokens(4, 8, 32)
+    plan = so.autoparallel(make(), (2,), (tokens,))
+    structure = find_structure(make(), (tokens,))
+    feasible = [s for s in plan.considered if s.measurement.feasible]
+    full = _matmul_elements(make())
+
+    def main():
+        held = []
+        for s in feasible:
+            names = ("tp",) if s.candidate.tp_dim is not None else ("dp",)
+            mesh = so.init_device_mesh("cpu", (2,), mesh_dim_names=names)
+            model = apply_candidate(make(), mesh, s.candidate, s.entries)
+            local_bytes = sum(
+                (p.to_local() if isinstance(p, so.DTensor) else p).numel() * p.element_size()
+                for p in model.parameters()
+            )
+            held.append((local_bytes, _matmul_elements(model)))
+        return held
+
+    per_rank = so.run(main, 2)
+    for i, s in enumerate(feasible):
+        local_bytes = max(rank[i][0] for rank in per_rank)
+        assert s.measurement.parameter_bytes == local_bytes, s.candidate
+        assert s.measurement.memory_per_rank == 4 * local_bytes
+        dp = 2 if s.candidate.tp_dim is None else 1
+        share = max(rank[i][1] for rank in per_rank) / dp / (full / 2)
+        assert compute_share(structure, s.candidate, (2,)) == pytest.approx(share), s.candidate
+        assert share <= COMPUTE_SLACK, s.candidate
+    # with a small MLP, splitting it alone leaves each rank the whole attention: over the bound, ruled out
+    assert any(s.candidate.tp_dim is not None for s in feasible) == (hidden == 128)
+    assert f"parameters per rank: {plan.chosen.measurement.parameter_bytes:,} B" in str(plan)

@@ -65,20 +65,25 @@ COMPUTE_SLACK = 1.25
 
 
 def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int, ...]) -> float:
-    """The busiest rank's Linear work (weights x tokens) over an even split of the whole model's."""
+    """The busiest rank's matmul work (weight elements x tokens) over an even split of the whole model's."""
     world = 1
     for size in mesh_shape:
         world *= size
     dp = world // (mesh_shape[c.tp_dim] if c.tp_dim is not None else 1)
     tp = world // dp
-    total = structure.n_blocks * sum(g.weights for g in structure.groups) + structure.head_weights
+    per_block = sum(g.weights for g in structure.groups) + structure.block_other_weights
+    total = structure.n_blocks * per_block + structure.head_weights + structure.other_weights
     if total == 0:
         return 1.0
-    mine = structure.n_blocks * sum(
-        g.weights / (tp if on else 1)
-        for g, on in zip(structure.groups, c.groups_tp or (False,) * len(structure.groups))
+    # what no style splits (block_other_weights, other_weights) every tensor-parallel rank computes whole
+    mine = structure.n_blocks * (
+        structure.block_other_weights
+        + sum(
+            g.weights / (tp if on else 1)
+            for g, on in zip(structure.groups, c.groups_tp or (False,) * len(structure.groups))
+        )
     )
-    mine += structure.head_weights / (tp if c.vocab_parallel else 1)
+    mine += structure.head_weights / (tp if c.vocab_parallel else 1) + structure.other_weights
     return (mine / dp) / (total / world)
 
 
