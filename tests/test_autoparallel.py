@@ -412,3 +412,37 @@ def test_parameters_a_module_reads_directly_are_in_the_memory_and_compute_figure
     # with a small MLP, splitting it alone leaves each rank the whole attention: over the bound, ruled out
     assert any(s.candidate.tp_dim is not None for s in feasible) == (hidden == 128)
     assert f"parameters per rank: {plan.chosen.measurement.parameter_bytes:,} B" in str(plan)
+
+
+class _EncoderModel(torch.nn.Module):
+    """Tokens -> nn.TransformerEncoder (nn.MultiheadAttention inside) -> a vocabulary head."""
+
+    def __init__(self, dim: int = 16, vocab: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, dim)
+        layer = torch.nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.emb(tokens)))
+
+
+@pytest.mark.parametrize(
+    "make, mesh_shape",
+    [(_EncoderModel, (2,)), (lambda: _AttentionModel(128), (2,))],
+    ids=["transformer-encoder-2", "mha-block-tp-2"],
+)
+def test_metadata_pricing_equals_the_threads_world_with_multihead_attention(make, mesh_shape):
+    """nn.MultiheadAttention calls scaled_dot_product_attention from inside its functional form,
+    where torch picks the kernel by device (CPU: the fused flash op; meta: bmm and softmax). The dry
+    step takes the CPU one too, so every candidate (FSDP-style included) prices the same both ways."""
+    tokens = _tokens(4, 8, 32)
+    plan = so.autoparallel(make(), mesh_shape, (tokens,), memory_per_rank=10**9)
+    assert sum(s.measurement.feasible for s in plan.considered) >= 2
+    _same_pricing_from_metadata(plan, make(), mesh_shape, (tokens,), memory_per_rank=10**9)
+    ref_loss, ref_grads = _reference(make(), tokens)
+    auto = _auto_step(plan, make, tokens)
+    _check_values(auto, ref_loss, ref_grads)
+    assert max(sent for sent, _, _ in auto) == plan.predicted_bytes

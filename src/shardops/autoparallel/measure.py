@@ -25,6 +25,7 @@ from ..mesh import init_device_mesh
 from ..placements import Replicate
 from ..tensor import DTensor, from_local
 from ..world import run, run_dry
+from . import device_kernels
 
 __all__ = [
     "Measurement",
@@ -171,6 +172,7 @@ def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: 
     the last rank too: an uneven split gives the first ranks the larger shares, the last the smaller
     (or none), and the busiest rank's figure is the larger of the two."""
     world = math.prod(mesh_shape)
+    device_kernels.install()  # sdpa picks the mesh device's backend, as on the threads world
     results = []
     try:
         with warnings.catch_warnings():
