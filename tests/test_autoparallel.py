@@ -229,7 +229,8 @@ def test_deep_model_priced_from_one_and_two_blocks_matches_the_whole_model():
 
 
 def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
-    """No repeated blocks to split: the data-parallel candidates only; a given loss_fn is priced."""
+    """No repeated blocks, and Linear pairs are split on a 1-d mesh only: on (2, 2) the data-parallel
+    candidates only; a given loss_fn is priced."""
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -242,8 +243,8 @@ def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
         )
         return ((out - target) ** 2).mean()
 
-    plan = so.autoparallel(net, (4,), (x,), loss_fn=loss_fn)
-    assert plan.candidate.dims == ("dp",)
+    plan = so.autoparallel(net, (2, 2), (x,), loss_fn=loss_fn)
+    assert plan.candidate.dims == ("dp", "dp")
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
     assert plan.predicted_bytes == weights  # one all_reduce of every gradient: what DDP sends
 
@@ -446,3 +447,31 @@ def test_metadata_pricing_equals_the_threads_world_with_multihead_attention(make
     auto = _auto_step(plan, make, tokens)
     _check_values(auto, ref_loss, ref_grads)
     assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
+def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_shape):
+    """nn.Sequential of Linear/ReLU, no names to go by: consecutive Linears whose features chain
+    (16 -> 64 -> 16, 16 -> 64 -> 4) are column/row-parallel pairs. With a small batch and wide layers the
+    plan splits them, sends fewer bytes than pure data parallelism, and trains exactly."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 4),
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    loss_fn = _replicated_target(y)
+    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn)
+    dp = next(s for s in plan.considered if s.candidate.dims == ("dp",))
+    assert dp.measurement.total_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
+    assert plan.candidate.dims == ("tp",) and plan.predicted_bytes <= dp.measurement.total_bytes
+    assert plan.parallelize_plan.keys() == {"0", "2", "4", "6"}
+    assert "'0': ColwiseParallel()" in str(plan) and "'2': RowwiseParallel()" in str(plan)
+    _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn)
+    _trains_exactly(plan, net, x, loss_fn)

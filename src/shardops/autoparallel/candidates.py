@@ -41,6 +41,7 @@ class Candidate:
     groups_tp: tuple[bool, ...] = ()
     dp_mode: str = "replicate"  # data_parallel's mode: "shard" (FSDP-style) shards parameters and optimizer state
     embeddings_parallel: bool = False  # the embedding tables row-parallel (vocabulary-sharded)
+    pairs_tp: tuple[bool, ...] = ()  # a model without blocks: per Linear pair, column/row-parallel or replicated
 
     @property
     def tp_dim(self) -> int | None:
@@ -84,6 +85,7 @@ def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int
         )
     )
     mine += structure.head_weights / (tp if c.vocab_parallel else 1) + structure.other_weights
+    mine -= sum(w * (1 - 1 / tp) for w, on in zip(structure.pair_weights, c.pairs_tp) if on)
     return (mine / dp) / (total / world)
 
 
@@ -94,7 +96,7 @@ def enumerate_candidates(
     that keeps each rank's matmul work within COMPUTE_SLACK of an even share."""
     out: list[Candidate] = []
     # the last dim first: ties then go to (dp, tp), the usual order (tp on the innermost, fastest links)
-    tp_choices = list(reversed(range(len(mesh_shape)))) if structure.transformer else []
+    tp_choices = list(reversed(range(len(mesh_shape)))) if structure.transformer or structure.pairs else []
     sizes_seen: set[int] = set()
     for tp in [None, *tp_choices]:
         if tp is not None:
@@ -112,6 +114,13 @@ def enumerate_candidates(
         if tp is None:
             out.extend(Candidate(dims, dp_mode=mode) for mode in modes)
             continue
+        if not structure.transformer:
+            # Linear pairs on a 1-d mesh only: with a dp dim beside, the row-parallel Linear's plain output is
+            # this dp rank's batch shard, and a loss over it is not the global one
+            if "dp" not in dims:
+                pairs = _pair_candidates(structure, dims)
+                out.extend(c for c in pairs if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK)
+            continue
         for sp, vocab, emb in itertools.product((True, False), repeat=3):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
                 for mode in modes:
@@ -119,6 +128,15 @@ def enumerate_candidates(
                     if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK:
                         out.append(c)
     return out
+
+
+MAX_PAIRS_SEARCHED = 3  # every on/off combination of this many pairs; beyond, all of them on only
+
+
+def _pair_candidates(structure: ModelStructure, dims: tuple[str, ...]) -> list[Candidate]:
+    n = len(structure.pairs)
+    choices = itertools.product((True, False), repeat=n) if n <= MAX_PAIRS_SEARCHED else [(True,) * n]
+    return [Candidate(dims, pairs_tp=flags) for flags in choices if any(flags)]
 
 
 @dataclass(frozen=True)
@@ -153,6 +171,13 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     """The parallelize_module plan of a candidate (empty for pure data parallelism)."""
     if c.tp_dim is None:
         return []
+    if c.pairs_tp:  # a feature-sharded activation between each pair; replicated (plain) everywhere else
+        entries = []
+        for (col, row), on in zip(structure.pairs, c.pairs_tp):
+            if on:
+                entries.append(PlanEntry(col, "ColwiseParallel()", ColwiseParallel))
+                entries.append(PlanEntry(row, "RowwiseParallel()", RowwiseParallel))
+        return entries
     seq = Shard(1) if c.sequence_parallel else Replicate()
     s = _place(seq)
     entries: list[PlanEntry] = []

@@ -16,6 +16,21 @@ import torch.nn as nn
 __all__ = ["LinearGroup", "ModelStructure", "find_structure"]
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
+# parameter-free modules that act on each element alone: a feature-sharded activation stays sharded through them
+ELEMENTWISE = (
+    nn.ReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Mish,
+    nn.Softplus,
+    nn.Hardswish,
+    nn.Identity,
+    nn.Dropout,
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,9 @@ class ModelStructure:
     # in_proj_weight, a Linear outside the groups) and outside the blocks (besides the head and embeddings)
     block_other_weights: int = 0
     other_weights: int = 0
+    # without blocks: (column-parallel, row-parallel) Linear pairs of an nn.Sequential, full paths, and their weights
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    pair_weights: list[int] = field(default_factory=list)
 
     @property
     def transformer(self) -> bool:
@@ -136,7 +154,29 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
             structure.final_norms.append(name)
     skip = {n for n in (structure.blocks, structure.head) if n is not None}
     structure.other_weights = _matmul_weights(model, skip)
+    if structure.blocks is None:
+        for name, child in model.named_modules():
+            if isinstance(child, nn.Sequential):
+                _read_pairs(structure, child, f"{name}." if name else "")
     return structure
+
+
+def _read_pairs(structure: ModelStructure, seq: nn.Sequential, prefix: str) -> None:
+    """Column/row-parallel pairs of a Sequential, from its Linears' shapes: a Linear, then (past elementwise
+    modules only) a Linear taking its output features; the features between them stay sharded."""
+    pending: tuple[str, nn.Linear] | None = None  # a Linear whose output may feed the next one
+    for name, child in seq.named_children():
+        if isinstance(child, nn.Linear):
+            if pending is not None and pending[1].out_features == child.in_features:
+                structure.pairs.append((prefix + pending[0], prefix + name))
+                structure.pair_weights.append(
+                    pending[1].in_features * pending[1].out_features + child.in_features * child.out_features
+                )
+                pending = None
+            else:
+                pending = (name, child)
+        elif not isinstance(child, ELEMENTWISE):
+            pending = None
 
 
 def _read_block(
