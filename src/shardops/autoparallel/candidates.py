@@ -172,12 +172,15 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     if c.tp_dim is None:
         return []
     if c.pairs_tp:  # a feature-sharded activation between each pair; replicated (plain) everywhere else
-        entries = []
-        for (col, row), on in zip(structure.pairs, c.pairs_tp):
-            if on:
-                entries.append(PlanEntry(col, "ColwiseParallel()", ColwiseParallel))
-                entries.append(PlanEntry(row, "RowwiseParallel()", RowwiseParallel))
-        return entries
+        split = [pair for pair, on in zip(structure.pairs, c.pairs_tp) if on]
+        return [
+            PlanEntry(key, text, make)
+            for col, row in split
+            for key, text, make in (
+                (col, "ColwiseParallel()", ColwiseParallel),
+                (row, "RowwiseParallel()", RowwiseParallel),
+            )
+        ]
     seq = Shard(1) if c.sequence_parallel else Replicate()
     s = _place(seq)
     entries: list[PlanEntry] = []

@@ -34,12 +34,13 @@ _library: list[torch.library.Library] = []  # kept alive: the registration lasts
 
 
 def _cpu_stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor with `t`'s sizes, dtype and last-dim stride, over a storage of one row (no data read)."""
+    """A CPU tensor with `t`'s sizes, dtype, last-dim stride and requires_grad, over a storage of one row
+    (no data read)."""
     shape = tuple(t.shape)
     last = t.stride(-1) if t.ndim else 1
     row = (shape[-1] - 1) * last + 1 if shape and shape[-1] else 1
     strides = (0,) * (len(shape) - 1) + ((last,) if shape else ())
-    return torch.empty(row, dtype=t.dtype).as_strided(shape, strides)
+    return torch.empty(row, dtype=t.dtype, requires_grad=t.requires_grad).as_strided(shape, strides)
 
 
 def _cpu_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
