@@ -115,11 +115,8 @@ def enumerate_candidates(
             out.extend(Candidate(dims, dp_mode=mode) for mode in modes)
             continue
         if not structure.transformer:
-            # Linear pairs on a 1-d mesh only: with a dp dim beside, the row-parallel Linear's plain output is
-            # this dp rank's batch shard, and a loss over it is not the global one
-            if "dp" not in dims:
-                pairs = _pair_candidates(structure, dims)
-                out.extend(c for c in pairs if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK)
+            pairs = _pair_candidates(structure, dims, modes)
+            out.extend(c for c in pairs if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK)
             continue
         for sp, vocab, emb in itertools.product((True, False), repeat=3):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
@@ -133,10 +130,30 @@ def enumerate_candidates(
 MAX_PAIRS_SEARCHED = 3  # every on/off combination of this many pairs; beyond, all of them on only
 
 
-def _pair_candidates(structure: ModelStructure, dims: tuple[str, ...]) -> list[Candidate]:
+def _pair_candidates(structure: ModelStructure, dims: tuple[str, ...], modes: tuple[str, ...]) -> list[Candidate]:
+    """Linear pairs split or not. Beside a dp dim only with the last pair split when it ends in the model's
+    last Linear: its output then stays a DTensor (the global batch, a global loss), where a plain Linear's
+    output would be this dp rank's batch shard, and a loss over it not the global one."""
     n = len(structure.pairs)
     choices = itertools.product((True, False), repeat=n) if n <= MAX_PAIRS_SEARCHED else [(True,) * n]
-    return [Candidate(dims, pairs_tp=flags) for flags in choices if any(flags)]
+    ends_in_head = bool(structure.pairs) and structure.pairs[-1][1] == structure.head
+    return [
+        Candidate(dims, dp_mode=mode, pairs_tp=flags)
+        for flags in choices
+        if any(flags) and ("dp" not in dims or (ends_in_head and flags[-1]))
+        for mode in modes
+    ]
+
+
+def _pair_entries(structure: ModelStructure, col: str, row: str) -> list[PlanEntry]:
+    entries = [PlanEntry(col, "ColwiseParallel()", ColwiseParallel)]
+    if row == structure.head:  # the model's output: a DTensor, as the transformer plans' head gives it
+        entries.append(
+            PlanEntry(row, "RowwiseParallel(use_local_output=False)", lambda: RowwiseParallel(use_local_output=False))
+        )
+    else:
+        entries.append(PlanEntry(row, "RowwiseParallel()", RowwiseParallel))
+    return entries
 
 
 @dataclass(frozen=True)
@@ -172,14 +189,8 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     if c.tp_dim is None:
         return []
     if c.pairs_tp:  # a feature-sharded activation between each pair; replicated (plain) everywhere else
-        split = [pair for pair, on in zip(structure.pairs, c.pairs_tp) if on]
         return [
-            PlanEntry(key, text, make)
-            for col, row in split
-            for key, text, make in (
-                (col, "ColwiseParallel()", ColwiseParallel),
-                (row, "RowwiseParallel()", RowwiseParallel),
-            )
+            entry for pair, on in zip(structure.pairs, c.pairs_tp) if on for entry in _pair_entries(structure, *pair)
         ]
     seq = Shard(1) if c.sequence_parallel else Replicate()
     s = _place(seq)
