@@ -4,6 +4,7 @@ more than the hand plan of docs/parallel.md, and it gives single-device values i
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -184,8 +185,9 @@ def test_data_parallelism_on_a_4096_rank_mesh_sends_what_ddp_sends():
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     x = torch.randn(1024, 16)
     plan = so.autoparallel(net, (8, 8, 16), (x,), loss_fn=lambda out, x: out.square().mean())
-    assert plan.candidate.dims == ("dp", "dp", "dp")
-    assert plan.predicted_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
+    dp = next(s.measurement for s in plan.considered if s.candidate.dims == ("dp", "dp", "dp"))
+    assert dp.total_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
+    assert plan.predicted_bytes <= dp.total_bytes  # the Linear pair split over tp is a candidate too
 
 
 @pytest.mark.slow  # two searches (about 30 s)
@@ -227,37 +229,20 @@ def test_deep_model_priced_from_one_and_two_blocks_matches_the_whole_model():
     assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
 
 
-def test_a_model_without_blocks_gets_data_parallelism_with_its_own_loss():
-    """No repeated blocks to split: the data-parallel candidates only; a given loss_fn is priced."""
+def test_a_model_without_blocks_is_planned_with_its_own_loss():
+    """No repeated blocks: data parallelism (one all_reduce of every gradient: what DDP sends) and the
+    Linear pair split over tp beside it; a given loss_fn is priced, and the chosen plan trains exactly."""
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-
-    def loss_fn(out, x):  # y is the same global target on every rank: said so where it meets DTensor outputs
-        target = (
-            so.from_local(y, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim)
-            if isinstance(out, so.DTensor)
-            else y
-        )
-        return ((out - target) ** 2).mean()
-
-    plan = so.autoparallel(net, (4,), (x,), loss_fn=loss_fn)
-    assert plan.candidate.dims == ("dp",)
+    loss_fn = _replicated_target(y)
+    plan = so.autoparallel(net, (2, 2), (x,), loss_fn=loss_fn)
+    by_dims = {s.candidate.dims: s.measurement for s in plan.considered}
+    assert by_dims.keys() == {("dp", "dp"), ("dp", "tp")} and all(m.feasible for m in by_dims.values())
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
-    assert plan.predicted_bytes == weights  # one all_reduce of every gradient: what DDP sends
-
-    ref = copy.deepcopy(net)
-    loss_fn(ref(x), x).backward()
-
-    def main():
-        model = plan.apply(copy.deepcopy(net))
-        with strict():
-            return count_step(model, x, lambda out: loss_fn(out, x))
-
-    for sent, _, grads in so.run(main, 4):
-        assert sent == plan.predicted_bytes
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+    assert by_dims["dp", "dp"].total_bytes == weights
+    assert plan.predicted_bytes == min(m.total_bytes for m in by_dims.values())
+    _trains_exactly(plan, net, x, loss_fn)
 
 
 def test_a_batch_that_cannot_split_is_a_clear_error():
@@ -275,3 +260,204 @@ def test_autoplan_cli_plans_llama_7b_on_4096_ranks_from_metadata(capsys):
     assert "autoparallel plan for Llama on mesh (8, 8, 16)" in out and "from metadata" in out
     searched = re.search(r"searched (\d+) candidates \((\d+) feasible\)", out)
     assert searched and int(searched[1]) == int(searched[2]) > 1  # dp, tp on 16 and on 8: every one priced on meta
+
+
+def _trains_exactly(plan, net, x, loss_fn):
+    """The applied plan in strict mode: single-device loss and gradients (computed here), and the
+    bytes it sends on every rank are its prediction."""
+    ref = copy.deepcopy(net)
+    ref_loss = loss_fn(ref(x), x)
+    ref_loss.backward()
+
+    def main():
+        model = plan.apply(copy.deepcopy(net))
+        with strict():
+            return count_step(model, x, lambda out: loss_fn(out, x))
+
+    results = so.run(main, math.prod(plan.mesh_shape))
+    for _, loss, grads in results:
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=1e-6)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert max(sent for sent, _, _ in results) == plan.predicted_bytes
+    return results
+
+
+def _replicated_target(y):
+    def loss_fn(out, x):  # the same global target on every rank, said so where it meets DTensor outputs
+        target = y.to(out.device)  # on the meta device when priced from metadata
+        if isinstance(out, so.DTensor):
+            target = so.from_local(target, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim)
+        return ((out - target) ** 2).mean()
+
+    return loss_fn
+
+
+def test_a_small_cnn_is_planned_and_trains_exactly():
+    """Conv2d -> ReLU -> AdaptiveAvgPool2d -> Flatten -> Linear on (2,): the convolution family's rules
+    split the batch, so data parallelism works: one all_reduce of every gradient, DDP's bytes."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 4),
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 4, generator=g)
+    loss_fn = _replicated_target(y)
+    plan = so.autoparallel(net, (2,), (x,), loss_fn=loss_fn)
+    assert plan.candidate.dims == ("dp",)
+    assert plan.predicted_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
+    _same_pricing_from_metadata(plan, net, (2,), (x,), loss_fn=loss_fn)
+    _trains_exactly(plan, net, x, loss_fn)
+
+
+class _AttentionBlock(torch.nn.Module):
+    """A block whose attention is nn.MultiheadAttention: it reads in_proj_weight directly and out_proj's
+    weight without calling out_proj, so neither is a Linear group the search splits."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.attn = torch.nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class _AttentionModel(torch.nn.Module):
+    def __init__(self, hidden: int, dim: int = 16, vocab: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList([_AttentionBlock(dim, hidden) for _ in range(2)])
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def _matmul_elements(model: torch.nn.Module) -> int:
+    """Elements of every weight of >= 2 dims a module multiplies with (embedding tables are looked up)."""
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Embedding):
+            for p in module.parameters(recurse=False):
+                if p.ndim >= 2:
+                    total += (p.to_local() if isinstance(p, so.DTensor) else p).numel()
+    return total
+
+
+@pytest.mark.parametrize("hidden", [32, 128])
+def test_parameters_a_module_reads_directly_are_in_the_memory_and_compute_figures(hidden):
+    """nn.MultiheadAttention's in_proj_weight (read directly, replicated by every tensor-parallel candidate)
+    counts in each rank's matmul share and parameter bytes, as the applied candidates hold them here."""
+    from shardops.autoparallel.candidates import COMPUTE_SLACK, compute_share
+    from shardops.autoparallel.plan import apply_candidate
+    from shardops.autoparallel.structure import find_structure
+
+    make = lambda: _AttentionModel(hidden)  # noqa: E731
+    tokens = _tokens(4, 8, 32)
+    plan = so.autoparallel(make(), (2,), (tokens,))
+    structure = find_structure(make(), (tokens,))
+    feasible = [s for s in plan.considered if s.measurement.feasible]
+    full = _matmul_elements(make())
+
+    def main():
+        held = []
+        for s in feasible:
+            names = ("tp",) if s.candidate.tp_dim is not None else ("dp",)
+            mesh = so.init_device_mesh("cpu", (2,), mesh_dim_names=names)
+            model = apply_candidate(make(), mesh, s.candidate, s.entries)
+            local_bytes = sum(
+                (p.to_local() if isinstance(p, so.DTensor) else p).numel() * p.element_size()
+                for p in model.parameters()
+            )
+            held.append((local_bytes, _matmul_elements(model)))
+        return held
+
+    per_rank = so.run(main, 2)
+    for i, s in enumerate(feasible):
+        local_bytes = max(rank[i][0] for rank in per_rank)
+        assert s.measurement.parameter_bytes == local_bytes, s.candidate
+        assert s.measurement.memory_per_rank == 4 * local_bytes
+        dp = 2 if s.candidate.tp_dim is None else 1
+        share = max(rank[i][1] for rank in per_rank) / dp / (full / 2)
+        assert compute_share(structure, s.candidate, (2,)) == pytest.approx(share), s.candidate
+        assert share <= COMPUTE_SLACK, s.candidate
+    # with a small MLP, splitting it alone leaves each rank the whole attention: over the bound, ruled out
+    assert any(s.candidate.tp_dim is not None for s in feasible) == (hidden == 128)
+    assert f"parameters per rank: {plan.chosen.measurement.parameter_bytes:,} B" in str(plan)
+
+
+class _EncoderModel(torch.nn.Module):
+    """Tokens -> nn.TransformerEncoder (nn.MultiheadAttention inside) -> a vocabulary head."""
+
+    def __init__(self, dim: int = 16, vocab: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, dim)
+        layer = torch.nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.emb(tokens)))
+
+
+@pytest.mark.parametrize(
+    "make, mesh_shape",
+    [(_EncoderModel, (2,)), (lambda: _AttentionModel(128), (2,))],
+    ids=["transformer-encoder-2", "mha-block-tp-2"],
+)
+def test_metadata_pricing_equals_the_threads_world_with_multihead_attention(make, mesh_shape):
+    """nn.MultiheadAttention calls scaled_dot_product_attention from inside its functional form,
+    where torch picks the kernel by device (CPU: the fused flash op; meta: bmm and softmax). The dry
+    step takes the CPU one too, so every candidate (FSDP-style included) prices the same both ways."""
+    tokens = _tokens(4, 8, 32)
+    plan = so.autoparallel(make(), mesh_shape, (tokens,), memory_per_rank=10**9)
+    assert sum(s.measurement.feasible for s in plan.considered) >= 2
+    _same_pricing_from_metadata(plan, make(), mesh_shape, (tokens,), memory_per_rank=10**9)
+    ref_loss, ref_grads = _reference(make(), tokens)
+    auto = _auto_step(plan, make, tokens)
+    _check_values(auto, ref_loss, ref_grads)
+    assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)])
+def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_shape):
+    """nn.Sequential of Linear/ReLU, no names to go by: consecutive Linears whose features chain
+    (16 -> 64 -> 16, 16 -> 64 -> 4) are column/row-parallel pairs. With a small batch and wide layers the
+    plan splits them, sends fewer bytes than pure data parallelism, and trains exactly."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 4),
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    loss_fn = _replicated_target(y)
+    roomy = 10**9  # a memory limit that binds nothing: the FSDP-style candidates are searched too
+    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
+    assert all(s.measurement.feasible for s in plan.considered)  # values checked against single-device torch
+    dp = next(s for s in plan.considered if s.candidate.tp_dim is None and s.candidate.dp_mode == "replicate")
+    assert dp.measurement.total_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
+    assert plan.candidate.tp_dim is not None and plan.predicted_bytes < dp.measurement.total_bytes
+    assert plan.parallelize_plan.keys() == {"0", "2", "4", "6"}
+    assert "'0': ColwiseParallel()" in str(plan) and "'2': RowwiseParallel()" in str(plan)
+    assert "'6': RowwiseParallel(use_local_output=False)" in str(plan)  # the output: a global DTensor
+    _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
+    _trains_exactly(plan, net, x, loss_fn)

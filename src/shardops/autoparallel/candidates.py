@@ -41,6 +41,7 @@ class Candidate:
     groups_tp: tuple[bool, ...] = ()
     dp_mode: str = "replicate"  # data_parallel's mode: "shard" (FSDP-style) shards parameters and optimizer state
     embeddings_parallel: bool = False  # the embedding tables row-parallel (vocabulary-sharded)
+    pairs_tp: tuple[bool, ...] = ()  # a model without blocks: per Linear pair, column/row-parallel or replicated
 
     @property
     def tp_dim(self) -> int | None:
@@ -65,20 +66,26 @@ COMPUTE_SLACK = 1.25
 
 
 def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int, ...]) -> float:
-    """The busiest rank's Linear work (weights x tokens) over an even split of the whole model's."""
+    """The busiest rank's matmul work (weight elements x tokens) over an even split of the whole model's."""
     world = 1
     for size in mesh_shape:
         world *= size
     dp = world // (mesh_shape[c.tp_dim] if c.tp_dim is not None else 1)
     tp = world // dp
-    total = structure.n_blocks * sum(g.weights for g in structure.groups) + structure.head_weights
+    per_block = sum(g.weights for g in structure.groups) + structure.block_other_weights
+    total = structure.n_blocks * per_block + structure.head_weights + structure.other_weights
     if total == 0:
         return 1.0
-    mine = structure.n_blocks * sum(
-        g.weights / (tp if on else 1)
-        for g, on in zip(structure.groups, c.groups_tp or (False,) * len(structure.groups))
+    # what no style splits (block_other_weights, other_weights) every tensor-parallel rank computes whole
+    mine = structure.n_blocks * (
+        structure.block_other_weights
+        + sum(
+            g.weights / (tp if on else 1)
+            for g, on in zip(structure.groups, c.groups_tp or (False,) * len(structure.groups))
+        )
     )
-    mine += structure.head_weights / (tp if c.vocab_parallel else 1)
+    mine += structure.head_weights / (tp if c.vocab_parallel else 1) + structure.other_weights
+    mine -= sum(w * (1 - 1 / tp) for w, on in zip(structure.pair_weights, c.pairs_tp) if on)
     return (mine / dp) / (total / world)
 
 
@@ -89,7 +96,7 @@ def enumerate_candidates(
     that keeps each rank's matmul work within COMPUTE_SLACK of an even share."""
     out: list[Candidate] = []
     # the last dim first: ties then go to (dp, tp), the usual order (tp on the innermost, fastest links)
-    tp_choices = list(reversed(range(len(mesh_shape)))) if structure.transformer else []
+    tp_choices = list(reversed(range(len(mesh_shape)))) if structure.transformer or structure.pairs else []
     sizes_seen: set[int] = set()
     for tp in [None, *tp_choices]:
         if tp is not None:
@@ -107,6 +114,10 @@ def enumerate_candidates(
         if tp is None:
             out.extend(Candidate(dims, dp_mode=mode) for mode in modes)
             continue
+        if not structure.transformer:
+            pairs = _pair_candidates(structure, dims, modes)
+            out.extend(c for c in pairs if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK)
+            continue
         for sp, vocab, emb in itertools.product((True, False), repeat=3):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
                 for mode in modes:
@@ -114,6 +125,35 @@ def enumerate_candidates(
                     if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK:
                         out.append(c)
     return out
+
+
+MAX_PAIRS_SEARCHED = 3  # every on/off combination of this many pairs; beyond, all of them on only
+
+
+def _pair_candidates(structure: ModelStructure, dims: tuple[str, ...], modes: tuple[str, ...]) -> list[Candidate]:
+    """Linear pairs split or not. Beside a dp dim only with the last pair split when it ends in the model's
+    last Linear: its output then stays a DTensor (the global batch, a global loss), where a plain Linear's
+    output would be this dp rank's batch shard, and a loss over it not the global one."""
+    n = len(structure.pairs)
+    choices = itertools.product((True, False), repeat=n) if n <= MAX_PAIRS_SEARCHED else [(True,) * n]
+    ends_in_head = bool(structure.pairs) and structure.pairs[-1][1] == structure.head
+    return [
+        Candidate(dims, dp_mode=mode, pairs_tp=flags)
+        for flags in choices
+        if any(flags) and ("dp" not in dims or (ends_in_head and flags[-1]))
+        for mode in modes
+    ]
+
+
+def _pair_entries(structure: ModelStructure, col: str, row: str) -> list[PlanEntry]:
+    entries = [PlanEntry(col, "ColwiseParallel()", ColwiseParallel)]
+    if row == structure.head:  # the model's output: a DTensor, as the transformer plans' head gives it
+        entries.append(
+            PlanEntry(row, "RowwiseParallel(use_local_output=False)", lambda: RowwiseParallel(use_local_output=False))
+        )
+    else:
+        entries.append(PlanEntry(row, "RowwiseParallel()", RowwiseParallel))
+    return entries
 
 
 @dataclass(frozen=True)
@@ -148,6 +188,10 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     """The parallelize_module plan of a candidate (empty for pure data parallelism)."""
     if c.tp_dim is None:
         return []
+    if c.pairs_tp:  # a feature-sharded activation between each pair; replicated (plain) everywhere else
+        return [
+            entry for pair, on in zip(structure.pairs, c.pairs_tp) if on for entry in _pair_entries(structure, *pair)
+        ]
     seq = Shard(1) if c.sequence_parallel else Replicate()
     s = _place(seq)
     entries: list[PlanEntry] = []

@@ -25,8 +25,18 @@ from ..mesh import init_device_mesh
 from ..placements import Replicate
 from ..tensor import DTensor, from_local
 from ..world import run, run_dry
+from . import device_kernels
 
-__all__ = ["Measurement", "Reference", "extrapolate", "measure", "measure_dry", "on_meta", "reference_step"]
+__all__ = [
+    "Measurement",
+    "Reference",
+    "extrapolate",
+    "local_parameter_bytes",
+    "measure",
+    "measure_dry",
+    "on_meta",
+    "reference_step",
+]
 
 PARTS = ("forward + loss", "backward", "gradient sync")
 
@@ -38,6 +48,7 @@ class Measurement:
     total_bytes: int = 0  # busiest rank over the whole step
     total_rounds: int = 0
     memory_per_rank: int = 0  # parameters + gradients + AdamW's two states, largest rank
+    parameter_bytes: int = 0  # the largest rank's local parameters: every one the model holds, once
     error: str | None = None  # why the candidate cannot be used (raised, fell back, or wrong values)
 
     @property
@@ -90,14 +101,19 @@ def _rank_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: R
         for p in m.parameters():
             if isinstance(p.grad, DTensor):
                 p.grad.to_local()  # the first read resolves a pending gradient to its parameter's layout
-    memory = 0
-    for p in m.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        memory += 4 * local.numel() * local.element_size()
     counts = {part: (c.get_total_bytes(), c.get_rounds()) for part, c in zip(PARTS, (fwd, bwd, sync))}
     with torch.no_grad():
         error = _compare(m, _full(loss.detach()), ref)
-    return counts, memory, error
+    return counts, local_parameter_bytes(m), error
+
+
+def local_parameter_bytes(model: nn.Module) -> int:
+    """This rank's bytes of every parameter the model holds (a tied one once), whichever module reads it."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
 
 
 def _compare(m: nn.Module, loss: torch.Tensor, ref: Reference) -> str | None:
@@ -156,6 +172,7 @@ def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: 
     the last rank too: an uneven split gives the first ranks the larger shares, the last the smaller
     (or none), and the busiest rank's figure is the larger of the two."""
     world = math.prod(mesh_shape)
+    device_kernels.install()  # sdpa picks the mesh device's backend, as on the threads world
     results = []
     try:
         with warnings.catch_warnings():
@@ -180,7 +197,8 @@ def _busiest(results: list) -> Measurement:
         out.rounds_per_part[part] = max(counts[part][1] for counts, _, _ in results)
     out.total_bytes = max(sum(counts[p][0] for p in PARTS) for counts, _, _ in results)
     out.total_rounds = max(sum(counts[p][1] for p in PARTS) for counts, _, _ in results)
-    out.memory_per_rank = max(mem for _, mem, _ in results)
+    out.parameter_bytes = max(params for _, params, _ in results)
+    out.memory_per_rank = 4 * out.parameter_bytes  # parameters, gradients and AdamW's two states alike
     return out
 
 
@@ -199,4 +217,5 @@ def extrapolate(one: Measurement, two: Measurement, n_blocks: int) -> Measuremen
         line(one.total_bytes, two.total_bytes),
         line(one.total_rounds, two.total_rounds),
         line(one.memory_per_rank, two.memory_per_rank),
+        line(one.parameter_bytes, two.parameter_bytes),
     )

@@ -150,6 +150,7 @@ class Plan:
         lines.append(
             f"  peak memory per rank (parameters + gradients + AdamW states, no activations): {m.memory_per_rank:,} B"
         )
+        lines.append(f"  parameters per rank: {m.parameter_bytes:,} B")
         feasible = sum(1 for s in self.considered if s.measurement.feasible)
         took = f" in {self.timings['plan_s']:.1f} s" if "plan_s" in self.timings else ""
         lines.append(f"  searched {len(self.considered)} candidates ({feasible} feasible){took}")

@@ -16,6 +16,21 @@ import torch.nn as nn
 __all__ = ["LinearGroup", "ModelStructure", "find_structure"]
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
+# parameter-free modules that act on each element alone: a feature-sharded activation stays sharded through them
+ELEMENTWISE = (
+    nn.ReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Mish,
+    nn.Softplus,
+    nn.Hardswish,
+    nn.Identity,
+    nn.Dropout,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,13 @@ class ModelStructure:
     head: str | None = None
     head_weights: int = 0
     final_norms: list[str] = field(default_factory=list)
+    # matmul weights no style splits, every rank computing with all of them: per block (nn.MultiheadAttention's
+    # in_proj_weight, a Linear outside the groups) and outside the blocks (besides the head and embeddings)
+    block_other_weights: int = 0
+    other_weights: int = 0
+    # without blocks: (column-parallel, row-parallel) Linear pairs of an nn.Sequential, full paths, and their weights
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    pair_weights: list[int] = field(default_factory=list)
 
     @property
     def transformer(self) -> bool:
@@ -97,6 +119,18 @@ def _rowwise_of(linears: dict[str, nn.Linear]) -> str:
     return reshaped[0] if reshaped else back[-1] if back else names[-1]
 
 
+def _matmul_weights(module: nn.Module, skip: set[str]) -> int:
+    """Elements of the weights `module` and its submodules (but those named in `skip`) multiply with:
+    every parameter of >= 2 dims a module owns, read through a child or directly (nn.MultiheadAttention's
+    in_proj_weight); embedding tables are looked up, not multiplied."""
+    total = 0
+    for name, sub in module.named_modules():
+        if name in skip or any(name.startswith(s + ".") for s in skip) or isinstance(sub, nn.Embedding):
+            continue
+        total += sum(p.numel() for p in sub.parameters(recurse=False) if p.ndim >= 2)
+    return total
+
+
 def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
     arity = _call_arity(model, example_inputs)
     structure = ModelStructure(blocks=None)
@@ -118,7 +152,31 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
             )  # the last Linear outside the blocks
         elif _is_norm(child):
             structure.final_norms.append(name)
+    skip = {n for n in (structure.blocks, structure.head) if n is not None}
+    structure.other_weights = _matmul_weights(model, skip)
+    if structure.blocks is None:
+        for name, child in model.named_modules():
+            if isinstance(child, nn.Sequential):
+                _read_pairs(structure, child, f"{name}." if name else "")
     return structure
+
+
+def _read_pairs(structure: ModelStructure, seq: nn.Sequential, prefix: str) -> None:
+    """Column/row-parallel pairs of a Sequential, from its Linears' shapes: a Linear, then (past elementwise
+    modules only) a Linear taking its output features; the features between them stay sharded."""
+    pending: tuple[str, nn.Linear] | None = None  # a Linear whose output may feed the next one
+    for name, child in seq.named_children():
+        if isinstance(child, nn.Linear):
+            if pending is not None and pending[1].out_features == child.in_features:
+                structure.pairs.append((prefix + pending[0], prefix + name))
+                structure.pair_weights.append(
+                    pending[1].in_features * pending[1].out_features + child.in_features * child.out_features
+                )
+                pending = None
+            else:
+                pending = (name, child)
+        elif not isinstance(child, ELEMENTWISE):
+            pending = None
 
 
 def _read_block(
@@ -137,3 +195,5 @@ def _read_block(
             weights = sum(c.in_features * c.out_features for c in linears.values())
             n_inputs, kwarg = arity.get(f"{path}.{name}", (1, None))
             structure.groups.append(LinearGroup(name, colwise, rowwise, n_inputs, weights, kwarg))
+    grouped = {f"{g.name}.{lin}" for g in structure.groups for lin in (*g.colwise, g.rowwise)}
+    structure.block_other_weights = _matmul_weights(block, grouped)
