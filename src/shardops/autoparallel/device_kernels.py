@@ -28,7 +28,7 @@ __all__ = ["install"]
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
-_FLASH_CHOICE = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+_FLASH_CHOICE: int = torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
 _lock = threading.Lock()
 _library: list[torch.library.Library] = []  # kept alive: the registration lasts as long as it
 
