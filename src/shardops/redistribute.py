@@ -150,7 +150,7 @@ class _PlanSearch:
     the repr for ties) is done once per state.
     """
 
-    def __init__(self, src, choices, numel, itemsize, mesh_shape, links):
+    def __init__(self, src, choices, numel, itemsize, mesh_shape, links) -> None:
         self.src, self.mesh_shape, self.links, self.numel, self.itemsize = src, mesh_shape, links, numel, itemsize
         placements = sorted({p for c in choices for p in c}, key=repr)
         self.placements = placements
