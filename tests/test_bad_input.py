@@ -604,7 +604,7 @@ def test_from_local_on_a_mesh_without_this_rank_refused():
             assert result[0] == "ShardingError" and f"rank {rank} is not part of" in result[1], result
 
 
-def test_collective_on_a_tensor_of_a_mesh_without_this_rank_refused():
+def test_collective_on_a_tensor_of_a_mesh_without_this_rank_refused() -> None:
     """A rank handed another mesh's DTensor (threads world: a shared object) cannot join its collectives.
 
     (An op that needs no collective runs on the shard it was handed: dispatch checks membership

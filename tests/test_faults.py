@@ -582,7 +582,7 @@ def test_group_made_on_first_use_with_a_member_gone_gloo():
 # ------------------------------------------------------------------ threads world only: the caller is never stuck
 
 
-def test_rank_busy_after_a_failure_is_left_behind_threads():
+def test_rank_busy_after_a_failure_is_left_behind_threads() -> None:
     """A rank busy outside shardops when another fails: so.run returns `timeout` after the failure."""
     late: dict = {}
 
@@ -617,7 +617,7 @@ def sigint_raises_keyboard_interrupt():
         signal.signal(signal.SIGINT, previous)
 
 
-def test_interrupted_caller_releases_rank_threads(sigint_raises_keyboard_interrupt):
+def test_interrupted_caller_releases_rank_threads(sigint_raises_keyboard_interrupt) -> None:
     """Ctrl-C in the caller of so.run: the rank threads waiting in a collective are released."""
     import _thread
 

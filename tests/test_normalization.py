@@ -143,7 +143,7 @@ GRID = [
 ]
 
 
-def _sample(params, per_group_key, seed=0):
+def _sample(params, per_group_key, seed=0) -> list:
     """One seeded pick per (op, mesh, layout), plus every k / affine kind at least once."""
     rng = random.Random(seed)
     groups: dict = {}

@@ -1008,7 +1008,7 @@ def _reshape_target(draw, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @st.composite
-def view_cases(draw):
+def view_cases(draw) -> Case:
     kind = draw(st.sampled_from(VIEWS))
     mesh = draw(MESHES)
     shape = draw(shape_strategy(1, 3))
@@ -1347,7 +1347,7 @@ _LOSS_SKIP, READY_LOSSES = _skip_unless("loss.cross_entropy", "loss.nll_loss")
 
 
 @st.composite
-def loss_cases(draw):
+def loss_cases(draw) -> Case:
     name = draw(st.sampled_from(READY_LOSSES or ["loss.cross_entropy"]))
     mesh = draw(MESHES)
     form = draw(st.sampled_from(["NC", "C", "NCd"]))

@@ -150,7 +150,7 @@ class _PlanSearch:
     the repr for ties) is done once per state.
     """
 
-    def __init__(self, src, choices, numel, itemsize, mesh_shape, links):
+    def __init__(self, src, choices, numel, itemsize, mesh_shape, links) -> None:
         self.src, self.mesh_shape, self.links, self.numel, self.itemsize = src, mesh_shape, links, numel, itemsize
         placements = sorted({p for c in choices for p in c}, key=repr)
         self.placements = placements
@@ -386,6 +386,7 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
     """Run plan `p` on this rank's shard of `spec`; returns the new local shard."""
     mesh = spec.mesh
     comm = mesh.comm
+    coordinate = mesh.get_coordinate() or []  # [] off the mesh, where a plan has no step to run
     x = materialize_lazy_bits(local) if p.steps else local
     joint = _joint_norm_resolution(spec, p)
     if joint is not None:
@@ -400,7 +401,6 @@ def execute(local: torch.Tensor, spec: TensorSpec, p: Plan) -> torch.Tensor:
             continue
         i, n = step.mesh_dim, mesh.shape[step.mesh_dim]
         group = mesh.group(i)
-        coordinate = mesh.own_coordinate()
         me = coordinate[i]
         if step.kind == "slice":
             dst = as_shard(step.dst)

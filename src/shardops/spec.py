@@ -62,7 +62,7 @@ class TensorSpec:
 
     def local_shape(self, coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
         if coordinate is None:
-            coordinate = self.mesh.own_coordinate()
+            coordinate = self.mesh.get_coordinate() or ()  # () off the mesh: an unsharded layout needs none
         return local_shape_and_offset(self.shape, self.mesh.shape, coordinate, self.placements)[0]
 
     def shard_count(self, tensor_dim: int) -> int:

@@ -915,7 +915,7 @@ def distribute_tensor(
 
 def execute_local_layout(data: torch.Tensor, replicated: TensorSpec, placements: Sequence[Placement]) -> torch.Tensor:
     """Slice a replicated tensor into this rank's shard of `placements` (no communication)."""
-    coord = replicated.mesh.own_coordinate()
+    coord = replicated.mesh.get_coordinate() or []  # [] off the mesh: an unsharded layout needs none
     x = data
     for i, p in enumerate(placements):
         if isinstance(p, (Shard, StridedShard)):

@@ -61,9 +61,8 @@ caches.register("decisions", _CACHE.clear)
 # EVERY: all arguments exactly. Learned from the decisions' reads; it only grows (invalidate clears it).
 _FLOAT_READS: dict[Any, dict[str, Callable[[Any], Any] | None]] = {}
 _LEAF_NAMES: dict[tuple, tuple[str | None, ...]] = {}
-_UNREAD: Any = (
-    "float, unread",
-)  # (typed Any: a sentinel, compared by identity) the key of a float argument no decision of its op reads
+# the key of a float argument no decision of its op reads (typed Any: a sentinel, compared by identity)
+_UNREAD: Any = ("float, unread",)
 _CLASS = "class"
 
 

@@ -32,7 +32,7 @@ def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def global_positions(spec: TensorSpec, tensor_dim: int, coordinate: Sequence[int] | None = None) -> range | list[int]:
     """Global indices along `tensor_dim` held by this rank (a range for plain shards)."""
-    coord = spec.mesh.own_coordinate() if coordinate is None else coordinate
+    coord = (spec.mesh.get_coordinate() or ()) if coordinate is None else coordinate
     return dim_positions(spec.shape[tensor_dim], tensor_dim, spec.mesh.shape, coord, spec.placements)
 
 

@@ -120,7 +120,7 @@ class Search:
     is not already the source. `filter_fn` (in-place ops) sees complete candidates only.
     """
 
-    def __init__(self, rows, in_specs, out_shapes, links):
+    def __init__(self, rows, in_specs, out_shapes, links) -> None:
         self.in_specs, self.out_shapes, self.links = tuple(in_specs), tuple(out_shapes), tuple(links)
         self.mesh_shape = tuple(in_specs[0].mesh.shape)
         self.n_in, self.n_out = len(in_specs), len(out_shapes)
@@ -337,7 +337,7 @@ class Search:
                         row.algorithm is not None and algo is not None and row.algorithm != algo
                     ):
                         continue
-                    new = list(partials)
+                    new: list[Placement | None] = list(partials)
                     for t, p in enumerate(self.tuples[r]):
                         if p.is_partial():
                             if new[t] is None:
