@@ -90,8 +90,8 @@ def replicate_norms_off_plan(spec: RunSpec, model: torch.nn.Module, tp_mesh: Any
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks, in order: one `fully_shard` unit each (torchtitan's units)."""
-    stack = model.layers.values() if isinstance(model, models.Llama) else model.h
-    return list(stack)
+    stack = model.get_submodule("layers" if isinstance(model, models.Llama) else "h")
+    return list(stack.values()) if isinstance(stack, torch.nn.ModuleDict) else list(stack.children())
 
 
 def apply_data_parallel(spec: RunSpec, model: torch.nn.Module, dp_mesh: Any, fully_shard: Any, replicate: Any) -> None:
