@@ -211,15 +211,12 @@ def _padded_bytes(params: list[torch.Tensor], d: int, itemsize: int = 4) -> int:
     return sum(math.ceil(p.shape[0] / d) * (p.numel() // p.shape[0]) for p in params) * itemsize
 
 
-def _counting_rank(reshard_after_forward, param_dtype, backward_prefetch: bool = True):
+def _counting_rank(reshard_after_forward, param_dtype):
     mesh = so.init_device_mesh("cpu", (4,))
     model = _model()
     units = _unit_params(model)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     model = _shard_blocks(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    if not backward_prefetch:  # an explicit empty list turns torch's implicit prefetch off
-        for unit in (model, *model.blocks):
-            unit.set_modules_to_backward_prefetch([])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = (_batch_slice(mesh, None, t) for t in _data(1)[0])
     with so.CommDebugMode() as fwd:
@@ -253,12 +250,11 @@ def test_collectives_per_step_exact(strict, reshard_after_forward):
             "blocks.0": reshard_after_forward is not False,
             "blocks.1": reshard_after_forward is not False,
         }
-        # backward, in executed order, with torch's implicit prefetch: each unit's pre-backward starts
-        # the gather of the unit whose forward finished before its own (the root's: blocks.1's;
-        # blocks.1's: blocks.0's), so both block gathers (if resharded) precede blocks.1's
-        # reduce_scatter; then the reduce_scatters, unit by unit
-        expected = [("all_gather", _gather_bytes(units[u], d, rank)) for u in ["blocks.1", "blocks.0"] if regather[u]]
-        expected += [("reduce_scatter", sum(p.numel() for p in units[u]) * 4) for u in ["blocks.1", "blocks.0"]]
+        expected = []
+        for u in ["blocks.1", "blocks.0"]:  # backward: gather (if resharded), then its reduce_scatter, unit by unit
+            if regather[u]:
+                expected.append(("all_gather", _gather_bytes(units[u], d, rank)))
+            expected.append(("reduce_scatter", sum(p.numel() for p in units[u]) * 4))
         # the root's inputs are data: its reduce_scatter runs at the end of backward, before backward() returns
         # (its backward gather, if any, comes first, when its outputs' gradient arrives)
         root = [("reduce_scatter", sum(p.numel() for p in units["root"]) * 4)]
@@ -268,17 +264,6 @@ def test_collectives_per_step_exact(strict, reshard_after_forward):
         padded_rs = sum(d * _padded_bytes(units[u], d) for u in order)
         assert bwd_wire == padded_rs + sum(_padded_bytes(units[u], d) for u in order if regather[u])
         assert step_counts == 0  # nothing left for the optimizer step
-
-
-def test_without_backward_prefetch_each_unit_gathers_at_its_own_pre_backward(strict):
-    """set_modules_to_backward_prefetch([]) on every unit: gather, reduce_scatter, unit by unit
-    (the default, above, starts blocks.0's gather before blocks.1's reduce_scatter)."""
-    for rank, units, _, (bwd, _), _ in so.run(_counting_rank, 4, True, None, False):
-        expected = [("all_gather", _gather_bytes(units["root"], 4, rank))]
-        for u in ["blocks.1", "blocks.0"]:
-            expected.append(("all_gather", _gather_bytes(units[u], 4, rank)))
-            expected.append(("reduce_scatter", sum(p.numel() for p in units[u]) * 4))
-        assert bwd == expected + [("reduce_scatter", sum(p.numel() for p in units["root"]) * 4)]
 
 
 def _prefetch_rank():

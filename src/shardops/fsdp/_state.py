@@ -9,8 +9,7 @@ post-forward   reshard if reshard_after_forward (free the unsharded storage); a 
                the outputs' gradients runs the unit's pre-backward
 pre-backward   unshard again if resharded (finishing a prefetch); the root queues its
                end-of-backward callback; start gathering set_modules_to_backward_prefetch's
-               units, by default the unit whose forward finished before this one's (torch's
-               implicit prefetch; asynchronous in the torch.distributed world)
+               units (asynchronous in the torch.distributed world)
 post-backward  reshard; reduce-scatter the unit's gradients
 end of backward (root) the post-backward of every unit whose inputs needed no gradient
                (the root's own, whose inputs are data), so nothing is left for the step
@@ -38,11 +37,9 @@ class RootState:
         self.root = root
         self.units: list[FSDPUnit] = []
         self.callback_queued = False
-        self.forward_order: list[FSDPUnit] = []  # the units in the order their forwards finished, this pass
 
     def finish_backward(self) -> None:
         self.callback_queued = False
-        self.forward_order.clear()
         for unit in self.units:
             if unit.pending_backward or unit.holds_unsharded_grads():
                 post_backward(unit)
@@ -101,8 +98,6 @@ def _post_forward(module: nn.Module, args: tuple, output: Any) -> Any:
         if unit.reshard_after_forward or not grad:  # without autograd no backward will need it
             unit.reshard()
     if grad:
-        if unit.root is not None and unit not in unit.root.forward_order:
-            unit.root.forward_order.append(unit)
         tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, lambda grads: _pre_backward(unit), mode="any")
@@ -121,16 +116,9 @@ def _pre_backward(unit: FSDPUnit) -> None:
 
 
 def _prefetch_for_backward(unit: FSDPUnit) -> None:
-    """set_modules_to_backward_prefetch's units start gathering while this unit's backward computes;
-    by default (torch's implicit prefetch) the unit whose forward finished just before this one's,
-    whose backward comes next."""
-    if unit.backward_prefetch is not None:
-        targets = [unit_of(module) for module in unit.backward_prefetch]
-    else:
-        order = unit.root.forward_order if unit.root is not None else []
-        at = order.index(unit) if unit in order else 0
-        targets = order[at - 1 : at] if at > 0 else []
-    for target in targets:
+    """set_modules_to_backward_prefetch's units start gathering while this unit's backward computes."""
+    for module in unit.backward_prefetch:
+        target = unit_of(module)
         if target is not None and target.pending_backward:
             target.start_unshard()
 

@@ -58,7 +58,7 @@ class FSDPUnit:
         self.divide_factor: float | None = None
         self.is_last_backward = True
         self.forward_prefetch: list = []
-        self.backward_prefetch: list | None = None  # None: torch's implicit prefetch (the unit before in forward)
+        self.backward_prefetch: list = []
         self.is_unsharded = False
         self.gathering: CollectiveWork | None = None  # a started all_gather (prefetch) not yet written out
         self.gather_input: torch.Tensor | None = None  # its input (this rank's shards, flat)
