@@ -7,14 +7,17 @@
     shardops demo --steps 30 --resume ckpt                       # continues at step 20, bit for bit
     torchrun --nproc-per-node 4 -m shardops.demo   # shardops over torch.distributed (gloo)
 
-1. shardops: the torchtitan-style plan through `shardops.parallel`, data parallel over dp,
-   AdamW, strict mode (any fallback is an error), dropout and attention on DTensors;
-2. torch DTensor: the same model and plan through `torch.distributed.tensor.parallel` in 4
-   gloo processes, measured with its own CommDebugMode — without dropout and with attention on
-   local shards, the part of the job torch runs on CPU (`RunSpec.as_torch_runs_it` says why);
-3. each column checked against single-device training of what it ran, from the same initial
-   weights (shardops' with shardops' dropout masks: training/reference.py), the measured errors
-   printed beside the tolerance;
+1. shardops: the torchtitan-style plan through `shardops.parallel` on mesh["tp"], then
+   `shardops.fsdp.replicate` (`--dp-mode shard`: `fully_shard` per block, then the root) on
+   mesh["dp"], each rank on its own batch slice; AdamW, strict mode (any fallback is an error),
+   dropout and attention on DTensors;
+2. torch DTensor: the same model and plan through `torch.distributed.tensor.parallel`, then
+   torch's own replicate / fully_shard, in 4 gloo processes, measured with its own
+   CommDebugMode — without dropout and with attention on local shards, the part of the job torch
+   runs on CPU (`RunSpec.as_torch_runs_it` says why);
+3. each column checked against single-device training of the whole batch, from the same initial
+   weights (shardops' with shardops' dropout masks, each dp slice's: training/reference.py), the
+   measured errors printed beside the tolerance;
 4. a table per step part: collectives and bytes handed to the transport on the busiest rank.
 """
 
@@ -47,7 +50,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mesh", default="2x2", help="mesh shape: 2x2 (dp x tp) or 4 (tp only)")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dp-mode", choices=("replicate", "shard"), default="replicate")
+    p.add_argument(
+        "--dp-mode",
+        choices=("replicate", "shard"),
+        default="replicate",
+        help="data parallelism over dp: replicate (DDP) or shard (fully_shard per block, then the root)",
+    )
     p.add_argument(
         "--dropout", type=float, default=DEFAULT_DROPOUT, help=f"GPT-2's dropout (default {DEFAULT_DROPOUT})"
     )

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.base import CollectiveWork
+from ..comm.torch_dist import TorchDistCommunicator
 from ..errors import ShardingError
 from ._param import DataMesh, FSDPParam
 from .api import MixedPrecisionPolicy
@@ -63,6 +64,7 @@ class FSDPUnit:
         self.backward_prefetch: list = []
         self.is_unsharded = False
         self.gathering: CollectiveWork | None = None  # a started all_gather (prefetch) not yet written out
+        self.gather_input: torch.Tensor | None = None  # its input (this rank's shards, flat)
         self.pending_backward = False
         self.forwards_in_pass = 0
         self.inputs_pending = 0  # post-backward functions of this forward whose backward has not run yet
@@ -80,6 +82,7 @@ class FSDPUnit:
         flat = torch.cat([p.gather_input() for p in self.params])
         sizes = [sum(p.member_numels[r] for p in self.params) for r in range(self.data.shard_size)]
         self.gathering = self.data.mesh.comm.all_gather_async(flat, self.data.shard_group, [(n,) for n in sizes])
+        self.gather_input = flat
 
     def unshard(self) -> None:
         if self.is_unsharded or not self.params:
@@ -96,20 +99,38 @@ class FSDPUnit:
                 n = p.member_numels[member]
                 p.write_member(buffer, member, piece[offset : offset + n])
                 offset += n
+        self._release([self.gather_input, *pieces])
+        self.gather_input = None
         for p in self.params:
             p.swap_in(unsharded=True)
         self.is_unsharded = True
 
     def reshard(self) -> None:
         if self.gathering is not None:  # a prefetch nothing used: completed (every member sent), dropped
-            self.gathering.wait()
-            self.gathering = None
+            self._release([self.gather_input, *self.gathering.wait()])
+            self.gathering = self.gather_input = None
         if not self.is_unsharded:
             return
         for p in self.params:
             p.swap_in(unsharded=False)
             p.free()
         self.is_unsharded = False
+
+    def _release(self, buffers: list[torch.Tensor | None]) -> None:
+        """Free a finished collective's buffers now. In the torch.distributed world they are this
+        rank's own, but the backend's thread holds them until it drops its work: their memory
+        would go back whenever that thread lets go (and the profiler, not watching that thread,
+        reads it as held to the end). The threads world shares buffers between ranks: left alone."""
+        if not isinstance(self.data.mesh.comm, TorchDistCommunicator):
+            return
+        seen = set()
+        for t in buffers:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                storage.resize_(0)
 
     # -- gradients
     def holds_unsharded_grads(self) -> bool:
@@ -137,6 +158,8 @@ class FSDPUnit:
         params = [p for p, _ in grads]
         grads.clear()
         out = self.data.mesh.comm.reduce_scatter(chunks, "sum", self.data.shard_group)
+        if out.untyped_storage().data_ptr() != chunks[0].untyped_storage().data_ptr():  # (a group of 1 returns it)
+            self._release(chunks[:1])
         del chunks
         self._set_reduced(params, out)
 

@@ -1,7 +1,16 @@
-"""Data parallelism over the mesh dims a tensor-parallel plan does not use.
+"""Data parallelism over the mesh dims a tensor-parallel plan does not use, with the batch as a
+DTensor on the whole mesh.
 
     model = parallelize_module(model, mesh["tp"], plan)          # optional
     model = data_parallel(model, mesh, mode="replicate")         # or mode="shard"
+
+Torch-style data parallelism is `shardops.fsdp` (`fully_shard`, `replicate`): only parameters
+are distributed and activations keep the local batch, so any model code runs (docs/fsdp.md);
+the training job, README and docs use it. `data_parallel` is the older convenience kept for
+what builds on its whole-mesh layouts (expert parallelism's token dispatch, the autoparallel
+planner's candidates, `from_transformers`' docs, pipelining's tests): every boundary tensor
+holds the whole batch as its global shape, so every op of the model needs a sharding rule and
+code reading a batch size from a tensor sees the global one. New code uses `shardops.fsdp`.
 
 The batch is split over the data-parallel dims (every mesh dim the parameters do
 not already live on; all of them without a plan): each rank feeds its own batch

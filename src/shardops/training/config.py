@@ -14,6 +14,7 @@ import torch
 
 from .. import models
 from ..models import ModelArgs
+from .loop import batch
 
 SIZES = {
     "tiny": ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, hidden_dim=48, max_seq_len=16),
@@ -34,7 +35,9 @@ class RunSpec:
     lr: float = 3e-3
     local_attention: bool = True
     sequence_parallel: bool = True
-    dp_mode: str = "replicate"  # torch's side only does replicate (gradients all-reduced over dp)
+    dp_mode: str = (
+        "replicate"  # over mesh["dp"]: "replicate" (composable DDP) or "shard" (fully_shard per block, then the root)
+    )
     seed: int = 0  # torch.manual_seed on every rank before training: the dropout masks' stream
 
     @property
@@ -57,6 +60,12 @@ class RunSpec:
     def dp(self) -> int:
         return self.mesh_shape[0] if len(self.mesh_shape) == 2 else 1
 
+    def local_batch(self, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel rank's rows of the step's global (inputs, targets): its own batch slice."""
+        rows = self.batch_size // self.dp
+        inputs, targets = batch(self.cfg, self.batch_size, step)
+        return inputs[dp_rank * rows : (dp_rank + 1) * rows], targets[dp_rank * rows : (dp_rank + 1) * rows]
+
 
 MODELS = {"llama": models.Llama, "gpt2": models.GPT2}
 PLANS = {"llama": models.llama_plan, "gpt2": models.gpt2_plan}
@@ -65,6 +74,37 @@ PLANS = {"llama": models.llama_plan, "gpt2": models.gpt2_plan}
 def build(spec: RunSpec) -> torch.nn.Module:
     """The model with its deterministic initial weights (the same on every side)."""
     return MODELS[spec.model](spec.cfg, seed=0)
+
+
+def replicate_norms_off_plan(spec: RunSpec, model: torch.nn.Module, tp_mesh: Any, distribute_module: Any) -> None:
+    """With dropout and no sequence parallelism the residual stream stays a DTensor (see `plan`),
+    but the norms are in no style: their parameters are given the tp mesh, replicated (torch's
+    `distribute_module` default), so a norm never mixes a plain weight with a DTensor input.
+    (Data parallelism then shards them over dp like any parameter.)"""
+    if spec.cfg.dropout == 0 or spec.sequence_parallel:
+        return
+    for module in model.modules():
+        if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+            distribute_module(module, tp_mesh)
+
+
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, in order: one `fully_shard` unit each (torchtitan's units)."""
+    stack = model.get_submodule("layers" if isinstance(model, models.Llama) else "h")
+    return list(stack.values()) if isinstance(stack, torch.nn.ModuleDict) else list(stack.children())
+
+
+def apply_data_parallel(spec: RunSpec, model: torch.nn.Module, dp_mesh: Any, fully_shard: Any, replicate: Any) -> None:
+    """Data parallelism over `dp_mesh` as torchtitan's apply_fsdp / apply_ddp write it, with either
+    side's `fully_shard` and `replicate` (torch's or shardops'): only the parameters are touched."""
+    if spec.dp_mode == "shard":
+        for block in blocks(model):
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    elif spec.dp_mode == "replicate":
+        replicate(model, device_mesh=dp_mesh)
+    else:
+        raise ValueError(f"dp_mode must be 'replicate' or 'shard', got {spec.dp_mode!r}")
 
 
 # The modules whose outputs make up the residual stream, which nn.Dropout reads.

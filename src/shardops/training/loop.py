@@ -14,8 +14,8 @@ shardops_side.py and torch_side.py):
         with steps.timed("loss_read"): steps.finish(loss.item())
 
 `timed(part)` times the block and reads, through the side's meter (a context manager), the
-collectives and bytes this rank issued in it. A part a side does not have (grad_sync on
-shardops' side: its gradients resolve on the optimizer's first read) records zero.
+collectives and bytes this rank issued in it. Data parallelism (fully_shard / replicate, on
+either side) reduces the gradients inside `backward`: no part of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..models import ModelArgs
 
-PARTS = ("zero_grad", "forward", "loss", "backward", "grad_sync", "optimizer", "loss_read")
+PARTS = ("zero_grad", "forward", "loss", "backward", "optimizer", "loss_read")
 
 
 class Meter(Protocol):

@@ -32,10 +32,17 @@ def header(spec: RunSpec) -> str:
     return (
         f"[bold]shardops demo[/]: train {spec.model} ({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, vocab "
         f"{c.vocab_size}, ~{n_params / 1e6:.2f}M params) for {spec.steps} steps on a {mesh} mesh "
-        f"({'dp x tp' if len(spec.mesh_shape) == 2 else 'tp'}), batch {spec.batch_size} x {c.max_seq_len} tokens, "
-        f"AdamW, strict mode, dropout {c.dropout:g}{' (this model has none)' if spec.model == 'llama' else ''}, "
+        f"({_mesh_words(spec)}), batch {spec.batch_size} x {c.max_seq_len} tokens, AdamW, strict mode, "
+        f"dropout {c.dropout:g}{' (this model has none)' if spec.model == 'llama' else ''}, "
         f"attention {'on local shards' if spec.local_attention else 'on DTensors'}"
     )
+
+
+def _mesh_words(spec: RunSpec) -> str:
+    if len(spec.mesh_shape) != 2:
+        return "tp"
+    dp = "fully_shard" if spec.dp_mode == "shard" else "replicate"
+    return f"dp x tp: {dp} over dp, each rank its own batch slice"
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
 """shardops' side of the training comparison: the same model and plan through
 `shardops.parallel`, in the threads world (`so.run`) or one process per rank.
 
-Data parallelism: `data_parallel(model, mesh, mode)` over the dp mesh dim. A
-replicated weight's gradient stays pending (Partial(sum)) after backward and is
-resolved once, on its first read by the optimizer — so the grad_sync part is
-empty here and its bytes show up in the optimizer part.
+Data parallelism as torch writes it: the plan on mesh["tp"], then `shardops.fsdp`'s
+`fully_shard` (per block, then the root) or `replicate` on mesh["dp"]. Only parameters are
+distributed: each rank feeds its own batch slice, activations carry the local batch, and the
+gradients are reduce-scattered / all-reduced (averaged over dp) during backward (as on torch's
+side) and the optimizer step sends nothing. The loss each step records is the global batch's:
+the ranks' means averaged over dp, in the same all_reduce as the loss's own pending tp sum.
 
 Bytes are CommDebugMode's wire figure (`get_wire_bytes()`): what this rank hands
 the transport, uneven gathers padded, as torch's side is counted.
@@ -24,13 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from .. import checkpoint as so_checkpoint
+from .. import fsdp as so_fsdp
 from .. import parallel as so_parallel
 from ..comm.base import CommDebugMode
 from ..mesh import init_device_mesh
-from ..placements import Replicate, Shard
+from ..placements import Partial, Replicate
 from ..tensor import DTensor, from_local
-from .config import RunSpec, build, plan
-from .loop import StepRecord, Steps, batch
+from .config import RunSpec, apply_data_parallel, build, plan, replicate_norms_off_plan
+from .loop import StepRecord, Steps
 
 
 class ShardopsMeter:
@@ -74,11 +77,23 @@ class Checkpointing:
 
 
 def parallelize(spec: RunSpec, model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """The tensor-parallel plan on mesh["tp"], then data parallelism on mesh["dp"] (torchtitan's order)."""
     tp_mesh = mesh["tp"] if spec.dp > 1 else mesh
     so_parallel.parallelize_module(model, tp_mesh, plan(spec, so_parallel))
+    replicate_norms_off_plan(spec, model, tp_mesh, so_parallel.distribute_module)
     if spec.dp > 1:
-        so_parallel.data_parallel(model, mesh, mode=spec.dp_mode)
+        apply_data_parallel(spec, model, mesh["dp"], so_fsdp.fully_shard, so_fsdp.replicate)
     return model
+
+
+def global_loss(loss: torch.Tensor, mesh: Any, spec: RunSpec) -> float:
+    """The whole batch's loss from this rank's mean: averaged over dp (even slices), as one device reads it."""
+    if spec.dp == 1:
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
+    # the dp average and the loss's own pending tp reduction (if any) in one read over the whole mesh
+    tp_placements = list(loss.placements) if isinstance(loss, DTensor) else [Replicate()]
+    local = loss.to_local() if isinstance(loss, DTensor) else loss
+    return from_local(local.detach() / spec.dp, mesh, [Partial("sum"), *tp_placements]).full_tensor().item()
 
 
 def train_rank(
@@ -100,7 +115,6 @@ def train_rank(
     model = parallelize(spec, build(spec), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     dp_rank = mesh.own_coordinate()[0] if spec.dp > 1 else 0
-    rows = spec.batch_size // spec.dp
     progress = {"step": 0}
     state = {"model": model, "optim": opt, "rng": so_checkpoint.RandomState(), "progress": progress}
     if checkpointing.resume:
@@ -116,9 +130,7 @@ def train_rank(
     grads: dict[str, torch.Tensor] = {}
     for step in range(first, spec.steps):
         run.start()
-        inputs, targets = (t[dp_rank * rows : (dp_rank + 1) * rows] for t in batch(spec.cfg, spec.batch_size, step))
-        if spec.dp > 1:  # this dp rank's rows of the target, said explicitly (as torch's loss_parallel asks)
-            targets = from_local(targets, mesh, [Shard(0), Replicate()])
+        inputs, targets = spec.local_batch(step, dp_rank)
         with run.timed("zero_grad"):
             opt.zero_grad()
         with run.timed("forward"):
@@ -133,7 +145,7 @@ def train_rank(
         with run.timed("optimizer"):
             opt.step()
         with run.timed("loss_read"):
-            run.finish((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
+            run.finish(global_loss(loss, mesh, spec))
         run.done()
         progress["step"] = step + 1
         if checkpointing.due(step + 1):
