@@ -21,6 +21,7 @@ the gradients (`_pack`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -116,7 +117,7 @@ class FSDPUnit:
             p.free()
         self.is_unsharded = False
 
-    def _release(self, buffers: list[torch.Tensor | None]) -> None:
+    def _release(self, buffers: Sequence[torch.Tensor | None]) -> None:
         """Free a finished collective's buffers now. In the torch.distributed world they are this
         rank's own, but the backend's thread holds them until it drops its work: their memory
         would go back whenever that thread lets go (and the profiler, not watching that thread,
