@@ -154,6 +154,9 @@ def _reindex_route(mesh, src, dst, source_of: torch.Tensor) -> _Route:
     all_needs = [needs(m) for m in range(len(members))]
     slots, rows, sender = all_needs[me]
     out_len = int(_positions(n_out, out_dim, out_pl, mesh, coord).numel())
+    # stays: the route is planned on the host (its map comes from metadata or an index moved there, as
+    # all_to_all's split sizes must be), so these reads cost no device round trip; while tracing its
+    # lists become Python ints, graph constants
     moving = any(bool((s != m).any()) for m, (_, _, s) in enumerate(all_needs))
     keep = (lambda t: t.tolist()) if tracing() else (lambda t: t)  # noqa: E731
     if not moving:  # every member keeps what it has: only this rank's own rows matter
