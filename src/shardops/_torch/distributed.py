@@ -1,4 +1,4 @@
-"""torch.distributed.tensor's private placements, for the conversions to and from torch's DTensor (interop).
+"""torch.distributed's private names: DTensor's private placements for interop, and the torch side's replicate.
 
 torch's DTensor has two placements it keeps private, with no public twin, that shardops' layouts
 map to one for one; both are known for torch 2.13, 2.14 and 2.15. They are looked up on first use
@@ -9,6 +9,8 @@ raises TorchInternalMissing naming the hook there.
   pieces were split `split_factor` times before sharding (our StridedShard).
 - `norm_partial_class()`: `torch.distributed.tensor._ops._math_ops._NormPartial`, a pending p-norm
   reduction (our NormPartial).
+- `torch_fsdp_replicate()`: `torch.distributed._composable.replicate_with_fsdp.replicate`, what the
+  training comparison's torch side (training/torch_side.py) data-parallelizes with.
 """
 
 from __future__ import annotations
@@ -29,3 +31,16 @@ def strided_shard_class() -> type[Any]:
 @functools.cache
 def norm_partial_class() -> type:
     return internal(PLACEMENTS, "torch.distributed.tensor._ops._math_ops._NormPartial")
+
+
+TORCH_REPLICATE = Hook(
+    "distributed.replicate_with_fsdp",
+    "the training comparison's torch side: torch's FSDP-based replicate (its DDP-based one does not average "
+    "tensor-parallel gradients)",
+)
+
+
+@functools.cache
+def torch_fsdp_replicate() -> Any:
+    """torch's `replicate` built on FSDP2 (known for torch 2.13, 2.14 and 2.15; no public path yet)."""
+    return internal(TORCH_REPLICATE, "torch.distributed._composable.replicate_with_fsdp.replicate")

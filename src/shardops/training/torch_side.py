@@ -112,11 +112,14 @@ def train_rank(spec: RunSpec) -> dict[str, Any]:
 
     import torch.distributed as dist
     import torch.distributed.tensor.parallel as tp_api
-    from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from .._torch.distributed import torch_fsdp_replicate
+
+    fsdp_replicate = torch_fsdp_replicate()
 
     # CommDebugMode's module tracker hooks every module; torch warns when the input needs no grad
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
