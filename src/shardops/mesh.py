@@ -94,11 +94,8 @@ class DeviceMesh:
         return coord
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
-        coord = self.get_coordinate()
-        if coord is None:
-            raise ShardingError(f"rank {self.get_rank()} is not part of {self}")
         dim = 0 if mesh_dim is None else self._dim_index(mesh_dim)
-        return coord[dim]
+        return self.own_coordinate()[dim]
 
     def get_coordinate(self) -> list[int] | None:
         return self.coordinate_of(self.get_rank())

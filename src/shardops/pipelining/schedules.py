@@ -163,18 +163,15 @@ class _PipelineSchedule:
 
         Needs the shapes crossing the boundaries: run one step first, or give the stages `input_args`
         and `output_args`. `backward=False` explains a forward-only step (as under torch.no_grad())."""
-        has_backward = backward and self._loss_fn is not None
-        transfers: list[_explain.Transfer] = []
-        for action in self._program(self.stages, has_backward):
-            transfers += self._transfers_of(action)
+        program = self._program(self.stages, backward and self._loss_fn is not None)
         return _explain.PipelineExplanation(
             type(self).__name__,
             current_comm().rank,
             self._num_stages,
             self._n_microbatches,
             tuple(self._group.ranks[self._place(s)] for s in range(self._num_stages)),
-            tuple(str(a) for a in self._program(self.stages, has_backward)),
-            tuple(transfers),
+            tuple(str(a) for a in program),
+            tuple(t for action in program for t in self._transfers_of(action)),
         )
 
     def _transfers_of(self, a: _Action) -> list[_explain.Transfer]:
