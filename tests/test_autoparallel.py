@@ -1,5 +1,7 @@
 """so.autoparallel: the chosen plan's measured bytes per step equal its prediction, it moves no
-more than the hand plan of docs/parallel.md, and it gives single-device values in strict mode."""
+more than the hand plan of docs/parallel.md, and it gives single-device values in strict mode.
+Data parallelism is torch's (`replicate`, `fully_shard`): each rank runs its own batch slice, so
+the ranks' mean loss is the single-device loss and every gradient equals the single-device one."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import torch.nn.functional as F
 import shardops as so
 from parallel_harness import count_step, strict
 from shardops.autoparallel import language_model_loss
+from shardops.fsdp import replicate
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
-from shardops.parallel import data_parallel, loss_parallel, parallelize_module
+from shardops.parallel import loss_parallel, parallelize_module
 from shardops.parallel.loss import target_placements
 from shardops.world import in_threads_world
 
@@ -37,14 +40,16 @@ def _reference(model, tokens):
 def _auto_step(plan, make, tokens):
     def main():
         model = plan.apply(make())
+        local = plan.local_batch(tokens)  # this rank's batch slice
         with strict():
-            return count_step(model, tokens, lambda out: language_model_loss(out, tokens))
+            return count_step(model, local, lambda out: language_model_loss(out, local))
 
     return so.run(main, plan.mesh_shape[0] * (plan.mesh_shape[1] if len(plan.mesh_shape) > 1 else 1))
 
 
 def _hand_step(make, hand_plan, mesh_shape, tokens):
-    """The hand plan as docs/parallel.md applies it: tp on the last dim, data_parallel on the first."""
+    """The hand plan as docs/parallel.md applies it: tp on the last dim, torch's `replicate` (DDP) on the
+    first, each dp rank on its batch slice."""
 
     def main():
         model = make()
@@ -55,7 +60,7 @@ def _hand_step(make, hand_plan, mesh_shape, tokens):
         else:
             mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
             parallelize_module(model, mesh["tp"], hand_plan())
-            data_parallel(model, mesh, mode="replicate")
+            replicate(model, device_mesh=mesh["dp"])
             feed = tokens.chunk(mesh_shape[0])[mesh.get_coordinate()[0]]
 
         def loss_of(out):
@@ -72,8 +77,10 @@ def _hand_step(make, hand_plan, mesh_shape, tokens):
 
 
 def _check_values(results, ref_loss, ref_grads):
-    for _, loss, grads in results:
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+    """Each rank's loss is its batch slice's mean: the ranks' mean is the single-device loss (tensor-parallel
+    ranks of one slice alike); every gradient (averaged over the data-parallel ranks) the single-device one."""
+    torch.testing.assert_close(torch.stack([loss for _, loss, _ in results]).mean(), ref_loss, rtol=1e-4, atol=1e-5)
+    for _, _, grads in results:
         assert grads.keys() == ref_grads.keys()
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
@@ -190,23 +197,58 @@ def test_data_parallelism_on_a_4096_rank_mesh_sends_what_ddp_sends():
     assert plan.predicted_bytes <= dp.total_bytes  # the Linear pair split over tp is a candidate too
 
 
-@pytest.mark.slow  # two searches (about 30 s)
-def test_memory_limit_forces_sharded_optimizer_state_where_the_hand_plan_does_not_fit():
-    """Below the memory of every replicated-over-dp plan (the hand plan's included), the plan shards
-    parameters, gradients and AdamW states over dp (data_parallel mode="shard") and still runs exactly."""
+@pytest.mark.slow  # three searches (about 30 s)
+def test_memory_limit_chooses_fully_shard_and_keeps_units_gathered_only_where_that_fits():
+    """Below the memory of every replicate plan (the hand plan's included), the plan is fully_shard per
+    block and the root: without resharding after forward while that fits (fewer bytes: no second
+    all_gather), with it below; both run exactly and send their prediction."""
     make = lambda: Llama(ARGS, seed=0)  # noqa: E731
     tokens = _tokens(4, 8, ARGS.vocab_size)
-    free = so.autoparallel(make(), (2, 2), (tokens,))
-    limit = min(s.measurement.memory_per_rank for s in free.considered if s.measurement.feasible) - 1
-    plan = so.autoparallel(make(), (2, 2), (tokens,), memory_per_rank=limit)
-    assert plan.candidate.dp_mode == "shard" and plan.chosen.measurement.memory_per_rank <= limit
-    _same_pricing_from_metadata(plan, make(), (2, 2), (tokens,), memory_per_rank=limit)  # FSDP-style too
-    assert 'mode="shard"' in str(plan)
-
+    roomy = so.autoparallel(make(), (2, 2), (tokens,), memory_per_rank=10**9)
+    memory = {s.candidate: s.measurement.memory_per_rank for s in roomy.considered if s.measurement.feasible}
+    replicated = min(m for c, m in memory.items() if c.dp_mode == "replicate")
+    kept = min(m for c, m in memory.items() if c.dp_mode == "fully_shard" and not c.reshard_after_forward)
+    resharded = min(m for c, m in memory.items() if c.dp_mode == "fully_shard" and c.reshard_after_forward)
+    assert resharded < kept < replicated
     ref_loss, ref_grads = _reference(make(), tokens)
-    auto = _auto_step(plan, make, tokens)
-    _check_values(auto, ref_loss, ref_grads)
-    assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
+    for limit, reshard in ((replicated - 1, False), (kept - 1, True)):
+        plan = so.autoparallel(make(), (2, 2), (tokens,), memory_per_rank=limit)
+        c = plan.candidate
+        assert (c.dp_mode, c.reshard_after_forward) == ("fully_shard", reshard) and plan.predicted_bytes > 0
+        assert plan.chosen.measurement.memory_per_rank <= limit
+        text = str(plan)
+        assert "for block in model.layers.values():" in text or "for block in model.layers:" in text
+        assert f"    fully_shard(block, mesh=mesh['dp'], reshard_after_forward={reshard})" in text
+        assert f"fully_shard(model, mesh=mesh['dp'], reshard_after_forward={reshard})" in text
+        auto = _auto_step(plan, make, tokens)
+        _check_values(auto, ref_loss, ref_grads)
+        assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
+    _same_pricing_from_metadata(plan, make(), (2, 2), (tokens,), memory_per_rank=limit)
+
+
+def test_fully_shard_memory_is_one_dp_share_plus_the_gathered_units():
+    """Pure data parallelism on (4,), every dp candidate: replicate holds parameters, gradients and two AdamW
+    states whole (4x the parameters); fully_shard a 1/4 row share of each (FSDP's ceil-sized first shards)
+    plus the units gathered at once: the root's and the largest block's when resharding, all of them when not."""
+    make = lambda: Llama(ModelArgs(n_layers=2), seed=0)  # noqa: E731
+    tokens = _tokens(4, 8, ARGS.vocab_size)
+    plan = so.autoparallel(make(), (4,), (tokens,), memory_per_rank=10**9)
+    model = make()
+    nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    share = sum(math.ceil(p.shape[0] / 4) * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters())
+    blocks = [nbytes(block.parameters()) for block in model.layers.values()]
+    root = nbytes(model.parameters()) - sum(blocks)
+    want = {
+        ("replicate", True): 4 * nbytes(model.parameters()),
+        ("fully_shard", True): 4 * share + root + max(blocks),
+        ("fully_shard", False): 4 * share + root + sum(blocks),
+    }
+    got = {
+        (s.candidate.dp_mode, s.candidate.reshard_after_forward): s.measurement.memory_per_rank
+        for s in plan.considered
+        if s.candidate.tp_dim is None
+    }
+    assert got == want
 
 
 def test_autoplan_cli_prints_the_plan(capsys):
@@ -234,8 +276,8 @@ def test_a_model_without_blocks_is_planned_with_its_own_loss():
     Linear pair split over tp beside it; a given loss_fn is priced, and the chosen plan trains exactly."""
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-    loss_fn = _replicated_target(y)
+    x = torch.randn(8, 16, generator=g)
+    loss_fn = _regression_loss(4)
     plan = so.autoparallel(net, (2, 2), (x,), loss_fn=loss_fn)
     by_dims = {s.candidate.dims: s.measurement for s in plan.considered}
     assert by_dims.keys() == {("dp", "dp"), ("dp", "tp")} and all(m.feasible for m in by_dims.values())
@@ -271,23 +313,26 @@ def _trains_exactly(plan, net, x, loss_fn):
 
     def main():
         model = plan.apply(copy.deepcopy(net))
+        local = plan.local_batch(x)  # this rank's batch slice
         with strict():
-            return count_step(model, x, lambda out: loss_fn(out, x))
+            return count_step(model, local, lambda out: loss_fn(out, local))
 
     results = so.run(main, math.prod(plan.mesh_shape))
-    for _, loss, grads in results:
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=1e-6)
+    mean_loss = torch.stack([loss for _, loss, _ in results]).mean()  # each rank's is its slice's mean
+    torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=1e-4, atol=1e-6)
+    for _, _, grads in results:
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert max(sent for sent, _, _ in results) == plan.predicted_bytes
     return results
 
 
-def _replicated_target(y):
-    def loss_fn(out, x):  # the same global target on every rank, said so where it meets DTensor outputs
-        target = y.to(out.device)  # on the meta device when priced from metadata
-        if isinstance(out, so.DTensor):
-            target = so.from_local(target, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim)
+def _regression_loss(n_out: int):
+    """A squared error against a per-sample target made from the sample itself, so a rank's batch slice
+    carries its own targets (the loss as torch users compute it, on the local batch)."""
+
+    def loss_fn(out, x):
+        target = x.flatten(1)[:, :n_out].sin()
         return ((out - target) ** 2).mean()
 
     return loss_fn
@@ -305,8 +350,8 @@ def test_a_small_cnn_is_planned_and_trains_exactly():
         torch.nn.Linear(8, 4),
     )
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 4, generator=g)
-    loss_fn = _replicated_target(y)
+    x = torch.randn(4, 3, 8, 8, generator=g)
+    loss_fn = _regression_loss(4)
     plan = so.autoparallel(net, (2,), (x,), loss_fn=loss_fn)
     assert plan.candidate.dims == ("dp",)
     assert plan.predicted_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
@@ -448,8 +493,8 @@ def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_sha
         torch.nn.Linear(64, 4),
     )
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-    loss_fn = _replicated_target(y)
+    x = torch.randn(8, 16, generator=g)
+    loss_fn = _regression_loss(4)
     roomy = 10**9  # a memory limit that binds nothing: the FSDP-style candidates are searched too
     plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
     assert all(s.measurement.feasible for s in plan.considered)  # values checked against single-device torch
@@ -458,6 +503,6 @@ def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_sha
     assert plan.candidate.tp_dim is not None and plan.predicted_bytes < dp.measurement.total_bytes
     assert plan.parallelize_plan.keys() == {"0", "2", "4", "6"}
     assert "'0': ColwiseParallel()" in str(plan) and "'2': RowwiseParallel()" in str(plan)
-    assert "'6': RowwiseParallel(use_local_output=False)" in str(plan)  # the output: a global DTensor
+    assert "'6': RowwiseParallel()" in str(plan)  # the output: plain, this rank's batch slice
     _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
     _trains_exactly(plan, net, x, loss_fn)

@@ -2,7 +2,7 @@
 downloaded): the applied plan's bytes per step equal its prediction, its values equal
 single-device torch in strict mode, and it moves no more than transformers' own tensor-parallel
 plan (`base_model_tp_plan` + the head's, applied through shardops' from_transformers, with
-data_parallel on dp for (2, 2)) on the same global batch."""
+torch's `replicate` on dp for (2, 2), each dp rank on its batch slice) on the same global batch."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")  # a dev dependency (pyprojec
 import shardops as so  # noqa: E402
 from parallel_harness import count_step, strict  # noqa: E402
 from shardops.autoparallel import language_model_loss  # noqa: E402
-from shardops.parallel import data_parallel, from_transformers, loss_parallel  # noqa: E402
+from shardops.fsdp import replicate  # noqa: E402
+from shardops.parallel import from_transformers, loss_parallel  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8, head_dim=4)
 
@@ -31,7 +32,7 @@ def build(kv_heads: int) -> torch.nn.Module:
 
 def _check_values(results, model, tokens, local_loss=False):
     """Loss and every gradient equal single-device torch's. `local_loss`: each rank's loss is its dp
-    batch shard's mean (transformers' plan returns local logits), so their mean is the global loss."""
+    batch slice's mean (torch's data parallelism), so their mean is the global loss."""
     ref = copy.deepcopy(model)
     ref_loss = language_model_loss(ref(tokens), tokens)
     ref_loss.backward()
@@ -61,7 +62,7 @@ def _hand_step(kv_heads, mesh_shape, tokens):
         else:
             mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
             from_transformers(model, mesh["tp"])
-            data_parallel(model, mesh)
+            replicate(model, device_mesh=mesh["dp"])
             feed = tokens.chunk(mesh_shape[0])[mesh.get_coordinate()[0]]
 
         def loss_of(out):
@@ -90,11 +91,12 @@ def test_transformers_llama_measured_equals_predicted_and_no_worse_than_its_own_
 
     def main():
         model = plan.apply(build(kv_heads))
+        local = plan.local_batch(tokens)  # this rank's batch slice
         with strict():
-            return count_step(model, tokens, lambda out: language_model_loss(out, tokens))
+            return count_step(model, local, lambda out: language_model_loss(out, local))
 
     auto = so.run(main, _world(mesh_shape), timeout=600)
-    _check_values(auto, build(kv_heads), tokens)
+    _check_values(auto, build(kv_heads), tokens, local_loss=plan.candidate.dp_dims != ())
     measured = max(sent for sent, _, _ in auto)
     assert measured == plan.predicted_bytes  # the issue allows 1%; pricing runs the same step, so exact
 
@@ -106,14 +108,15 @@ def test_transformers_llama_measured_equals_predicted_and_no_worse_than_its_own_
 
 def test_transformers_llama_priced_from_metadata_equals_the_threads_world():
     tokens = torch.randint(0, TINY["vocab_size"], (4, 8), generator=torch.Generator().manual_seed(1))
-    run = so.autoparallel(build(4), (2, 2), (tokens,))
-    meta = so.autoparallel(build(4), (2, 2), (tokens,), pricing="metadata")
+    run = so.autoparallel(build(4), (2, 2), (tokens,), memory_per_rank=10**9)  # fully_shard's candidates too
+    meta = so.autoparallel(build(4), (2, 2), (tokens,), pricing="metadata", memory_per_rank=10**9)
     assert [s.candidate for s in run.considered] == [s.candidate for s in meta.considered]
     for a, b in zip(run.considered, meta.considered):
         assert a.measurement.feasible == b.measurement.feasible, (a.candidate, a.measurement.error, b.measurement.error)
         if a.measurement.feasible:
-            assert (a.measurement.bytes_per_part, a.measurement.rounds_per_part) == (
+            assert (a.measurement.bytes_per_part, a.measurement.rounds_per_part, a.measurement.memory_per_rank) == (
                 b.measurement.bytes_per_part,
                 b.measurement.rounds_per_part,
+                b.measurement.memory_per_rank,
             )
     assert meta.candidate == run.candidate

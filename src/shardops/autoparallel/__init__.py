@@ -1,10 +1,11 @@
 """so.autoparallel: choose a model's whole parallelization plan by its bytes per training step.
 
     plan = so.autoparallel(model, (2, 2), (tokens,))
-    print(plan)                      # the parallelize_module dict + data_parallel a person would write
-    so.run(lambda: train(plan.apply(Llama(args))), 4)
+    print(plan)                      # the parallelize_module dict + fully_shard/replicate a person would write
+    so.run(lambda: train(plan.apply(Llama(args)), plan.local_batch(tokens)), 4)
 
-Search: per mesh dim data or tensor parallelism; on the tensor-parallel dim one style per
+Search: per mesh dim data or tensor parallelism (torch's: `replicate`, or `fully_shard` per repeated
+block and the root, on the dp sub-mesh; each rank its batch slice); on the tensor-parallel dim one style per
 kind of module (sequence parallelism, vocabulary parallelism, column/row-parallel or
 replicated per Linear group), decided once for a block and reused by every repeated block
 (candidates.py). Every candidate is priced by running its step (measure.py): on a threads world
@@ -32,7 +33,7 @@ from ..placements import Replicate
 from ..tensor import DTensor, from_local
 from .candidates import compute_share, enumerate_candidates, plan_entries
 from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
-from .plan import Plan, Scored, apply_candidate, mesh_names_for
+from .plan import Plan, Scored, apply_candidate, dp_coordinate, local_inputs, mesh_names_for
 from .structure import find_structure
 
 __all__ = ["Plan", "autoparallel", "language_model_loss"]
@@ -59,6 +60,14 @@ def _truncated(model: nn.Module, blocks: str, k: int) -> nn.Module:
     else:
         setattr(parent, attr, nn.ModuleList(list(container)[:k]))
     return copy_
+
+
+def _blocks_text(model: nn.Module, blocks: str | None) -> str:
+    """The loop over the repeated blocks as code writes it: model.layers, model.layers.values()."""
+    if blocks is None:
+        return ""
+    dict_ = isinstance(model.get_submodule(blocks), nn.ModuleDict)
+    return f"model.{blocks}.values()" if dict_ else f"model.{blocks}"
 
 
 PRICINGS = ("auto", "run", "metadata")
@@ -114,17 +123,16 @@ def autoparallel(
     refs = [reference_step(m, example, loss_fn) for m in models]
     batch = example[0].shape[0]
     scored: list[Scored] = []
-    # FSDP-style sharding never moves fewer bytes than replication (an all_gather and a reduce_scatter
-    # per parameter against one all_reduce); it is searched only when memory is a constraint
-    dp_modes = ("replicate",) if memory_per_rank is None else ("replicate", "shard")
+    # fully_shard never moves fewer bytes than replicate (all_gathers and a reduce_scatter per unit
+    # against one all_reduce of the gradients); it is searched only when memory is a constraint
+    dp_modes = ("replicate",) if memory_per_rank is None else ("replicate", "fully_shard")
     for cand in enumerate_candidates(structure, shape, batch, dp_modes):
         entries = plan_entries(structure, cand)
         names = mesh_names_for(cand)
-        apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e)  # noqa: E731
-        if how == "run":
-            runs = [measure(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
-        else:
-            runs = [measure_dry(mod, shape, names, apply_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
+        apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e, structure.blocks)  # noqa: E731
+        feed_fn = lambda msh, ex, c=cand: local_inputs(ex, *dp_coordinate(shape, msh.own_coordinate(), c))  # noqa: E731
+        pricer = measure if how == "run" else measure_dry
+        runs = [pricer(mod, shape, names, apply_fn, feed_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
         m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
@@ -147,6 +155,7 @@ def autoparallel(
     plan = Plan(
         shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how]
     )
+    plan.blocks, plan.blocks_text = structure.blocks, _blocks_text(model, structure.blocks)
     plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
     return plan
 

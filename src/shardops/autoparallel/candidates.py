@@ -11,6 +11,11 @@ taken by every repeated block alike (the plan keys carry the wildcard `blocks.*`
 - `vocab_parallel`: the output head column-parallel with vocabulary-sharded logits, or replicated;
 - one flag per Linear group of a block (attention, MLP): column/row-parallel as a pair,
   or replicated (every rank computes the group on the whole activation).
+
+The data-parallel dims are torch's data parallelism over the dp sub-mesh (plan.py applies it):
+`replicate` (DDP), or `fully_shard` per repeated block and the root (torchtitan's apply_fsdp)
+with `reshard_after_forward` True or False. Only parameters are distributed; each rank runs the
+model on its own batch slice.
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ class Candidate:
     sequence_parallel: bool = False
     vocab_parallel: bool = False  # the output head column-parallel with vocabulary-sharded logits
     groups_tp: tuple[bool, ...] = ()
-    dp_mode: str = "replicate"  # data_parallel's mode: "shard" (FSDP-style) shards parameters and optimizer state
+    dp_mode: str = "replicate"  # "replicate" (DDP) or "fully_shard" (parameters, gradients, optimizer state 1/dp)
     embeddings_parallel: bool = False  # the embedding tables row-parallel (vocabulary-sharded)
     pairs_tp: tuple[bool, ...] = ()  # a model without blocks: per Linear pair, column/row-parallel or replicated
+    reshard_after_forward: bool = True  # fully_shard's: free each unit's gathered parameters after its forward
 
     @property
     def tp_dim(self) -> int | None:
@@ -89,11 +95,26 @@ def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int
     return (mine / dp) / (total / world)
 
 
+DP_MODES = ("replicate", "fully_shard")
+DataParallel = tuple[str, bool]  # (dp_mode, reshard_after_forward)
+
+
+def _dp_choices(dp_modes: tuple[str, ...]) -> list[DataParallel]:
+    """fully_shard twice: resharding after forward (less memory, one more all_gather per unit) or not."""
+    out: list[DataParallel] = []
+    for mode in dp_modes:
+        if mode not in DP_MODES:
+            raise ValueError(f"dp mode {mode!r}; use one of {DP_MODES}")
+        out.extend([(mode, True), (mode, False)] if mode == "fully_shard" else [(mode, True)])
+    return out
+
+
 def enumerate_candidates(
     structure: ModelStructure, mesh_shape: tuple[int, ...], batch: int, dp_modes: tuple[str, ...] = ("replicate",)
 ) -> list[Candidate]:
     """Every candidate for this mesh: per dim dp or tp (dp only where the batch splits evenly),
     that keeps each rank's matmul work within COMPUTE_SLACK of an even share."""
+    choices = _dp_choices(dp_modes)
     out: list[Candidate] = []
     # the last dim first: ties then go to (dp, tp), the usual order (tp on the innermost, fastest links)
     tp_choices = list(reversed(range(len(mesh_shape)))) if structure.transformer or structure.pairs else []
@@ -110,9 +131,9 @@ def enumerate_candidates(
                 dp_ranks *= mesh_shape[d]
         if batch % dp_ranks:
             continue
-        modes = dp_modes if "dp" in dims else ("replicate",)
+        modes = choices if "dp" in dims else [("replicate", True)]
         if tp is None:
-            out.extend(Candidate(dims, dp_mode=mode) for mode in modes)
+            out.extend(Candidate(dims, dp_mode=mode, reshard_after_forward=raf) for mode, raf in modes)
             continue
         if not structure.transformer:
             pairs = _pair_candidates(structure, dims, modes)
@@ -120,8 +141,8 @@ def enumerate_candidates(
             continue
         for sp, vocab, emb in itertools.product((True, False), repeat=3):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
-                for mode in modes:
-                    c = Candidate(dims, sp, vocab, groups, mode, emb)
+                for mode, raf in modes:
+                    c = Candidate(dims, sp, vocab, groups, mode, emb, reshard_after_forward=raf)
                     if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK:
                         out.append(c)
     return out
@@ -130,30 +151,21 @@ def enumerate_candidates(
 MAX_PAIRS_SEARCHED = 3  # every on/off combination of this many pairs; beyond, all of them on only
 
 
-def _pair_candidates(structure: ModelStructure, dims: tuple[str, ...], modes: tuple[str, ...]) -> list[Candidate]:
-    """Linear pairs split or not. Beside a dp dim only with the last pair split when it ends in the model's
-    last Linear: its output then stays a DTensor (the global batch, a global loss), where a plain Linear's
-    output would be this dp rank's batch shard, and a loss over it not the global one."""
+def _pair_candidates(structure: ModelStructure, dims: tuple[str, ...], modes: list[DataParallel]) -> list[Candidate]:
+    """Linear pairs split or not (at least one split). Their outputs are plain tensors of this rank's
+    batch slice (RowwiseParallel's default), as the unsplit model's: a loss over them is the rank's own."""
     n = len(structure.pairs)
     choices = itertools.product((True, False), repeat=n) if n <= MAX_PAIRS_SEARCHED else [(True,) * n]
-    ends_in_head = bool(structure.pairs) and structure.pairs[-1][1] == structure.head
     return [
-        Candidate(dims, dp_mode=mode, pairs_tp=flags)
+        Candidate(dims, dp_mode=mode, pairs_tp=flags, reshard_after_forward=raf)
         for flags in choices
-        if any(flags) and ("dp" not in dims or (ends_in_head and flags[-1]))
-        for mode in modes
+        if any(flags)
+        for mode, raf in modes
     ]
 
 
-def _pair_entries(structure: ModelStructure, col: str, row: str) -> list[PlanEntry]:
-    entries = [PlanEntry(col, "ColwiseParallel()", ColwiseParallel)]
-    if row == structure.head:  # the model's output: a DTensor, as the transformer plans' head gives it
-        entries.append(
-            PlanEntry(row, "RowwiseParallel(use_local_output=False)", lambda: RowwiseParallel(use_local_output=False))
-        )
-    else:
-        entries.append(PlanEntry(row, "RowwiseParallel()", RowwiseParallel))
-    return entries
+def _pair_entries(col: str, row: str) -> list[PlanEntry]:
+    return [PlanEntry(col, "ColwiseParallel()", ColwiseParallel), PlanEntry(row, "RowwiseParallel()", RowwiseParallel)]
 
 
 @dataclass(frozen=True)
@@ -189,9 +201,7 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     if c.tp_dim is None:
         return []
     if c.pairs_tp:  # a feature-sharded activation between each pair; replicated (plain) everywhere else
-        return [
-            entry for pair, on in zip(structure.pairs, c.pairs_tp) if on for entry in _pair_entries(structure, *pair)
-        ]
+        return [entry for pair, on in zip(structure.pairs, c.pairs_tp) if on for entry in _pair_entries(*pair)]
     seq = Shard(1) if c.sequence_parallel else Replicate()
     s = _place(seq)
     entries: list[PlanEntry] = []

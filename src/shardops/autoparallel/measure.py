@@ -1,5 +1,7 @@
 """Pricing a candidate: one forward + loss + backward + gradient resolution on the threads
 world, counted with CommDebugMode on every rank, the values checked against single-device torch.
+Each rank runs the model on its own batch slice (torch's data parallelism): the mean of the ranks'
+losses and every gradient (averaged by replicate/fully_shard) equal the single-device step's.
 
 Pricing by running the step (rather than by a separate formula) makes the prediction the
 very figure the applied plan produces on the same global batch: shardops' planner chooses
@@ -21,6 +23,7 @@ import torch.nn as nn
 from ..comm.base import CommDebugMode
 from ..comm.dry import DryCommunicator
 from ..dispatch.core import FallbackWarning
+from ..fsdp._state import unit_of
 from ..mesh import init_device_mesh
 from ..placements import Replicate
 from ..tensor import DTensor, from_local
@@ -47,7 +50,7 @@ class Measurement:
     rounds_per_part: dict[str, int] = field(default_factory=dict)
     total_bytes: int = 0  # busiest rank over the whole step
     total_rounds: int = 0
-    memory_per_rank: int = 0  # parameters + gradients + AdamW's two states, largest rank
+    memory_per_rank: int = 0  # parameters, gradients, AdamW's two states, fully_shard's gathered units: largest rank
     parameter_bytes: int = 0  # the largest rank's local parameters: every one the model holds, once
     error: str | None = None  # why the candidate cannot be used (raised, fell back, or wrong values)
 
@@ -88,13 +91,14 @@ def _replicated_like(out, example: tuple) -> tuple:
     )
 
 
-def _rank_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference):
+def _rank_step(model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, ref: Reference):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     m = copy.deepcopy(model)
     apply_fn(m, mesh)
+    local = feed_fn(mesh, example)  # this rank's batch slice
     with CommDebugMode() as fwd:
-        out = m(*example)
-        loss = loss_fn(out, *_replicated_like(out, example))
+        out = m(*local)
+        loss = loss_fn(out, *_replicated_like(out, local))
     with CommDebugMode() as bwd:
         loss.backward()
     with CommDebugMode() as sync, torch.no_grad():
@@ -103,8 +107,35 @@ def _rank_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: R
                 p.grad.to_local()  # the first read resolves a pending gradient to its parameter's layout
     counts = {part: (c.get_total_bytes(), c.get_rounds()) for part, c in zip(PARTS, (fwd, bwd, sync))}
     with torch.no_grad():
-        error = _compare(m, _full(loss.detach()), ref)
-    return counts, local_parameter_bytes(m), error
+        error = _compare_grads(m, ref)
+    return StepResult(counts, local_parameter_bytes(m), gathered_peak_bytes(m), error, _full(loss.detach()))
+
+
+@dataclass
+class StepResult:
+    """One rank's step: bytes and rounds per part, its parameters' bytes, fully_shard's gathered peak."""
+
+    counts: dict[str, tuple[int, int]]
+    parameter_bytes: int
+    gathered_bytes: int
+    error: str | None
+    loss: torch.Tensor
+
+
+def gathered_peak_bytes(model: nn.Module) -> int:
+    """Bytes of unsharded parameters fully_shard holds at once, at the peak: the root unit (its forward
+    encloses every other's) and every unit kept gathered after its forward, plus the largest unit that
+    reshards (gathered alone for its forward and again for its backward). 0 without fully_shard."""
+    units = [u for u in dict.fromkeys(unit_of(sub) for sub in model.modules()) if u is not None]
+    if not units:
+        return 0
+
+    def size(unit) -> int:
+        return sum(math.prod(p.unsharded_shape) * p.dtype.itemsize for p in unit.params)
+
+    root = unit_of(model)
+    held = sum(size(u) for u in units if u is root or not u.reshard_after_forward)
+    return held + max((size(u) for u in units if u is not root and u.reshard_after_forward), default=0)
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
@@ -116,7 +147,17 @@ def local_parameter_bytes(model: nn.Module) -> int:
     return total
 
 
-def _compare(m: nn.Module, loss: torch.Tensor, ref: Reference) -> str | None:
+def _compare_loss(results: list[StepResult], ref: Reference) -> str | None:
+    """The ranks' mean loss (each its batch slice's mean; tp ranks alike) against the single-device one."""
+    if ref.loss.is_meta:
+        return None
+    loss = torch.stack([r.loss for r in results]).mean()
+    if not torch.allclose(loss, ref.loss, rtol=1e-4, atol=1e-5):
+        return f"loss {loss.item():.6g} (the ranks' mean) differs from single-device {ref.loss.item():.6g}"
+    return None
+
+
+def _compare_grads(m: nn.Module, ref: Reference) -> str | None:
     if ref.loss.is_meta:  # the dry world has no values: every gradient present, of its parameter's shape
         for name, p in m.named_parameters():
             want = ref.grads.get(name)
@@ -125,8 +166,6 @@ def _compare(m: nn.Module, loss: torch.Tensor, ref: Reference) -> str | None:
             if want is not None and p.grad is not None and tuple(p.grad.shape) != tuple(want.shape):
                 return f"gradient of {name} has shape {tuple(p.grad.shape)}, not {tuple(want.shape)}"
         return None
-    if not torch.allclose(loss, ref.loss, rtol=1e-4, atol=1e-5):
-        return f"loss {loss.item():.6g} differs from single-device {ref.loss.item():.6g}"
     for name, p in m.named_parameters():
         want = ref.grads.get(name)
         got = None if p.grad is None else _full(p.grad)
@@ -137,17 +176,17 @@ def _compare(m: nn.Module, loss: torch.Tensor, ref: Reference) -> str | None:
     return None
 
 
-def measure(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference) -> Measurement:
-    """Run the candidate's step on a threads world of the mesh's size; errors make it infeasible."""
+def measure(model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, ref: Reference) -> Measurement:
+    """Run the candidate's step on a threads world of the mesh's size; errors make it infeasible.
+    `feed_fn(mesh, example)` gives a rank its batch slice."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FallbackWarning)  # a plan that only works by gathering is not a plan
-            results = run(
-                _rank_step, math.prod(mesh_shape), model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref
-            )
+            args = (model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, ref)
+            results = run(_rank_step, math.prod(mesh_shape), *args)
     except Exception as exc:  # noqa: BLE001  (any failure of a candidate rules it out, with its reason)
         return Measurement(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    return _busiest(results)
+    return _busiest(results, _compare_loss(results, ref))
 
 
 def on_meta(model: nn.Module, example: tuple) -> tuple[nn.Module, tuple]:
@@ -164,7 +203,7 @@ def on_meta(model: nn.Module, example: tuple) -> tuple[nn.Module, tuple]:
     return meta_model, meta_example
 
 
-def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: Reference) -> Measurement:
+def measure_dry(model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, ref: Reference) -> Measurement:
     """The same step as `measure`, as one rank at a time of a dry world (comm/dry.py): META model
     and example, collectives counted and moving nothing; no world of the mesh's size.
 
@@ -179,9 +218,8 @@ def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: 
             warnings.simplefilter("error", FallbackWarning)
             for rank in dict.fromkeys((0, world - 1)):
                 comm = DryCommunicator(rank, world)
-                results.append(
-                    run_dry(_rank_step, comm, model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref)
-                )
+                args = (model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, ref)
+                results.append(run_dry(_rank_step, comm, *args))
                 if comm.symmetric:
                     break
     except Exception as exc:  # noqa: BLE001
@@ -189,16 +227,17 @@ def measure_dry(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, ref: 
     return _busiest(results)
 
 
-def _busiest(results: list) -> Measurement:
-    errors = [e for _, _, e in results if e]
+def _busiest(results: list[StepResult], loss_error: str | None = None) -> Measurement:
+    errors = [r.error for r in results if r.error] + ([loss_error] if loss_error else [])
     out = Measurement(error=errors[0] if errors else None)
     for part in PARTS:
-        out.bytes_per_part[part] = max(counts[part][0] for counts, _, _ in results)
-        out.rounds_per_part[part] = max(counts[part][1] for counts, _, _ in results)
-    out.total_bytes = max(sum(counts[p][0] for p in PARTS) for counts, _, _ in results)
-    out.total_rounds = max(sum(counts[p][1] for p in PARTS) for counts, _, _ in results)
-    out.parameter_bytes = max(params for _, params, _ in results)
-    out.memory_per_rank = 4 * out.parameter_bytes  # parameters, gradients and AdamW's two states alike
+        out.bytes_per_part[part] = max(r.counts[part][0] for r in results)
+        out.rounds_per_part[part] = max(r.counts[part][1] for r in results)
+    out.total_bytes = max(sum(r.counts[p][0] for p in PARTS) for r in results)
+    out.total_rounds = max(sum(r.counts[p][1] for p in PARTS) for r in results)
+    out.parameter_bytes = max(r.parameter_bytes for r in results)
+    # parameters, gradients and AdamW's two states alike (each 1/dp under fully_shard), and its gathered units
+    out.memory_per_rank = max(4 * r.parameter_bytes + r.gathered_bytes for r in results)
     return out
 
 

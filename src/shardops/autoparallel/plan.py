@@ -9,12 +9,14 @@ import torch
 import torch.nn as nn
 
 from ..errors import ShardingError
+from ..fsdp import fully_shard, replicate
 from ..mesh import DeviceMesh, init_device_mesh
-from ..parallel import data_parallel, parallelize_module
+from ..parallel import parallelize_module
+from ..world import current_comm
 from .candidates import Candidate, PlanEntry
 from .measure import PARTS, Measurement
 
-__all__ = ["Plan", "apply_candidate", "mesh_names_for"]
+__all__ = ["Plan", "apply_candidate", "local_inputs", "mesh_names_for", "working_mesh"]
 
 
 def mesh_names_for(c: Candidate) -> tuple[str, ...]:
@@ -25,43 +27,94 @@ def mesh_names_for(c: Candidate) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _global_batch_slicer(mesh: DeviceMesh, dp_dims: tuple[int, ...]):
-    """The model takes the global batch (the same on every rank); each dp rank keeps its batch shard."""
-    coord = mesh.own_coordinate()
-    n = math.prod(mesh.shape[d] for d in dp_dims)
-    index = 0
-    for d in dp_dims:
-        index = index * mesh.shape[d] + coord[d]
+def _dp_names(c: Candidate) -> tuple[str, ...]:
+    names = mesh_names_for(c)
+    return tuple(names[d] for d in c.dp_dims)
 
-    def shard(x):
-        if isinstance(x, torch.Tensor) and x.ndim > 0 and type(x) is torch.Tensor:
+
+def working_mesh(mesh: DeviceMesh, c: Candidate) -> DeviceMesh:
+    """The mesh the plan is applied on: `mesh` itself with at most one dp dim; with several, the same
+    ranks with the dp dims flattened into one dim "dp" (then "tp" if any), as torch users flatten
+    them for fully_shard (a 1-D data mesh) and replicate (one group)."""
+    if len(c.dp_dims) <= 1:
+        return mesh
+    order = [*c.dp_dims, *([c.tp_dim] if c.tp_dim is not None else [])]
+    dp = math.prod(mesh.shape[d] for d in c.dp_dims)
+    shape = (dp,) if c.tp_dim is None else (dp, mesh.shape[c.tp_dim])
+    ranks = mesh.mesh.permute(*order).reshape(shape)
+    flat = DeviceMesh(mesh.device_type, ranks, ("dp",) if c.tp_dim is None else ("dp", "tp"))
+    return flat
+
+
+def _sub_mesh(mesh: DeviceMesh, dim: int) -> DeviceMesh:
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ShardingError(f"autoparallel plan: {mesh} has no mesh_dim_names; name its dims (see mesh_names_for)")
+    return mesh[names[dim]]
+
+
+def _working_dims(c: Candidate) -> tuple[int | None, int | None]:
+    """(dp dim, tp dim) of the working mesh."""
+    if len(c.dp_dims) > 1:
+        return 0, (1 if c.tp_dim is not None else None)
+    return (c.dp_dims[0] if c.dp_dims else None), c.tp_dim
+
+
+def fully_shard_units(model: nn.Module, blocks: str | None) -> list[nn.Module]:
+    """torchtitan's apply_fsdp units: each repeated block, then the root."""
+    stack = model.get_submodule(blocks) if blocks else None
+    return [*(stack.children() if stack is not None else ()), model]
+
+
+def apply_candidate(
+    model: nn.Module, mesh: DeviceMesh, c: Candidate, entries: list[PlanEntry], blocks: str | None = None
+) -> nn.Module:
+    """Tensor parallelism on the tp sub-mesh, then torch's data parallelism (fully_shard per block and
+    the root, or replicate) on the dp sub-mesh. The model then takes each rank's batch slice (local_batch)."""
+    if mesh.ndim != len(c.dims):
+        raise ShardingError(f"autoparallel plan: made for a {len(c.dims)}-d mesh, got {mesh}")
+    if mesh.ndim > 1 and mesh.mesh_dim_names is None:
+        raise ShardingError(f"autoparallel plan: {mesh} has no mesh_dim_names; name its dims (see mesh_names_for)")
+    work = working_mesh(mesh, c)
+    dp_dim, tp_dim = _working_dims(c)
+    if tp_dim is not None:
+        parallelize_module(model, _sub_mesh(work, tp_dim), {e.key: e.make() for e in entries})
+    if dp_dim is None:
+        return model
+    dp_mesh = _sub_mesh(work, dp_dim)
+    if c.dp_mode == "replicate":
+        replicate(model, device_mesh=dp_mesh)
+    else:
+        for unit in fully_shard_units(model, blocks):
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=c.reshard_after_forward)
+    return model
+
+
+def dp_coordinate(mesh_shape: tuple[int, ...], coordinate: list[int], c: Candidate) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number): row-major over the dp dims,
+    the order of the flattened dp dim."""
+    index, n = 0, 1
+    for d in c.dp_dims:
+        index = index * mesh_shape[d] + coordinate[d]
+        n *= mesh_shape[d]
+    return index, n
+
+
+def local_inputs(inputs: tuple, index: int, n: int) -> tuple:
+    """Each tensor input's batch slice `index` of `n` (dim 0, torch.chunk's cut); other inputs as given."""
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.ndim > 0 and n > 1:
             if x.shape[0] % n:
                 raise ShardingError(
                     f"autoparallel plan: the global batch of {x.shape[0]} does not split evenly over the {n} "
                     "data-parallel ranks"
                 )
-            return x.chunk(n)[index]
-        return x
-
-    def hook(module, args, kwargs):
-        return tuple(shard(a) for a in args), {k: shard(v) for k, v in kwargs.items()}
-
-    return hook
-
-
-def apply_candidate(model: nn.Module, mesh: DeviceMesh, c: Candidate, entries: list[PlanEntry]) -> nn.Module:
-    if mesh.ndim != len(c.dims):
-        raise ShardingError(f"autoparallel plan: made for a {len(c.dims)}-d mesh, got {mesh}")
-    if c.tp_dim is not None:
-        names = mesh.mesh_dim_names
-        if mesh.ndim > 1 and names is None:
-            raise ShardingError(f"autoparallel plan: {mesh} has no mesh_dim_names; name its dims (see mesh_names_for)")
-        tp_mesh = mesh if mesh.ndim == 1 or names is None else mesh[names[c.tp_dim]]
-        parallelize_module(model, tp_mesh, {e.key: e.make() for e in entries})
-    if c.dp_dims:
-        model.register_forward_pre_hook(_global_batch_slicer(mesh, c.dp_dims), with_kwargs=True, prepend=True)
-        data_parallel(model, mesh, mode=c.dp_mode)
-    return model
+            x = x.chunk(n)[index]
+        out.append(x)
+    return tuple(out)
 
 
 @dataclass
@@ -82,6 +135,8 @@ class Plan:
     compute_share: float = 1.0
     pricing: str = "measured: one step on the threads world, counted with so.CommDebugMode"
     timings: dict = field(default_factory=dict)  # plan_s (the search), warmup_s (torch's one-time meta warm-up)
+    blocks: str | None = None  # the container of repeated blocks: one fully_shard unit each
+    blocks_text: str = "model.layers"  # the same, as the code iterates it (model.layers, model.h.values())
 
     # -- the contract
     @property
@@ -114,7 +169,23 @@ class Plan:
             raise ShardingError(f"autoparallel plan: planned for mesh {self.mesh_shape}, got {tuple(mesh.shape)}")
         elif mesh.ndim > 1 and mesh.mesh_dim_names is None:
             raise ShardingError("autoparallel plan: a multi-dim mesh needs mesh_dim_names (or pass no mesh)")
-        return apply_candidate(model, mesh, self.candidate, self.chosen.entries)
+        return apply_candidate(model, mesh, self.candidate, self.chosen.entries, self.blocks)
+
+    def local_batch(self, *inputs: torch.Tensor, mesh: DeviceMesh | None = None):
+        """This rank's slice of the global batch (dim 0 of each tensor, over the data-parallel ranks):
+        what the applied model takes, as under torch's fully_shard/replicate. One input: the tensor; several:
+        a tuple. `mesh` defaults to the one `apply()` makes (row-major over the world)."""
+        if mesh is not None:
+            coordinate = mesh.own_coordinate()
+        else:
+            rank, flat = current_comm().rank, []
+            for size in reversed(self.mesh_shape):
+                flat.append(rank % size)
+                rank //= size
+            coordinate = flat[::-1]
+        index, n = dp_coordinate(self.mesh_shape, coordinate, self.candidate)
+        out = local_inputs(inputs, index, n)
+        return out[0] if len(out) == 1 else out
 
     # -- reading it
     def __str__(self) -> str:
@@ -122,23 +193,10 @@ class Plan:
         names = self.mesh_dim_names
         lines = [f"autoparallel plan for {self.model_name} on mesh {self.mesh_shape} {names}"]
         for d, kind in enumerate(c.dims):
-            what = (
-                f"data parallel (mode={c.dp_mode!r}, batch split)" if kind == "dp" else "tensor parallel (plan below)"
-            )
+            what = f"data parallel ({c.dp_mode}, batch split)" if kind == "dp" else "tensor parallel (plan below)"
             lines.append(f"  mesh dim {d} {names[d]!r} (size {self.mesh_shape[d]}): {what}")
         lines.append("")
-        lines.append(f'mesh = so.init_device_mesh("cpu", {self.mesh_shape}, mesh_dim_names={names})')
-        if c.tp_dim is not None:
-            target = "mesh" if len(names) == 1 else f"mesh[{names[c.tp_dim]!r}]"
-            lines.append(f"parallelize_module(model, {target}, {{")
-            for e in self.chosen.entries:
-                lines.append(f"    {e.key!r}: {e.text},")
-            lines.append("})")
-        if c.dp_dims:
-            lines.append(
-                f'data_parallel(model, mesh, mode="{c.dp_mode}")  # after slicing the global batch over '
-                + ", ".join(repr(names[d]) for d in c.dp_dims)
-            )
+        lines.extend(self._code())
         lines.append("")
         lines.append(f"predicted per step, busiest rank ({self.pricing}):")
         lines.append(f"  {'part':<16}{'bytes':>14}{'rounds':>8}")
@@ -157,6 +215,53 @@ class Plan:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _mesh_line(self) -> tuple[str, dict[str, str]]:
+        """The mesh as the code makes it, and each role's sub-mesh expression ("dp", "tp")."""
+        c, names, shape = self.candidate, self.mesh_dim_names, self.mesh_shape
+        if len(c.dp_dims) <= 1:
+            line = f'mesh = so.init_device_mesh("cpu", {shape}, mesh_dim_names={names})'
+            subs = {kind: "mesh" if len(shape) == 1 else f"mesh[{names[d]!r}]" for d, kind in enumerate(c.dims)}
+            return line, subs
+        dp = math.prod(shape[d] for d in c.dp_dims)
+        new_shape = (dp,) if c.tp_dim is None else (dp, shape[c.tp_dim])
+        new_names = ("dp",) if c.tp_dim is None else ("dp", "tp")
+        order = [*c.dp_dims, *([c.tp_dim] if c.tp_dim is not None else [])]
+        flattened = ", ".join(repr(names[d]) for d in c.dp_dims)
+        if order == sorted(order):  # the dp dims lead: row-major, a plain reshape of the mesh
+            line = f'mesh = so.init_device_mesh("cpu", {new_shape}, mesh_dim_names={new_names})'
+        else:
+            line = (
+                f'mesh = so.DeviceMesh("cpu", torch.arange({math.prod(shape)}).reshape({shape})'
+                f".permute{tuple(order)}.reshape({new_shape}), mesh_dim_names={new_names})"
+            )
+        line += f"  # mesh dims {flattened} as one dp dim"
+        subs = {"dp": "mesh" if c.tp_dim is None else "mesh['dp']", "tp": "mesh['tp']"}
+        return line, subs
+
+    def _code(self) -> list[str]:
+        """The code a person writes for this plan: the mesh, the tensor-parallel plan, the data parallelism."""
+        c = self.candidate
+        line, subs = self._mesh_line()
+        lines = [line]
+        if c.tp_dim is not None:
+            lines.append(f"parallelize_module(model, {subs['tp']}, {{")
+            lines.extend(f"    {e.key!r}: {e.text}," for e in self.chosen.entries)
+            lines.append("})")
+        if not c.dp_dims:
+            return lines
+        dp = subs["dp"]
+        if c.dp_mode == "replicate":
+            lines.append(f"replicate(model, device_mesh={dp})")
+        else:
+            args = f"mesh={dp}, reshard_after_forward={c.reshard_after_forward}"
+            if self.blocks:
+                lines.append(f"for block in {self.blocks_text}:")
+                lines.append(f"    fully_shard(block, {args})")
+            lines.append(f"fully_shard(model, {args})")
+        lines.append("# each rank feeds its own slice of the global batch: plan.local_batch(batch), i.e.")
+        lines.append(f"# batch.chunk({math.prod(self.mesh_shape[d] for d in c.dp_dims)})[this rank's index over {dp}]")
+        return lines
 
     def explain(self) -> str:
         """Per mesh dim and per module: the chosen style, the runner-up (the cheapest feasible plan
