@@ -228,11 +228,21 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _sliced_from(root: DeviceMesh, sub: DeviceMesh) -> bool:
+    """Whether `sub` is `root`'s sub-mesh over its named dims. Asked of the meshes themselves, not of
+    `sub.root_mesh`: a DTensor's mesh may be an equal mesh object made before (a cached decision's
+    output spec), which does not know the root it was sliced from."""
+    names = sub.mesh_dim_names
+    if not names or not set(names) <= set(root.mesh_dim_names or ()):
+        return False
+    return root[names if len(names) > 1 else names[0]] == sub
+
+
 def _composed_spec(data: DataMesh, tp: TensorSpec, shard_dim: int, meta: TensorMeta) -> TensorSpec:
     """The layout over the data mesh's dims and the tp mesh's dims together (2-D FSDP + TP)."""
     dp_mesh, tp_mesh = data.mesh, tp.mesh
     root = dp_mesh.root_mesh
-    if root is None or tp_mesh.root_mesh != root or not root.mesh_dim_names:
+    if root is None or not root.mesh_dim_names or not _sliced_from(root, tp_mesh):
         raise ShardingError(
             f"fully_shard: a parameter is a DTensor on {tp_mesh} but the data mesh is {dp_mesh}; slice both from one "
             "mesh by name (mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); parallelize_module(m, "
