@@ -6,6 +6,7 @@ the ranks' mean loss is the single-device loss and every gradient equals the sin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 
@@ -446,11 +447,11 @@ def test_parameters_a_module_reads_directly_are_in_the_memory_and_compute_figure
 class _EncoderModel(torch.nn.Module):
     """Tokens -> nn.TransformerEncoder (nn.MultiheadAttention inside) -> a vocabulary head."""
 
-    def __init__(self, dim: int = 16, vocab: int = 32):
+    def __init__(self, dim: int = 16, vocab: int = 32, ff: int = 32):
         super().__init__()
         torch.manual_seed(0)
         self.emb = torch.nn.Embedding(vocab, dim)
-        layer = torch.nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.0, batch_first=True)
+        layer = torch.nn.TransformerEncoderLayer(dim, 2, ff, dropout=0.0, batch_first=True)
         self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = torch.nn.Linear(dim, vocab)
 
@@ -475,6 +476,37 @@ def test_metadata_pricing_equals_the_threads_world_with_multihead_attention(make
     auto = _auto_step(plan, make, tokens)
     _check_values(auto, ref_loss, ref_grads)
     assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
+
+
+# (2,) first: planning (2,) then (2, 2) in one process once broke fully_shard + TP (a cached mesh without its root)
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_a_transformer_encoder_gets_tensor_parallel_candidates_from_its_layers_linears(mesh_shape):
+    """nn.TransformerEncoderLayer's linear1 -> (activation, dropout) -> linear2, called in that order by its
+    forward, is a column/row-parallel pair of every layer (`encoder.layers.*.linear1`). Its self_attn (an
+    nn.MultiheadAttention reading its packed in_proj_weight and out_proj.weight directly) stays whole and
+    plain on every rank. Every candidate prices the same from metadata; the chosen plan and the cheapest
+    fully_shard one train exactly in strict mode and send their prediction."""
+    make = lambda: _EncoderModel(ff=128)  # noqa: E731  (a 4x-wider MLP than attention: splitting it alone pays)
+    tokens = _tokens(4, 8, 32)
+    roomy = 10**9
+    plan = so.autoparallel(make(), mesh_shape, (tokens,), memory_per_rank=roomy)
+    assert all(s.measurement.feasible for s in plan.considered)
+    tp = [s for s in plan.considered if s.candidate.tp_dim is not None]
+    assert tp and all(
+        {e.key: e.text for e in s.entries}
+        == {"encoder.layers.*.linear1": "ColwiseParallel()", "encoder.layers.*.linear2": "RowwiseParallel()"}
+        for s in tp
+    )
+    dp = next(s for s in plan.considered if s.candidate.tp_dim is None and s.candidate.dp_mode == "replicate")
+    assert plan.candidate.tp_dim is not None and plan.predicted_bytes < dp.measurement.total_bytes
+    _same_pricing_from_metadata(plan, make(), mesh_shape, (tokens,), memory_per_rank=roomy)
+    ref_loss, ref_grads = _reference(make(), tokens)
+    sharded = [s for s in tp if s.candidate.dp_mode == "fully_shard"]
+    for chosen in [plan.chosen, *sharded[:1]]:
+        one = dataclasses.replace(plan, chosen=chosen)
+        auto = _auto_step(one, make, tokens)
+        _check_values(auto, ref_loss, ref_grads)
+        assert max(sent for sent, _, _ in auto) == one.predicted_bytes
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)])

@@ -83,14 +83,16 @@ def _is_norm(module: nn.Module) -> bool:
     )
 
 
-def _call_arity(model: nn.Module, example_inputs: tuple) -> dict[str, tuple[int, str | None]]:
-    """Per module name: positional inputs, and the first keyword when there are none; from one
-    forward of the example without gradients."""
+def _call_arity(model: nn.Module, example_inputs: tuple) -> tuple[dict[str, tuple[int, str | None]], list[str]]:
+    """Per module name: positional inputs, and the first keyword when there are none; and the order
+    in which modules are called. From one forward of the example without gradients."""
     arity: dict[str, tuple[int, str | None]] = {}
+    order: list[str] = []
 
     def record(name, args, kwargs):
         first_kw = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None) if not args else None
         arity.setdefault(name, (len(args), first_kw))
+        order.append(name)
 
     handles = []
     for name, sub in model.named_modules():
@@ -105,7 +107,7 @@ def _call_arity(model: nn.Module, example_inputs: tuple) -> dict[str, tuple[int,
     finally:
         for h in handles:
             h.remove()
-    return arity
+    return arity, order
 
 
 def _rowwise_of(linears: dict[str, nn.Linear]) -> str:
@@ -132,7 +134,7 @@ def _matmul_weights(module: nn.Module, skip: set[str]) -> int:
 
 
 def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
-    arity = _call_arity(model, example_inputs)
+    arity, order = _call_arity(model, example_inputs)
     structure = ModelStructure(blocks=None)
     for name, child in model.named_modules():
         if structure.blocks is not None and (name == structure.blocks or name.startswith(structure.blocks + ".")):
@@ -143,6 +145,8 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
                 structure.blocks, structure.n_blocks = name, len(kids)
                 first_name = next(iter(dict(child.named_children())))
                 _read_block(structure, kids[0], f"{name}.{first_name}", arity)
+                if not structure.groups:  # Linears of the block itself (nn.TransformerEncoderLayer's linear1, linear2)
+                    _read_block_pairs(structure, kids[0], f"{name}.{first_name}", order)
         elif isinstance(child, nn.Embedding):
             structure.embeddings.append(name)
         elif isinstance(child, nn.Linear):
@@ -175,6 +179,29 @@ def _read_pairs(structure: ModelStructure, seq: nn.Sequential, prefix: str) -> N
                 pending = None
             else:
                 pending = (name, child)
+        elif not isinstance(child, ELEMENTWISE):
+            pending = None
+
+
+def _read_block_pairs(structure: ModelStructure, block: nn.Module, path: str, order: list[str]) -> None:
+    """Column/row-parallel pairs among a block's own Linear children, from the order the forward called
+    them: a Linear, then (past parameter-free children only: dropout, an activation module) a Linear taking
+    its output features. Plan keys take the blocks' wildcard (`encoder.layers.*.linear1`)."""
+    children = dict(block.named_children())
+    called = [n[len(path) + 1 :] for n in order if n.startswith(path + ".") and "." not in n[len(path) + 1 :]]
+    stack = structure.blocks
+    pending: str | None = None
+    for name in called:
+        child = children[name]
+        if isinstance(child, nn.Linear):
+            prev = children[pending] if pending is not None else None
+            if isinstance(prev, nn.Linear) and prev.out_features == child.in_features:
+                structure.pairs.append((f"{stack}.*.{pending}", f"{stack}.*.{name}"))
+                weights = prev.in_features * prev.out_features + child.in_features * child.out_features
+                structure.pair_weights.append(structure.n_blocks * weights)
+                pending = None
+            else:
+                pending = name
         elif not isinstance(child, ELEMENTWISE):
             pending = None
 
