@@ -538,3 +538,54 @@ def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_sha
     assert "'6': RowwiseParallel()" in str(plan)  # the output: plain, this rank's batch slice
     _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
     _trains_exactly(plan, net, x, loss_fn)
+
+
+class _CountedBlock(torch.nn.Module):
+    """A residual MLP block that counts its forwards (every copy shares the class counter)."""
+
+    calls = 0
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
+
+    def forward(self, x):
+        type(self).calls += 1
+        return x + self.mlp(x)
+
+
+class _Trunk(torch.nn.Module):
+    """Blocks in an nn.Sequential under a name no rule knows ("trunk"), then a head."""
+
+    def __init__(self, depth: int, dim: int = 16, hidden: int = 64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Sequential(*[_CountedBlock(dim, hidden) for _ in range(depth)])
+        self.out = torch.nn.Linear(dim, 4)
+
+    def forward(self, x):
+        return self.out(self.trunk(x))
+
+
+def test_repeated_blocks_are_found_by_structure_and_planning_work_does_not_grow_with_depth():
+    """The stack is recognised by class and parameter shapes (an nn.Sequential named "trunk"), not by a
+    name; a ModuleList of blocks with other shapes is no stack. Planning runs the same number of block
+    forwards at 4 and at 16 blocks (structure and pricing see 1- and 2-block copies only), and the plan
+    for 16 blocks trains exactly."""
+    from shardops.autoparallel.structure import find_blocks
+
+    assert find_blocks(_Trunk(3)) == ("trunk", 3)
+    mixed = _Trunk(2)
+    mixed.trunk = torch.nn.Sequential(_CountedBlock(16, 64), _CountedBlock(16, 32))
+    assert find_blocks(mixed) == (None, 0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    loss_fn = _regression_loss(4)
+    calls = {}
+    for depth in (4, 16):
+        _CountedBlock.calls = 0
+        plan = so.autoparallel(_Trunk(depth), (2,), (x,), loss_fn=loss_fn, pricing="metadata")
+        calls[depth] = _CountedBlock.calls
+        assert plan.blocks == "trunk" and plan.candidate.tp_dim is not None
+        assert plan.parallelize_plan.keys() == {"trunk.*.mlp.0", "trunk.*.mlp.2"}
+    assert calls[4] == calls[16] > 0
+    _trains_exactly(plan, _Trunk(16), x, loss_fn)

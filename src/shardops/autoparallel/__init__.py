@@ -16,7 +16,6 @@ device). The fewest bytes on the busiest rank win, then the fewest rounds, then 
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from ..tensor import DTensor, from_local
 from .candidates import compute_share, enumerate_candidates, plan_entries
 from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
 from .plan import Plan, Scored, apply_candidate, dp_coordinate, local_inputs, mesh_names_for
-from .structure import find_structure
+from .structure import find_structure, truncated
 
 __all__ = ["Plan", "autoparallel", "language_model_loss"]
 
@@ -47,19 +46,6 @@ def language_model_loss(output: torch.Tensor, tokens: torch.Tensor, *rest) -> to
     if isinstance(logits, DTensor) and not isinstance(tokens, DTensor):  # the global batch, the same on every rank
         tokens = from_local(tokens, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-
-
-def _truncated(model: nn.Module, blocks: str, k: int) -> nn.Module:
-    """A copy of `model` with its first `k` repeated blocks only (the forward loops over the container)."""
-    copy_ = copy.deepcopy(model)
-    parent_path, _, attr = blocks.rpartition(".")
-    parent = copy_.get_submodule(parent_path)
-    container = getattr(parent, attr)
-    if isinstance(container, nn.ModuleDict):
-        setattr(parent, attr, nn.ModuleDict(dict(list(container.items())[:k])))
-    else:
-        setattr(parent, attr, nn.ModuleList(list(container)[:k]))
-    return copy_
 
 
 def _blocks_text(model: nn.Module, blocks: str | None) -> str:
@@ -119,7 +105,7 @@ def autoparallel(
     structure = find_structure(model, example)
     # repeated blocks cost the same each: price a 1-block and a 2-block copy and extrapolate
     depths = (1, 2) if structure.blocks and structure.n_blocks > 2 else (None,)
-    models = [model if k is None or not structure.blocks else _truncated(model, structure.blocks, k) for k in depths]
+    models = [model if k is None or not structure.blocks else truncated(model, structure.blocks, k) for k in depths]
     refs = [reference_step(m, example, loss_fn) for m in models]
     batch = example[0].shape[0]
     scored: list[Scored] = []

@@ -8,12 +8,14 @@ full paths (`model.layers.*.self_attn.q_proj`)."""
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-__all__ = ["LinearGroup", "ModelStructure", "find_structure"]
+__all__ = ["LinearGroup", "ModelStructure", "find_blocks", "find_structure", "truncated"]
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
 # parameter-free modules that act on each element alone: a feature-sharded activation stays sharded through them
@@ -133,21 +135,66 @@ def _matmul_weights(module: nn.Module, skip: set[str]) -> int:
     return total
 
 
-def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
-    arity, order = _call_arity(model, example_inputs)
-    structure = ModelStructure(blocks=None)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _signature(module: nn.Module) -> tuple:
+    """What makes two blocks alike: their class and every parameter's name, shape and dtype."""
+    return type(module), tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+
+
+def find_blocks(model: nn.Module) -> tuple[str | None, int]:
+    """The stack of repeated blocks, recognised by structure, not by name: the first container
+    (ModuleList, ModuleDict, or a Sequential of two or more) whose children all have submodules and
+    one signature (class and parameter shapes). (path, number of blocks), or (None, 0)."""
     for name, child in model.named_modules():
-        if structure.blocks is not None and (name == structure.blocks or name.startswith(structure.blocks + ".")):
-            continue  # inside the blocks: read from the first block below
-        if structure.blocks is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > 0:
-            kids = list(child.children())
-            if len({type(k) for k in kids}) == 1:
-                structure.blocks, structure.n_blocks = name, len(kids)
-                first_name = next(iter(dict(child.named_children())))
-                _read_block(structure, kids[0], f"{name}.{first_name}", arity)
-                if not structure.groups:  # Linears of the block itself (nn.TransformerEncoderLayer's linear1, linear2)
-                    _read_block_pairs(structure, kids[0], f"{name}.{first_name}", order)
-        elif isinstance(child, nn.Embedding):
+        if not isinstance(child, CONTAINERS) or len(child) == 0:
+            continue
+        if isinstance(child, nn.Sequential) and len(child) < 2:
+            continue
+        kids = list(child.children())
+        if all(list(k.children()) for k in kids) and len({_signature(k) for k in kids}) == 1:
+            return name, len(kids)
+    return None, 0
+
+
+def truncated(model: nn.Module, blocks: str, k: int) -> nn.Module:
+    """A copy of `model` with its first `k` repeated blocks only (the forward loops over the container,
+    or calls it). Only those blocks are copied: the cost does not grow with the model's depth."""
+    parent_path, _, attr = blocks.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    container = getattr(parent, attr)
+    items = list(container.named_children())[:k]
+    short: nn.Module
+    if isinstance(container, nn.ModuleDict):
+        short = nn.ModuleDict(dict(items))
+    elif isinstance(container, nn.Sequential):
+        short = nn.Sequential(OrderedDict(items))
+    else:
+        short = nn.ModuleList([m for _, m in items])
+    parent._modules[attr] = short  # swapped in for the copy only
+    try:
+        return copy.deepcopy(model)
+    finally:
+        parent._modules[attr] = container
+
+
+def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
+    blocks, n_blocks = find_blocks(model)
+    # the call records come from a forward of at most two blocks: planning time independent of depth
+    probe = truncated(model, blocks, 2) if blocks is not None and n_blocks > 2 else model
+    arity, order = _call_arity(probe, example_inputs)
+    structure = ModelStructure(blocks=blocks, n_blocks=n_blocks)
+    if blocks is not None:
+        container = model.get_submodule(blocks)
+        first_name, first = next(iter(container.named_children()))
+        _read_block(structure, first, f"{blocks}.{first_name}", arity)
+        if not structure.groups:  # Linears of the block itself (nn.TransformerEncoderLayer's linear1, linear2)
+            _read_block_pairs(structure, first, f"{blocks}.{first_name}", order)
+    for name, child in model.named_modules():
+        if blocks is not None and (name == blocks or name.startswith(blocks + ".")):
+            continue  # inside the blocks: read from the first block above
+        if isinstance(child, nn.Embedding):
             structure.embeddings.append(name)
         elif isinstance(child, nn.Linear):
             structure.head, structure.head_weights = (
@@ -162,10 +209,16 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
         for name, child in model.named_modules():
             if isinstance(child, nn.Sequential):
                 _read_pairs(structure, child, f"{name}." if name else "")
+    elif not structure.transformer and not structure.pairs:  # blocks of Sequential MLPs: their pairs, per block
+        _, first = next(iter(model.get_submodule(structure.blocks).named_children()))
+        for name, child in first.named_modules():
+            if isinstance(child, nn.Sequential):
+                prefix = f"{structure.blocks}.*." + (f"{name}." if name else "")
+                _read_pairs(structure, child, prefix, structure.n_blocks)
     return structure
 
 
-def _read_pairs(structure: ModelStructure, seq: nn.Sequential, prefix: str) -> None:
+def _read_pairs(structure: ModelStructure, seq: nn.Sequential, prefix: str, copies: int = 1) -> None:
     """Column/row-parallel pairs of a Sequential, from its Linears' shapes: a Linear, then (past elementwise
     modules only) a Linear taking its output features; the features between them stay sharded."""
     pending: tuple[str, nn.Linear] | None = None  # a Linear whose output may feed the next one
@@ -174,7 +227,7 @@ def _read_pairs(structure: ModelStructure, seq: nn.Sequential, prefix: str) -> N
             if pending is not None and pending[1].out_features == child.in_features:
                 structure.pairs.append((prefix + pending[0], prefix + name))
                 structure.pair_weights.append(
-                    pending[1].in_features * pending[1].out_features + child.in_features * child.out_features
+                    copies * (pending[1].in_features * pending[1].out_features + child.in_features * child.out_features)
                 )
                 pending = None
             else:
