@@ -206,7 +206,9 @@ class Plan:
         lines.append(f"  {'total':<16}{m.total_bytes:>14,}{m.total_rounds:>8}")
         lines.append(f"  matmul work on the busiest rank: {self.compute_share:.2f}x an even share")
         lines.append(
-            f"  peak memory per rank (parameters + gradients + AdamW states, no activations): {m.memory_per_rank:,} B"
+            "  peak memory per rank (parameters + gradients + AdamW states"
+            + (" + gathered fully_shard units" if c.dp_dims and c.dp_mode == "fully_shard" else "")
+            + f", no activations): {m.memory_per_rank:,} B"
         )
         lines.append(f"  parameters per rank: {m.parameter_bytes:,} B")
         feasible = sum(1 for s in self.considered if s.measurement.feasible)
