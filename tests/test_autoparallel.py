@@ -478,7 +478,6 @@ def test_metadata_pricing_equals_the_threads_world_with_multihead_attention(make
     assert max(sent for sent, _, _ in auto) == plan.predicted_bytes
 
 
-# (2,) first: planning (2,) then (2, 2) in one process once broke fully_shard + TP (a cached mesh without its root)
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
 def test_a_transformer_encoder_gets_tensor_parallel_candidates_from_its_layers_linears(mesh_shape):
     """nn.TransformerEncoderLayer's linear1 -> (activation, dropout) -> linear2, called in that order by its
@@ -589,3 +588,13 @@ def test_repeated_blocks_are_found_by_structure_and_planning_work_does_not_grow_
         assert plan.parallelize_plan.keys() == {"trunk.*.mlp.0", "trunk.*.mlp.2"}
     assert calls[4] == calls[16] > 0
     _trains_exactly(plan, _Trunk(16), x, loss_fn)
+
+
+def test_fully_shard_with_tensor_parallelism_stays_feasible_after_planning_another_mesh():
+    """Planning (2,) first leaves decisions cached whose meshes equal (2, 2)'s tp sub-mesh but were made
+    on their own (no root mesh); fully_shard then still composes the tp layout with dp."""
+    tokens = _tokens(4, 8, 32)
+    so.autoparallel(_EncoderModel(ff=128), (2,), (tokens,), pricing="metadata")
+    plan = so.autoparallel(_EncoderModel(ff=128), (2, 2), (tokens,), pricing="metadata", memory_per_rank=10**9)
+    with_tp = [s for s in plan.considered if s.candidate.tp_dim is not None and s.candidate.dp_mode == "fully_shard"]
+    assert len(with_tp) == 2 and all(s.measurement.feasible for s in with_tp), [s.measurement.error for s in with_tp]
