@@ -360,6 +360,50 @@ def test_a_small_cnn_is_planned_and_trains_exactly():
     _trains_exactly(plan, net, x, loss_fn)
 
 
+class _ResidualBlock(torch.nn.Module):
+    """conv -> norm -> relu -> conv -> norm, added to the block's input (ResNet's basic block)."""
+
+    def __init__(self, channels: int, norm):
+        super().__init__()
+        self.conv1, self.norm1 = torch.nn.Conv2d(channels, channels, 3, padding=1), norm(channels)
+        self.conv2, self.norm2 = torch.nn.Conv2d(channels, channels, 3, padding=1), norm(channels)
+
+    def forward(self, x):
+        return torch.relu(x + self.norm2(self.conv2(torch.relu(self.norm1(self.conv1(x))))))
+
+
+class _SmallResNet(torch.nn.Module):
+    """A stem conv, max pooling, one residual block, then global average pooling and a Linear head."""
+
+    def __init__(self, norm=lambda c: torch.nn.GroupNorm(2, c)):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.block = _ResidualBlock(8, norm)
+        self.head = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.head(self.block(self.pool(torch.relu(self.stem(x)))))
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2), (8,)], ids=["4", "2x2", "8"])
+def test_a_resnet_style_cnn_is_planned_and_trains_exactly(mesh_shape):
+    """Convolutions, GroupNorm (per sample), max and adaptive average pooling and a residual add all run on
+    each rank's batch slice: data parallelism over every mesh dim, whose only traffic is the gradients'
+    all_reduce (DDP's bytes), and the step equals single-device torch's."""
+    net = _SmallResNet()
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    loss_fn = _regression_loss(4)
+    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn)
+    assert set(plan.candidate.dims) == {"dp"}
+    assert plan.predicted_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
+    assert plan.chosen.measurement.bytes_per_part["forward + loss"] == 0
+    if mesh_shape == (2, 2):
+        _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn)
+    _trains_exactly(plan, net, x, loss_fn)
+
+
 class _AttentionBlock(torch.nn.Module):
     """A block whose attention is nn.MultiheadAttention: it reads in_proj_weight directly and out_proj's
     weight without calling out_proj, so neither is a Linear group the search splits."""
