@@ -404,6 +404,61 @@ def test_a_resnet_style_cnn_is_planned_and_trains_exactly(mesh_shape):
     _trains_exactly(plan, net, x, loss_fn)
 
 
+def _ddp_reference(net, x, loss_fn, ranks: int):
+    """torch's DDP step (no SyncBatchNorm) computed here: each rank a copy of the model on its own batch
+    slice (its own BatchNorm statistics and running buffers), its own loss, the ranks' gradients averaged."""
+    losses, grads, buffers = [], [], []
+    for local in x.chunk(ranks):
+        model = copy.deepcopy(net)
+        loss = loss_fn(model(local), local)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        buffers.append({n: b.clone() for n, b in model.named_buffers()})
+    mean_grads = {n: torch.stack([g[n] for g in grads]).mean(0) for n in grads[0]}
+    return losses, mean_grads, buffers
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["4", "2x2"])
+def test_a_batchnorm_cnn_follows_torch_data_parallel_semantics_and_says_so(mesh_shape):
+    """BatchNorm2d under the data-parallel plan: each rank normalizes by its own batch slice's statistics
+    and keeps its own running statistics, as torch's DDP/FSDP without SyncBatchNorm; the gradients are the
+    ranks' average. The plan prints that, and its measured bytes are its prediction."""
+    net = _SmallResNet(norm=torch.nn.BatchNorm2d)
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    loss_fn = _regression_loss(4)
+    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn)
+    assert set(plan.candidate.dims) == {"dp"}
+    assert "BatchNorm: each rank's batch statistics (torch DDP semantics); use nn.SyncBatchNorm" in str(plan)
+    ranks = math.prod(mesh_shape)
+    losses, grads, buffers = _ddp_reference(net, x, loss_fn, ranks)
+    whole = copy.deepcopy(net)
+    loss_fn(whole(x), x).backward()  # the global batch's statistics: not what data parallelism computes
+    assert not torch.allclose(whole.stem.weight.grad, grads["stem.weight"], rtol=1e-3, atol=1e-5)
+
+    def main():
+        model = plan.apply(copy.deepcopy(net))
+        local = plan.local_batch(x)
+        with strict():
+            sent, loss, got = count_step(model, local, lambda out: loss_fn(out, local))
+        index = next(i for i, piece in enumerate(x.chunk(ranks)) if torch.equal(piece, local))
+        return sent, loss, got, index, {n: _full_local(b) for n, b in model.named_buffers()}
+
+    results = so.run(main, ranks)
+    assert sorted(r[3] for r in results) == list(range(ranks))  # every slice on one rank
+    for sent, loss, got, index, bufs in results:
+        assert sent == plan.predicted_bytes
+        torch.testing.assert_close(loss, losses[index], rtol=1e-4, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+        for name, b in buffers[index].items():
+            torch.testing.assert_close(bufs[name], b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _full_local(t):
+    return t.to_local() if isinstance(t, so.DTensor) else t
+
+
 class _AttentionBlock(torch.nn.Module):
     """A block whose attention is nn.MultiheadAttention: it reads in_proj_weight directly and out_proj's
     weight without calling out_proj, so neither is a Linear group the search splits."""

@@ -31,7 +31,7 @@ from ..mesh import DeviceMesh
 from ..placements import Replicate
 from ..tensor import DTensor, from_local
 from .candidates import compute_share, enumerate_candidates, plan_entries
-from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
+from .measure import extrapolate, measure, measure_dry, on_meta, reference_step, uses_batch_statistics
 from .plan import Plan, Scored, apply_candidate, dp_coordinate, local_inputs, mesh_names_for
 from .structure import find_structure, truncated
 
@@ -107,6 +107,9 @@ def autoparallel(
     depths = (1, 2) if structure.blocks and structure.n_blocks > 2 else (None,)
     models = [model if k is None or not structure.blocks else truncated(model, structure.blocks, k) for k in depths]
     refs = [reference_step(m, example, loss_fn) for m in models]
+    # with BatchNorm, a data-parallel step equals torch's DDP step (each rank's batch statistics), not one device's
+    per_rank_statistics = uses_batch_statistics(model) and how == "run"
+    dp_refs: dict[int, list] = {1: refs}
     batch = example[0].shape[0]
     scored: list[Scored] = []
     # fully_shard never moves fewer bytes than replicate (all_gathers and a reduce_scatter per unit
@@ -118,7 +121,11 @@ def autoparallel(
         apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e, structure.blocks)  # noqa: E731
         feed_fn = lambda msh, ex, c=cand: local_inputs(ex, *dp_coordinate(shape, msh.own_coordinate(), c))  # noqa: E731
         pricer = measure if how == "run" else measure_dry
-        runs = [pricer(mod, shape, names, apply_fn, feed_fn, example, loss_fn, ref) for mod, ref in zip(models, refs)]
+        dp = math.prod(shape[d] for d in cand.dp_dims) if per_rank_statistics else 1
+        if dp not in dp_refs:
+            dp_refs[dp] = [reference_step(m, example, loss_fn, dp) for m in models]
+        pairs = zip(models, dp_refs[dp])
+        runs = [pricer(mod, shape, names, apply_fn, feed_fn, example, loss_fn, ref) for mod, ref in pairs]
         m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
@@ -142,9 +149,13 @@ def autoparallel(
         shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how]
     )
     plan.blocks, plan.blocks_text = structure.blocks, _blocks_text(model, structure.blocks)
+    if best.candidate.dp_dims and uses_batch_statistics(model):
+        plan.notes.append(BATCH_NORM_NOTE)
     plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
     return plan
 
+
+BATCH_NORM_NOTE = "BatchNorm: each rank's batch statistics (torch DDP semantics); use nn.SyncBatchNorm for global ones"
 
 PRICING_TEXT = {
     "run": "measured: one step on the threads world, counted with so.CommDebugMode",

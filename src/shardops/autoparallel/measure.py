@@ -1,7 +1,9 @@
 """Pricing a candidate: one forward + loss + backward + gradient resolution on the threads
 world, counted with CommDebugMode on every rank, the values checked against single-device torch.
 Each rank runs the model on its own batch slice (torch's data parallelism): the mean of the ranks'
-losses and every gradient (averaged by replicate/fully_shard) equal the single-device step's.
+losses and every gradient (averaged by replicate/fully_shard) equal the single-device step's; with
+BatchNorm in training mode, torch's data-parallel step's (each rank's batch statistics, computed on one
+device slice by slice).
 
 Pricing by running the step (rather than by a separate formula) makes the prediction the
 very figure the applied plan produces on the same global batch: shardops' planner chooses
@@ -39,6 +41,7 @@ __all__ = [
     "measure_dry",
     "on_meta",
     "reference_step",
+    "uses_batch_statistics",
 ]
 
 PARTS = ("forward + loss", "backward", "gradient sync")
@@ -65,11 +68,32 @@ class Reference:
     grads: dict[str, torch.Tensor | None]
 
 
-def reference_step(model: nn.Module, example: tuple, loss_fn: Callable) -> Reference:
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)  # SyncBatchNorm is none of them
+
+
+def uses_batch_statistics(model: nn.Module) -> bool:
+    """A BatchNorm in training mode normalizes by its batch's statistics: under data parallelism, each
+    rank's own batch slice's (torch's DDP/FSDP without SyncBatchNorm), not the global batch's."""
+    return any(isinstance(m, BATCH_NORMS) and m.training for m in model.modules())
+
+
+def reference_step(model: nn.Module, example: tuple, loss_fn: Callable, dp_ranks: int = 1) -> Reference:
+    """The single-device step on the global batch; with `dp_ranks` > 1, torch's data-parallel step as one
+    device computes it: the model on each rank's batch slice (its own BatchNorm statistics), the slices'
+    mean loss, whose gradients are the data-parallel ranks' averaged ones."""
     ref = copy.deepcopy(model)
-    loss = loss_fn(ref(*example), *example)
+    if dp_ranks == 1:
+        loss = loss_fn(ref(*example), *example)
+    else:
+        slices = [_batch_slice(example, i, dp_ranks) for i in range(dp_ranks)]
+        loss = torch.stack([loss_fn(ref(*local), *local) for local in slices]).mean()
     loss.backward()
     return Reference(loss.detach(), {n: None if p.grad is None else p.grad.detach() for n, p in ref.named_parameters()})
+
+
+def _batch_slice(example: tuple, index: int, n: int) -> tuple:
+    """Slice `index` of `n` of every tensor input's batch dim (torch.chunk's cut, as plan.local_batch)."""
+    return tuple(x.chunk(n)[index] if isinstance(x, torch.Tensor) and x.ndim > 0 else x for x in example)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

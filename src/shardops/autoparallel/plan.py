@@ -137,6 +137,7 @@ class Plan:
     timings: dict = field(default_factory=dict)  # plan_s (the search), warmup_s (torch's one-time meta warm-up)
     blocks: str | None = None  # the container of repeated blocks: one fully_shard unit each
     blocks_text: str = "model.layers"  # the same, as the code iterates it (model.layers, model.h.values())
+    notes: list[str] = field(default_factory=list)  # printed under the code: what the plan's semantics are
 
     # -- the contract
     @property
@@ -197,6 +198,7 @@ class Plan:
             lines.append(f"  mesh dim {d} {names[d]!r} (size {self.mesh_shape[d]}): {what}")
         lines.append("")
         lines.extend(self._code())
+        lines.extend(f"# {note}" for note in self.notes)
         lines.append("")
         lines.append(f"predicted per step, busiest rank ({self.pricing}):")
         lines.append(f"  {'part':<16}{'bytes':>14}{'rounds':>8}")
