@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 import shardops as so  # noqa: E402
 from shardops import Shard  # noqa: E402
 from shardops.fsdp import fully_shard, replicate  # noqa: E402
-from shardops.parallel import ExpertParallel, data_parallel, from_transformers, parallelize_module  # noqa: E402
+from shardops.parallel import ExpertParallel, from_transformers, parallelize_module  # noqa: E402
 from test_transformers import BATCH, TINY, _full, compare, next_token_loss, train  # noqa: E402
 
 MOE_LAYERS = 2
@@ -119,17 +119,27 @@ def test_expert_parallel_errors_name_what_to_do():
         so.run(two_d, 4)
 
 
-def test_data_parallel_refuses_experts_on_the_tp_mesh_only():
-    """(dp, tp): experts over mesh["tp"] only would need their gradients summed over dp; data_parallel says so."""
+def _ep_on_tp_rank(state):
+    model = build("mixtral")
+    model.load_state_dict(state)
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    from_transformers(model, mesh["tp"], expert_parallel=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ids = BATCH.chunk(2)[mesh.get_local_rank("dp")]
+    return train(model, ids, _full)
 
-    def rank():
-        model = build("mixtral")
-        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        from_transformers(model, mesh["tp"], expert_parallel=True)
-        data_parallel(model, mesh)
 
-    with pytest.raises(so.ShardingError, match="expert-parallel"):
-        so.run(rank, 4)
+def test_experts_over_tp_with_fully_shard_over_dp(strict):
+    """(dp, tp): experts expert-parallel over mesh["tp"] only (transformers' plan on the tp ranks), the
+    model under fully_shard on mesh["dp"]: the experts, Shard(0) over tp, are sharded over dp too and their
+    gradients reduce-scattered there like any tensor-parallel parameter's. Equal to one device."""
+    torch.manual_seed(0)
+    model = build("mixtral")
+    state = copy.deepcopy(model.state_dict())
+    reference_run = train(model, BATCH)
+    compare(reference_run, so.run(_ep_on_tp_rank, 4, state, timeout=600), (2, 2), True)
 
 
 # ------------------------------------------------------------------ with torch-style data parallelism (shardops.fsdp)
