@@ -52,7 +52,8 @@ def shardops_model(
         if dp_mode == "replicate":
             replicate(model, device_mesh=mesh["dp"])
         else:
-            for layer in model.layers.values() if kind == "llama" else model.h:
+            blocks = model.get_submodule("layers" if kind == "llama" else "h")
+            for layer in blocks.children():
                 fully_shard(layer, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
     return model, mesh, (mesh.own_coordinate()[0] if len(mesh_shape) == 2 else 0)

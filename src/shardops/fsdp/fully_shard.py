@@ -153,8 +153,8 @@ def fully_shard(
     presharded = [p for p in _own_params(modules, ignored) if sharded_over(p, data.mesh)]  # experts over ep = dp
     params = _collect_params(modules, data, shard_placement_fn, mp_policy, ignored | set(map(id, presharded)))
     unit = FSDPUnit(modules, params, data, mp_policy, raf)
-    for p in presharded:
-        divide_gradient(p, lambda: unit.divide_factor if unit.divide_factor is not None else float(data.size))
+    for expert in presharded:
+        divide_gradient(expert, lambda: unit.divide_factor if unit.divide_factor is not None else float(data.size))
     for p in params:
         p.swap_in(unsharded=False)
     for m in modules:
