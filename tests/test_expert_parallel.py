@@ -635,3 +635,27 @@ def test_llama_moe_expert_parallel_with_fully_shard_and_replicate(shape, mode, s
 @pytest.mark.parametrize("shape", MESHES, ids=["ep4", "ep2xtp2"])
 def test_llama_moe_expert_parallel_with_fully_shard_gloo(shape):
     _check_fsdp_training(run_gloo(_fsdp_train, 4, shape, "shard", True, timeout=300), shape, "shard")
+
+
+def _recognised():
+    from shardops.fsdp._presharded import sharded_over
+
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    experts = GroupedExperts(ARGS)
+    parallelize_module(experts, mesh, ExpertParallel())
+    flat = so.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    one_d = GroupedExperts(ARGS)
+    parallelize_module(one_d, flat, ExpertParallel())
+    tp_only = so.distribute_tensor(torch.zeros(4, 2), mesh["tp"], [Shard(0)])
+    return (
+        sharded_over(experts.w1, mesh["dp"]),  # Shard(0) over dp of the (dp, tp) mesh
+        sharded_over(one_d.w1, so.init_device_mesh("cpu", (4,))),  # the same ranks, unnamed (a default mesh)
+        sharded_over(tp_only, mesh["dp"]),
+        sharded_over(torch.zeros(4), flat),
+    )
+
+
+def test_parameters_sharded_over_the_data_mesh_are_recognised():
+    """What fully_shard/replicate leave alone: DTensors sharded on every dim of their data mesh."""
+    for found in so.run(_recognised, 4):
+        assert found == (True, True, False, False)

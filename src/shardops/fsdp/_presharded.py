@@ -24,12 +24,12 @@ DIVIDED_MARK = "_shardops_dp_divided"  # its gradient hook is in place (one per 
 
 
 def sharded_over(param: torch.Tensor, mesh: DeviceMesh) -> bool:
-    """Whether `param` is a DTensor sharded on every dim of the data mesh `mesh` (its own mesh, or
-    one that holds the data mesh's dims by name, sliced from the same root)."""
+    """Whether `param` is a DTensor sharded on every dim of the data mesh `mesh` (its own mesh, one
+    of the same ranks, or one that holds the data mesh's dims by name, sliced from the same root)."""
     if not isinstance(param, DTensor):
         return False
     own = param.device_mesh
-    if own == mesh:
+    if own.shape == mesh.shape and torch.equal(own.mesh, mesh.mesh):  # the same ranks (names aside: a default mesh)
         dims = list(range(mesh.ndim))
     else:
         names, own_names = mesh.mesh_dim_names, own.mesh_dim_names
