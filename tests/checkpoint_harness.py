@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
+from parallel_harness import global_loss
+from shardops.fsdp import fully_shard, replicate
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, hidden_dim=48, max_seq_len=16)
@@ -29,7 +31,8 @@ def shardops_model(
     args: ModelArgs = ARGS,
     invariant_dropout: bool = False,
 ) -> tuple[Any, Any, int]:
-    """(model, mesh, dp rank): tensor parallel over 'tp', data parallel over 'dp' on a 2-d mesh.
+    """(model, mesh, dp rank): tensor parallel over 'tp', data parallel over 'dp' on a 2-d mesh
+    (`replicate`, or `fully_shard` per block and the root: each rank then feeds its batch slice).
 
     `invariant_dropout`: the demo's plan (training/config.py), which keeps the tensors dropout reads
     as DTensors, so the masks are those of the global tensor on any mesh; otherwise the plain plan,
@@ -45,8 +48,14 @@ def shardops_model(
     else:
         plan = (llama_plan if kind == "llama" else gpt2_plan)()
     so.parallel.parallelize_module(model, mesh["tp"] if len(mesh_shape) == 2 else mesh, plan)
-    if len(mesh_shape) == 2:
-        so.parallel.data_parallel(model, mesh, mode=dp_mode)
+    if len(mesh_shape) == 2:  # torch-style data parallelism on mesh["dp"] (torchtitan's apply_ddp / apply_fsdp)
+        if dp_mode == "replicate":
+            replicate(model, device_mesh=mesh["dp"])
+        else:
+            blocks = model.get_submodule("layers" if kind == "llama" else "h")
+            for layer in blocks.children():
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
     return model, mesh, (mesh.own_coordinate()[0] if len(mesh_shape) == 2 else 0)
 
 
@@ -55,14 +64,16 @@ def shardops_step(model: Any, opt: Any, step: int, dp: int = 1, dp_rank: int = 0
     inputs, targets = batch(step)
     rows = BATCH // dp
     inputs, targets = inputs[dp_rank * rows : (dp_rank + 1) * rows], targets[dp_rank * rows : (dp_rank + 1) * rows]
-    if dp > 1:  # this dp rank's rows of the target, said explicitly (as torch's loss_parallel asks)
-        mesh = next(p for p in model.parameters() if isinstance(p, so.DTensor)).device_mesh
-        targets = so.from_local(targets, mesh, [so.Shard(0), so.Replicate()])
     with so.parallel.loss_parallel():
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(0, 1))
+        logits = model(inputs)
+        if isinstance(logits, so.DTensor):  # this rank's target beside logits on mesh["tp"], said explicitly
+            targets = so.from_local(targets, logits.device_mesh, [so.Replicate()] * logits.device_mesh.ndim)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
         loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if dp > 1:  # this dp rank's batch mean: the whole batch's loss is their average (even slices)
+        return global_loss(loss, logits.device_mesh.root_mesh, dp)
     value = loss.full_tensor() if isinstance(loss, so.DTensor) else loss
     return value.item()
 

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
-from shardops import Replicate, Shard
+from shardops import Partial, Replicate
 from shardops.dispatch.registry import DECOMPOSITIONS, RULES, TORCH_FUNCTIONS
-from shardops.parallel import data_parallel, loss_parallel, parallelize_module
+from shardops.fsdp import fully_shard, replicate
+from shardops.parallel import loss_parallel, parallelize_module
 
 aten = torch.ops.aten
 
@@ -40,6 +41,41 @@ def strict(enabled: bool = True):
         yield
     finally:
         so.set_strict(False)
+
+
+def apply_data_parallel(model: torch.nn.Module, dp_mesh, mode: str) -> torch.nn.Module:
+    """torchtitan's apply_ddp / apply_fsdp: `replicate` on the data mesh, or `fully_shard` per
+    repeated block (a ModuleDict/ModuleList child's children) and then the root."""
+    if mode == "replicate":
+        return replicate(model, device_mesh=dp_mesh)
+    for container in model.children():
+        if isinstance(container, (torch.nn.ModuleDict, torch.nn.ModuleList)):
+            for block in container.children():
+                fully_shard(block, mesh=dp_mesh)
+    return fully_shard(model, mesh=dp_mesh)
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_ over gradients that may live on several meshes (FSDP + TP: the
+    plan's parameters on (dp, tp), those outside it on dp), grouped by mesh as torchtitan's own
+    clipping does: each group's norm read in full, the groups' norms combined, every gradient scaled."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, so.DTensor) else None, []).append(p.grad)
+    norms = [_full(torch.nn.utils.get_total_norm(grads)) for grads in groups.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+
+
+def global_loss(loss: torch.Tensor, mesh, dp: int) -> float:
+    """The whole batch's loss from this rank's local mean (even batch slices): averaged over dp, in one read
+    over the whole mesh with the loss's own tp layout (outside the counted blocks)."""
+    if isinstance(loss, so.DTensor):
+        tp, local = list(loss.placements), loss.to_local()
+    else:
+        tp, local = [Replicate()] * (mesh.ndim - 1), loss
+    return so.from_local(local.detach() / dp, mesh, [Partial("sum"), *tp]).full_tensor().item()
 
 
 def tied_gpt2_reference(seed: int):
@@ -112,16 +148,16 @@ def sharded_training(
             tokens,
             so.from_local(targets, mesh, [Replicate()]),
         )  # the loss meets DTensor logits: a DTensor target
-    else:
+    else:  # torch-style data parallelism on mesh["dp"]: each rank its own batch slice, plain tensors
         names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
         mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         if plan is not None:
             parallelize_module(model, mesh["tp"], plan)
-        data_parallel(model, mesh, mode)
+        apply_data_parallel(model, mesh["dp"], mode)
         dp = mesh.own_coordinate()[0]
         tok, tgt = tokens.chunk(mesh_shape[0])[dp], targets.chunk(mesh_shape[0])[dp]
-        # this dp rank's piece of the target, said explicitly (torch's loss_parallel refuses a plain one there)
-        tgt = so.from_local(tgt, mesh, [Shard(0)] + [Replicate()] * (len(mesh_shape) - 1))
+        if plan is not None:  # the loss meets DTensor outputs on mesh["tp"]: this dp rank's target, replicated over tp
+            tgt = so.from_local(tgt, mesh["tp"], [Replicate()])
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=ADAMW_EPS, foreach=foreach)
     losses, grads, pending, step_comms, reread_comms = [], {}, [], [], []
     for step in range(steps):
@@ -129,21 +165,25 @@ def sharded_training(
         with loss_parallel():
             loss = loss_fn(model(tok), tgt)
             loss.backward()
-        pending.append(
-            sum(sum(a != b for a, b in zip(_dt(p.grad).placements, _dt(p).placements)) for p in model.parameters())
-        )
+        pending.append(sum(_pending_dims(p) for p in model.parameters()))
+        with so.CommDebugMode() as clip:
+            clip_grad_norm(list(model.parameters()), MAX_NORM)  # reads every gradient first
         with so.CommDebugMode() as comm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # reads every gradient first
             opt.step()
-        step_comms.append(comm.get_total_counts())
+        # tensor parallel only: pending gradients are resolved by the step's first reads (clip's included);
+        # under fully_shard/replicate backward left every gradient final, and the optimizer step sends nothing
+        step_comms.append(comm.get_total_counts() + (clip.get_total_counts() if mode is None else 0))
         with so.CommDebugMode() as comm:
             for p in model.parameters():
                 _grad(p) * 1.0  # a read in the parameter's layout: free once resolved
         reread_comms.append(comm.get_total_counts())
         if step == 0:
-            grads = {n: _dt(p.grad).full_tensor() for n, p in model.named_parameters()}
-        losses.append(loss.full_tensor().item() if isinstance(loss, so.DTensor) else loss.item())
-    params = {n: _dt(p.detach()).full_tensor() for n, p in model.named_parameters()}
+            grads = {n: _full(_grad(p)) for n, p in model.named_parameters()}
+        if mode is None:
+            losses.append(loss.full_tensor().item() if isinstance(loss, so.DTensor) else loss.item())
+        else:
+            losses.append(global_loss(loss, mesh, mesh_shape[0]))
+    params = {n: _full(p.detach()) for n, p in model.named_parameters()}
     return losses, grads, params, pending, step_comms, reread_comms
 
 
@@ -171,10 +211,14 @@ def _full(t):
     return t.full_tensor() if isinstance(t, so.DTensor) else t
 
 
-def _dt(t: object) -> so.DTensor:
-    """`t`, which the model's parallel plan made a DTensor (a parameter or its gradient)."""
-    assert isinstance(t, so.DTensor), type(t)
-    return t
+def _pending_dims(p: torch.Tensor) -> int:
+    """Mesh dims on which the gradient is laid out otherwise than its parameter (a pending reduction)."""
+    g = _grad(p)
+    if not isinstance(p, so.DTensor):
+        assert not isinstance(g, so.DTensor), "a plain parameter with a DTensor gradient"
+        return 0
+    assert isinstance(g, so.DTensor), type(g)
+    return sum(a != b for a, b in zip(g.placements, p.placements))
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -198,8 +242,8 @@ def count_step(model, feed, loss_of):
 
 
 def tiny_model(model_name: str, mesh_shape) -> tuple[torch.nn.Module, int]:
-    """The LLaMA- or GPT-2-style model on its tensor-parallel plan (on a 2-d mesh data-parallel over
-    the other dim), and its vocabulary size."""
+    """The LLaMA- or GPT-2-style model on its tensor-parallel plan (on a 2-d mesh `replicate` over
+    the other dim, each rank then feeding its own batch slice), and its vocabulary size."""
     from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
 
     Model, make_plan = {"llama": (Llama, llama_plan), "gpt2": (GPT2, gpt2_plan)}[model_name]
@@ -209,5 +253,5 @@ def tiny_model(model_name: str, mesh_shape) -> tuple[torch.nn.Module, int]:
     model = Model(args)
     parallelize_module(model, mesh["tp"], make_plan(loss_parallel=False))
     if len(mesh_shape) == 2:
-        data_parallel(model, mesh)
+        replicate(model, device_mesh=mesh["dp"])
     return model, args.vocab_size

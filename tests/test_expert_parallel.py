@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import shardops as so
 from mp import run_gloo
 from shardops import Partial, Replicate, Shard
+from shardops.fsdp import fully_shard, replicate
 from shardops.models import _init
 from shardops.models_moe import GroupedExperts, LlamaMoE, MoE, MoEArgs, llama_moe_plan, llama_moe_tp_plan
 from shardops.parallel import ExpertParallel, data_parallel, loss_parallel, parallelize_module
@@ -524,3 +525,137 @@ def test_data_parallel_over_another_mesh_than_the_experts_raises():
 
     with pytest.raises(so.ShardingError, match="expert-parallel"):
         so.run(body, 4)
+
+
+# ------------------------------------------------------------------ with torch-style data parallelism (shardops.fsdp)
+
+FSDP_STEPS = 3
+
+
+def _fsdp_parallelize(model, shape, mode):
+    """torchtitan's order: TP on mesh["tp"] (on (2, 2)), the experts EP over the data mesh (TP inside over tp),
+    then fully_shard per block + root, or replicate, on the data mesh: the experts, already sharded there,
+    are left alone by it (their gradients are complete on their ranks, only divided as the others are)."""
+    names = ("dp", "tp")[: len(shape)]
+    mesh = so.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if len(shape) == 2:
+        parallelize_module(model, mesh["tp"], llama_moe_tp_plan())
+    parallelize_module(model, mesh, llama_moe_plan())
+    dp_mesh = mesh["dp"] if len(shape) == 2 else mesh
+    if mode == "shard":
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    else:
+        replicate(model, device_mesh=dp_mesh)
+    return mesh, dp_mesh
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, so.DTensor) else t
+
+
+def _fsdp_train(shape, mode, strict_mode=False):
+    """Each rank feeds its own batch slice (plain tensors) and takes its local mean loss, as under torch's DDP/FSDP."""
+    so.set_strict(strict_mode)
+    model = _model()
+    mesh, dp_mesh = _fsdp_parallelize(model, shape, mode)
+    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    tokens, target = (t.chunk(dp)[dp_rank] for t in _lm_batch())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    steps = []
+    for _ in range(FSDP_STEPS):
+        opt.zero_grad()
+        with loss_parallel(), so.CommDebugMode() as fwd:
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
+        with loss_parallel(), so.CommDebugMode() as bwd:
+            loss.backward()
+        grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+        steps.append((_full(loss).detach(), grads, fwd.log, bwd.log))
+        opt.step()
+    params = {n: _full(p).detach() for n, p in model.named_parameters()}
+    return steps, params, dp_rank
+
+
+def _fsdp_reference():
+    model = _model()
+    tokens, target = _lm_batch()
+    routing = _lm_routing(model, tokens)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    steps = []
+    for _ in range(FSDP_STEPS):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
+        loss.backward()
+        steps.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+    return steps, {n: p.detach() for n, p in model.named_parameters()}, routing
+
+
+def _dense_bytes():
+    """Bytes of the parameters that are not experts' (what data parallelism reduces on a 1-D mesh)."""
+    return sum(p.numel() * 4 for n, p in _model().named_parameters() if ".experts." not in n)
+
+
+def _check_fsdp_training(results, shape, mode):
+    steps_ref, params_ref, routing = _fsdp_reference()
+    dp = shape[0]
+    for step, (loss_ref, grads_ref) in enumerate(steps_ref):
+        # a local mean loss per data-parallel rank: their mean is the global batch's loss
+        losses = {r[2]: r[0][step][0] for r in results}
+        assert len(losses) == dp
+        assert torch.allclose(sum(losses.values()) / dp, loss_ref, atol=TOL), step
+        for steps, _, _ in results:
+            for name, g in grads_ref.items():
+                assert torch.allclose(steps[step][1][name], g, atol=TOL), (step, name)
+    for _, params, _ in results:
+        for name, p in params_ref.items():
+            assert torch.allclose(params[name], p, atol=TOL), name
+    for steps, _, dp_rank in results:
+        _, _, fwd, bwd = steps[0]
+        # per MoE layer: forward counts + dispatch + combine, backward the two token all_to_alls mirrored,
+        # with exactly the bytes the single-device routing of each ep rank's batch slice implies
+        assert (_a2a(fwd), _a2a(bwd)) == _lm_expected_a2a_bytes(routing, dp, dp_rank)
+        if len(shape) == 1:  # the data-parallel reduction moves the dense parameters' gradients, never an expert's
+            kind = "reduce_scatter" if mode == "shard" else "all_reduce"
+            assert sum(b for k, b in bwd if k == kind) == _dense_bytes()
+            assert {k for k, _ in fwd + bwd} <= {"all_to_all", "all_gather", kind}
+
+
+@pytest.mark.parametrize("mode", ["shard", "replicate"])
+@pytest.mark.parametrize("shape", MESHES, ids=["ep4", "ep2xtp2"])
+def test_llama_moe_expert_parallel_with_fully_shard_and_replicate(shape, mode, strict):
+    """Tokens are each rank's local batch slice (plain tensors); ExpertParallel routes them over the data
+    mesh; fully_shard (per block + root) or replicate on the data mesh leaves the experts as EP laid them
+    out. 3 AdamW steps equal single-device training: losses, every gradient, the parameters."""
+    _check_fsdp_training(so.run(_fsdp_train, 4, shape, mode, True), shape, mode)
+
+
+@pytest.mark.slow  # 4 gloo processes: about a minute on 2 cores
+@pytest.mark.parametrize("shape", MESHES, ids=["ep4", "ep2xtp2"])
+def test_llama_moe_expert_parallel_with_fully_shard_gloo(shape):
+    _check_fsdp_training(run_gloo(_fsdp_train, 4, shape, "shard", True, timeout=300), shape, "shard")
+
+
+def _recognised():
+    from shardops.fsdp._presharded import sharded_over
+
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    experts = GroupedExperts(ARGS)
+    parallelize_module(experts, mesh, ExpertParallel())
+    flat = so.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    one_d = GroupedExperts(ARGS)
+    parallelize_module(one_d, flat, ExpertParallel())
+    tp_only = so.distribute_tensor(torch.zeros(4, 2), mesh["tp"], [Shard(0)])
+    return (
+        sharded_over(experts.w1, mesh["dp"]),  # Shard(0) over dp of the (dp, tp) mesh
+        sharded_over(one_d.w1, so.init_device_mesh("cpu", (4,))),  # the same ranks, unnamed (a default mesh)
+        sharded_over(tp_only, mesh["dp"]),
+        sharded_over(torch.zeros(4), flat),
+    )
+
+
+def test_parameters_sharded_over_the_data_mesh_are_recognised():
+    """What fully_shard/replicate leave alone: DTensors sharded on every dim of their data mesh."""
+    for found in so.run(_recognised, 4):
+        assert found == (True, True, False, False)

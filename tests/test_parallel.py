@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import shardops as so
 from parallel_harness import (
+    apply_data_parallel,
     check_training,
     has_strategies,
     reference_training,
@@ -485,6 +486,69 @@ def test_language_model_with_attention_on_dtensors(name, mesh_shape, mode):
     check_lm_training(name, mesh_shape, mode, local_attention=False)
 
 
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+@pytest.mark.parametrize("name", list(LM))
+def test_language_model_with_norms_outside_the_plan(name, mode):
+    """No sequence parallelism: the norms are left out of the plan and compute on local tensors;
+    on a (dp, tp) mesh their parameters are still synchronised over dp."""
+    check_lm_training(name, (2, 2), mode, sequence_parallel=False)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_tied_embeddings_with_two_layouts_under_data_parallel(mode):
+    """Embedding hidden-sharded, output projection vocabulary-sharded: one parameter read through
+    a view, and the rest of the model outside the plan, on a (dp, tp) mesh."""
+    args = ModelArgs(n_layers=1)
+    tokens, targets = _lm_data(args)
+    plan = {
+        "wte": ColwiseParallel(output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    ref = reference_training(GPT2(args), tokens, targets)
+    results = so.run(sharded_training, 4, lambda: GPT2(args), plan, (2, 2), mode, tokens, targets)
+    check_training(results, ref)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """Gemma's embedding: its output times a constant buffer (which the style replicates on mesh["tp"])."""
+
+    def __init__(self):
+        super().__init__(16, 8)
+        self.register_buffer("scale", torch.tensor(8**0.5), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_a_styles_buffers_under_data_parallel(mode):
+    """A buffer the style replicated on mesh["tp"] stays there under fully_shard/replicate on mesh["dp"]:
+    activations live on the tp mesh, so the module's forward mixes them with it as under TP alone."""
+    torch.manual_seed(0)
+    model = _ScaledEmbedding()
+    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(2))
+    ref = model(ids).pow(2).mean()
+    (ref_grad,) = torch.autograd.grad(ref, model.weight)
+
+    def main():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        m = copy.deepcopy(model)
+        parallelize_module(m, mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
+        apply_data_parallel(m, mesh["dp"], mode)
+        local = m(ids.chunk(2)[mesh.get_coordinate()[0]]).pow(2).mean()  # this dp rank's batch mean
+        local.backward()
+        return m.scale.device_mesh == mesh["tp"], local.item(), m.weight.grad.full_tensor()
+
+    results = so.run(main, 4)
+    assert sum(r[1] for r in results) / 4 == pytest.approx(ref.item(), abs=1e-6)
+    for on_tp_mesh, _, grad in results:
+        assert on_tp_mesh
+        torch.testing.assert_close(grad, ref_grad)
+
+
+# ------------------------------------------------------------------ the older data_parallel (whole-mesh activations)
+
+
 class Scale(nn.Module):
     """Elementwise weight and bias: every op it reaches has a strategy in main, so its data
     parallelism runs strict and its collectives can be counted exactly."""
@@ -581,29 +645,6 @@ def test_gradient_accumulation_keeps_gradients_pending():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["replicate", "shard"])
-@pytest.mark.parametrize("name", list(LM))
-def test_language_model_with_norms_outside_the_plan(name, mode):
-    """No sequence parallelism: the norms are left out of the plan and compute on local tensors;
-    on a (dp, tp) mesh their parameters are still synchronised over dp."""
-    check_lm_training(name, (2, 2), mode, sequence_parallel=False)
-
-
-@pytest.mark.parametrize("mode", ["replicate", "shard"])
-def test_tied_embeddings_with_two_layouts_under_data_parallel(mode):
-    """Embedding hidden-sharded, output projection vocabulary-sharded: one parameter read through
-    a view, and the rest of the model outside the plan, on a (dp, tp) mesh."""
-    args = ModelArgs(n_layers=1)
-    tokens, targets = _lm_data(args)
-    plan = {
-        "wte": ColwiseParallel(output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    }
-    ref = reference_training(GPT2(args), tokens, targets)
-    results = so.run(sharded_training, 4, lambda: GPT2(args), plan, (2, 2), mode, tokens, targets)
-    check_training(results, ref)
-
-
 def test_data_parallel_refuses_bad_meshes():
     def main():
         mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -616,17 +657,6 @@ def test_data_parallel_refuses_bad_meshes():
         return True
 
     assert all(so.run(main, 4))
-
-
-class _ScaledEmbedding(nn.Embedding):
-    """Gemma's embedding: its output times a constant buffer (which the style replicates on mesh["tp"])."""
-
-    def __init__(self):
-        super().__init__(16, 8)
-        self.register_buffer("scale", torch.tensor(8**0.5), persistent=False)
-
-    def forward(self, ids):
-        return super().forward(ids) * self.scale
 
 
 @pytest.mark.parametrize("mode", ["replicate", "shard"])

@@ -14,10 +14,12 @@ import shardops as so
 from checkpoint_harness import train_and_checkpoint  # tests/ is not a package
 
 
-def test_resume_with_dropout_is_bitwise_on_the_same_mesh_and_within_1e6_on_another(tmp_path):
+def test_resume_with_dropout_is_bitwise(tmp_path):
     """GPT-2 with dropout, 6 steps on (2, 2); separately 3 steps and a save, then new worlds load
-    onto (2, 2) and onto (4,) and train steps 4-6. The plan keeps the tensors dropout reads as
-    DTensors (training/config.py), so its masks are the global tensor's on every mesh."""
+    onto (2, 2) and train steps 4-6. The plan keeps the tensors dropout reads as DTensors
+    (training/config.py): on mesh["tp"], holding each data-parallel rank's batch slice, as under
+    torch's data parallelism, so another data-parallel size draws other masks (resuming onto
+    another mesh: test_checkpoint.py, dropout off)."""
     path = str(tmp_path / "ckpt")
 
     def train(steps: range, load: bool, save_after: int | None, mesh_shape=(2, 2), with_rng: bool = True):
@@ -31,7 +33,6 @@ def test_resume_with_dropout_is_bitwise_on_the_same_mesh_and_within_1e6_on_anoth
     whole = train(range(6), False, None)
     saved = train(range(3), False, 2)
     same = train(range(3, 6), True, None)
-    other = train(range(3, 6), True, None, mesh_shape=(4,))
     without_rng = train(range(3, 6), True, None, with_rng=False)
 
     expected = whole[0][0]
@@ -40,9 +41,6 @@ def test_resume_with_dropout_is_bitwise_on_the_same_mesh_and_within_1e6_on_anoth
     for losses, loaded_step in same:
         assert loaded_step == 3
         assert losses == expected[3:]  # bitwise
-    for losses, loaded_step in other:
-        assert loaded_step == 3
-        assert losses == pytest.approx(expected[3:], rel=1e-6, abs=1e-6)
     # The masks matter: without the saved random state, steps 4-6 draw other masks.
     assert without_rng[0][0] != expected[3:]
 

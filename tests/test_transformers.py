@@ -3,8 +3,8 @@
 Each case builds a tiny model from a config (random init, nothing downloaded), trains it
 on one device, then on 4 ranks with `from_transformers` in strict mode: the loss and every
 parameter's gradient at each of two AdamW steps, and the loss after them, equal the
-single-device run within 1e-4. On (2, 2) the plan runs on mesh["tp"] and
-`data_parallel` splits the batch over dp. `use_local_output=True` is how transformers
+single-device run within 1e-4. On (2, 2) the plan runs on mesh["tp"] and `replicate` (torch's
+DDP) on mesh["dp"]: each dp rank trains on its own batch slice. `use_local_output=True` is how transformers
 applies its plan (local tensors between boundaries); False keeps every boundary a DTensor
 (attention, rotary, masks, repeat_kv and the loss on DTensors).
 """
@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")  # a dev dependency (pyprojec
 
 import shardops as so  # noqa: E402
 from shardops import Replicate, Shard, StridedShard  # noqa: E402
-from shardops.parallel import data_parallel, from_transformers, loss_parallel  # noqa: E402
+from shardops.fsdp import replicate  # noqa: E402
+from shardops.parallel import from_transformers, loss_parallel  # noqa: E402
 from shardops.parallel.loss import target_placements  # noqa: E402
 
 TINY = dict(
@@ -114,7 +115,7 @@ def sharded(name, state, mesh_shape, use_local_output):
         else:
             mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
             from_transformers(model, mesh["tp"], use_local_output=use_local_output)
-            data_parallel(model, mesh)
+            replicate(model, device_mesh=mesh["dp"])
             ids = BATCH.chunk(mesh_shape[0])[mesh.get_coordinate()[0]]
         return train(model, ids, _full)
 
@@ -135,10 +136,10 @@ def compare(reference_run, results, mesh_shape, use_local_output):
     ref_steps, ref_final = reference_run
     dp = mesh_shape[0] if len(mesh_shape) > 1 else 1
     for step, (ref_loss, ref_grads) in enumerate(ref_steps):
-        # a local loss on (dp, tp) is this dp rank's batch mean: their mean is the global loss
+        # on (dp, tp) the loss is this dp rank's batch mean: their mean is the global loss
         losses = [r[0][step][0] for r in results]
         assert sum(losses) / len(losses) == pytest.approx(ref_loss, abs=1e-4), (step, losses, ref_loss)
-        if not use_local_output or dp == 1:
+        if dp == 1:
             assert all(x == pytest.approx(ref_loss, abs=1e-4) for x in losses)
         for r in results:
             grads = r[0][step][1]
@@ -149,8 +150,8 @@ def compare(reference_run, results, mesh_shape, use_local_output):
     assert sum(finals) / len(finals) == pytest.approx(ref_final, abs=1e-4)
 
 
-# Local outputs on (dp, tp): the loss is this dp rank's batch mean, which data_parallel averages
-# over dp as DDP does (the gradients of the global-batch loss).
+# On (dp, tp) the loss is this dp rank's batch mean, which replicate averages over dp as DDP does
+# (the gradients of the global-batch loss).
 FAST = [
     ("llama", (4,), True),
     ("llama", (4,), False),

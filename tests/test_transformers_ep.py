@@ -1,4 +1,5 @@
-"""transformers mixture-of-experts models with expert parallelism: from_transformers(..., expert_parallel=True).
+"""transformers mixture-of-experts models with expert parallelism: from_transformers(..., expert_parallel=True),
+and ExpertParallel under torch-style data parallelism (fully_shard / replicate).
 
 The experts follow the model's own expert-parallel plan (`ep_dispatch_experts`, `grouped_gemm`)
 on the tensor-parallel ranks, the rest of the model its tensor-parallel plan. Against
@@ -18,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 import shardops as so  # noqa: E402
 from shardops import Shard  # noqa: E402
-from shardops.parallel import data_parallel, from_transformers  # noqa: E402
+from shardops.fsdp import fully_shard, replicate  # noqa: E402
+from shardops.parallel import ExpertParallel, from_transformers, parallelize_module  # noqa: E402
 from test_transformers import BATCH, TINY, _full, compare, next_token_loss, train  # noqa: E402
 
 MOE_LAYERS = 2
@@ -117,14 +119,71 @@ def test_expert_parallel_errors_name_what_to_do():
         so.run(two_d, 4)
 
 
-def test_data_parallel_refuses_experts_on_the_tp_mesh_only():
-    """(dp, tp): experts over mesh["tp"] only would need their gradients summed over dp; data_parallel says so."""
+def _ep_on_tp_rank(state):
+    model = build("mixtral")
+    model.load_state_dict(state)
+    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    from_transformers(model, mesh["tp"], expert_parallel=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ids = BATCH.chunk(2)[mesh.get_local_rank("dp")]
+    return train(model, ids, _full)
 
-    def rank():
-        model = build("mixtral")
-        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        from_transformers(model, mesh["tp"], expert_parallel=True)
-        data_parallel(model, mesh)
 
-    with pytest.raises(so.ShardingError, match="expert-parallel"):
-        so.run(rank, 4)
+def test_experts_over_tp_with_fully_shard_over_dp(strict):
+    """(dp, tp): experts expert-parallel over mesh["tp"] only (transformers' plan on the tp ranks), the
+    model under fully_shard on mesh["dp"]: the experts, Shard(0) over tp, are sharded over dp too and their
+    gradients reduce-scattered there like any tensor-parallel parameter's. Equal to one device."""
+    torch.manual_seed(0)
+    model = build("mixtral")
+    state = copy.deepcopy(model.state_dict())
+    reference_run = train(model, BATCH)
+    compare(reference_run, so.run(_ep_on_tp_rank, 4, state, timeout=600), (2, 2), True)
+
+
+# ------------------------------------------------------------------ with torch-style data parallelism (shardops.fsdp)
+
+
+def _fsdp_rank(name, state, mesh_shape, mode):
+    """Mixtral's experts ExpertParallel over the data mesh (TP inside on (2, 2), the rest of the model
+    under its own TP plan on mesh["tp"]), then fully_shard per layer + root or replicate on the data mesh;
+    each rank trains on its own batch slice with its local mean loss."""
+    model = build(name)
+    model.load_state_dict(state)
+    names = ("dp", "tp")[: len(mesh_shape)]
+    mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    layers = list(model.model.layers)
+    for layer in layers:
+        parallelize_module(layer.mlp.experts, mesh, ExpertParallel())
+    dp_mesh = mesh
+    if len(mesh_shape) == 2:
+        from_transformers(model, mesh["tp"])  # the experts, already distributed, are left as they are
+        dp_mesh = mesh["dp"]
+    if mode == "shard":
+        for layer in layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    else:
+        replicate(model, device_mesh=dp_mesh)
+    ids = BATCH.chunk(dp_mesh.size())[dp_mesh.get_local_rank()]
+    with so.CommDebugMode() as comm:
+        next_token_loss(model(ids).logits, ids).backward()
+    model.zero_grad()
+    return train(model, ids, _full), comm.get_comm_counts().get("all_to_all", 0)
+
+
+@pytest.mark.parametrize("mode", ["shard", "replicate"])
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["ep4", "ep2xtp2"])
+def test_mixtral_expert_parallel_with_fully_shard_and_replicate(mesh_shape, mode, strict):
+    """Two AdamW steps equal single-device training of the whole batch (the mean of the data-parallel
+    ranks' local losses, every gradient); per MoE layer 3 all_to_alls forward and 2 backward, nothing else
+    over the data mesh for the experts."""
+    torch.manual_seed(0)
+    model = build("mixtral")
+    state = copy.deepcopy(model.state_dict())
+    reference_run = train(model, BATCH)
+    out = so.run(_fsdp_rank, 4, "mixtral", state, mesh_shape, mode, timeout=600)
+    compare(reference_run, [r[0] for r in out], (mesh_shape[0], 1), True)  # (dp, 1): a local loss per dp rank
+    for _, all_to_alls in out:
+        assert all_to_alls == 5 * MOE_LAYERS

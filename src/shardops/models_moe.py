@@ -11,14 +11,17 @@ mixture of `num_experts` SwiGLU experts, `top_k` of them per token:
   that `shardops.parallel.ExpertParallel` applies to it as to Mixtral's experts.
 
 Nothing here knows about shardops; `llama_moe_plan` lays the experts out with
-`ExpertParallel` (mesh (ep,) or (ep, tp)); `data_parallel` over the same mesh then
-splits the batch over ep, so each rank routes its own tokens. With tensor
-parallelism for the other layers too (mesh ("dp", "tp"), experts EP over dp, TP
-inside over tp):
+`ExpertParallel` (mesh (ep,) or (ep, tp)); torch-style data parallelism over the ep
+mesh (`fully_shard` per block and the root, or `replicate`) then leaves the experts
+as they are, and each rank feeds its own batch slice, routing its own tokens. With
+tensor parallelism for the other layers too (mesh ("dp", "tp"), experts EP over dp,
+TP inside over tp):
 
     parallelize_module(model, mesh["tp"], llama_moe_tp_plan())
     parallelize_module(model, mesh, llama_moe_plan())
-    data_parallel(model, mesh)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ class LlamaMoE(Llama):
 
 def llama_moe_plan(**expert_parallel) -> dict:
     """Expert-parallel plan for `LlamaMoE`, applied on a mesh (ep,) or (ep, tp):
-    `parallelize_module(model, mesh, llama_moe_plan())`, then `data_parallel(model, mesh)`
-    (the batch split over ep; the other parameters replicated). Keyword arguments go to
+    `parallelize_module(model, mesh, llama_moe_plan())`, then `fully_shard` / `replicate` on the
+    ep (= data) mesh, which leave the experts as they are. Keyword arguments go to
     `ExpertParallel` (e.g. `output_layouts=Partial()`)."""
     from .parallel import ExpertParallel
 

@@ -12,6 +12,7 @@ from ..mesh import DeviceMesh, current_mesh, init_device_mesh
 from ..placements import Shard
 from ..world import current_comm
 from ._param import DataMesh, FSDPParam
+from ._presharded import divide_gradient, sharded_over
 from ._state import install_hooks, post_backward, unit_of
 from ._unit import FSDPUnit
 from .api import MixedPrecisionPolicy, OffloadPolicy
@@ -129,7 +130,8 @@ def fully_shard(
     """Shard `module`'s parameters (those no earlier fully_shard call on a submodule took) over
     `mesh` as one unit: gathered in one all_gather before its forward, reduce-scattered in one
     collective during backward. Call it bottom-up (blocks, then the root). Returns the module,
-    whose class is now FSDP<Cls>."""
+    whose class is now FSDP<Cls>. Parameters already sharded over `mesh` (expert parallelism's
+    experts) stay as they are, their gradients only divided (_presharded)."""
     modules = tuple(module) if isinstance(module, list) else (module,)
     if not modules:
         raise ShardingError("fully_shard: an empty list of modules")
@@ -147,8 +149,12 @@ def fully_shard(
         if unit_of(m) is not None:
             raise ShardingError(f"fully_shard: {type(m).__name__} is already fully sharded")
     raf = _reshard_after_forward(reshard_after_forward, data)
-    params = _collect_params(modules, data, shard_placement_fn, mp_policy, set(map(id, ignored_params or ())))
+    ignored = set(map(id, ignored_params or ()))
+    presharded = [p for p in _own_params(modules, ignored) if sharded_over(p, data.mesh)]  # experts over ep = dp
+    params = _collect_params(modules, data, shard_placement_fn, mp_policy, ignored | set(map(id, presharded)))
     unit = FSDPUnit(modules, params, data, mp_policy, raf)
+    for expert in presharded:
+        divide_gradient(expert, lambda: unit.divide_factor if unit.divide_factor is not None else float(data.size))
     for p in params:
         p.swap_in(unsharded=False)
     for m in modules:
@@ -218,6 +224,17 @@ def _collect_params(
                 shard_dim = placement.dim
         out.append(FSDPParam(p, occurrences[key], data, shard_dim, mp.param_dtype))
     return out
+
+
+def _own_params(modules, ignored: set[int]) -> list[nn.Parameter]:
+    """The parameters this call takes (no nested unit's, none ignored), each once."""
+    found: dict[int, nn.Parameter] = {}
+    for root in modules:
+        for sub in _unmanaged_modules(root):
+            for p in sub._parameters.values():
+                if p is not None and id(p) not in ignored:
+                    found.setdefault(id(p), p)
+    return list(found.values())
 
 
 def _unmanaged_modules(root: nn.Module) -> list[nn.Module]:

@@ -27,6 +27,7 @@ from ..mesh import DeviceMesh
 from ..spec import TensorMeta, TensorSpec
 from ..tensor import DTensor
 from ..wrapping import local_of, shard_in, spec_of, wrap
+from ._presharded import divide_gradient, sharded_over
 from .fully_shard import _data_mesh
 
 # DDP keywords that mean nothing for shardops' synchronous CPU collectives; accepted for torch's signature
@@ -160,7 +161,9 @@ def _set_grad(p: torch.Tensor, flat: torch.Tensor) -> None:
 
 def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = None, **kwargs: Any) -> nn.Module:
     """Data-parallel `module` as torch's composable DDP: `device_mesh=` (default: every rank),
-    `bucket_cap_mb=25`; the other DDP keywords are accepted."""
+    `bucket_cap_mb=25`; the other DDP keywords are accepted. Parameters already sharded over the
+    data mesh (expert parallelism's experts) are neither synced nor all-reduced, their gradients
+    only averaged (_presharded)."""
     from .fully_shard import unit_of_any
 
     unknown = set(kwargs) - _ACCEPTED - {"device_mesh", "bucket_cap_mb"}
@@ -177,6 +180,10 @@ def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = N
         raise ShardingError("replicate: this module is already replicated")
     mesh = _data_mesh(kwargs.get("device_mesh"))
     ignored = {id(p) for m in (ignored_modules or ()) for p in m.parameters()}
+    presharded = [p for p in module.parameters() if id(p) not in ignored and sharded_over(p, mesh)]
+    for p in presharded:  # expert parallelism's experts: complete gradients, averaged like the others
+        divide_gradient(p, lambda: float(mesh.size()))
+    ignored |= set(map(id, presharded))
     params = [p for p in module.parameters() if id(p) not in ignored and p.requires_grad]
     if kwargs.get("init_sync", True):
         _sync_params([p for p in module.parameters() if id(p) not in ignored] + list(module.buffers()), mesh)

@@ -34,6 +34,11 @@ Backward mirrors it: the combine's gradient goes back by one all_to_all with the
 split sizes swapped, the dispatch's likewise (the counts are known from forward:
 no count exchange). Bytes per rank, forward and backward alike: the routed
 token-slots it sends to other ranks x hidden size x element size, each way.
+
+With data parallelism (torchtitan's way): the ep mesh is the data mesh, each rank's tokens
+are its own batch slice as plain tensors, and `shardops.fsdp.fully_shard` / `replicate` on
+the data mesh leave the experts (already sharded there, their gradients complete) as they
+are, dividing their gradients as they divide the others (fsdp/_presharded.py).
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ def from_transformers(
 ) -> nn.Module:
     """Apply `model._tp_plan` (transformers' own tensor-parallel plan) on the 1-d `mesh`, in place; return the model.
 
-    For data parallelism on top, pass `mesh["tp"]` here and call `data_parallel(model, mesh)` after.
+    For data parallelism on top, pass `mesh["tp"]` here and call `fully_shard` / `replicate` on
+    `mesh["dp"]` after (shardops.fsdp).
     `expert_parallel=True`: the experts follow the model's expert-parallel plan instead (`model._ep_plan`),
     each rank holding its share of every MoE layer's experts, tokens routed to them by all_to_all.
     """
@@ -91,7 +92,7 @@ def from_transformers(
     if mesh.ndim != 1:
         raise ShardingError(
             f'from_transformers: transformers\' plans are for a 1-d tensor-parallel mesh, got {mesh}; pass mesh["tp"] '
-            "and add data parallelism with shardops.parallel.data_parallel(model, mesh)"
+            "and add data parallelism with shardops.fsdp.fully_shard / replicate on mesh['dp']"
         )
     tp_plan = getattr(model, "_tp_plan", None) or getattr(model, "tp_plan", None)
     if not tp_plan:
