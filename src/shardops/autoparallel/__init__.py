@@ -32,10 +32,11 @@ from ..placements import Replicate
 from ..tensor import DTensor, from_local
 from .candidates import compute_share, enumerate_candidates, plan_entries
 from .measure import extrapolate, measure, measure_dry, on_meta, reference_step
-from .plan import Plan, Scored, apply_candidate, mesh_names_for
+from .plan import OBJECTIVES, Plan, Scored, apply_candidate, mesh_names_for, rank_key
 from .structure import find_structure
+from .timing import Compute, StepProfile, extrapolate_profile, predict, profile_dry, resolve_compute
 
-__all__ = ["Plan", "autoparallel", "language_model_loss"]
+__all__ = ["Compute", "Plan", "autoparallel", "language_model_loss"]
 
 MAX_RUNNABLE_RANKS = 16  # pricing runs the step on a threads world of this many ranks at most
 
@@ -90,6 +91,9 @@ def autoparallel(
     links=None,
     memory_per_rank: int | None = None,
     pricing: str = "auto",
+    objective: str = "time",
+    compute: str | Compute | None = None,
+    optimizer: str = "adamw",
 ) -> Plan:
     """The plan with the fewest bytes per step on the busiest rank (see module doc). Call it outside
     `so.run`, with the global example batch; apply the plan inside, on every rank.
@@ -97,10 +101,18 @@ def autoparallel(
     `pricing`: "run" runs each candidate's step on a threads world of the mesh's size and checks its
     values against single-device torch; "metadata" runs it as one rank at a time of a dry world on
     META tensors (any mesh size, a model built on the meta device); "auto" (default) runs where it
-    can (real tensors, at most 16 ranks) and prices from metadata otherwise."""
+    can (real tensors, at most 16 ranks) and prices from metadata otherwise.
+
+    `objective`: "time" (default) ranks the feasible candidates by predicted step time per rank
+    (forward, backward, gradient resolution and an `optimizer` step: timing.py, under `links` and
+    `compute`, a Compute or a preset name; default "gloo-localhost" for gloo-localhost links, else
+    "cpu"), then bytes; "bytes" by bytes on the busiest rank, then rounds, then memory."""
     shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
     example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    resolve_links(links, len(shape))  # validated; the objective is bytes, which do not depend on links
+    if objective not in OBJECTIVES:
+        raise ShardingError(f"autoparallel: objective={objective!r}; use one of {OBJECTIVES}")
+    link_models = resolve_links(links, len(shape))
+    compute_model = resolve_compute(compute, link_models)
     how = _pricing_for(pricing, shape, model, example)
     warmup_s = warm_up() if how == "metadata" else 0.0  # torch's first meta kernel imports dynamo: said apart
     t0 = time.perf_counter()
@@ -112,6 +124,8 @@ def autoparallel(
     depths = (1, 2) if structure.blocks and structure.n_blocks > 2 else (None,)
     models = [model if k is None or not structure.blocks else _truncated(model, structure.blocks, k) for k in depths]
     refs = [reference_step(m, example, loss_fn) for m in models]
+    # the step-time profile comes from the dry world always (metadata: what the byte pricing ran)
+    metas = [(mod, example) if how == "metadata" else on_meta(mod, example) for mod in models]
     batch = example[0].shape[0]
     scored: list[Scored] = []
     # FSDP-style sharding never moves fewer bytes than replication (an all_gather and a reduce_scatter
@@ -128,7 +142,14 @@ def autoparallel(
         m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
-        scored.append(Scored(cand, entries, m))
+        profile = None
+        if m.feasible and objective == "time":
+            try:
+                profile = _profile(metas, shape, names, apply_fn, loss_fn, optimizer, structure.n_blocks)
+            except Exception:  # noqa: BLE001  (ran, but not in the dry world: ranked after every timed one)
+                profile = None
+        step = None if profile is None else predict(profile, link_models, compute_model)
+        scored.append(Scored(cand, entries, m, profile, step))
     if not scored:
         raise ShardingError(
             f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does "
@@ -141,14 +162,23 @@ def autoparallel(
         raise ShardingError(
             f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})"
         )
-    best = min(
-        feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank)
-    )
+    best = min(feasible, key=rank_key(objective))
     plan = Plan(
         shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how]
     )
+    plan.objective = objective
+    plan.models = (link_models, compute_model)
     plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
     return plan
+
+
+def _profile(metas, shape, names, apply_fn, loss_fn, optimizer: str, n_blocks: int) -> StepProfile:
+    """The candidate's step profile on META copies; from a 1- and a 2-block copy, extrapolated, as the bytes."""
+    # not warmed: the byte pricing just ran the same step, so the planner's shape inference is cached
+    profiles = [
+        profile_dry(mod, shape, names, apply_fn, ex, loss_fn, optimizer=optimizer, warm=False) for mod, ex in metas
+    ]
+    return profiles[0] if len(profiles) == 1 else extrapolate_profile(profiles[0], profiles[1], n_blocks)
 
 
 PRICING_TEXT = {
