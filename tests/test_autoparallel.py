@@ -135,7 +135,7 @@ def test_autoparallel_pure_data_parallel_beats_hand_plan_on_8_ranks():
     make = lambda: Llama(args, seed=0)  # noqa: E731
     tokens = _tokens(16, 32, args.vocab_size)
     ref_loss, ref_grads = _reference(make(), tokens)
-    plan = so.autoparallel(make(), (8,), (tokens,))
+    plan = so.autoparallel(make(), (8,), (tokens,), objective="bytes")
     assert plan.candidate.dims == ("dp",) and plan.parallelize_plan == {}
     _same_pricing_from_metadata(plan, make(), (8,), (tokens,))
 
@@ -172,7 +172,7 @@ def test_a_meta_model_on_a_4096_rank_mesh_is_planned_from_metadata_alone():
     with torch.device("meta"):
         model = Llama(ModelArgs(dim=64, n_heads=16, hidden_dim=128, vocab_size=128, n_layers=3), seed=0)
     tokens = torch.empty(1024, 16, dtype=torch.long, device="meta")
-    plan = so.autoparallel(model, (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"))
+    plan = so.autoparallel(model, (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"), objective="bytes")
     assert plan.pricing.startswith("from metadata") and not in_threads_world()
     assert all(s.measurement.feasible for s in plan.considered) and len(plan.considered) > 1
     assert plan.predicted_bytes == min(s.measurement.total_bytes for s in plan.considered)

@@ -414,22 +414,23 @@ def _fit_rank(reps: int) -> dict:
         t = torch.ones(size // 4)
         comm.barrier(group)
         out["all_reduce"][size] = _timed(lambda t=t: comm.all_reduce(t, "sum", group), reps)
-    # compute: blocks of calls, every rank at once (each rank's share of the cores is in the figure)
-    loop = 50
+    # compute: blocks of calls long enough (tens of ms) to take in the scheduler's share of the cores
+    # when every rank is busy at once, as in a step; per call, wall time
     a = torch.randn(256, 256)
-    comm.barrier(group)
-    out["matmul_s"] = _timed(lambda: [a @ a for _ in range(loop)], reps) / loop
     big = torch.randn(1 << 18)
-    comm.barrier(group)
-    out["add_s"] = _timed(lambda: [big + big for _ in range(loop)], reps) / loop
     tiny = torch.ones(1)
-    comm.barrier(group)
-    out["kernel_s"] = _timed(lambda: [tiny + tiny for _ in range(loop)], reps) / loop
     mesh = so.init_device_mesh("cpu", (comm.world_size,))
     dt = so.DTensor.from_local(torch.ones(1), mesh, [so.Replicate()])
     dt + dt  # planned once: the cached decision is what a training step pays
-    comm.barrier(group)
-    out["dtensor_s"] = _timed(lambda: [dt + dt for _ in range(loop)], reps) / loop
+    blocks = {
+        "matmul_s": (lambda: a @ a, 40),
+        "add_s": (lambda: big + big, 200),
+        "kernel_s": (lambda: tiny + tiny, 10000),
+        "dtensor_s": (lambda: dt + dt, 300),
+    }
+    for key, (fn, loop) in blocks.items():
+        comm.barrier(group)
+        out[key] = _timed(lambda fn=fn, loop=loop: [fn() for _ in range(loop)], max(reps // 3, 3)) / loop
     return out
 
 
@@ -449,10 +450,7 @@ def fit(world_size: int = 4, reps: int = 30, save: str | os.PathLike | None = No
     xs = [(2 * (n - 1), 2 * (n - 1) / n * s) for s in sizes]
     alpha, inv_beta = _least_squares(xs, times)
     link = Link(max(alpha, 1e-7), 1.0 / max(inv_beta, 1e-12), 0.0)
-    matmul = statistics.median(r["matmul_s"] for r in results)
-    add = statistics.median(r["add_s"] for r in results)
-    kernel = statistics.median(r["kernel_s"] for r in results)
-    dtensor = statistics.median(r["dtensor_s"] for r in results)
+    matmul, add, kernel, dtensor = (max(r[k] for r in results) for k in ("matmul_s", "add_s", "kernel_s", "dtensor_s"))
     compute = Compute(
         flop_rate=2 * 256**3 / matmul,
         bandwidth=3 * (1 << 18) * 4 / max(add - kernel, 1e-9),
