@@ -157,3 +157,19 @@ def test_an_unknown_objective_or_compute_preset_is_a_clear_error():
         so.autoparallel(_mlp(), (2,), (x,), loss_fn=_loss, objective="speed")
     with pytest.raises(so.ShardingError, match="compute preset"):
         so.autoparallel(_mlp(), (2,), (x,), loss_fn=_loss, compute="abacus")
+
+
+def test_convolutions_are_priced_at_their_own_rate():
+    """A conv's FLOPs (2 * batch * out * in * kh * kw * H * W, forward) go to the convolution rate."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4)
+    )
+    x = torch.randn(4, 3, 6, 6)
+    prof = _profile(net, x, Candidate(("dp",)), (2,))
+    b = 4 // 2
+    conv = 2 * b * 8 * 3 * 9 * 6 * 6
+    forward = prof.parts["forward + loss"]
+    assert forward.conv_flops == conv and forward.flops == 2 * b * 8 * 6 * 6 * 4
+    rates = timing.Compute(1e9, math.inf, 0.0, 0.0, conv_rate=1e8)
+    assert timing.compute_time(forward, rates) == pytest.approx(conv / 1e8 + forward.flops / 1e9, rel=1e-12)

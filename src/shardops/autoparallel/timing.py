@@ -34,7 +34,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -76,6 +76,7 @@ class Compute:
     bandwidth: float  # bytes/s streamed by every other kernel (elementwise, reductions, copies)
     kernel_overhead: float  # seconds per aten kernel call (dispatcher and Python around it)
     dispatch_overhead: float  # seconds per op through shardops' DTensor dispatch, beyond its kernels
+    conv_rate: float | None = None  # FLOP/s of convolutions (CPU kernels run them slower); None: flop_rate
 
     def __repr__(self) -> str:
         return (
@@ -113,7 +114,8 @@ def resolve_compute(compute: str | Compute | None, links: tuple[Link, ...]) -> C
 class PartProfile:
     """One part of one rank's step; every figure adds up over repeated blocks (linear in depth)."""
 
-    flops: float = 0.0  # kernels with a FLOP formula
+    flops: float = 0.0  # kernels with a FLOP formula, but convolutions
+    conv_flops: float = 0.0  # convolutions, forward and backward
     streamed_bytes: float = 0.0  # bytes read and written by the kernels without one
     kernels: int = 0  # aten kernel calls on local tensors
     dtensor_ops: int = 0  # ops through shardops' DTensor dispatch
@@ -223,7 +225,11 @@ class KernelCounter(TorchDispatchMode):
         self.part.kernels += 1
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
-            self.part.flops += formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out)
+            if "convolution" in func.overloadpacket.__name__:
+                self.part.conv_flops += flops
+            else:
+                self.part.flops += flops
         elif not _moves_nothing(func):
             tensors = [a for a in (*args, *kwargs.values(), out) if isinstance(a, torch.Tensor)]
             tensors += [
@@ -343,6 +349,7 @@ def extrapolate_profile(one: StepProfile, two: StepProfile, n_blocks: int) -> St
         )
         out.parts[name] = PartProfile(
             a.flops + k * (b.flops - a.flops),
+            a.conv_flops + k * (b.conv_flops - a.conv_flops),
             a.streamed_bytes + k * (b.streamed_bytes - a.streamed_bytes),
             a.kernels + k * (b.kernels - a.kernels),
             a.dtensor_ops + k * (b.dtensor_ops - a.dtensor_ops),
@@ -371,6 +378,7 @@ def collectives_time(part: PartProfile, links: tuple[Link, ...]) -> float:
 def compute_time(part: PartProfile, compute: Compute) -> float:
     return (
         part.flops / compute.flop_rate
+        + part.conv_flops / (compute.conv_rate or compute.flop_rate)
         + part.streamed_bytes / compute.bandwidth
         + part.kernels * compute.kernel_overhead
         + part.dtensor_ops * compute.dispatch_overhead
@@ -386,6 +394,11 @@ def predict(profile: StepProfile, links: tuple[Link, ...], compute: Compute) -> 
 
 
 # ------------------------------------------------------------------------------------------ fitting
+
+
+def _repeat(fn: Callable[[], object], times: int) -> None:
+    for _ in range(times):
+        fn()
 
 
 def _timed(fn: Callable[[], object], reps: int) -> float:
@@ -413,7 +426,7 @@ def _fit_rank(reps: int) -> dict:
     for size in ALL_REDUCE_SIZES:
         t = torch.ones(size // 4)
         comm.barrier(group)
-        out["all_reduce"][size] = _timed(lambda t=t: comm.all_reduce(t, "sum", group), reps)
+        out["all_reduce"][size] = _timed(partial(comm.all_reduce, t, "sum", group), reps)
     # compute: blocks of calls long enough (tens of ms) to take in the scheduler's share of the cores
     # when every rank is busy at once, as in a step; per call, wall time
     a = torch.randn(256, 256)
@@ -422,22 +435,28 @@ def _fit_rank(reps: int) -> dict:
     mesh = so.init_device_mesh("cpu", (comm.world_size,))
     dt = so.DTensor.from_local(torch.ones(1), mesh, [so.Replicate()])
     dt + dt  # planned once: the cached decision is what a training step pays
-    blocks = {
+    image, kernel = torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3)
+    blocks: dict[str, tuple[Callable[[], object], int]] = {
         "matmul_s": (lambda: a @ a, 40),
+        "conv_s": (lambda: torch.nn.functional.conv2d(image, kernel, padding=1), 4),
         "add_s": (lambda: big + big, 200),
         "kernel_s": (lambda: tiny + tiny, 10000),
         "dtensor_s": (lambda: dt + dt, 300),
     }
     for key, (fn, loop) in blocks.items():
         comm.barrier(group)
-        out[key] = _timed(lambda fn=fn, loop=loop: [fn() for _ in range(loop)], max(reps // 3, 3)) / loop
+        out[key] = _timed(partial(_repeat, fn, loop), max(reps // 3, 3)) / loop
     return out
 
 
-def fit(world_size: int = 4, reps: int = 30, save: str | os.PathLike | None = None) -> tuple[Link, Compute]:
+def fit(
+    world_size: int = 4, reps: int = 30, save: str | os.PathLike | None = None, calibrate: bool = True
+) -> tuple[Link, Compute]:
     """Measure the gloo link (alpha, beta of the ring model's all_reduce, least squares over sizes) and
     the compute constants on `world_size` gloo processes on 127.0.0.1 (one torch thread each, every
-    rank busy at once), install them as the "gloo-localhost" presets, and return them.
+    rank busy at once), install them as the "gloo-localhost" presets, and return them. `calibrate`:
+    the DTensor dispatch overhead from a measured training step of a calibration model instead (see
+    `_calibrated`: a DTensor op in a step costs more than a cached one in a loop).
     `save`: also write them as JSON (read at import when SHARDOPS_TIMING_PRESET names the file)."""
     from ..training.launch import run_gloo
 
@@ -447,21 +466,110 @@ def fit(world_size: int = 4, reps: int = 30, save: str | os.PathLike | None = No
     sizes = list(ALL_REDUCE_SIZES)
     times = [max(r["all_reduce"][s] for r in results) for s in sizes]
     # t = 2(n-1) alpha + 2(n-1)/n bytes / beta: least squares in (alpha, 1/beta)
-    xs = [(2 * (n - 1), 2 * (n - 1) / n * s) for s in sizes]
+    xs = [(2.0 * (n - 1), 2 * (n - 1) / n * s) for s in sizes]
     alpha, inv_beta = _least_squares(xs, times)
     link = Link(max(alpha, 1e-7), 1.0 / max(inv_beta, 1e-12), 0.0)
-    matmul, add, kernel, dtensor = (max(r[k] for r in results) for k in ("matmul_s", "add_s", "kernel_s", "dtensor_s"))
+    matmul, conv, add, kernel, dtensor = (
+        max(r[k] for r in results) for k in ("matmul_s", "conv_s", "add_s", "kernel_s", "dtensor_s")
+    )
     compute = Compute(
         flop_rate=2 * 256**3 / matmul,
         bandwidth=3 * (1 << 18) * 4 / max(add - kernel, 1e-9),
         kernel_overhead=kernel,
         dispatch_overhead=max(dtensor - kernel, 0.0),
+        conv_rate=2 * 8 * 32 * 16 * 9 * 32 * 32 / conv,
     )
     link = Link(link.latency, link.bandwidth, compute.bandwidth)
+    if calibrate:
+        compute = _calibrated(compute, link, world_size, reps)
     install(link, compute)
     if save is not None:
         Path(save).write_text(json.dumps({"link": [link.latency, link.bandwidth], "compute": compute.__dict__}))
     return link, compute
+
+
+def calibration_model() -> tuple[nn.Module, torch.Tensor]:
+    """A model none of the validation benchmarks uses: Linear-GELU-Linear, LayerNorm, Linear-GELU-Linear."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(128, 512),
+        nn.GELU(),
+        nn.Linear(512, 128),
+        nn.LayerNorm(128),
+        nn.Linear(128, 512),
+        nn.GELU(),
+        nn.Linear(512, 128),
+    )
+    return net, torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+
+
+def _square_mean(out, *_):
+    return (out**2).mean()
+
+
+def _calibration_candidates():
+    from .candidates import Candidate
+
+    return [Candidate(("dp",)), Candidate(("tp",), pairs_tp=(True, True))]
+
+
+def _apply_fn(model: nn.Module, example: tuple, cand) -> Callable:
+    from .candidates import plan_entries
+    from .plan import apply_candidate
+    from .structure import find_structure
+
+    entries = plan_entries(find_structure(model, example), cand)
+    return lambda m, mesh: apply_candidate(m, mesh, cand, entries)
+
+
+def _calibration_rank(steps: int) -> list[float]:
+    """On one gloo rank: each calibration candidate trained `steps` steps, in alternation; median seconds."""
+    import shardops as so
+
+    from ..world import current_comm
+    from .plan import mesh_names_for
+
+    net, x = calibration_model()
+    runs = []
+    for cand in _calibration_candidates():
+        mesh = so.init_device_mesh("cpu", (current_comm().world_size,), mesh_dim_names=mesh_names_for(cand))
+        m = _apply_fn(net, (x,), cand)(copy.deepcopy(net), mesh)
+        runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)))
+    comm = current_comm()
+    times: list[list[float]] = [[] for _ in runs]
+    for step in range(steps + 2):
+        for i, (m, opt) in enumerate(runs):
+            comm.barrier(comm.world_group())
+            t0 = time.perf_counter()
+            _square_mean(m(x)).backward()
+            opt.step()
+            opt.zero_grad()
+            if step >= 2:
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _calibrated(compute: Compute, link: Link, world_size: int, reps: int) -> Compute:
+    """The dispatch overhead that makes the calibration model's predicted steps its measured ones (least
+    squares over its candidates), every other figure as measured; the microbenchmark's where it is larger."""
+    from dataclasses import replace
+
+    from ..training.launch import run_gloo
+    from .measure import on_meta
+    from .plan import mesh_names_for
+
+    net, x = calibration_model()
+    meta, example = on_meta(net, (x,))
+    profiles = [
+        profile_dry(meta, (world_size,), mesh_names_for(c), _apply_fn(meta, example, c), example, _square_mean)
+        for c in _calibration_candidates()
+    ]
+    measured = [max(ts) for ts in zip(*run_gloo(_calibration_rank, world_size, max(reps // 2, 5), timeout=600))]
+    base = replace(compute, dispatch_overhead=0.0)
+    residual = [m - predict(p, (link,), base).total for m, p in zip(measured, profiles)]
+    ops = [sum(part.dtensor_ops for part in p.parts.values()) for p in profiles]
+    fitted = sum(r * d for r, d in zip(residual, ops)) / sum(d * d for d in ops)
+    return replace(compute, dispatch_overhead=max(fitted, compute.dispatch_overhead))
 
 
 def _least_squares(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
@@ -488,7 +596,8 @@ def _load_saved() -> None:
     if path and Path(path).is_file():
         data = json.loads(Path(path).read_text())
         compute = Compute(**data["compute"])
-        install(Link(*data["link"], compute.bandwidth), compute)
+        latency, bandwidth = data["link"]
+        install(Link(latency, bandwidth, compute.bandwidth), compute)
 
 
 _load_saved()
