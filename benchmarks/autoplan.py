@@ -170,32 +170,37 @@ def timed_model(name: str) -> tuple[torch.nn.Module, tuple, Any]:
 
 
 def _timed_rank(name: str, candidates: list, steps: int) -> list[list[float]]:
-    """On one gloo rank: each candidate applied to its own copy of the model, trained `steps` steps in
-    alternation (candidate a, b, a, b, ...: the machine's load falls on both alike); seconds per step,
-    each from a barrier to the end of the optimizer step."""
+    """On one gloo rank: each candidate applied to its own copy of the model, and the fit's calibration
+    model (data parallel) beside them, trained `steps` steps in alternation (a, b, calibration, a, ...:
+    the machine's load falls on all alike); seconds per step, each from a barrier to the end of the
+    optimizer step. The last list is the calibration model's."""
     import copy
 
     import shardops as so
+    from shardops.autoparallel import timing
     from shardops.autoparallel.candidates import plan_entries
     from shardops.autoparallel.plan import apply_candidate, mesh_names_for
     from shardops.autoparallel.structure import find_structure
     from shardops.world import current_comm
 
     model, example, loss_fn = timed_model(name)
-    structure = find_structure(model, example)
+    cal_net, cal_x = timing.calibration_model()
+    structure, cal_structure = find_structure(model, example), find_structure(cal_net, (cal_x,))
     runs = []
-    for cand in candidates:
+    for net, ex, fn, struct, cand in [(model, example, loss_fn, structure, c) for c in candidates] + [
+        (cal_net, (cal_x,), timing._square_mean, cal_structure, timing._calibration_candidates()[0])
+    ]:
         mesh = so.init_device_mesh("cpu", (WORLD,), mesh_dim_names=mesh_names_for(cand))
-        m = apply_candidate(copy.deepcopy(model), mesh, cand, plan_entries(structure, cand))
-        runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)))
+        m = apply_candidate(copy.deepcopy(net), mesh, cand, plan_entries(struct, cand))
+        runs.append((m, ex, fn, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)))
     comm = current_comm()
     group = comm.world_group()
-    times: list[list[float]] = [[] for _ in candidates]
+    times: list[list[float]] = [[] for _ in runs]
     for step in range(steps + 2):  # two warm-up steps per candidate
-        for i, (m, opt) in enumerate(runs):
+        for i, (m, ex, fn, opt) in enumerate(runs):
             comm.barrier(group)
             t0 = time.perf_counter()
-            loss = loss_fn(m(*example), *example)
+            loss = fn(m(*ex), *ex)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -217,6 +222,7 @@ def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit
     t0 = time.perf_counter()
     link, compute = timing.fit(WORLD) if fit else (None, timing.COMPUTE_PRESETS["gloo-localhost"])
     fit_s = time.perf_counter() - t0
+    calibration_predicted = _calibration_prediction()
     rows = []
     for name in models:
         model, example, loss_fn = timed_model(name)
@@ -227,9 +233,14 @@ def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit
         )
         chosen = [plan.chosen] + ([by_bytes] if by_bytes is not plan.chosen else [])
         per_rank = run_gloo(_timed_rank, WORLD, name, [s.candidate for s in chosen], steps, timeout=1200, threads=1)
+
+        def slowest(i: int, per_rank: list = per_rank) -> float:  # median over steps of the slowest rank
+            return statistics.median(max(r[i][k] for r in per_rank) for k in range(steps))
+
+        # the load now against the load at the fit: the calibration step measured beside the model
+        load = slowest(len(chosen)) / calibration_predicted
         for i, s in enumerate(chosen):
-            slowest = [max(r[i][k] for r in per_rank) for k in range(steps)]
-            measured = statistics.median(slowest)
+            measured = slowest(i)
             predicted = s.time.total
             rows.append(
                 {
@@ -239,6 +250,8 @@ def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit
                     "predicted_ms": predicted * 1e3,
                     "measured_ms": measured * 1e3,
                     "error": predicted / measured - 1,
+                    "load_factor": load,
+                    "corrected_error": predicted * load / measured - 1,
                     "bytes": s.measurement.total_bytes,
                     "rounds": s.measurement.total_rounds,
                 }
@@ -250,6 +263,22 @@ def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit
         "fit_s": fit_s,
         "load": os.getloadavg(),
     }
+
+
+def _calibration_prediction() -> float:
+    """The fit's calibration model, data parallel on (4,), predicted under the fitted presets."""
+    from shardops.autoparallel import timing
+    from shardops.autoparallel.measure import on_meta
+    from shardops.autoparallel.plan import mesh_names_for
+    from shardops.cost import PRESETS
+
+    net, x = timing.calibration_model()
+    meta, example = on_meta(net, (x,))
+    cand = timing._calibration_candidates()[0]
+    apply = timing._apply_fn(meta, example, cand)
+    profile = timing.profile_dry(meta, (WORLD,), mesh_names_for(cand), apply, example, timing._square_mean)
+    links = (PRESETS["gloo-localhost"],)
+    return timing.predict(profile, links, timing.COMPUTE_PRESETS["gloo-localhost"]).total
 
 
 def _candidate_text(c) -> str:
@@ -268,16 +297,20 @@ def _candidate_text(c) -> str:
 
 def format_step_time_table(result: dict[str, Any]) -> str:
     lines = [
+        "Load factor: the fit's calibration step (data parallel, measured beside each model in the same gloo "
+        "run) over its prediction: the machine's load then against the load at the fit.",
         f"gloo-localhost fitted: {result['link']}, {result['compute']} (fit {result['fit_s']:.0f} s); "
         f"load average {', '.join(f'{x:.1f}' for x in result['load'])}",
         "",
-        "| model | plan | layout | predicted (ms) | measured (ms) | error | bytes / step | rounds |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| model | plan | layout | predicted (ms) | measured (ms) | error | load factor | error, load-corrected "
+        "| bytes / step | rounds |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['plan']} | {r['candidate']} | {r['predicted_ms']:.2f} | {r['measured_ms']:.2f} | "
-            f"{r['error']:+.0%} | {r['bytes']:,} | {r['rounds']} |"
+            f"{r['error']:+.0%} | {r['load_factor']:.2f} | {r['corrected_error']:+.0%} | {r['bytes']:,} | "
+            f"{r['rounds']} |"
         )
     return "\n".join(lines)
 

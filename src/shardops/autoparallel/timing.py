@@ -32,13 +32,15 @@ import statistics
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache, partial
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
 from .. import caches
@@ -81,7 +83,8 @@ class Compute:
     def __repr__(self) -> str:
         return (
             f"Compute({self.flop_rate / 1e9:.3g} GFLOP/s, {self.bandwidth / 1e9:.3g} GB/s, "
-            f"{self.kernel_overhead * 1e6:.3g}us/kernel, {self.dispatch_overhead * 1e6:.3g}us/DTensor op)"
+            f"{self.kernel_overhead * 1e6:.3g}us/kernel, {self.dispatch_overhead * 1e6:.3g}us/DTensor call, "
+            f"conv {(self.conv_rate or self.flop_rate) / 1e9:.3g} GFLOP/s)"
         )
 
 
@@ -118,7 +121,9 @@ class PartProfile:
     conv_flops: float = 0.0  # convolutions, forward and backward
     streamed_bytes: float = 0.0  # bytes read and written by the kernels without one
     kernels: int = 0  # aten kernel calls on local tensors
-    dtensor_ops: int = 0  # ops through shardops' DTensor dispatch
+    # DTensor calls: torch-level calls on DTensors (model code, styles) and aten ops through shardops'
+    # DTensor dispatch; an op entering at both counts twice (the Python work of each entry)
+    dtensor_ops: int = 0
     # (kind, full bytes, group size per spanned mesh dim, spanned mesh dims) -> calls
     collectives: Counter = field(default_factory=Counter)
 
@@ -239,6 +244,19 @@ class KernelCounter(TorchDispatchMode):
         return out
 
 
+class DTensorCalls(TorchFunctionMode):
+    """Torch-level calls with a DTensor operand (the outermost only: the mode is off inside each)."""
+
+    def __init__(self, part: PartProfile) -> None:
+        super().__init__()
+        self.part = part
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            self.part.dtensor_ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _moves_nothing(func) -> bool:
     """Views and allocations: no data read or written."""
     name = func.overloadpacket.__name__
@@ -261,10 +279,12 @@ def _profile_step(model, mesh_shape, mesh_names, apply_fn, example, loss_fn, com
         saved[0] += _nbytes(local)
         return t
 
-    def part(name: str) -> KernelCounter:
+    @contextmanager
+    def part(name: str) -> Iterator[None]:
         counter = KernelCounter()
         counter.part = comm.part = profile.parts[name]
-        return counter
+        with DTensorCalls(counter.part), counter:
+            yield
 
     with part("forward + loss"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = m(*example)
@@ -314,7 +334,7 @@ def _optimizer_part(model: nn.Module, part: PartProfile, optimizer: str) -> None
             local = p.to_local() if isinstance(p, DTensor) else p
             part.kernels += kernels
             part.streamed_bytes += per_element * local.numel()
-            part.dtensor_ops += kernels if isinstance(p, DTensor) else 0
+            part.dtensor_ops += 2 * kernels if isinstance(p, DTensor) else 0  # torch-level and dispatched
 
 
 def profile_dry(
