@@ -88,11 +88,13 @@ class Compute:
         )
 
 
-# NOTE: "gloo-localhost" is fitted by `fit()` on the 2-core development machine: 4 gloo processes
-# on 127.0.0.1, one torch thread each, all ranks busy at once (so each rank's share of the cores is
-# in the figures). "cpu" is a generic one-core CPU; "gpu" an H100-class device for meta plans.
+# NOTE: "gloo-localhost" is fitted by `fit()` on the shared 2-core development machine (load average
+# ~16): 4 gloo processes on 127.0.0.1, one torch thread each, all ranks busy at once (so each rank's
+# share of the cores is in the figures); the DTensor call cost calibrated on timing's calibration
+# model. A machine's load moves these figures by 2x: refit (`shardops autoplan --fit`) where it matters.
+# "cpu" is a generic one-core CPU; "gpu" an H100-class device for meta plans (rough public figures).
 COMPUTE_PRESETS: dict[str, Compute] = {
-    "gloo-localhost": Compute(4.0e9, 2.0e9, 4.0e-6, 60e-6),
+    "gloo-localhost": Compute(12.9e9, 20.3e9, 13.6e-6, 968e-6, conv_rate=7.56e9),
     "cpu": Compute(50e9, 10e9, 5e-6, 40e-6),
     "gpu": Compute(400e12, 2e12, 10e-6, 40e-6),
 }
