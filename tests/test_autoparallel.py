@@ -137,7 +137,7 @@ def test_autoparallel_pure_data_parallel_beats_hand_plan_on_8_ranks():
     ref_loss, ref_grads = _reference(make(), tokens)
     plan = so.autoparallel(make(), (8,), (tokens,), objective="bytes")
     assert plan.candidate.dims == ("dp",) and plan.parallelize_plan == {}
-    _same_pricing_from_metadata(plan, make(), (8,), (tokens,))
+    _same_pricing_from_metadata(plan, make(), (8,), (tokens,), objective="bytes")
 
     auto = _auto_step(plan, make, tokens)
     _check_values(auto, ref_loss, ref_grads)
@@ -236,7 +236,7 @@ def test_a_model_without_blocks_is_planned_with_its_own_loss():
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
     loss_fn = _replicated_target(y)
-    plan = so.autoparallel(net, (2, 2), (x,), loss_fn=loss_fn)
+    plan = so.autoparallel(net, (2, 2), (x,), loss_fn=loss_fn, objective="bytes")
     by_dims = {s.candidate.dims: s.measurement for s in plan.considered}
     assert by_dims.keys() == {("dp", "dp"), ("dp", "tp")} and all(m.feasible for m in by_dims.values())
     weights = sum(p.numel() * p.element_size() for p in net.parameters())

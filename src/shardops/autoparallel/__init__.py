@@ -1,4 +1,4 @@
-"""so.autoparallel: choose a model's whole parallelization plan by its bytes per training step.
+"""so.autoparallel: choose a model's whole parallelization plan by its predicted step time (or bytes).
 
     plan = so.autoparallel(model, (2, 2), (tokens,))
     print(plan)                      # the parallelize_module dict + data_parallel a person would write
@@ -10,7 +10,9 @@ replicated per Linear group), decided once for a block and reused by every repea
 (candidates.py). Every candidate is priced by running its step (measure.py): on a threads world
 of the mesh's size, where it must also give single-device values, or, from metadata alone, as
 one rank of a dry world on META tensors (comm/dry.py: any mesh size, a model built on the meta
-device). The fewest bytes on the busiest rank win, then the fewest rounds, then the least memory.
+device). The shortest predicted step wins (timing.py: the dry step's collectives priced on the link
+model, its kernels' FLOPs and bytes on a compute model), then the fewest bytes; with objective="bytes"
+the fewest bytes on the busiest rank, then the fewest rounds, then the least memory.
 """
 
 from __future__ import annotations
@@ -105,8 +107,8 @@ def autoparallel(
 
     `objective`: "time" (default) ranks the feasible candidates by predicted step time per rank
     (forward, backward, gradient resolution and an `optimizer` step: timing.py, under `links` and
-    `compute`, a Compute or a preset name; default "gloo-localhost" for gloo-localhost links, else
-    "cpu"), then bytes; "bytes" by bytes on the busiest rank, then rounds, then memory."""
+    `compute`, a Compute or a preset name; default "gloo-localhost" for gloo-localhost links, "gpu"
+    with nvlink/ib links, else "cpu"), then bytes; "bytes" by bytes on the busiest rank, then rounds, then memory."""
     shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
     example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if objective not in OBJECTIVES:
@@ -145,7 +147,8 @@ def autoparallel(
         profile = None
         if m.feasible and objective == "time":
             try:
-                profile = _profile(metas, shape, names, apply_fn, loss_fn, optimizer, structure.n_blocks)
+                warm = how != "metadata"  # after a threads run: the dry world's own decisions are not cached yet
+                profile = _profile(metas, shape, names, apply_fn, loss_fn, optimizer, structure.n_blocks, warm)
             except Exception:  # noqa: BLE001  (ran, but not in the dry world: ranked after every timed one)
                 profile = None
         step = None if profile is None else predict(profile, link_models, compute_model)
@@ -172,11 +175,12 @@ def autoparallel(
     return plan
 
 
-def _profile(metas, shape, names, apply_fn, loss_fn, optimizer: str, n_blocks: int) -> StepProfile:
-    """The candidate's step profile on META copies; from a 1- and a 2-block copy, extrapolated, as the bytes."""
-    # not warmed: the byte pricing just ran the same step, so the planner's shape inference is cached
+def _profile(metas, shape, names, apply_fn, loss_fn, optimizer: str, n_blocks: int, warm: bool) -> StepProfile:
+    """The candidate's step profile on META copies; from a 1- and a 2-block copy, extrapolated, as the bytes.
+    `warm`: run the dry step once unprofiled first; not needed right after the dry byte pricing ran it
+    (the planner's shape inference is cached then), so both pricings give the same profile."""
     profiles = [
-        profile_dry(mod, shape, names, apply_fn, ex, loss_fn, optimizer=optimizer, warm=False) for mod, ex in metas
+        profile_dry(mod, shape, names, apply_fn, ex, loss_fn, optimizer=optimizer, warm=warm) for mod, ex in metas
     ]
     return profiles[0] if len(profiles) == 1 else extrapolate_profile(profiles[0], profiles[1], n_blocks)
 

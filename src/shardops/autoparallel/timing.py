@@ -102,11 +102,17 @@ FITTED_FILE = "SHARDOPS_TIMING_PRESET"  # env var: a JSON file `fit(save=...)` w
 
 
 def resolve_compute(compute: str | Compute | None, links: tuple[Link, ...]) -> Compute:
-    """A Compute from a preset name or an instance; None: "gloo-localhost" for gloo links, else "cpu"."""
+    """A Compute from a preset name or an instance; None: "gloo-localhost" for gloo-localhost links,
+    "gpu" with nvlink or ib links, else "cpu"."""
     if isinstance(compute, Compute):
         return compute
     if compute is None:
-        compute = "gloo-localhost" if links and links[0] == PRESETS.get("gloo-localhost") else "cpu"
+        if links and links[0] == PRESETS.get("gloo-localhost"):
+            compute = "gloo-localhost"
+        elif any(link in (PRESETS["nvlink"], PRESETS["ib"]) for link in links):
+            compute = "gpu"  # the links of a GPU cluster: its devices compute
+        else:
+            compute = "cpu"
     if compute not in COMPUTE_PRESETS:
         raise ShardingError(f"unknown compute preset {compute!r}; use one of {sorted(COMPUTE_PRESETS)} or Compute(...)")
     return COMPUTE_PRESETS[compute]
