@@ -451,7 +451,7 @@ def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_sha
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
     loss_fn = _replicated_target(y)
     roomy = 10**9  # a memory limit that binds nothing: the FSDP-style candidates are searched too
-    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
+    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy, objective="bytes")
     assert all(s.measurement.feasible for s in plan.considered)  # values checked against single-device torch
     dp = next(s for s in plan.considered if s.candidate.tp_dim is None and s.candidate.dp_mode == "replicate")
     assert dp.measurement.total_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
@@ -459,5 +459,5 @@ def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_sha
     assert plan.parallelize_plan.keys() == {"0", "2", "4", "6"}
     assert "'0': ColwiseParallel()" in str(plan) and "'2': RowwiseParallel()" in str(plan)
     assert "'6': RowwiseParallel(use_local_output=False)" in str(plan)  # the output: a global DTensor
-    _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
+    _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy, objective="bytes")
     _trains_exactly(plan, net, x, loss_fn)
