@@ -18,6 +18,7 @@ torch.distributed has no automatic planner to compare with, so there is no DTens
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -98,10 +99,233 @@ def format_autoplan_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# --- predicted vs measured step time (issue 44) ------------------------------------------------
+
+TIMED_MODELS = ("mlp", "cnn", "llama", "encoder")
+WORLD = 4
+
+
+class _Encoder(torch.nn.Module):
+    """Tokens -> nn.TransformerEncoder (nn.MultiheadAttention inside) -> a vocabulary head."""
+
+    def __init__(self, dim: int = 128, vocab: int = 512, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        layer = torch.nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.emb(tokens)))
+
+
+class _MeanSquared:
+    """((out - target) ** 2).mean() against a global target, the same on every rank (picklable)."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+
+    def __call__(self, out, *_):
+        import shardops as so
+
+        target = self.target.to(out.device)
+        if isinstance(out, so.DTensor):
+            target = so.DTensor.from_local(target, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim)
+        return ((out - target) ** 2).mean()
+
+
+def timed_model(name: str) -> tuple[torch.nn.Module, tuple, Any]:
+    """(model, global example batch, loss_fn) of a named benchmark model, the same on every call."""
+    from shardops.autoparallel import language_model_loss
+    from shardops.models import Llama, ModelArgs
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        dims = (256, 1024, 256, 1024, 256)
+        layers: list[torch.nn.Module] = []
+        for a, b in zip(dims, dims[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        x = torch.randn(64, 256, generator=g)
+        return torch.nn.Sequential(*layers[:-1]), (x,), _MeanSquared(torch.randn(64, 256, generator=g))
+    if name == "cnn":
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(32, 10),
+        )
+        x = torch.randn(32, 3, 32, 32, generator=g)
+        return net, (x,), _MeanSquared(torch.randn(32, 10, generator=g))
+    tokens = torch.randint(0, 512, (8, 64), generator=g)
+    if name == "llama":
+        args = ModelArgs(dim=128, n_layers=2, n_heads=4, vocab_size=512, hidden_dim=384, max_seq_len=64)
+        return Llama(args, seed=0), (tokens,), language_model_loss
+    if name == "encoder":
+        return _Encoder(), (tokens,), language_model_loss
+    raise ValueError(f"unknown model {name!r}; use one of {TIMED_MODELS}")
+
+
+def _timed_rank(name: str, candidates: list, steps: int) -> list[list[float]]:
+    """On one gloo rank: each candidate applied to its own copy of the model, and the fit's calibration
+    model (data parallel) beside them, trained `steps` steps in alternation (a, b, calibration, a, ...:
+    the machine's load falls on all alike); seconds per step, each from a barrier to the end of the
+    optimizer step. The last list is the calibration model's."""
+    import copy
+
+    import shardops as so
+    from shardops.autoparallel import timing
+    from shardops.autoparallel.candidates import plan_entries
+    from shardops.autoparallel.plan import apply_candidate, batch_feed, mesh_names_for
+    from shardops.autoparallel.structure import find_structure
+    from shardops.world import current_comm
+
+    model, example, loss_fn = timed_model(name)
+    cal_net, cal_x = timing.calibration_model()
+    structure, cal_structure = find_structure(model, example), find_structure(cal_net, (cal_x,))
+    runs = []
+    for net, ex, fn, struct, cand in [(model, example, loss_fn, structure, c) for c in candidates] + [
+        (cal_net, (cal_x,), timing._square_mean, cal_structure, timing._calibration_candidates()[0])
+    ]:
+        mesh = so.init_device_mesh("cpu", (WORLD,), mesh_dim_names=mesh_names_for(cand))
+        m = apply_candidate(copy.deepcopy(net), mesh, cand, plan_entries(struct, cand), struct.blocks)
+        local = batch_feed((WORLD,), cand)(mesh, ex)  # this rank's batch slice, as the plan takes it
+        runs.append((m, local, fn, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)))
+    comm = current_comm()
+    group = comm.world_group()
+    times: list[list[float]] = [[] for _ in runs]
+    for step in range(steps + 2):  # two warm-up steps per candidate
+        for i, (m, ex, fn, opt) in enumerate(runs):
+            comm.barrier(group)
+            t0 = time.perf_counter()
+            loss = fn(m(*ex), *ex)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step >= 2:
+                times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit: bool = True) -> dict[str, Any]:
+    """Per model: so.autoparallel's plan on (4,) by predicted step time under the fitted gloo-localhost
+    presets, and (where it differs) the plan with the fewest bytes; each trained under 4 gloo processes
+    on 127.0.0.1, the measured step (slowest rank per step, median over steps) beside the prediction."""
+    import statistics
+
+    from shardops.autoparallel import autoparallel, timing
+    from shardops.cost import PRESETS
+    from shardops.training.launch import run_gloo
+
+    t0 = time.perf_counter()
+    link, compute = timing.fit(WORLD) if fit else (None, timing.COMPUTE_PRESETS["gloo-localhost"])
+    fit_s = time.perf_counter() - t0
+    calibration_predicted = _calibration_prediction()
+    rows = []
+    for name in models:
+        model, example, loss_fn = timed_model(name)
+        plan = autoparallel(model, (WORLD,), example, loss_fn=loss_fn, links="gloo-localhost", pricing="metadata")
+        by_bytes = min(
+            (s for s in plan.considered if s.measurement.feasible and s.time is not None),
+            key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds),
+        )
+        chosen = [plan.chosen] + ([by_bytes] if by_bytes is not plan.chosen else [])
+        per_rank = run_gloo(_timed_rank, WORLD, name, [s.candidate for s in chosen], steps, timeout=1200, threads=1)
+
+        def slowest(i: int, per_rank: list = per_rank) -> float:  # median over steps of the slowest rank
+            return statistics.median(max(r[i][k] for r in per_rank) for k in range(steps))
+
+        # the load now against the load at the fit: the calibration step measured beside the model
+        load = slowest(len(chosen)) / calibration_predicted
+        for i, s in enumerate(chosen):
+            measured = slowest(i)
+            predicted = s.time.total
+            rows.append(
+                {
+                    "model": name,
+                    "plan": "chosen (time)" if i == 0 else "fewest bytes",
+                    "candidate": _candidate_text(s.candidate),
+                    "predicted_ms": predicted * 1e3,
+                    "measured_ms": measured * 1e3,
+                    "error": predicted / measured - 1,
+                    "load_factor": load,
+                    "corrected_error": predicted * load / measured - 1,
+                    "bytes": s.measurement.total_bytes,
+                    "rounds": s.measurement.total_rounds,
+                }
+            )
+    return {
+        "rows": rows,
+        "link": repr(link if link is not None else PRESETS["gloo-localhost"]),
+        "compute": repr(compute),
+        "fit_s": fit_s,
+        "load": os.getloadavg(),
+    }
+
+
+def _calibration_prediction() -> float:
+    """The fit's calibration model, data parallel on (4,), predicted under the fitted presets."""
+    from shardops.autoparallel import timing
+    from shardops.autoparallel.measure import on_meta
+    from shardops.autoparallel.plan import batch_feed, mesh_names_for
+    from shardops.cost import PRESETS
+
+    net, x = timing.calibration_model()
+    meta, example = on_meta(net, (x,))
+    cand = timing._calibration_candidates()[0]
+    apply = timing._apply_fn(meta, example, cand)
+    feed = batch_feed((WORLD,), cand)
+    profile = timing.profile_dry(meta, (WORLD,), mesh_names_for(cand), apply, feed, example, timing._square_mean)
+    links = (PRESETS["gloo-localhost"],)
+    return timing.predict(profile, links, timing.COMPUTE_PRESETS["gloo-localhost"]).total
+
+
+def _candidate_text(c) -> str:
+    if c.tp_dim is None:
+        return f"data parallel ({c.dp_mode})"
+    if c.pairs_tp:
+        return "tensor parallel pairs " + "".join("1" if on else "0" for on in c.pairs_tp)
+    return "tensor parallel " + ", ".join(
+        [
+            "sp" if c.sequence_parallel else "no sp",
+            "vocab head" if c.vocab_parallel else "replicated head",
+            "groups " + "".join("1" if on else "0" for on in c.groups_tp),
+        ]
+    )
+
+
+def format_step_time_table(result: dict[str, Any]) -> str:
+    lines = [
+        "Load factor: the fit's calibration step (data parallel, measured beside each model in the same gloo "
+        "run) over its prediction: the machine's load then against the load at the fit.",
+        f"gloo-localhost fitted: {result['link']}, {result['compute']} (fit {result['fit_s']:.0f} s); "
+        f"load average {', '.join(f'{x:.1f}' for x in result['load'])}",
+        "",
+        "| model | plan | layout | predicted (ms) | measured (ms) | error | load factor | error, load-corrected "
+        "| bytes / step | rounds |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['plan']} | {r['candidate']} | {r['predicted_ms']:.2f} | {r['measured_ms']:.2f} | "
+            f"{r['error']:+.0%} | {r['load_factor']:.2f} | {r['corrected_error']:+.0%} | {r['bytes']:,} | "
+            f"{r['rounds']} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="(8, 8) only")
+    parser.add_argument("--timing", nargs="*", choices=TIMED_MODELS, help="predicted vs measured step time instead")
+    parser.add_argument("--steps", type=int, default=15)
     args = parser.parse_args(argv)
+    if args.timing is not None:
+        print(format_step_time_table(measure_step_time(args.timing or TIMED_MODELS, args.steps)))
+        return 0
     print(format_autoplan_table(measure_autoplan(((8, 8),) if args.quick else tuple(TARGETS_S))))
     return 0
 

@@ -122,7 +122,7 @@ def test_autoparallel_measured_equals_predicted_and_no_worse_than_hand(model_cls
     make = lambda: model_cls(ARGS, seed=0)  # noqa: E731
     tokens = _tokens(4, 8, ARGS.vocab_size)
     ref_loss, ref_grads = _reference(make(), tokens)
-    plan = so.autoparallel(make(), mesh_shape, (tokens,))
+    plan = so.autoparallel(make(), mesh_shape, (tokens,), objective="bytes")
     _same_pricing_from_metadata(plan, make(), mesh_shape, (tokens,))
 
     auto = _auto_step(plan, make, tokens)
@@ -143,9 +143,9 @@ def test_autoparallel_pure_data_parallel_beats_hand_plan_on_8_ranks():
     make = lambda: Llama(args, seed=0)  # noqa: E731
     tokens = _tokens(16, 32, args.vocab_size)
     ref_loss, ref_grads = _reference(make(), tokens)
-    plan = so.autoparallel(make(), (8,), (tokens,))
+    plan = so.autoparallel(make(), (8,), (tokens,), objective="bytes")
     assert plan.candidate.dims == ("dp",) and plan.parallelize_plan == {}
-    _same_pricing_from_metadata(plan, make(), (8,), (tokens,))
+    _same_pricing_from_metadata(plan, make(), (8,), (tokens,), objective="bytes")
 
     auto = _auto_step(plan, make, tokens)
     _check_values(auto, ref_loss, ref_grads)
@@ -180,7 +180,7 @@ def test_a_meta_model_on_a_4096_rank_mesh_is_planned_from_metadata_alone():
     with torch.device("meta"):
         model = Llama(ModelArgs(dim=64, n_heads=16, hidden_dim=128, vocab_size=128, n_layers=3), seed=0)
     tokens = torch.empty(1024, 16, dtype=torch.long, device="meta")
-    plan = so.autoparallel(model, (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"))
+    plan = so.autoparallel(model, (8, 8, 16), (tokens,), links=("nvlink", "ib", "ib"), objective="bytes")
     assert plan.pricing.startswith("from metadata") and not in_threads_world()
     assert all(s.measurement.feasible for s in plan.considered) and len(plan.considered) > 1
     assert plan.predicted_bytes == min(s.measurement.total_bytes for s in plan.considered)
@@ -279,7 +279,7 @@ def test_a_model_without_blocks_is_planned_with_its_own_loss():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 16, generator=g)
     loss_fn = _regression_loss(4)
-    plan = so.autoparallel(net, (2, 2), (x,), loss_fn=loss_fn)
+    plan = so.autoparallel(net, (2, 2), (x,), loss_fn=loss_fn, objective="bytes")
     by_dims = {s.candidate.dims: s.measurement for s in plan.considered}
     assert by_dims.keys() == {("dp", "dp"), ("dp", "tp")} and all(m.feasible for m in by_dims.values())
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -631,7 +631,7 @@ def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_sha
     x = torch.randn(8, 16, generator=g)
     loss_fn = _regression_loss(4)
     roomy = 10**9  # a memory limit that binds nothing: the FSDP-style candidates are searched too
-    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
+    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy, objective="bytes")
     assert all(s.measurement.feasible for s in plan.considered)  # values checked against single-device torch
     dp = next(s for s in plan.considered if s.candidate.tp_dim is None and s.candidate.dp_mode == "replicate")
     assert dp.measurement.total_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
@@ -639,7 +639,7 @@ def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_sha
     assert plan.parallelize_plan.keys() == {"0", "2", "4", "6"}
     assert "'0': ColwiseParallel()" in str(plan) and "'2': RowwiseParallel()" in str(plan)
     assert "'6': RowwiseParallel()" in str(plan)  # the output: plain, this rank's batch slice
-    _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy)
+    _same_pricing_from_metadata(plan, net, mesh_shape, (x,), loss_fn=loss_fn, memory_per_rank=roomy, objective="bytes")
     _trains_exactly(plan, net, x, loss_fn)
 
 

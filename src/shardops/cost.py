@@ -31,8 +31,14 @@ class Link:
 # for GPU memory. It prices the redundant work of "gather, then every rank
 # computes the whole thing", which is what makes gathering lose on CPUs even
 # when it saves a round.
+# gloo-localhost: gloo between processes on one host (127.0.0.1), fitted by
+# shardops.autoparallel.timing.fit() on the shared 2-core development machine under a load average
+# of ~16 (4 processes, one torch thread each, all_reduce of 4 B to 4 MiB, least squares of the ring
+# model): alpha 793 us, beta 0.166 GB/s. Refit on another machine with `shardops autoplan --fit`
+# (its compute twin is timing.COMPUTE_PRESETS["gloo-localhost"]).
 PRESETS: dict[str, Link] = {
     "threads": Link(20e-6, 5e9, 2e9),
+    "gloo-localhost": Link(793e-6, 0.166e9, 20.3e9),
     "gloo": Link(50e-6, 1.25e9, 2e9),
     "ethernet": Link(50e-6, 1.25e9, 2e9),
     "nvlink": Link(10e-6, 300e9, 1e12),

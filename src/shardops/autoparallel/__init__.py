@@ -1,4 +1,4 @@
-"""so.autoparallel: choose a model's whole parallelization plan by its bytes per training step.
+"""so.autoparallel: choose a model's whole parallelization plan by its predicted step time (or bytes).
 
     plan = so.autoparallel(model, (2, 2), (tokens,))
     print(plan)                      # the parallelize_module dict + fully_shard/replicate a person would write
@@ -11,7 +11,9 @@ replicated per Linear group), decided once for a block and reused by every repea
 (candidates.py). Every candidate is priced by running its step (measure.py): on a threads world
 of the mesh's size, where it must also give single-device values, or, from metadata alone, as
 one rank of a dry world on META tensors (comm/dry.py: any mesh size, a model built on the meta
-device). The fewest bytes on the busiest rank win, then the fewest rounds, then the least memory.
+device). The shortest predicted step wins (timing.py: the dry step's collectives priced on the link
+model, its kernels' FLOPs and bytes on a compute model), then the fewest bytes; with objective="bytes"
+the fewest bytes on the busiest rank, then the fewest rounds, then the least memory.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from ..placements import Replicate
 from ..tensor import DTensor, from_local
 from .candidates import compute_share, enumerate_candidates, plan_entries
 from .measure import extrapolate, measure, measure_dry, on_meta, reference_step, uses_batch_statistics
-from .plan import Plan, Scored, apply_candidate, dp_coordinate, local_inputs, mesh_names_for
+from .plan import OBJECTIVES, Plan, Scored, apply_candidate, batch_feed, mesh_names_for, rank_key
 from .structure import find_structure, truncated
+from .timing import Compute, StepProfile, extrapolate_profile, predict, profile_dry, resolve_compute
 
-__all__ = ["Plan", "autoparallel", "language_model_loss"]
+__all__ = ["Compute", "Plan", "autoparallel", "language_model_loss"]
 
 MAX_RUNNABLE_RANKS = 16  # pricing runs the step on a threads world of this many ranks at most
 
@@ -85,17 +88,29 @@ def autoparallel(
     links=None,
     memory_per_rank: int | None = None,
     pricing: str = "auto",
+    objective: str = "bytes",
+    compute: str | Compute | None = None,
+    optimizer: str = "adamw",
 ) -> Plan:
-    """The plan with the fewest bytes per step on the busiest rank (see module doc). Call it outside
+    """The plan with the fewest bytes (or shortest predicted step time) per rank (see module doc). Call it outside
     `so.run`, with the global example batch; apply the plan inside, on every rank.
 
     `pricing`: "run" runs each candidate's step on a threads world of the mesh's size and checks its
     values against single-device torch; "metadata" runs it as one rank at a time of a dry world on
     META tensors (any mesh size, a model built on the meta device); "auto" (default) runs where it
-    can (real tensors, at most 16 ranks) and prices from metadata otherwise."""
+    can (real tensors, at most 16 ranks) and prices from metadata otherwise.
+
+    `objective`: "time" ranks the feasible candidates by predicted step time per rank
+    (forward, backward, gradient resolution and an `optimizer` step: timing.py, under `links` and
+    `compute`, a Compute or a preset name; default "gloo-localhost" for gloo-localhost links, "gpu"
+    with nvlink/ib links, else "cpu"), then bytes; "bytes" (default, until the time model is validated on an
+    idle machine: docs/autoparallel.md) by bytes on the busiest rank, then rounds, then memory."""
     shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
     example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    resolve_links(links, len(shape))  # validated; the objective is bytes, which do not depend on links
+    if objective not in OBJECTIVES:
+        raise ShardingError(f"autoparallel: objective={objective!r}; use one of {OBJECTIVES}")
+    link_models = resolve_links(links, len(shape))
+    compute_model = resolve_compute(compute, link_models)
     how = _pricing_for(pricing, shape, model, example)
     warmup_s = warm_up() if how == "metadata" else 0.0  # torch's first meta kernel imports dynamo: said apart
     t0 = time.perf_counter()
@@ -110,6 +125,8 @@ def autoparallel(
     # with BatchNorm, a data-parallel step equals torch's DDP step (each rank's batch statistics), not one device's
     per_rank_statistics = uses_batch_statistics(model) and how == "run"
     dp_refs: dict[int, list] = {1: refs}
+    # the step-time profile comes from the dry world always (metadata: what the byte pricing ran)
+    metas = [(mod, example) if how == "metadata" else on_meta(mod, example) for mod in models]
     batch = example[0].shape[0]
     scored: list[Scored] = []
     # fully_shard never moves fewer bytes than replicate (all_gathers and a reduce_scatter per unit
@@ -119,7 +136,7 @@ def autoparallel(
         entries = plan_entries(structure, cand)
         names = mesh_names_for(cand)
         apply_fn = lambda mod, msh, c=cand, e=entries: apply_candidate(mod, msh, c, e, structure.blocks)  # noqa: E731
-        feed_fn = lambda msh, ex, c=cand: local_inputs(ex, *dp_coordinate(shape, msh.own_coordinate(), c))  # noqa: E731
+        feed_fn = batch_feed(shape, cand)
         pricer = measure if how == "run" else measure_dry
         dp = math.prod(shape[d] for d in cand.dp_dims) if per_rank_statistics else 1
         if dp not in dp_refs:
@@ -129,7 +146,15 @@ def autoparallel(
         m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
-        scored.append(Scored(cand, entries, m))
+        profile = None
+        if m.feasible and objective == "time":
+            try:
+                warm = how != "metadata"  # after a threads run: the dry world's own decisions are not cached yet
+                profile = _profile(metas, shape, names, apply_fn, feed_fn, loss_fn, optimizer, structure.n_blocks, warm)
+            except Exception:  # noqa: BLE001  (ran, but not in the dry world: ranked after every timed one)
+                profile = None
+        step = None if profile is None else predict(profile, link_models, compute_model)
+        scored.append(Scored(cand, entries, m, profile, step))
     if not scored:
         raise ShardingError(
             f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does "
@@ -142,20 +167,32 @@ def autoparallel(
         raise ShardingError(
             f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})"
         )
-    best = min(
-        feasible, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank)
-    )
+    best = min(feasible, key=rank_key(objective))
     plan = Plan(
         shape, best, scored, type(model).__name__, compute_share(structure, best.candidate, shape), PRICING_TEXT[how]
     )
     plan.blocks, plan.blocks_text = structure.blocks, _blocks_text(model, structure.blocks)
     if best.candidate.dp_dims and uses_batch_statistics(model):
         plan.notes.append(BATCH_NORM_NOTE)
+    plan.objective = objective
+    plan.models = (link_models, compute_model)
     plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
     return plan
 
 
 BATCH_NORM_NOTE = "BatchNorm: each rank's batch statistics (torch DDP semantics); use nn.SyncBatchNorm for global ones"
+
+
+def _profile(metas, shape, names, apply_fn, feed_fn, loss_fn, optimizer: str, n_blocks: int, warm: bool) -> StepProfile:
+    """The candidate's step profile on META copies; from a 1- and a 2-block copy, extrapolated, as the bytes.
+    `warm`: run the dry step once unprofiled first; not needed right after the dry byte pricing ran it
+    (the planner's shape inference is cached then), so both pricings give the same profile."""
+    profiles = [
+        profile_dry(mod, shape, names, apply_fn, feed_fn, ex, loss_fn, optimizer=optimizer, warm=warm)
+        for mod, ex in metas
+    ]
+    return profiles[0] if len(profiles) == 1 else extrapolate_profile(profiles[0], profiles[1], n_blocks)
+
 
 PRICING_TEXT = {
     "run": "measured: one step on the threads world, counted with so.CommDebugMode",

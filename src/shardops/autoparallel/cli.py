@@ -85,15 +85,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--memory-per-rank", type=int, default=None, help="bytes per rank for parameters, gradients and AdamW states"
     )
     parser.add_argument("--explain", action="store_true", help="also print each module's runner-up and cost difference")
+    parser.add_argument("--objective", choices=("time", "bytes"), default="bytes")
+    parser.add_argument("--compute", default=None, help="compute preset (gloo-localhost, cpu, gpu)")
+    parser.add_argument(
+        "--fit",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="JSON",
+        help="measure the gloo-localhost link and compute presets on 4 gloo processes here, print them "
+        "(and write them to JSON, read at import when SHARDOPS_TIMING_PRESET names it); no plan",
+    )
     args = parser.parse_args(list(argv or []))
     from . import autoparallel
+
+    if args.fit is not None:
+        from .timing import fit
+
+        link, compute = fit(save=args.fit or None)
+        print(f"gloo-localhost: {link!r} (alpha {link.latency:.3g} s, beta {link.bandwidth:.3g} B/s), {compute!r}")
+        return 0
 
     name = args.name or args.model or "llama"
     model, tokens = build(name, args)
     links = tuple(args.links.split(",")) if args.links else None
     try:
         plan = autoparallel(
-            model, args.mesh, (tokens,), links=links, pricing=args.pricing, memory_per_rank=args.memory_per_rank
+            model,
+            args.mesh,
+            (tokens,),
+            links=links,
+            pricing=args.pricing,
+            memory_per_rank=args.memory_per_rank,
+            objective=args.objective,
+            compute=args.compute,
         )
     except ShardingError as e:
         print(f"shardops autoplan: {e}", file=sys.stderr)

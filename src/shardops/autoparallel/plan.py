@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,8 +16,21 @@ from ..parallel import parallelize_module
 from ..world import current_comm
 from .candidates import Candidate, PlanEntry
 from .measure import PARTS, Measurement
+from .timing import PARTS as TIMED_PARTS
+from .timing import StepProfile, StepTime
 
-__all__ = ["Plan", "apply_candidate", "local_inputs", "mesh_names_for", "working_mesh"]
+__all__ = [
+    "OBJECTIVES",
+    "Plan",
+    "apply_candidate",
+    "batch_feed",
+    "local_inputs",
+    "mesh_names_for",
+    "rank_key",
+    "working_mesh",
+]
+
+OBJECTIVES = ("time", "bytes")
 
 
 def mesh_names_for(c: Candidate) -> tuple[str, ...]:
@@ -117,11 +131,29 @@ def local_inputs(inputs: tuple, index: int, n: int) -> tuple:
     return tuple(out)
 
 
+def batch_feed(mesh_shape: tuple[int, ...], c: Candidate) -> Callable[[DeviceMesh, tuple], tuple]:
+    """The feed of an applied candidate: `(mesh, global example) -> this rank's batch slice`."""
+    return lambda mesh, example: local_inputs(example, *dp_coordinate(mesh_shape, mesh.own_coordinate(), c))
+
+
 @dataclass
 class Scored:
     candidate: Candidate
     entries: list[PlanEntry]
     measurement: Measurement
+    profile: StepProfile | None = None  # the dry step's collectives, kernels and FLOPs (objective "time")
+    time: StepTime | None = None  # its predicted step time on one rank
+
+    @property
+    def seconds(self) -> float:
+        return math.inf if self.time is None else self.time.total
+
+
+def rank_key(objective: str):
+    """The order of feasible candidates: predicted step time first ("time"), or bytes first ("bytes")."""
+    if objective == "time":
+        return lambda s: (s.seconds, s.measurement.total_bytes, s.measurement.total_rounds)
+    return lambda s: (s.measurement.total_bytes, s.measurement.total_rounds, s.measurement.memory_per_rank)
 
 
 @dataclass
@@ -138,6 +170,13 @@ class Plan:
     blocks: str | None = None  # the container of repeated blocks: one fully_shard unit each
     blocks_text: str = "model.layers"  # the same, as the code iterates it (model.layers, model.h.values())
     notes: list[str] = field(default_factory=list)  # printed under the code: what the plan's semantics are
+    objective: str = "bytes"
+    models: tuple = ()  # (per-mesh-dim Links, Compute) the times were predicted under
+
+    @property
+    def predicted_time(self) -> float | None:
+        """Seconds of one training step on the busiest rank, predicted (objective "time"), else None."""
+        return None if self.chosen.time is None else self.chosen.time.total
 
     # -- the contract
     @property
@@ -206,6 +245,7 @@ class Plan:
             lines.append(f"  {part:<16}{m.bytes_per_part[part]:>14,}{m.rounds_per_part[part]:>8}")
         lines.append(f"  {'optimizer step':<16}{0:>14,}{0:>8}   (gradients already resolved above)")
         lines.append(f"  {'total':<16}{m.total_bytes:>14,}{m.total_rounds:>8}")
+        lines.extend(self._time_lines())
         lines.append(f"  matmul work on the busiest rank: {self.compute_share:.2f}x an even share")
         lines.append(
             "  peak memory per rank (parameters + gradients + AdamW states"
@@ -267,36 +307,68 @@ class Plan:
         lines.append(f"# batch.chunk({math.prod(self.mesh_shape[d] for d in c.dp_dims)})[this rank's index over {dp}]")
         return lines
 
+    def _time_lines(self) -> list[str]:
+        t, prof = self.chosen.time, self.chosen.profile
+        if t is None or prof is None:
+            return []
+        links, compute = self.models
+        lines = [
+            f"predicted step time, one rank (links {', '.join(map(repr, links))}; {compute!r}): {t.total * 1e3:.3f} ms",
+            f"  {'part':<16}{'compute ms':>12}{'comm ms':>10}{'GFLOP':>9}{'kernels':>9}{'collectives':>13}",
+        ]
+        for part in TIMED_PARTS:
+            p = prof.parts[part]
+            lines.append(
+                f"  {part:<16}{t.compute[part] * 1e3:>12.3f}{t.comm[part] * 1e3:>10.3f}{p.flops / 1e9:>9.3f}"
+                f"{p.kernels:>9}{p.rounds:>13}"
+            )
+        lines.append(f"  activations kept for backward, per rank: {prof.activation_bytes:,} B")
+        return lines
+
     def explain(self) -> str:
-        """Per mesh dim and per module: the chosen style, the runner-up (the cheapest feasible plan
-        that does otherwise there) and the difference in bytes per step on the busiest rank."""
+        """Per mesh dim and per module (a repeated block's modules once, under `blocks.*`): the chosen
+        layout, the runner-up (the best feasible plan, by the plan's objective, that does otherwise
+        there) and what it would cost more or less: predicted step time and bytes per step on the
+        busiest rank."""
         chosen = self.chosen
         mine = {e.key: e.text for e in chosen.entries}
         feasible = [s for s in self.considered if s.measurement.feasible and s is not chosen]
-        cost = chosen.measurement.total_bytes
-        lines = [f"chosen plan: {cost:,} B per step on the busiest rank ({len(feasible)} feasible alternatives)"]
+        key = rank_key(self.objective)
+        lines = [f"chosen plan: {_cost_text(chosen)} ({len(feasible)} feasible alternatives, by {self.objective})"]
 
-        def runner_up(differs) -> str | tuple[str, Scored]:
+        def runner_up(differs) -> Scored | None:
             others = [s for s in feasible if differs(s)]
-            if not others:
-                return "runner-up: none feasible"
-            best = min(others, key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds))
-            return f"{best.measurement.total_bytes - cost:+,} B", best
+            return min(others, key=key) if others else None
 
         names = self.mesh_dim_names
         for d, kind in enumerate(chosen.candidate.dims):
             r = runner_up(lambda s, d=d, kind=kind: s.candidate.dims[d] != kind)
-            if isinstance(r, str):
-                lines.append(f"mesh dim {d} {names[d]!r}: {kind}; {r}")
-            else:
-                lines.append(f"mesh dim {d} {names[d]!r}: {kind}; runner-up {r[1].candidate.dims[d]} ({r[0]})")
+            head = f"mesh dim {d} {names[d]!r}: {kind}"
+            lines.append(
+                f"{head}; runner-up: none feasible"
+                if r is None
+                else f"{head}; runner-up {r.candidate.dims[d]} ({_delta(r, chosen)})"
+            )
         keys = list(mine) + sorted({e.key for s in feasible for e in s.entries} - set(mine))
-        for key in keys:
-            r = runner_up(lambda s, key=key: {e.key: e.text for e in s.entries}.get(key) != mine.get(key))
-            chosen_text = mine.get(key, "(not in plan)")
-            if isinstance(r, str):
-                lines.append(f"{key}: {chosen_text}; {r}")
+        for k in keys:
+            r = runner_up(lambda s, k=k: {e.key: e.text for e in s.entries}.get(k) != mine.get(k))
+            chosen_text = mine.get(k, "(not in plan)")
+            if r is None:
+                lines.append(f"{k}: {chosen_text}; runner-up: none feasible")
             else:
-                theirs = {e.key: e.text for e in r[1].entries}.get(key, "(not in plan)")
-                lines.append(f"{key}: {chosen_text}\n    runner-up ({r[0]}): {theirs}")
+                theirs = {e.key: e.text for e in r.entries}.get(k, "(not in plan)")
+                lines.append(f"{k}: {chosen_text}\n    runner-up ({_delta(r, chosen)}): {theirs}")
         return "\n".join(lines)
+
+
+def _cost_text(s: Scored) -> str:
+    b = f"{s.measurement.total_bytes:,} B per step on the busiest rank"
+    return b if s.time is None else f"{s.time.total * 1e3:.3f} ms predicted, {b}"
+
+
+def _delta(other: Scored, chosen: Scored) -> str:
+    """What the runner-up costs beside the chosen plan: time (where predicted) and bytes."""
+    b = f"{other.measurement.total_bytes - chosen.measurement.total_bytes:+,} B"
+    if other.time is None or chosen.time is None:
+        return b
+    return f"{(other.time.total - chosen.time.total) * 1e3:+.3f} ms, {b}"

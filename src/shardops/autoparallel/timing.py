@@ -1,0 +1,645 @@
+"""Predicted step time of a candidate plan, from metadata: one rank's forward + loss, backward,
+gradient resolution and optimizer step, priced with the link model (cost.py) and a compute model.
+
+The profile comes from one rank of the dry world (comm/dry.py) on META tensors, the very step the
+byte pricing runs (measure.py):
+
+- every collective with its kind, its full (gathered/reduced) size and the mesh dims its group
+  spans (the dry communicator's `_impl` methods see the group; `record` sees only bytes);
+- every aten kernel the rank runs on its local tensors (a dispatch mode below DTensor: an op on
+  DTensors is let through to shardops' dispatch, whose local kernels the mode then sees), with its
+  FLOPs (torch.utils.flop_counter's formulas) or, for an op without a formula, the bytes it reads
+  and writes; and how many ops went through shardops' DTensor dispatch;
+- the optimizer's kernels per parameter (one real step on a small CPU tensor, read once), and the
+  bytes autograd keeps for backward (torch.autograd.graph.saved_tensors_hooks).
+
+Time per part, on the busiest rank, nothing overlapped (shardops' collectives are synchronous):
+
+    compute = FLOPs / flop_rate + bytes / bandwidth + kernels x kernel_overhead + DTensor ops x dispatch_overhead
+    comm    = sum over collectives of cost.collective_time (ring model: alpha per step, bytes / beta)
+
+The compute constants and the gloo link are fitted on this machine by `fit()` (4 gloo processes on
+127.0.0.1; `shardops autoplan --fit`) and kept as the "gloo-localhost" presets.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import statistics
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cache, partial
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import flop_registry
+
+from .. import caches
+from .._torch.dispatch import TorchDispatchMode
+from ..comm.dry import DryCommunicator
+from ..cost import PRESETS, Link, collective_time, joint_collective_time
+from ..dispatch.core import FallbackWarning
+from ..errors import ShardingError
+from ..mesh import init_device_mesh
+from ..tensor import DTensor
+from ..world import run_dry
+from . import device_kernels
+
+__all__ = [
+    "COMPUTE_PRESETS",
+    "Compute",
+    "PartProfile",
+    "StepProfile",
+    "StepTime",
+    "extrapolate_profile",
+    "fit",
+    "predict",
+    "profile_dry",
+    "resolve_compute",
+]
+
+PARTS = ("forward + loss", "backward", "gradient sync", "optimizer step")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """What one rank's local work costs: the roofline's two rates and two per-call overheads."""
+
+    flop_rate: float  # FLOP/s of kernels with a FLOP formula (matmul, convolution, attention)
+    bandwidth: float  # bytes/s streamed by every other kernel (elementwise, reductions, copies)
+    kernel_overhead: float  # seconds per aten kernel call (dispatcher and Python around it)
+    dispatch_overhead: float  # seconds per op through shardops' DTensor dispatch, beyond its kernels
+    conv_rate: float | None = None  # FLOP/s of convolutions (CPU kernels run them slower); None: flop_rate
+
+    def __repr__(self) -> str:
+        return (
+            f"Compute({self.flop_rate / 1e9:.3g} GFLOP/s, {self.bandwidth / 1e9:.3g} GB/s, "
+            f"{self.kernel_overhead * 1e6:.3g}us/kernel, {self.dispatch_overhead * 1e6:.3g}us/DTensor call, "
+            f"conv {(self.conv_rate or self.flop_rate) / 1e9:.3g} GFLOP/s)"
+        )
+
+
+# NOTE: "gloo-localhost" is fitted by `fit()` on the shared 2-core development machine (load average
+# ~16): 4 gloo processes on 127.0.0.1, one torch thread each, all ranks busy at once (so each rank's
+# share of the cores is in the figures); the DTensor call cost calibrated on timing's calibration
+# model. A machine's load moves these figures by 2x: refit (`shardops autoplan --fit`) where it matters.
+# "cpu" is a generic one-core CPU; "gpu" an H100-class device for meta plans (rough public figures).
+COMPUTE_PRESETS: dict[str, Compute] = {
+    "gloo-localhost": Compute(12.9e9, 20.3e9, 13.6e-6, 968e-6, conv_rate=7.56e9),
+    "cpu": Compute(50e9, 10e9, 5e-6, 40e-6),
+    "gpu": Compute(400e12, 2e12, 10e-6, 40e-6),
+}
+FITTED_FILE = "SHARDOPS_TIMING_PRESET"  # env var: a JSON file `fit(save=...)` wrote, read at import
+
+
+def resolve_compute(compute: str | Compute | None, links: tuple[Link, ...]) -> Compute:
+    """A Compute from a preset name or an instance; None: "gloo-localhost" for gloo-localhost links,
+    "gpu" with nvlink or ib links, else "cpu"."""
+    if isinstance(compute, Compute):
+        return compute
+    if compute is None:
+        if links and links[0] == PRESETS.get("gloo-localhost"):
+            compute = "gloo-localhost"
+        elif any(link in (PRESETS["nvlink"], PRESETS["ib"]) for link in links):
+            compute = "gpu"  # the links of a GPU cluster: its devices compute
+        else:
+            compute = "cpu"
+    if compute not in COMPUTE_PRESETS:
+        raise ShardingError(f"unknown compute preset {compute!r}; use one of {sorted(COMPUTE_PRESETS)} or Compute(...)")
+    return COMPUTE_PRESETS[compute]
+
+
+# ------------------------------------------------------------------------------------------ the profile
+
+
+@dataclass
+class PartProfile:
+    """One part of one rank's step; every figure adds up over repeated blocks (linear in depth)."""
+
+    flops: float = 0.0  # kernels with a FLOP formula, but convolutions
+    conv_flops: float = 0.0  # convolutions, forward and backward
+    streamed_bytes: float = 0.0  # bytes read and written by the kernels without one
+    kernels: int = 0  # aten kernel calls on local tensors
+    # DTensor calls: torch-level calls on DTensors (model code, styles) and aten ops through shardops'
+    # DTensor dispatch; an op entering at both counts twice (the Python work of each entry)
+    dtensor_ops: int = 0
+    # (kind, full bytes, group size per spanned mesh dim, spanned mesh dims) -> calls
+    collectives: Counter = field(default_factory=Counter)
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.collectives.values())
+
+
+@dataclass
+class StepProfile:
+    parts: dict[str, PartProfile] = field(default_factory=lambda: {p: PartProfile() for p in PARTS})
+    activation_bytes: int = 0  # tensors autograd keeps from forward for backward, this rank's local bytes
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds per part (compute, communication) on one rank."""
+
+    compute: dict[str, float]
+    comm: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.compute.values()) + sum(self.comm.values())
+
+    def part(self, name: str) -> float:
+        return self.compute[name] + self.comm[name]
+
+
+def _mesh_dims(ranks: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The mesh dims a group of global ranks spans (row-major mesh over the world) and its size on each."""
+    coords = [_coordinate(r, mesh_shape) for r in ranks]
+    dims = tuple(d for d in range(len(mesh_shape)) if len({c[d] for c in coords}) > 1)
+    return dims, tuple(len({c[d] for c in coords}) for d in dims)
+
+
+def _coordinate(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(rank % size)
+        rank //= size
+    return tuple(reversed(out))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class TimedDryCommunicator(DryCommunicator):
+    """The dry communicator, also logging each collective's full size and group into `profile`."""
+
+    def __init__(self, rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> None:
+        super().__init__(rank, world_size)
+        self.mesh_shape = mesh_shape
+        self.part: PartProfile | None = None  # where the running part's collectives go
+
+    def _log(self, kind: str, full: int, ranks: tuple[int, ...]) -> None:
+        if self.part is not None:
+            dims, sizes = _mesh_dims(ranks, self.mesh_shape)
+            self.part.collectives[(kind, full, sizes, dims)] += 1
+
+    def _all_reduce(self, t, op, group):
+        self._log("all_reduce", _nbytes(t), group.ranks)
+        return super()._all_reduce(t, op, group)
+
+    def _all_gather(self, t, group, shapes):
+        self._log("all_gather", sum(math.prod(s) for s in shapes) * t.element_size(), group.ranks)
+        return super()._all_gather(t, group, shapes)
+
+    def _reduce_scatter(self, chunks, op, group):
+        self._log("reduce_scatter", sum(_nbytes(c) for c in chunks), group.ranks)
+        return super()._reduce_scatter(chunks, op, group)
+
+    def _all_to_all(self, chunks, group, recv_shapes):
+        self._log("all_to_all", sum(_nbytes(c) for c in chunks), group.ranks)
+        return super()._all_to_all(chunks, group, recv_shapes)
+
+    def _broadcast(self, t, src_index, group):
+        self._log("broadcast", _nbytes(t), group.ranks)
+        return super()._broadcast(t, src_index, group)
+
+    def _batch_isend_irecv(self, ops):
+        for p2p in ops:
+            if p2p.kind == "send":
+                peers = (self.rank, p2p.peer)
+                self._log("send", _nbytes(p2p.tensor), peers)
+        return super()._batch_isend_irecv(ops)
+
+
+class KernelCounter(TorchDispatchMode):
+    """Every aten kernel on plain tensors: FLOPs (torch's formulas) or streamed bytes; ops on DTensors
+    are only counted and passed on (NotImplemented: shardops' dispatch runs them, its kernels come back here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.part = PartProfile()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            self.part.dtensor_ops += 1
+            return NotImplemented
+        out = func(*args, **kwargs)
+        self.part.kernels += 1
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+            if "convolution" in func.overloadpacket.__name__:
+                self.part.conv_flops += flops
+            else:
+                self.part.flops += flops
+        elif not _moves_nothing(func):
+            tensors = [a for a in (*args, *kwargs.values(), out) if isinstance(a, torch.Tensor)]
+            tensors += [
+                t for a in (*args, out) if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)
+            ]
+            self.part.streamed_bytes += sum(_nbytes(t) for t in tensors)
+        return out
+
+
+class DTensorCalls(TorchFunctionMode):
+    """Torch-level calls with a DTensor operand (the outermost only: the mode is off inside each)."""
+
+    def __init__(self, part: PartProfile) -> None:
+        super().__init__()
+        self.part = part
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            self.part.dtensor_ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _moves_nothing(func) -> bool:
+    """Views and allocations: no data read or written."""
+    name = func.overloadpacket.__name__
+    return bool(getattr(func, "is_view", False)) or name.startswith(("empty", "detach", "_to_copy", "lift"))
+
+
+def _profile_step(
+    model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, comm: TimedDryCommunicator, optimizer
+):
+    from .measure import _replicated_like  # the loss meets the rank's batch as in the byte pricing
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
+    m = copy.deepcopy(model)
+    apply_fn(m, mesh)
+    local = feed_fn(mesh, example)  # this rank's batch slice, as measure's step
+    profile = StepProfile()
+    saved = [0]
+
+    def pack(t):
+        if isinstance(t, nn.Parameter):
+            return t  # the model's own, counted with the parameters
+        local = t.to_local() if isinstance(t, DTensor) else t
+        saved[0] += _nbytes(local)
+        return t
+
+    @contextmanager
+    def part(name: str) -> Iterator[None]:
+        counter = KernelCounter()
+        counter.part = comm.part = profile.parts[name]
+        with DTensorCalls(counter.part), counter:
+            yield
+
+    with part("forward + loss"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = m(*local)
+        loss = loss_fn(out, *_replicated_like(out, local))
+    with part("backward"):
+        loss.backward()
+    with part("gradient sync"), torch.no_grad():
+        for p in m.parameters():
+            if isinstance(p.grad, DTensor):
+                p.grad.to_local()
+    comm.part = None
+    profile.activation_bytes = saved[0]
+    _optimizer_part(m, profile.parts["optimizer step"], optimizer)
+    return profile
+
+
+@cache
+def optimizer_recipe(optimizer: str) -> tuple[int, float]:
+    """(aten kernels per parameter, bytes streamed per parameter element) of one optimizer step:
+    read once from a real step on a CPU tensor (its first step, which allocates the states, excluded)."""
+    sizes = (1024, 4096)
+    figures = []
+    for n in sizes:
+        p = nn.Parameter(torch.zeros(n))
+        opt = _make_optimizer(optimizer, [p])
+        p.grad = torch.ones(n)
+        opt.step()
+        with KernelCounter() as counter:
+            opt.step()
+        figures.append((counter.part.kernels, counter.part.streamed_bytes))
+    per_element = (figures[1][1] - figures[0][1]) / (sizes[1] - sizes[0])
+    return figures[0][0], per_element
+
+
+def _make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False)
+    raise ShardingError(f"step time: unknown optimizer {name!r}; use 'adamw' or 'sgd'")
+
+
+def _optimizer_part(model: nn.Module, part: PartProfile, optimizer: str) -> None:
+    kernels, per_element = optimizer_recipe(optimizer)
+    for p in model.parameters():
+        if p.requires_grad:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            part.kernels += kernels
+            part.streamed_bytes += per_element * local.numel()
+            part.dtensor_ops += 2 * kernels if isinstance(p, DTensor) else 0  # torch-level and dispatched
+
+
+def profile_dry(
+    model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, *, optimizer: str = "adamw", warm: bool = True
+) -> StepProfile:
+    """Rank 0's step profile in the dry world (META model and example, see measure_dry). `warm`: run
+    the step once unprofiled first, so that the planner's own shape inference (which runs aten ops on
+    global shapes, once per new op and layout) is cached and not counted; False where the byte pricing
+    just ran the same step."""
+    world = math.prod(mesh_shape)
+    device_kernels.install()
+    args = (model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        for _ in range(2 if warm else 1):
+            comm = TimedDryCommunicator(0, world, mesh_shape)
+            profile = run_dry(_profile_step, comm, *args, comm, optimizer)
+    return profile
+
+
+def extrapolate_profile(one: StepProfile, two: StepProfile, n_blocks: int) -> StepProfile:
+    """The n-block model's profile from a 1-block and a 2-block copy (every figure is linear in depth)."""
+    k = n_blocks - 1
+    out = StepProfile(activation_bytes=one.activation_bytes + k * (two.activation_bytes - one.activation_bytes))
+    for name in PARTS:
+        a, b = one.parts[name], two.parts[name]
+        coll = Counter(
+            {
+                key: a.collectives[key] + k * (b.collectives[key] - a.collectives[key])
+                for key in a.collectives | b.collectives
+            }
+        )
+        out.parts[name] = PartProfile(
+            a.flops + k * (b.flops - a.flops),
+            a.conv_flops + k * (b.conv_flops - a.conv_flops),
+            a.streamed_bytes + k * (b.streamed_bytes - a.streamed_bytes),
+            a.kernels + k * (b.kernels - a.kernels),
+            a.dtensor_ops + k * (b.dtensor_ops - a.dtensor_ops),
+            +coll,  # drops keys extrapolated to zero
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the prediction
+
+
+def collectives_time(part: PartProfile, links: tuple[Link, ...]) -> float:
+    total = 0.0
+    for (kind, full, sizes, dims), calls in part.collectives.items():
+        if kind == "send":
+            link = links[dims[0]] if dims else links[0]
+            one = link.latency + full / link.bandwidth
+        elif len(dims) == 1:
+            one = collective_time(kind, full, sizes[0], links[dims[0]])
+        else:
+            one = joint_collective_time(kind, full, sizes, [links[d] for d in dims])
+        total += calls * one
+    return total
+
+
+def compute_time(part: PartProfile, compute: Compute) -> float:
+    return (
+        part.flops / compute.flop_rate
+        + part.conv_flops / (compute.conv_rate or compute.flop_rate)
+        + part.streamed_bytes / compute.bandwidth
+        + part.kernels * compute.kernel_overhead
+        + part.dtensor_ops * compute.dispatch_overhead
+    )
+
+
+def predict(profile: StepProfile, links: tuple[Link, ...], compute: Compute) -> StepTime:
+    """Seconds per part of one rank's step under the link and compute models."""
+    return StepTime(
+        {n: compute_time(p, compute) for n, p in profile.parts.items()},
+        {n: collectives_time(p, links) for n, p in profile.parts.items()},
+    )
+
+
+# ------------------------------------------------------------------------------------------ fitting
+
+
+def _repeat(fn: Callable[[], object], times: int) -> None:
+    for _ in range(times):
+        fn()
+
+
+def _timed(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of `fn` over `reps` calls (a shared machine: the median resists the others' bursts)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+ALL_REDUCE_SIZES = (4, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes
+
+
+def _fit_rank(reps: int) -> dict:
+    """On every gloo rank at once: all_reduce times per size, and the compute constants under the same load."""
+    import shardops as so
+
+    from ..world import current_comm
+
+    comm = current_comm()
+    group = comm.world_group()
+    out: dict = {"all_reduce": {}}
+    for size in ALL_REDUCE_SIZES:
+        t = torch.ones(size // 4)
+        comm.barrier(group)
+        out["all_reduce"][size] = _timed(partial(comm.all_reduce, t, "sum", group), reps)
+    # compute: blocks of calls long enough (tens of ms) to take in the scheduler's share of the cores
+    # when every rank is busy at once, as in a step; per call, wall time
+    a = torch.randn(256, 256)
+    big = torch.randn(1 << 18)
+    tiny = torch.ones(1)
+    mesh = so.init_device_mesh("cpu", (comm.world_size,))
+    dt = so.DTensor.from_local(torch.ones(1), mesh, [so.Replicate()])
+    dt + dt  # planned once: the cached decision is what a training step pays
+    image, kernel = torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3)
+    blocks: dict[str, tuple[Callable[[], object], int]] = {
+        "matmul_s": (lambda: a @ a, 40),
+        "conv_s": (lambda: torch.nn.functional.conv2d(image, kernel, padding=1), 4),
+        "add_s": (lambda: big + big, 200),
+        "kernel_s": (lambda: tiny + tiny, 10000),
+        "dtensor_s": (lambda: dt + dt, 300),
+    }
+    for key, (fn, loop) in blocks.items():
+        comm.barrier(group)
+        out[key] = _timed(partial(_repeat, fn, loop), max(reps // 3, 3)) / loop
+    return out
+
+
+def fit(
+    world_size: int = 4, reps: int = 30, save: str | os.PathLike | None = None, calibrate: bool = True
+) -> tuple[Link, Compute]:
+    """Measure the gloo link (alpha, beta of the ring model's all_reduce, least squares over sizes) and
+    the compute constants on `world_size` gloo processes on 127.0.0.1 (one torch thread each, every
+    rank busy at once), install them as the "gloo-localhost" presets, and return them. `calibrate`:
+    the DTensor dispatch overhead from a measured training step of a calibration model instead (see
+    `_calibrated`: a DTensor op in a step costs more than a cached one in a loop).
+    `save`: also write them as JSON (read at import when SHARDOPS_TIMING_PRESET names the file)."""
+    from ..training.launch import run_gloo
+
+    results = run_gloo(_fit_rank, world_size, reps, timeout=600)
+    n = world_size
+    # the busiest rank of each figure, as the step time is the slowest rank's
+    sizes = list(ALL_REDUCE_SIZES)
+    times = [max(r["all_reduce"][s] for r in results) for s in sizes]
+    # t = 2(n-1) alpha + 2(n-1)/n bytes / beta: least squares in (alpha, 1/beta)
+    xs = [(2.0 * (n - 1), 2 * (n - 1) / n * s) for s in sizes]
+    alpha, inv_beta = _least_squares(xs, times)
+    link = Link(max(alpha, 1e-7), 1.0 / max(inv_beta, 1e-12), 0.0)
+    matmul, conv, add, kernel, dtensor = (
+        max(r[k] for r in results) for k in ("matmul_s", "conv_s", "add_s", "kernel_s", "dtensor_s")
+    )
+    compute = Compute(
+        flop_rate=2 * 256**3 / matmul,
+        bandwidth=3 * (1 << 18) * 4 / max(add - kernel, 1e-9),
+        kernel_overhead=kernel,
+        dispatch_overhead=max(dtensor - kernel, 0.0),
+        conv_rate=2 * 8 * 32 * 16 * 9 * 32 * 32 / conv,
+    )
+    link = Link(link.latency, link.bandwidth, compute.bandwidth)
+    if calibrate:
+        compute = _calibrated(compute, link, world_size, reps)
+    install(link, compute)
+    if save is not None:
+        Path(save).write_text(json.dumps({"link": [link.latency, link.bandwidth], "compute": compute.__dict__}))
+    return link, compute
+
+
+def calibration_model() -> tuple[nn.Module, torch.Tensor]:
+    """A model none of the validation benchmarks uses: Linear-GELU-Linear, LayerNorm, Linear-GELU-Linear."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(128, 512),
+        nn.GELU(),
+        nn.Linear(512, 128),
+        nn.LayerNorm(128),
+        nn.Linear(128, 512),
+        nn.GELU(),
+        nn.Linear(512, 128),
+    )
+    return net, torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
+
+
+def _square_mean(out, *_):
+    return (out**2).mean()
+
+
+def _calibration_candidates():
+    from .candidates import Candidate
+
+    return [Candidate(("dp",)), Candidate(("tp",), pairs_tp=(True, True))]
+
+
+def _apply_fn(model: nn.Module, example: tuple, cand) -> Callable:
+    from .candidates import plan_entries
+    from .plan import apply_candidate
+    from .structure import find_structure
+
+    structure = find_structure(model, example)
+    entries = plan_entries(structure, cand)
+    return lambda m, mesh: apply_candidate(m, mesh, cand, entries, structure.blocks)
+
+
+def _calibration_rank(steps: int) -> list[float]:
+    """On one gloo rank: each calibration candidate trained `steps` steps, in alternation; median seconds."""
+    import shardops as so
+
+    from ..world import current_comm
+    from .plan import batch_feed, mesh_names_for
+
+    net, x = calibration_model()
+    runs = []
+    for cand in _calibration_candidates():
+        shape = (current_comm().world_size,)
+        mesh = so.init_device_mesh("cpu", shape, mesh_dim_names=mesh_names_for(cand))
+        m = _apply_fn(net, (x,), cand)(copy.deepcopy(net), mesh)
+        (local,) = batch_feed(shape, cand)(mesh, (x,))  # this rank's batch slice
+        runs.append((m, local, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)))
+    comm = current_comm()
+    times: list[list[float]] = [[] for _ in runs]
+    for step in range(steps + 2):
+        for i, (m, local, opt) in enumerate(runs):
+            comm.barrier(comm.world_group())
+            t0 = time.perf_counter()
+            _square_mean(m(local)).backward()
+            opt.step()
+            opt.zero_grad()
+            if step >= 2:
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _calibrated(compute: Compute, link: Link, world_size: int, reps: int) -> Compute:
+    """The dispatch overhead that makes the calibration model's predicted steps its measured ones (least
+    squares over its candidates), every other figure as measured; the microbenchmark's where it is larger."""
+    from dataclasses import replace
+
+    from ..training.launch import run_gloo
+    from .measure import on_meta
+    from .plan import batch_feed, mesh_names_for
+
+    net, x = calibration_model()
+    meta, example = on_meta(net, (x,))
+    profiles = [
+        profile_dry(
+            meta,
+            (world_size,),
+            mesh_names_for(c),
+            _apply_fn(meta, example, c),
+            batch_feed((world_size,), c),
+            example,
+            _square_mean,
+        )
+        for c in _calibration_candidates()
+    ]
+    measured = [max(ts) for ts in zip(*run_gloo(_calibration_rank, world_size, max(reps // 2, 5), timeout=600))]
+    base = replace(compute, dispatch_overhead=0.0)
+    residual = [m - predict(p, (link,), base).total for m, p in zip(measured, profiles)]
+    ops = [sum(part.dtensor_ops for part in p.parts.values()) for p in profiles]
+    fitted = sum(r * d for r, d in zip(residual, ops)) / sum(d * d for d in ops)
+    return replace(compute, dispatch_overhead=max(fitted, compute.dispatch_overhead))
+
+
+def _least_squares(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
+    """(a, b) minimizing sum (a x0 + b x1 - y)^2 / y^2 (relative error: small and large sizes alike)."""
+    w = [1 / (y * y) for y in ys]
+    s00 = sum(wi * x0 * x0 for wi, (x0, _) in zip(w, xs))
+    s01 = sum(wi * x0 * x1 for wi, (x0, x1) in zip(w, xs))
+    s11 = sum(wi * x1 * x1 for wi, (_, x1) in zip(w, xs))
+    r0 = sum(wi * x0 * y for wi, (x0, _), y in zip(w, xs, ys))
+    r1 = sum(wi * x1 * y for wi, (_, x1), y in zip(w, xs, ys))
+    det = s00 * s11 - s01 * s01
+    return (r0 * s11 - r1 * s01) / det, (s00 * r1 - s01 * r0) / det
+
+
+def install(link: Link, compute: Compute) -> None:
+    """Make these the "gloo-localhost" link and compute presets."""
+    PRESETS["gloo-localhost"] = link
+    COMPUTE_PRESETS["gloo-localhost"] = compute
+    caches.invalidate()  # a plan priced under the old link model is stale
+
+
+def _load_saved() -> None:
+    path = os.environ.get(FITTED_FILE)
+    if path and Path(path).is_file():
+        data = json.loads(Path(path).read_text())
+        compute = Compute(**data["compute"])
+        latency, bandwidth = data["link"]
+        install(Link(latency, bandwidth, compute.bandwidth), compute)
+
+
+_load_saved()
