@@ -1,7 +1,7 @@
 """Data parallelism: shardops' fully_shard / replicate beside torch's fully_shard / DDP, as gloo processes.
 
     python -m benchmarks.fsdp [--quick] [--dim 512] [--layers 8] [--seq 256] [--batch 4] [--steps 6]
-                              [--world 4] [--only fsdp|ddp]
+                              [--world 4] [--only fsdp fsdp+prefetch ddp]
 
 The LLaMA-style model of `shardops.models` (float32, AdamW), pure data parallelism over
 `--world` gloo processes: torch `fully_shard` (FSDP2, a unit per block and the root) against
@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -204,12 +204,14 @@ def _rank(size: dict[str, int], names: list[str]) -> dict:
     return out
 
 
-def _sides(only: str | None) -> list[str]:
-    wanted = {s for key, pair in PAIRS.items() if only is None or key.startswith(only) for s in pair}
+def _sides(only: Sequence[str] | None) -> list[str]:
+    wanted = {s for key, pair in PAIRS.items() if only is None or key in only for s in pair}
     return [s for s in SIDES if s in wanted]
 
 
-def measure_fsdp(size: str | dict[str, int] = "quick", only: str | None = None, world: int = 4) -> dict[str, Any]:
+def measure_fsdp(
+    size: str | dict[str, int] = "quick", only: Sequence[str] | None = None, world: int = 4
+) -> dict[str, Any]:
     """Every side's step times (seconds, per round), bytes and peak; `size` a name of SIZES or such a dict."""
     size = dict(SIZES[size]) if isinstance(size, str) else size
     names = _sides(only)
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     for key in SIZES["full"]:
         parser.add_argument(f"--{key}", type=int, default=None)
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--only", choices=["fsdp", "ddp"], help="fully_shard's sides or DDP's (default: all)")
+    parser.add_argument("--only", nargs="+", choices=list(PAIRS), help="these pairs of sides (default: all)")
     args = parser.parse_args(argv)
     size = dict(SIZES["tiny" if args.tiny else "quick" if args.quick else "full"])
     size.update({k: getattr(args, k) for k in size if getattr(args, k) is not None})
