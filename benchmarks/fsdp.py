@@ -1,16 +1,21 @@
 """Data parallelism: shardops' fully_shard / replicate beside torch's fully_shard / DDP, as gloo processes.
 
-    python -m benchmarks.fsdp [--dim 512] [--layers 8] [--seq 256] [--batch 4] [--steps 3] [--world 4] [--only fsdp|ddp]
+    python -m benchmarks.fsdp [--quick] [--dim 512] [--layers 8] [--seq 256] [--batch 4] [--steps 6]
+                              [--world 4] [--only fsdp fsdp+prefetch ddp]
 
 The LLaMA-style model of `shardops.models` (float32, AdamW), pure data parallelism over
-`--world` gloo processes, every side in the same run: torch `fully_shard` (FSDP2, a unit per
-block and the root) against shardops `fully_shard` (the same units; and with torchtitan's
-explicit prefetch chains: each block's gather starts while the previous one computes, both
-ways), torch DDP against shardops `replicate` (25 MB buckets). Per side: the median step time
-of the slowest rank (forward, backward, optimizer step; after one warm-up step), and the peak
-of tensor storage one forward + backward allocates per rank beyond the resident parameters and
-optimizer state (the CPU profiler's allocator events; the least of three steps, since a
-collective's buffer freed on gloo's thread reads as held to the end), the largest rank's.
+`--world` gloo processes: torch `fully_shard` (FSDP2, a unit per block and the root) against
+shardops `fully_shard` (the same units; and with torchtitan's explicit prefetch chains), torch
+DDP against shardops `replicate` (25 MB buckets). Every side is built in the same processes
+and the sides' steps are interleaved (one step of each side per round, the order rotating every
+round), so a change of the machine's load hits all of them alike. Per side: the median and the
+least step time of the slowest rank (forward, backward, optimizer step; after one warm-up step
+of each side), the median of the per-round ratios to the torch side it is paired with, the
+bytes one step sends per rank (shardops: CommDebugMode's wire bytes; torch: the c10d
+collectives' tensors, as torch pads them; both counted on the same step), and the peak of
+tensor storage one forward + backward allocates per rank beyond the resident parameters and
+optimizer state (the CPU profiler's allocator events; the least of three steps), the largest
+rank's.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,19 +39,29 @@ SIDES = (
     "torch DDP",
     "shardops replicate",
 )
+PAIRS = {
+    "fsdp": ("shardops fully_shard", "torch fully_shard"),
+    "fsdp+prefetch": ("shardops fully_shard + prefetch", "torch fully_shard"),
+    "ddp": ("shardops replicate", "torch DDP"),
+}
+SIZES = {
+    "tiny": {"dim": 32, "layers": 2, "seq": 8, "batch": 2, "vocab": 64, "steps": 1},  # a smoke run: figures meaningless
+    "quick": {"dim": 128, "layers": 4, "seq": 64, "batch": 4, "vocab": 256, "steps": 6},
+    "full": {"dim": 512, "layers": 8, "seq": 256, "batch": 4, "vocab": 1024, "steps": 6},
+}
 
 
-def _model(args: argparse.Namespace):
+def _model(size: dict[str, int]):
     from shardops.models import Llama, ModelArgs
 
     return Llama(
         ModelArgs(
-            dim=args.dim,
-            n_layers=args.layers,
-            n_heads=max(1, args.dim // 64),
-            vocab_size=args.vocab,
-            hidden_dim=4 * args.dim,
-            max_seq_len=args.seq,
+            dim=size["dim"],
+            n_layers=size["layers"],
+            n_heads=max(1, size["dim"] // 64),
+            vocab_size=size["vocab"],
+            hidden_dim=4 * size["dim"],
+            max_seq_len=size["seq"],
         )
     )
 
@@ -88,87 +105,162 @@ def _peak_tracked_bytes(prof: Any) -> int:
     return peak
 
 
-def _side(side: str, args: argparse.Namespace) -> dict:
-    import torch.distributed as dist
-    from torch.autograd.profiler import profile
+@contextmanager
+def _torch_c10d_bytes() -> Iterator[list[int]]:
+    """Bytes per rank of the c10d collectives run inside: what each call hands the backend (an
+    all_gather its padded input, a reduce_scatter its padded input, an all_reduce its buffer).
+    A dispatch mode on this thread: torch's FSDP and DDP call c10d from it on CPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    torch.manual_seed(0)
-    model = _wrap(side, _model(args))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    c10d = torch.ops.c10d
+    sent_arg = {c10d._allgather_base_.default: 1, c10d._reduce_scatter_base_.default: 1, c10d.allreduce_.default: 0}
 
-    def step(profiled: bool = False) -> int:
-        opt.zero_grad(set_to_none=True)
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sent = [0]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            index = sent_arg.get(func)
+            if index is not None:
+                ts = args[index] if isinstance(args[index], (list, tuple)) else [args[index]]
+                self.sent[0] += sum(t.numel() * t.element_size() for t in ts)
+            return func(*args, **(kwargs or {}))
+
+    with Count() as mode:
+        yield mode.sent
+
+
+class _Side:
+    """One side's model, optimizer and step on this rank."""
+
+    def __init__(self, side: str, size: dict[str, int]) -> None:
+        import torch.distributed as dist
+
+        torch.manual_seed(0)
+        self.name = side
+        self.model = _wrap(side, _model(size))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        self.tokens = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=g)
+
+    def step(self, profiled: bool = False) -> int:
+        from torch.autograd.profiler import profile
+
+        self.opt.zero_grad(set_to_none=True)
         with profile(profile_memory=True, enabled=profiled) as prof:
-            logits = model(tokens)
-            F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-        opt.step()
+            logits = self.model(self.tokens)
+            F.cross_entropy(logits.flatten(0, 1), self.tokens.flatten()).backward()
+        self.opt.step()
         return _peak_tracked_bytes(prof) if profiled else 0
 
-    step()  # warm-up: optimizer state, process groups
-    times = []
-    for _ in range(args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    peak = min(step(profiled=True) for _ in range(3))
-    peaks = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, torch.tensor([peak]))
-    return {"ms": 1000 * statistics.median(times), "peak": max(int(p) for p in peaks)}
+    def counted_step(self) -> int:
+        """One step; the bytes it sent from this rank."""
+        import shardops as so
+
+        if self.name.startswith("torch"):
+            with _torch_c10d_bytes() as sent:
+                self.step()
+            return sent[0]
+        with so.CommDebugMode() as cm:
+            self.step()
+        return cm.wire_bytes
 
 
-PAIRS = {
-    "fsdp": ("shardops fully_shard", "torch fully_shard"),
-    "fsdp+prefetch": ("shardops fully_shard + prefetch", "torch fully_shard"),
-    "ddp": ("shardops replicate", "torch DDP"),
-}
+def _timed(side: _Side) -> float:
+    """The slowest rank's seconds for one step of `side`."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    side.step()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
 
 
-def _sides(args: argparse.Namespace) -> list[str]:
-    wanted = (
-        set(SIDES)
-        if args.only is None
-        else {s for key, pair in PAIRS.items() if key.startswith(args.only) for s in pair}
-    )
+def _gather_max(value: int) -> int:
+    import torch.distributed as dist
+
+    values = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, torch.tensor([value]))
+    return max(int(v) for v in values)
+
+
+def _rank(size: dict[str, int], names: list[str]) -> dict:
+    sides = [_Side(name, size) for name in names]
+    for side in sides:
+        side.step()  # warm-up: optimizer state, process groups, lazy init
+    times: dict[str, list[float]] = {s.name: [] for s in sides}
+    for round_ in range(size["steps"]):
+        k = round_ % len(sides)
+        for side in sides[k:] + sides[:k]:  # the order rotates: no side always runs first
+            times[side.name].append(_timed(side))
+    out = {}
+    for side in sides:
+        sent = _gather_max(side.counted_step())
+        peak = _gather_max(min(side.step(profiled=True) for _ in range(3)))
+        out[side.name] = {"s": times[side.name], "bytes": sent, "peak": peak}
+    return out
+
+
+def _sides(only: Sequence[str] | None) -> list[str]:
+    wanted = {s for key, pair in PAIRS.items() if only is None or key in only for s in pair}
     return [s for s in SIDES if s in wanted]
 
 
-def _rank(args: argparse.Namespace) -> dict:
-    return {side: _side(side, args) for side in _sides(args)}
+def measure_fsdp(
+    size: str | dict[str, int] = "quick", only: Sequence[str] | None = None, world: int = 4
+) -> dict[str, Any]:
+    """Every side's step times (seconds, per round), bytes and peak; `size` a name of SIZES or such a dict."""
+    size = dict(SIZES[size]) if isinstance(size, str) else size
+    names = _sides(only)
+    results = launch.run_gloo(_rank, world, size, names, timeout=3600)[0]
+    params = sum(p.numel() for p in _model(size).parameters())
+    return {"size": size, "world": world, "params": params, "only": only, "sides": results}
+
+
+def table(measured: dict[str, Any]) -> str:
+    s, sides = measured["size"], measured["sides"]
+    head = (
+        f"LLaMA-style dim {s['dim']} x {s['layers']} layers, seq {s['seq']}, batch {s['batch']}/rank, "
+        f"{measured['params'] / 1e6:.1f}M parameters, {measured['world']} gloo processes; the sides' steps "
+        f"interleaved, {s['steps']} each after a warm-up. Step time of the slowest rank; bytes one step sends per "
+        "rank; peak tracked tensor memory per rank.\n\n"
+        "| side | median ms | min ms | bytes/step/rank | peak tracked MiB/rank |\n|---|---:|---:|---:|---:|\n"
+    )
+    rows = [
+        f"| {name} | {1000 * statistics.median(r['s']):.0f} | {1000 * min(r['s']):.0f} | {r['bytes']:,} | "
+        f"{r['peak'] / 2**20:.1f} |"
+        for name, r in sides.items()
+    ]
+    ratios = []
+    for ours, theirs in PAIRS.values():
+        if ours in sides and theirs in sides:
+            a, b = sides[ours], sides[theirs]
+            paired = statistics.median(x / y for x, y in zip(a["s"], b["s"]))
+            ratios.append(
+                f"| {ours} / {theirs} | {statistics.median(a['s']) / statistics.median(b['s']):.2f}x | "
+                f"{min(a['s']) / min(b['s']):.2f}x | {paired:.2f}x | {a['peak'] / b['peak']:.2f}x |"
+            )
+    ratio_head = (
+        "\n\n| pair | median time | min time | median of per-round ratios | peak memory |\n|---|---:|---:|---:|---:|\n"
+    )
+    return head + "\n".join(rows) + ratio_head + "\n".join(ratios)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4, help="per rank")
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help=f"small sizes: {SIZES['quick']}")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: figures meaningless")
+    for key in SIZES["full"]:
+        parser.add_argument(f"--{key}", type=int, default=None)
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--only", choices=["fsdp", "ddp"], help="fully_shard's sides or DDP's (default: all)")
+    parser.add_argument("--only", nargs="+", choices=list(PAIRS), help="these pairs of sides (default: all)")
     args = parser.parse_args(argv)
-    results = launch.run_gloo(_rank, args.world, args, timeout=3600)[0]
-    params = sum(p.numel() for p in _model(args).parameters())
-    print(
-        f"LLaMA-style dim {args.dim} x {args.layers} layers, seq {args.seq}, batch {args.batch}/rank, "
-        f"{params / 1e6:.1f}M parameters, {args.world} gloo processes"
-    )
-    print("| side | ms/step | peak tracked MiB/rank |\n|---|---|---|")
-    for side in _sides(args):
-        r = results[side]
-        print(f"| {side} | {r['ms']:.0f} | {r['peak'] / 2**20:.1f} |")
-    for key, (ours, theirs) in PAIRS.items():
-        if args.only is not None and not key.startswith(args.only):
-            continue
-        print(
-            f"{ours} / {theirs}: time {results[ours]['ms'] / results[theirs]['ms']:.2f}x, peak memory "
-            f"{results[ours]['peak'] / results[theirs]['peak']:.2f}x"
-        )
+    size = dict(SIZES["tiny" if args.tiny else "quick" if args.quick else "full"])
+    size.update({k: getattr(args, k) for k in size if getattr(args, k) is not None})
+    print(table(measure_fsdp(size, args.only, args.world)))
 
 
 if __name__ == "__main__":

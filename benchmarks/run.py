@@ -60,6 +60,7 @@ BENCHMARKS = (
     "moe",
     "compile",
     "pipelining",
+    "fsdp",
 )
 TARGET_BYTES_RATIO = 1.0  # shardops bytes / DTensor bytes, every case
 TARGET_GATHER_SAVING = 30.0  # DTensor bytes / shardops bytes where DTensor moves the sharded dim
@@ -82,6 +83,7 @@ QUICK = {
     "moe": {"quick": True},
     "compile": {"size": "quick"},
     "pipelining": {"size": "quick"},
+    "fsdp": {"size": "quick"},
 }
 # --tiny: a smoke run (the tests run the installed command so); its figures mean nothing.
 TINY = {
@@ -92,6 +94,7 @@ TINY = {
     "random": {"repeats": 1},
     "compile": {"size": "tiny"},
     "pipelining": {"size": "tiny"},
+    "fsdp": {"size": "tiny"},
 }
 FULL = {
     "overhead": {"iters": 2000, "repeats": 7},
@@ -103,6 +106,7 @@ FULL = {
     "moe": {"quick": False},
     "compile": {"size": "full"},
     "pipelining": {"size": "full"},
+    "fsdp": {"size": "full"},
 }
 
 
@@ -610,6 +614,7 @@ def run_benchmarks(
                 **config["pipelining"]
             )
         },
+        "fsdp": lambda: __import__("benchmarks.fsdp", fromlist=["measure_fsdp"]).measure_fsdp(**config["fsdp"]),
     }
     for name in BENCHMARKS:
         if name in only:
@@ -748,6 +753,13 @@ def render_report(
         parts.append(
             "### Pipeline parallelism: shardops.pipelining beside torch.distributed.pipelining\n\n"
             + (_section_error("pipelining", results) or pipelining_table(results["pipelining"]["rows"]))
+        )
+    if "fsdp" in results:
+        from benchmarks.fsdp import table as fsdp_table
+
+        parts.append(
+            "### Data parallelism: shardops fully_shard / replicate beside torch fully_shard / DDP\n\n"
+            + (_section_error("fsdp", results) or fsdp_table(results["fsdp"]))
         )
     return "\n\n".join(parts) + "\n"
 

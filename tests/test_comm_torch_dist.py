@@ -127,6 +127,34 @@ def program_meshes() -> dict:
     by_hand_groups = {"hand0": by_hand.group(0), "hand1": by_hand.group(1)}
     out.update(_run_groups(by_hand_groups, every_dtype=()))
     out["by_hand", "groups"] = {tag: g.ranks for tag, g in by_hand_groups.items()}
+    out.update(_async_handed_over())
+    return out
+
+
+def _async_handed_over() -> dict:
+    """reduce_scatter_async and all_gather_async give the synchronous calls' results; in the
+    torch.distributed world the async works free what was handed over (waited: the reduce_scatter's
+    chunks; released: the all_gather's input and its result's buffer), on this thread."""
+    comm = current_comm()
+    group = comm.world_group()
+    n = group.size
+    out: dict = {}
+    for op in ("sum", "max"):
+        chunks = [_data((i % 3, 2), torch.float32, "async", op, i) for i in range(n)]
+        handed = [c.clone() for c in chunks]
+        got = comm.reduce_scatter_async(handed, op, group).wait()
+        out["rs_async", op] = got
+        out["rs_async_equal", op] = torch.equal(got, comm.reduce_scatter(chunks, op, group))
+        if not in_threads_world():
+            out["rs_async_freed", op] = all(c.untyped_storage().nbytes() == 0 for c in handed)
+    shapes = [(i % 3 + 1, 4) for i in range(n)]
+    x = _data(shapes[group.index(comm.rank)], torch.float32, "gather_async")
+    work = comm.all_gather_async(x, group, shapes)
+    gathered = work.wait()
+    out["ag_async"] = [t.clone() for t in gathered]
+    work.release()
+    if not in_threads_world():
+        out["ag_async_freed"] = x.untyped_storage().nbytes() == 0 and gathered[0].untyped_storage().nbytes() == 0
     return out
 
 
@@ -296,6 +324,14 @@ def test_every_collective_matches_threads_world(gloo_results):
     counts, total, nbytes, rounds, log = gloo[0][(4,), "dim0", "comm"]
     assert total == rounds == len(log) == sum(counts.values())
     assert counts["all_to_all"] == counts["broadcast"] / 2 == len(DTYPES)
+
+
+def test_async_works_free_what_was_handed_over(gloo_results):
+    """(The values are compared with the threads world's by test_every_collective_matches_threads_world.)"""
+    for r in gloo_results:
+        out = r["meshes"]
+        assert out["rs_async_equal", "sum"] and out["rs_async_equal", "max"]
+        assert out["rs_async_freed", "sum"] and out["rs_async_freed", "max"] and out["ag_async_freed"]
 
 
 def test_from_torch_device_mesh(gloo_results):

@@ -1055,3 +1055,25 @@ def test_compiled_blocks_send_eagers_bytes_and_train_the_same(strict):
         assert compiled_logs == eager_logs
         for name, p in ref.items():
             torch.testing.assert_close(params[name], p, rtol=TOL, atol=TOL, msg=name)
+
+
+# ------------------------------------------------------------------ the benchmark beside torch's data parallelism
+
+
+def test_benchmark_sends_what_torch_sends():
+    """benchmarks/fsdp.py at a tiny size, the sides interleaved in the same 2 gloo processes: per step and rank,
+    shardops fully_shard's wire bytes equal torch fully_shard's padded all_gather + reduce_scatter inputs,
+    and replicate's all_reduce bytes equal DDP's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.fsdp import SIZES, measure_fsdp, table
+
+    measured = measure_fsdp(SIZES["tiny"], world=2)
+    sides = measured["sides"]
+    assert sides["shardops fully_shard"]["bytes"] == sides["torch fully_shard"]["bytes"] > 0
+    assert sides["shardops fully_shard + prefetch"]["bytes"] == sides["torch fully_shard"]["bytes"]
+    assert sides["shardops replicate"]["bytes"] == sides["torch DDP"]["bytes"] == 4 * measured["params"]
+    assert all(len(r["s"]) == SIZES["tiny"]["steps"] and r["peak"] > 0 for r in sides.values())
+    assert "shardops replicate / torch DDP" in table(measured)

@@ -107,12 +107,16 @@ class P2PWork:
 
 
 class CollectiveWork:
-    """A started collective (`Communicator.all_reduce_async`, `all_gather_async`): `wait()`
-    returns what the synchronous call returns, the same object every time it is called."""
+    """A started collective (`Communicator.all_reduce_async`, `all_gather_async`,
+    `reduce_scatter_async`): `wait()` returns what the synchronous call returns, the same object
+    every time it is called. `release()` frees the buffers the result lives in, once the caller
+    is done with it (a world whose backend thread may hold the last reference to them names them
+    in `buffers`; the threads world shares them between ranks and names none)."""
 
-    def __init__(self, wait: Callable[[], Any]) -> None:
+    def __init__(self, wait: Callable[[], Any], buffers: Sequence[torch.Tensor] = ()) -> None:
         self._wait: Callable[[], Any] | None = wait
         self._result: Any = None
+        self._buffers = list(buffers)
 
     @classmethod
     def done(cls, result: Any) -> CollectiveWork:
@@ -127,6 +131,28 @@ class CollectiveWork:
 
     def is_completed(self) -> bool:
         return self._wait is None
+
+    def release(self) -> None:
+        """Wait, then free the result's buffers now, on this thread; the result is unusable after."""
+        self.wait()
+        self._result = None
+        free_storages(self._buffers)
+        self._buffers.clear()
+
+
+def free_storages(tensors: Sequence[torch.Tensor | None]) -> None:
+    """Free the storage behind each tensor now (resized to 0 bytes; each storage once). For a
+    collective's buffers in the torch.distributed world: the backend's thread holds them until it
+    drops its work, so their memory would go back whenever that thread lets go (and a profiler
+    not watching that thread reads it as held to the end)."""
+    seen = set()
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            storage.resize_(0)
 
 
 # ------------------------------------------------------------------ protocol
@@ -179,12 +205,23 @@ class Communicator:
     def all_gather_async(
         self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None = None
     ) -> CollectiveWork:
-        """Start `all_gather(t, group, shapes)`; the work's `wait()` returns the list (as all_reduce_async)."""
+        """Start `all_gather(t, group, shapes)`; the work's `wait()` returns the list (as all_reduce_async).
+        `t` is handed over: the work's `release()` frees it with the result's buffers."""
         shapes = self._gather_shapes(t, group, shapes)
         if group.size == 1 or (type(t) is not torch.Tensor and _traced(t)):
             return CollectiveWork.done(self.all_gather(t, group, shapes))
         record("all_gather", nbytes(t), self._all_gather_wire_bytes(t, shapes))
         return self._all_gather_async(t.contiguous(), group, shapes)
+
+    def reduce_scatter_async(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> CollectiveWork:
+        """Start `reduce_scatter(chunks, op, group)`; the work's `wait()` returns its result (a new
+        tensor). The chunks are handed over (as all_reduce_async's input): a world may free their
+        storage once the collective has sent them, so neither read nor write them after this call."""
+        self._check_chunks(chunks, op, group)
+        if group.size == 1 or (type(chunks[0]) is not torch.Tensor and _traced(chunks[0])):
+            return CollectiveWork.done(self.reduce_scatter(chunks, op, group))
+        record("reduce_scatter", sum(nbytes(c) for c in chunks), self._reduce_scatter_wire_bytes(chunks, op))
+        return self._reduce_scatter_async([c.contiguous() for c in chunks], op, group)
 
     def _gather_shapes(
         self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]] | None
@@ -323,6 +360,9 @@ class Communicator:
 
     def _reduce_scatter(self, chunks, op, group):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _reduce_scatter_async(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> CollectiveWork:
+        return CollectiveWork.done(self._reduce_scatter(chunks, op, group))
 
     def exchanges_reduce_scatter(self, group: Group, device: torch.device) -> bool:
         """Whether a reduce_scatter over `group` is an all_to_all and a local reduction (a gloo group: torch_dist)."""

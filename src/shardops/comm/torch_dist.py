@@ -42,6 +42,7 @@ from .base import (
     Group,
     P2POp,
     P2PWork,
+    free_storages,
     reduce_stack,
 )
 from .base import (
@@ -235,10 +236,46 @@ class TorchDistCommunicator(Communicator):
         return self._all_gather_async(t, group, shapes).wait()
 
     def _all_gather_async(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> CollectiveWork:
+        """The work's buffers: the input handed over and the gathered rows' (release() frees both)."""
         g = self._resolve(group)
         numels = [math.prod(s) for s in shapes]
-        rows = self._start_all_gather_padded(_bytes_of(t), g, [n * t.element_size() for n in numels])
-        return CollectiveWork(lambda: [_from_bytes(row, t.dtype, s) for row, s in zip(rows(), shapes)])
+        rows, wire = self._start_all_gather_padded(_bytes_of(t), g, [n * t.element_size() for n in numels])
+        return CollectiveWork(
+            lambda: [_from_bytes(row, t.dtype, s) for row, s in zip(rows(), shapes)], buffers=[t, *wire]
+        )
+
+    def _reduce_scatter_async(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> CollectiveWork:
+        """The exchange (gloo) or the native reduce_scatter, started on the backend's threads; waited,
+        it frees the wire buffers (the packed chunks, handed over, and what arrived): the result is new."""
+        g = self._resolve(group)
+        me = group.index(self.rank)
+        dtype = _common_dtype(chunks, "reduce_scatter")
+        mine = chunks[me]
+        packed = pack_padded(chunks, g.pg_index)
+        if g.exchanges_reduce_scatter(mine.device) or not _natively_reducible(dtype, op):
+            send = _bytes_of(packed)
+            recv = torch.empty_like(send)
+            done = _c10d_start("reduce_scatter", g, dist.all_to_all_single, recv, send)
+
+            def exchanged() -> torch.Tensor:
+                done()
+                n, size = len(chunks), mine.numel() * mine.element_size()
+                rows = g.from_pg_order(list(recv.view(n, recv.numel() // n).unbind(0)))
+                out = _reduce_rows([_from_bytes(row[:size], mine.dtype, mine.shape) for row in rows], op)
+                free_storages([*chunks, packed, recv])
+                return out
+
+            return CollectiveWork(exchanged)
+        wire, finish = _to_wire(packed, op, group.size)
+        out = wire.new_empty((wire.shape[0] // group.size, *wire.shape[1:]))
+        done = _c10d_start("reduce_scatter", g, _reduce_scatter_single, out, wire, op=_wire_op(dtype, op))
+
+        def reduced() -> torch.Tensor:
+            done()
+            free_storages([*chunks, packed, wire])
+            return finish(out)[: mine.numel()].reshape(mine.shape)
+
+        return CollectiveWork(reduced)
 
     def _reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
         g = self._resolve(group)
@@ -307,12 +344,13 @@ class TorchDistCommunicator(Communicator):
 
     def _all_gather_padded(self, payload: torch.Tensor, g: _TorchGroup, sizes: Sequence[int]) -> list[torch.Tensor]:
         """All members' 1-d uint8 payloads (member i's has sizes[i] bytes), in shardops order."""
-        return self._start_all_gather_padded(payload, g, sizes)()
+        return self._start_all_gather_padded(payload, g, sizes)[0]()
 
     def _start_all_gather_padded(
         self, payload: torch.Tensor, g: _TorchGroup, sizes: Sequence[int]
-    ) -> Callable[[], list[torch.Tensor]]:
-        """`_all_gather_padded` started asynchronously: returns the wait, which returns the rows."""
+    ) -> tuple[Callable[[], list[torch.Tensor]], list[torch.Tensor]]:
+        """`_all_gather_padded` started asynchronously: returns the wait, which returns the rows, and the
+        wire buffers (the padded payload, the output the rows are views of)."""
         width = max(sizes)
         if payload.numel() < width:
             padded = torch.zeros(width, dtype=torch.uint8, device=payload.device)
@@ -327,7 +365,7 @@ class TorchDistCommunicator(Communicator):
             got = g.from_pg_order(list(out.view(len(sizes), width).unbind(0)))
             return [row[:n] for row, n in zip(got, sizes)]
 
-        return rows
+        return rows, [payload, out]
 
     def _gather_bytes_equal(self, t: torch.Tensor, g: _TorchGroup) -> list[torch.Tensor]:
         """Every member's tensor of t's shape and dtype, in shardops order."""
@@ -353,7 +391,18 @@ def _reduce_scatter_by_exchange(chunks: Sequence[torch.Tensor], op: str, g: _Tor
     _c10d("reduce_scatter", g, dist.all_to_all_single, recv, send)
     rows = g.from_pg_order(list(recv.view(n, recv.numel() // n).unbind(0)))
     size = mine.numel() * mine.element_size()
-    return reduce_stack([_from_bytes(row[:size], mine.dtype, mine.shape) for row in rows], op)
+    return _reduce_rows([_from_bytes(row[:size], mine.dtype, mine.shape) for row in rows], op)
+
+
+def _reduce_rows(rows: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """`reduce_stack` of what an exchange received; a sum accumulates in place into one new tensor
+    (the same additions in the same order: bit for bit reduce_stack's), not a new tensor per row."""
+    if op != "sum" or rows[0].dtype == torch.bool:
+        return reduce_stack(rows, op)
+    out = rows[0].clone()
+    for row in rows[1:]:
+        out.add_(row)
+    return out
 
 
 def _c10d(kind: str, g: _TorchGroup, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

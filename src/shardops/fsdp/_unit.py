@@ -16,19 +16,17 @@ Collectives, per unit and step (d = shard dim size, Ψ_u = the unit's parameter 
 A prefetch (set_modules_to_forward_prefetch / _backward_prefetch) starts a unit's all_gather
 early; in the torch.distributed world it travels while other units compute (the threads world
 completes it when it starts). The reduce_scatter's wire buffer is packed once, straight from
-the gradients (`_pack`).
+the gradients (`_pack`), and handed to the communicator, which frees it once sent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from ..comm.base import CollectiveWork
-from ..comm.torch_dist import TorchDistCommunicator
 from ..errors import ShardingError
 from ._param import DataMesh, FSDPParam
 from .api import MixedPrecisionPolicy
@@ -65,7 +63,6 @@ class FSDPUnit:
         self.backward_prefetch: list = []
         self.is_unsharded = False
         self.gathering: CollectiveWork | None = None  # a started all_gather (prefetch) not yet written out
-        self.gather_input: torch.Tensor | None = None  # its input (this rank's shards, flat)
         self.pending_backward = False
         self.forwards_in_pass = 0
         self.inputs_pending = 0  # post-backward functions of this forward whose backward has not run yet
@@ -83,7 +80,6 @@ class FSDPUnit:
         flat = torch.cat([p.gather_input() for p in self.params])
         sizes = [sum(p.member_numels[r] for p in self.params) for r in range(self.data.shard_size)]
         self.gathering = self.data.mesh.comm.all_gather_async(flat, self.data.shard_group, [(n,) for n in sizes])
-        self.gather_input = flat
 
     def unshard(self) -> None:
         if self.is_unsharded or not self.params:
@@ -92,7 +88,6 @@ class FSDPUnit:
         self.start_unshard()
         assert self.gathering is not None  # start_unshard started it
         pieces = self.gathering.wait()
-        self.gathering = None
         buffers = [p.alloc() for p in self.params]
         for member, piece in enumerate(pieces):
             offset = 0
@@ -100,38 +95,23 @@ class FSDPUnit:
                 n = p.member_numels[member]
                 p.write_member(buffer, member, piece[offset : offset + n])
                 offset += n
-        self._release([self.gather_input, *pieces])
-        self.gather_input = None
+        del pieces
+        self.gathering.release()  # the wire's memory goes now, not whenever the backend's thread lets go
+        self.gathering = None
         for p in self.params:
             p.swap_in(unsharded=True)
         self.is_unsharded = True
 
     def reshard(self) -> None:
         if self.gathering is not None:  # a prefetch nothing used: completed (every member sent), dropped
-            self._release([self.gather_input, *self.gathering.wait()])
-            self.gathering = self.gather_input = None
+            self.gathering.release()
+            self.gathering = None
         if not self.is_unsharded:
             return
         for p in self.params:
             p.swap_in(unsharded=False)
             p.free()
         self.is_unsharded = False
-
-    def _release(self, buffers: Sequence[torch.Tensor | None]) -> None:
-        """Free a finished collective's buffers now. In the torch.distributed world they are this
-        rank's own, but the backend's thread holds them until it drops its work: their memory
-        would go back whenever that thread lets go (and the profiler, not watching that thread,
-        reads it as held to the end). The threads world shares buffers between ranks: left alone."""
-        if not isinstance(self.data.mesh.comm, TorchDistCommunicator):
-            return
-        seen = set()
-        for t in buffers:
-            if t is None:
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                storage.resize_(0)
 
     # -- gradients
     def holds_unsharded_grads(self) -> bool:
@@ -152,17 +132,17 @@ class FSDPUnit:
 
     def reduce_gradients(self, grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
         """One reduce_scatter of `grads` (emptied as soon as they are packed: their memory goes
-        before the collective's), then the sharded parameters' .grad."""
+        before the collective's), then the sharded parameters' .grad. Waited at once: left in
+        flight while the next unit's backward computes, its buffers would raise the peak above
+        torch fully_shard's."""
         if not grads:
             return
         chunks = self._pack(grads)
         params = [p for p, _ in grads]
         grads.clear()
-        out = self.data.mesh.comm.reduce_scatter(chunks, "sum", self.data.shard_group)
-        if out.untyped_storage().data_ptr() != chunks[0].untyped_storage().data_ptr():  # (a group of 1 returns it)
-            self._release(chunks[:1])
-        del chunks
-        self._set_reduced(params, out)
+        work = self.data.mesh.comm.reduce_scatter_async(chunks, "sum", self.data.shard_group)
+        del chunks  # handed over: the communicator frees the wire once sent
+        self._set_reduced(params, work.wait())
 
     def _pack(self, grads: list[tuple[FSDPParam, torch.Tensor]]) -> list[torch.Tensor]:
         """Member r's chunk (every gradient's rows for r, concatenated) written straight into row
