@@ -523,13 +523,16 @@ def test_schedule_arguments():
             ScheduleZBVZeroBubble([stage], 4)
         with pytest.raises(so.ShardingError, match="n_microbatches=5 is not a multiple of its 2 rounds"):
             ScheduleInterleavedZeroBubble([stage], 5)  # torch's rule: rounds of max(1, m // p)
-        from shardops.fsdp import fully_shard
+        from shardops.fsdp import fully_shard, replicate
 
-        sharded = PipelineStage(
-            fully_shard(nn.Linear(2, 2), mesh=so.init_device_mesh("cpu", (2,))), current_comm().rank, 2, "cpu"
-        )
-        with pytest.raises(so.ShardingError, match="does not compose with fully_shard yet"):
+        dp_mesh = so.init_device_mesh("cpu", (2,))
+        sharded = PipelineStage(fully_shard(nn.Linear(2, 2), mesh=dp_mesh), current_comm().rank, 2, "cpu")
+        with pytest.raises(so.ShardingError, match="has fully_shard units; .* does not compose with data paral"):
             ScheduleInterleavedZeroBubble([sharded], 2)
+        # replicate all-reduces at the end of I's backward, before W made the weights' gradients: refused
+        replicated = PipelineStage(replicate(nn.Linear(2, 2), device_mesh=dp_mesh), current_comm().rank, 2, "cpu")
+        with pytest.raises(so.ShardingError, match="has replicate; .* does not compose with data parallelism"):
+            ScheduleInterleavedZeroBubble([replicated], 2)
 
     so.run(body, 2)
 
@@ -787,9 +790,9 @@ def _train_stage(
     module: nn.Module, schedule: Any, s: int, d: int, rows: int, loss_value: Callable[[torch.Tensor], float]
 ) -> dict:
     """3 AdamW steps of stage `s` of a pp=2 pipeline fed dp rank `d`'s rows: each step's micro-batch losses,
-    gradients (whole), sends and reduce_scatters, and the final parameters (whole)."""
+    gradients (whole), sends, reduce_scatters and all_reduces, and the final parameters (whole)."""
     opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    out: dict = {"losses": [], "grads": [], "sends": [], "reduce_scatters": []}
+    out: dict = {"losses": [], "grads": [], "sends": [], "reduce_scatters": [], "all_reduces": []}
     for tokens, target in _batches():
         opt.zero_grad()
         losses: list[torch.Tensor] = []
@@ -803,6 +806,7 @@ def _train_stage(
         out["grads"].append({n: _full(q.grad).clone() for n, q in module.named_parameters()})
         out["sends"].append([b for kind, b in cm.log if kind == "send"])
         out["reduce_scatters"].append(cm.get_comm_counts().get("reduce_scatter", 0))
+        out["all_reduces"].append(cm.get_comm_counts().get("all_reduce", 0))
         opt.step()
     out["params"] = {n: _full(q).detach().clone() for n, q in module.named_parameters()}
     return out
@@ -836,6 +840,8 @@ def test_pp2_dp2_equals_single_device_training(strict, reference):
     # each dp rank sends its own rows of each micro-batch (half of it): nothing gathered across dp
     for r in results:
         assert r["sends"][1] == [ACT_BYTES // 2] * M
+        # the micro-batches' gradients accumulate unreduced: one bucket all_reduce per step, not one per micro-batch
+        assert r["all_reduces"] == [1] * STEPS
 
 
 def _pp_dp_tp_rank() -> dict:

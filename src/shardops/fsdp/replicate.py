@@ -66,10 +66,13 @@ class ReplicateState:
         self.buckets = _buckets(params, bucket_bytes)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.callback_queued = False
+        self.requires_gradient_sync = True  # False: gradients accumulate locally (a pipeline's micro-batches)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.requires_gradient_sync:
+            return
         if not self.callback_queued:
             self.callback_queued = True
             queue_end_of_backward(self._finish)
@@ -190,6 +193,11 @@ def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = N
     cap = int(float(kwargs.get("bucket_cap_mb", 25)) * 1024 * 1024)
     module.__dict__[STATE_ATTR] = ReplicateState(params, mesh, cap)
     return module
+
+
+def replicate_state(module: nn.Module) -> ReplicateState | None:
+    """The state `replicate` gave `module` (None: not replicated)."""
+    return module.__dict__.get(STATE_ATTR)
 
 
 def _sync_params(params: list[torch.Tensor], mesh: DeviceMesh) -> None:

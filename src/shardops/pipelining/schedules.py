@@ -486,17 +486,27 @@ class _ZeroBubble(PipelineScheduleMulti):
 
 def _check_no_fully_shard(stages: list[PipelineStage], schedule: str) -> None:
     """fully_shard reshards a unit when the gradient reaches its inputs, which a split backward's I does
-    before its W has read the unsharded weights: refused rather than wrong."""
+    before its W has read the unsharded weights; replicate all-reduces its buckets at the end of a backward
+    pass, which I ends before W has made the weights' gradients: both refused rather than wrong."""
     from ..fsdp import (
         FSDPModule,
     )  # below pipelining; imported here so a stage without data parallelism needs none of it
+    from ..fsdp.replicate import replicate_state
 
     for stage in stages:
-        if any(isinstance(m, FSDPModule) for m in stage.submod.modules()):
+        modules = list(stage.submod.modules())
+        kind = (
+            "fully_shard units"
+            if any(isinstance(m, FSDPModule) for m in modules)
+            else "replicate"
+            if any(replicate_state(m) is not None for m in modules)
+            else None
+        )
+        if kind is not None:
             raise ShardingError(
-                f"{schedule}: stage {stage.stage_index}'s module has fully_shard units; the split backward (I, then W) "
-                "does not compose with fully_shard yet; use Schedule1F1B, ScheduleInterleaved1F1B or ScheduleGPipe "
-                "with it"
+                f"{schedule}: stage {stage.stage_index}'s module has {kind}; the split backward (I, then W) "
+                f"does not compose with data parallelism yet; use Schedule1F1B, ScheduleInterleaved1F1B or "
+                "ScheduleGPipe with it"
             )
 
 

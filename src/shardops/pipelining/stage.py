@@ -276,15 +276,19 @@ class PipelineStage:
 
 
 def _sync_gradients_on_last_backward(module: nn.Module, last: bool) -> None:
-    """A fully_shard stage accumulates its micro-batches' gradients unreduced and
-    reduces them once, in the step's last backward (as torch's stage does), not once per micro-batch."""
+    """A data-parallel stage (fully_shard or replicate) accumulates its micro-batches' gradients unreduced
+    and reduces them once, in the step's last backward (as torch's stage does), not once per micro-batch."""
     from ..fsdp import (
         FSDPModule,
     )  # below pipelining; imported here so a stage without data parallelism needs none of it
+    from ..fsdp.replicate import replicate_state
 
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_requires_gradient_sync(last, recurse=False)
+        state = replicate_state(sub)
+        if state is not None:
+            state.requires_gradient_sync = last
 
 
 def _input_grad(x: torch.Tensor) -> torch.Tensor:
