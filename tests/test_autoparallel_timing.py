@@ -5,6 +5,7 @@ differs from the ranking by bytes where the link's latency dominates."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -185,3 +186,28 @@ def test_convolutions_are_priced_at_their_own_rate():
     assert forward.conv_flops == conv and forward.flops == 2 * b * 8 * 6 * 6 * 4
     rates = timing.Compute(1e9, math.inf, 0.0, 0.0, conv_rate=1e8)
     assert timing.compute_time(forward, rates) == pytest.approx(conv / 1e8 + forward.flops / 1e9, rel=1e-12)
+
+
+def test_a_candidate_the_dry_world_cannot_time_is_said_and_none_timed_raises(monkeypatch):
+    """Under objective='time' a candidate whose dry profile fails is ranked last and named in the plan;
+    if no feasible candidate can be timed, the planner raises instead of silently ranking by bytes."""
+    ap = sys.modules["shardops.autoparallel"]  # the package (its name is also the function's)
+    real = ap._profile
+    x = torch.randn(8, IN)
+
+    def only_tp(metas, shape, names, *args, **kwargs):
+        if names == ("dp",):
+            raise RuntimeError("no kernel for this in the dry world")
+        return real(metas, shape, names, *args, **kwargs)
+
+    monkeypatch.setattr(ap, "_profile", only_tp)
+    plan = so.autoparallel(_mlp(), (2,), (x,), loss_fn=_loss, objective="time", pricing="metadata")
+    assert plan.candidate.dims == ("tp",)
+    assert "could not be timed and were ranked last" in str(plan) and "no kernel for this" in str(plan)
+
+    def never(*args, **kwargs):
+        raise RuntimeError("no kernel for this in the dry world")
+
+    monkeypatch.setattr(ap, "_profile", never)
+    with pytest.raises(so.ShardingError, match="could time none of the 2 feasible plans"):
+        so.autoparallel(_mlp(), (2,), (x,), loss_fn=_loss, objective="time", pricing="metadata")

@@ -146,15 +146,15 @@ def autoparallel(
         m = runs[0] if len(runs) == 1 else extrapolate(runs[0], runs[1], structure.n_blocks)
         if m.feasible and memory_per_rank is not None and m.memory_per_rank > memory_per_rank:
             m.error = f"needs {m.memory_per_rank:,} B per rank, over memory_per_rank={memory_per_rank:,}"
-        profile = None
+        profile, time_error = None, None
         if m.feasible and objective == "time":
             try:
                 warm = how != "metadata"  # after a threads run: the dry world's own decisions are not cached yet
                 profile = _profile(metas, shape, names, apply_fn, feed_fn, loss_fn, optimizer, structure.n_blocks, warm)
-            except Exception:  # noqa: BLE001  (ran, but not in the dry world: ranked after every timed one)
-                profile = None
+            except Exception as e:  # noqa: BLE001  (ran, but not in the dry world: ranked last, said in the plan)
+                time_error = f"{type(e).__name__}: {e}"
         step = None if profile is None else predict(profile, link_models, compute_model)
-        scored.append(Scored(cand, entries, m, profile, step))
+        scored.append(Scored(cand, entries, m, profile, step, time_error))
     if not scored:
         raise ShardingError(
             f"autoparallel: no candidate for {type(model).__name__} on mesh {shape}: the example batch of {batch} does "
@@ -166,6 +166,12 @@ def autoparallel(
         reasons = "; ".join(f"{s.candidate}: {s.measurement.error}" for s in scored[:4])
         raise ShardingError(
             f"autoparallel: no candidate plan works for {type(model).__name__} on mesh {shape} ({reasons})"
+        )
+    if objective == "time" and all(s.time is None for s in feasible):
+        raise ShardingError(
+            f"autoparallel: objective='time' could time none of the {len(feasible)} feasible plans for "
+            f"{type(model).__name__} on mesh {shape} in the dry world ({feasible[0].time_error}); "
+            "use objective='bytes'"
         )
     best = min(feasible, key=rank_key(objective))
     plan = Plan(

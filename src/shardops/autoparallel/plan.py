@@ -143,6 +143,7 @@ class Scored:
     measurement: Measurement
     profile: StepProfile | None = None  # the dry step's collectives, kernels and FLOPs (objective "time")
     time: StepTime | None = None  # its predicted step time on one rank
+    time_error: str | None = None  # why the dry world could not time it (objective "time": ranked last)
 
     @property
     def seconds(self) -> float:
@@ -256,6 +257,12 @@ class Plan:
         feasible = sum(1 for s in self.considered if s.measurement.feasible)
         took = f" in {self.timings['plan_s']:.1f} s" if "plan_s" in self.timings else ""
         lines.append(f"  searched {len(self.considered)} candidates ({feasible} feasible){took}")
+        untimed = [s for s in self.considered if s.time_error is not None]
+        if untimed:
+            lines.append(
+                f"  {len(untimed)} feasible candidate(s) could not be timed and were ranked last, e.g. "
+                f"{untimed[0].candidate}: {untimed[0].time_error}"
+            )
         return "\n".join(lines)
 
     __repr__ = __str__
