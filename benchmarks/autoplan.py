@@ -45,7 +45,7 @@ def _plan_text(plan) -> str:
 
 def measure_autoplan(meshes: Sequence[tuple[int, ...]] = tuple(TARGETS_S)) -> dict[str, Any]:
     from shardops.autoparallel import autoparallel
-    from shardops.autoparallel.cli import FULL
+    from shardops.training.autoplan_cli import FULL
 
     cls, args = FULL["llama-7b"]
     rows = []
@@ -177,18 +177,18 @@ def _timed_rank(name: str, candidates: list, steps: int) -> list[list[float]]:
     import copy
 
     import shardops as so
-    from shardops.autoparallel import timing
     from shardops.autoparallel.candidates import plan_entries
     from shardops.autoparallel.plan import apply_candidate, batch_feed, mesh_names_for
     from shardops.autoparallel.structure import find_structure
+    from shardops.training import fit_timing
     from shardops.world import current_comm
 
     model, example, loss_fn = timed_model(name)
-    cal_net, cal_x = timing.calibration_model()
+    cal_net, cal_x = fit_timing.calibration_model()
     structure, cal_structure = find_structure(model, example), find_structure(cal_net, (cal_x,))
     runs = []
     for net, ex, fn, struct, cand in [(model, example, loss_fn, structure, c) for c in candidates] + [
-        (cal_net, (cal_x,), timing._square_mean, cal_structure, timing._calibration_candidates()[0])
+        (cal_net, (cal_x,), fit_timing._square_mean, cal_structure, fit_timing._calibration_candidates()[0])
     ]:
         mesh = so.init_device_mesh("cpu", (WORLD,), mesh_dim_names=mesh_names_for(cand))
         m = apply_candidate(copy.deepcopy(net), mesh, cand, plan_entries(struct, cand), struct.blocks)
@@ -218,10 +218,11 @@ def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit
 
     from shardops.autoparallel import autoparallel, timing
     from shardops.cost import PRESETS
+    from shardops.training import fit_timing
     from shardops.training.launch import run_gloo
 
     t0 = time.perf_counter()
-    link, compute = timing.fit(WORLD) if fit else (None, timing.COMPUTE_PRESETS["gloo-localhost"])
+    link, compute = fit_timing.fit(WORLD) if fit else (None, timing.COMPUTE_PRESETS["gloo-localhost"])
     fit_s = time.perf_counter() - t0
     calibration_predicted = _calibration_prediction()
     rows = []
@@ -272,13 +273,14 @@ def _calibration_prediction() -> float:
     from shardops.autoparallel.measure import on_meta
     from shardops.autoparallel.plan import batch_feed, mesh_names_for
     from shardops.cost import PRESETS
+    from shardops.training import fit_timing
 
-    net, x = timing.calibration_model()
+    net, x = fit_timing.calibration_model()
     meta, example = on_meta(net, (x,))
-    cand = timing._calibration_candidates()[0]
-    apply = timing._apply_fn(meta, example, cand)
+    cand = fit_timing._calibration_candidates()[0]
+    apply = fit_timing._apply_fn(meta, example, cand)
     feed = batch_feed((WORLD,), cand)
-    profile = timing.profile_dry(meta, (WORLD,), mesh_names_for(cand), apply, feed, example, timing._square_mean)
+    profile = timing.profile_dry(meta, (WORLD,), mesh_names_for(cand), apply, feed, example, fit_timing._square_mean)
     links = (PRESETS["gloo-localhost"],)
     return timing.predict(profile, links, timing.COMPUTE_PRESETS["gloo-localhost"]).total
 

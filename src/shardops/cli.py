@@ -26,7 +26,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("shardops.demo", "main", "run the demo"),
     "train": ("shardops.demo", "main", "the demo's training run (--save-every N --checkpoint DIR, --resume DIR)"),
     "bench": ("benchmarks.run", "main", "run the benchmarks against torch.distributed.tensor"),
-    "autoplan": ("shardops.autoparallel.cli", "main", "choose and print a parallelization plan for a built-in model"),
+    "autoplan": (
+        "shardops.training.autoplan_cli",
+        "main",
+        "choose and print a parallelization plan for a built-in model",
+    ),
 }
 
 

@@ -32,7 +32,7 @@ class Link:
 # computes the whole thing", which is what makes gathering lose on CPUs even
 # when it saves a round.
 # gloo-localhost: gloo between processes on one host (127.0.0.1), fitted by
-# shardops.autoparallel.timing.fit() on the shared 2-core development machine under a load average
+# shardops.training.fit_timing.fit() on the shared 2-core development machine under a load average
 # of ~16 (4 processes, one torch thread each, all_reduce of 4 B to 4 MiB, least squares of the ring
 # model): alpha 793 us, beta 0.166 GB/s. Refit on another machine with `shardops autoplan --fit`
 # (its compute twin is timing.COMPUTE_PRESETS["gloo-localhost"]).

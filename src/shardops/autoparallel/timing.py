@@ -28,14 +28,12 @@ import copy
 import json
 import math
 import os
-import statistics
-import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -61,7 +59,6 @@ __all__ = [
     "StepProfile",
     "StepTime",
     "extrapolate_profile",
-    "fit",
     "predict",
     "profile_dry",
     "resolve_compute",
@@ -422,208 +419,6 @@ def predict(profile: StepProfile, links: tuple[Link, ...], compute: Compute) -> 
         {n: compute_time(p, compute) for n, p in profile.parts.items()},
         {n: collectives_time(p, links) for n, p in profile.parts.items()},
     )
-
-
-# ------------------------------------------------------------------------------------------ fitting
-
-
-def _repeat(fn: Callable[[], object], times: int) -> None:
-    for _ in range(times):
-        fn()
-
-
-def _timed(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of `fn` over `reps` calls (a shared machine: the median resists the others' bursts)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-ALL_REDUCE_SIZES = (4, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # bytes
-
-
-def _fit_rank(reps: int) -> dict:
-    """On every gloo rank at once: all_reduce times per size, and the compute constants under the same load."""
-    import shardops as so
-
-    from ..world import current_comm
-
-    comm = current_comm()
-    group = comm.world_group()
-    out: dict = {"all_reduce": {}}
-    for size in ALL_REDUCE_SIZES:
-        t = torch.ones(size // 4)
-        comm.barrier(group)
-        out["all_reduce"][size] = _timed(partial(comm.all_reduce, t, "sum", group), reps)
-    # compute: blocks of calls long enough (tens of ms) to take in the scheduler's share of the cores
-    # when every rank is busy at once, as in a step; per call, wall time
-    a = torch.randn(256, 256)
-    big = torch.randn(1 << 18)
-    tiny = torch.ones(1)
-    mesh = so.init_device_mesh("cpu", (comm.world_size,))
-    dt = so.DTensor.from_local(torch.ones(1), mesh, [so.Replicate()])
-    dt + dt  # planned once: the cached decision is what a training step pays
-    image, kernel = torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3)
-    blocks: dict[str, tuple[Callable[[], object], int]] = {
-        "matmul_s": (lambda: a @ a, 40),
-        "conv_s": (lambda: torch.nn.functional.conv2d(image, kernel, padding=1), 4),
-        "add_s": (lambda: big + big, 200),
-        "kernel_s": (lambda: tiny + tiny, 10000),
-        "dtensor_s": (lambda: dt + dt, 300),
-    }
-    for key, (fn, loop) in blocks.items():
-        comm.barrier(group)
-        out[key] = _timed(partial(_repeat, fn, loop), max(reps // 3, 3)) / loop
-    return out
-
-
-def fit(
-    world_size: int = 4, reps: int = 30, save: str | os.PathLike | None = None, calibrate: bool = True
-) -> tuple[Link, Compute]:
-    """Measure the gloo link (alpha, beta of the ring model's all_reduce, least squares over sizes) and
-    the compute constants on `world_size` gloo processes on 127.0.0.1 (one torch thread each, every
-    rank busy at once), install them as the "gloo-localhost" presets, and return them. `calibrate`:
-    the DTensor dispatch overhead from a measured training step of a calibration model instead (see
-    `_calibrated`: a DTensor op in a step costs more than a cached one in a loop).
-    `save`: also write them as JSON (read at import when SHARDOPS_TIMING_PRESET names the file)."""
-    from ..training.launch import run_gloo
-
-    results = run_gloo(_fit_rank, world_size, reps, timeout=600)
-    n = world_size
-    # the busiest rank of each figure, as the step time is the slowest rank's
-    sizes = list(ALL_REDUCE_SIZES)
-    times = [max(r["all_reduce"][s] for r in results) for s in sizes]
-    # t = 2(n-1) alpha + 2(n-1)/n bytes / beta: least squares in (alpha, 1/beta)
-    xs = [(2.0 * (n - 1), 2 * (n - 1) / n * s) for s in sizes]
-    alpha, inv_beta = _least_squares(xs, times)
-    link = Link(max(alpha, 1e-7), 1.0 / max(inv_beta, 1e-12), 0.0)
-    matmul, conv, add, kernel, dtensor = (
-        max(r[k] for r in results) for k in ("matmul_s", "conv_s", "add_s", "kernel_s", "dtensor_s")
-    )
-    compute = Compute(
-        flop_rate=2 * 256**3 / matmul,
-        bandwidth=3 * (1 << 18) * 4 / max(add - kernel, 1e-9),
-        kernel_overhead=kernel,
-        dispatch_overhead=max(dtensor - kernel, 0.0),
-        conv_rate=2 * 8 * 32 * 16 * 9 * 32 * 32 / conv,
-    )
-    link = Link(link.latency, link.bandwidth, compute.bandwidth)
-    if calibrate:
-        compute = _calibrated(compute, link, world_size, reps)
-    install(link, compute)
-    if save is not None:
-        Path(save).write_text(json.dumps({"link": [link.latency, link.bandwidth], "compute": compute.__dict__}))
-    return link, compute
-
-
-def calibration_model() -> tuple[nn.Module, torch.Tensor]:
-    """A model none of the validation benchmarks uses: Linear-GELU-Linear, LayerNorm, Linear-GELU-Linear."""
-    torch.manual_seed(0)
-    net = nn.Sequential(
-        nn.Linear(128, 512),
-        nn.GELU(),
-        nn.Linear(512, 128),
-        nn.LayerNorm(128),
-        nn.Linear(128, 512),
-        nn.GELU(),
-        nn.Linear(512, 128),
-    )
-    return net, torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
-
-
-def _square_mean(out, *_):
-    return (out**2).mean()
-
-
-def _calibration_candidates():
-    from .candidates import Candidate
-
-    return [Candidate(("dp",)), Candidate(("tp",), pairs_tp=(True, True))]
-
-
-def _apply_fn(model: nn.Module, example: tuple, cand) -> Callable:
-    from .candidates import plan_entries
-    from .plan import apply_candidate
-    from .structure import find_structure
-
-    structure = find_structure(model, example)
-    entries = plan_entries(structure, cand)
-    return lambda m, mesh: apply_candidate(m, mesh, cand, entries, structure.blocks)
-
-
-def _calibration_rank(steps: int) -> list[float]:
-    """On one gloo rank: each calibration candidate trained `steps` steps, in alternation; median seconds."""
-    import shardops as so
-
-    from ..world import current_comm
-    from .plan import batch_feed, mesh_names_for
-
-    net, x = calibration_model()
-    runs = []
-    for cand in _calibration_candidates():
-        shape = (current_comm().world_size,)
-        mesh = so.init_device_mesh("cpu", shape, mesh_dim_names=mesh_names_for(cand))
-        m = _apply_fn(net, (x,), cand)(copy.deepcopy(net), mesh)
-        (local,) = batch_feed(shape, cand)(mesh, (x,))  # this rank's batch slice
-        runs.append((m, local, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)))
-    comm = current_comm()
-    times: list[list[float]] = [[] for _ in runs]
-    for step in range(steps + 2):
-        for i, (m, local, opt) in enumerate(runs):
-            comm.barrier(comm.world_group())
-            t0 = time.perf_counter()
-            _square_mean(m(local)).backward()
-            opt.step()
-            opt.zero_grad()
-            if step >= 2:
-                times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
-
-
-def _calibrated(compute: Compute, link: Link, world_size: int, reps: int) -> Compute:
-    """The dispatch overhead that makes the calibration model's predicted steps its measured ones (least
-    squares over its candidates), every other figure as measured; the microbenchmark's where it is larger."""
-    from dataclasses import replace
-
-    from ..training.launch import run_gloo
-    from .measure import on_meta
-    from .plan import batch_feed, mesh_names_for
-
-    net, x = calibration_model()
-    meta, example = on_meta(net, (x,))
-    profiles = [
-        profile_dry(
-            meta,
-            (world_size,),
-            mesh_names_for(c),
-            _apply_fn(meta, example, c),
-            batch_feed((world_size,), c),
-            example,
-            _square_mean,
-        )
-        for c in _calibration_candidates()
-    ]
-    measured = [max(ts) for ts in zip(*run_gloo(_calibration_rank, world_size, max(reps // 2, 5), timeout=600))]
-    base = replace(compute, dispatch_overhead=0.0)
-    residual = [m - predict(p, (link,), base).total for m, p in zip(measured, profiles)]
-    ops = [sum(part.dtensor_ops for part in p.parts.values()) for p in profiles]
-    fitted = sum(r * d for r, d in zip(residual, ops)) / sum(d * d for d in ops)
-    return replace(compute, dispatch_overhead=max(fitted, compute.dispatch_overhead))
-
-
-def _least_squares(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
-    """(a, b) minimizing sum (a x0 + b x1 - y)^2 / y^2 (relative error: small and large sizes alike)."""
-    w = [1 / (y * y) for y in ys]
-    s00 = sum(wi * x0 * x0 for wi, (x0, _) in zip(w, xs))
-    s01 = sum(wi * x0 * x1 for wi, (x0, x1) in zip(w, xs))
-    s11 = sum(wi * x1 * x1 for wi, (_, x1) in zip(w, xs))
-    r0 = sum(wi * x0 * y for wi, (x0, _), y in zip(w, xs, ys))
-    r1 = sum(wi * x1 * y for wi, (_, x1), y in zip(w, xs, ys))
-    det = s00 * s11 - s01 * s01
-    return (r0 * s11 - r1 * s01) / det, (s00 * r1 - s01 * r0) / det
 
 
 def install(link: Link, compute: Compute) -> None:

@@ -97,10 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(and write them to JSON, read at import when SHARDOPS_TIMING_PRESET names it); no plan",
     )
     args = parser.parse_args(list(argv or []))
-    from . import autoparallel
+    from ..autoparallel import autoparallel
 
     if args.fit is not None:
-        from .timing import fit
+        from .fit_timing import fit
 
         link, compute = fit(save=args.fit or None)
         print(f"gloo-localhost: {link!r} (alpha {link.latency:.3g} s, beta {link.bandwidth:.3g} B/s), {compute!r}")
