@@ -128,7 +128,9 @@ def _ep_on_tp_rank(state):
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     ids = BATCH.chunk(2)[mesh.get_local_rank("dp")]
-    return train(model, ids, _full)
+    experts = model.model.layers[0].mlp.experts
+    weight = next(p for p in experts.parameters())
+    return (*train(model, ids, _full), tuple(weight.placements), weight.to_local().shape[0], experts.num_experts)
 
 
 def test_experts_over_tp_with_fully_shard_over_dp(strict):
@@ -139,7 +141,14 @@ def test_experts_over_tp_with_fully_shard_over_dp(strict):
     model = build("mixtral")
     state = copy.deepcopy(model.state_dict())
     reference_run = train(model, BATCH)
-    compare(reference_run, so.run(_ep_on_tp_rank, 4, state, timeout=600), (2, 2), True)
+    results = so.run(_ep_on_tp_rank, 4, state, timeout=600)
+    compare(reference_run, results, (2, 2), True)  # losses, every gradient and the final loss vs one device
+    for *_, placements, local_experts, num_experts in results:
+        # stored sharded over dp (fully_shard) and over tp (the experts): a quarter of the experts per rank
+        assert placements[0].is_shard() and placements[1] == so.Shard(0), placements
+        assert local_experts == num_experts // 4
+    # each dp rank trained its own batch slice: their first losses differ (and average to the global one)
+    assert results[0][0][0][0] != results[2][0][0][0]
 
 
 # ------------------------------------------------------------------ with torch-style data parallelism (shardops.fsdp)
