@@ -52,18 +52,9 @@ SIZES = {
 
 
 def _model(size: dict[str, int]):
-    from shardops.models import Llama, ModelArgs
+    from .pipelining import _model as llama_of_size  # the same LLaMA of a size, seed 0
 
-    return Llama(
-        ModelArgs(
-            dim=size["dim"],
-            n_layers=size["layers"],
-            n_heads=max(1, size["dim"] // 64),
-            vocab_size=size["vocab"],
-            hidden_dim=4 * size["dim"],
-            max_seq_len=size["seq"],
-        )
-    )
+    return llama_of_size(size)
 
 
 def _wrap(side: str, model: Any) -> Any:
