@@ -150,7 +150,9 @@ def fully_shard(
             raise ShardingError(f"fully_shard: {type(m).__name__} is already fully sharded")
     raf = _reshard_after_forward(reshard_after_forward, data)
     ignored = set(map(id, ignored_params or ()))
-    presharded = [p for p in _own_params(modules, ignored) if sharded_over(p, data.mesh)]  # experts over ep = dp
+    presharded = [
+        p for p, _ in _own_params(modules, ignored).values() if sharded_over(p, data.mesh)
+    ]  # experts over ep = dp
     params = _collect_params(modules, data, shard_placement_fn, mp_policy, ignored | set(map(id, presharded)))
     unit = FSDPUnit(modules, params, data, mp_policy, raf)
     for expert in presharded:
@@ -202,17 +204,8 @@ def _collect_params(
     modules, data: DataMesh, shard_placement_fn, mp: MixedPrecisionPolicy, ignored: set[int]
 ) -> list[FSDPParam]:
     """The modules' parameters no nested unit manages, each with every (module, name) it appears under."""
-    occurrences: dict[int, list[tuple[nn.Module, str]]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for root in modules:
-        for sub in _unmanaged_modules(root):
-            for name, p in sub._parameters.items():
-                if p is None or id(p) in ignored:
-                    continue
-                params.setdefault(id(p), p)
-                occurrences.setdefault(id(p), []).append((sub, name))
     out = []
-    for key, p in params.items():
+    for p, occurrences in _own_params(modules, ignored).values():
         shard_dim = 0
         if shard_placement_fn is not None:
             placement = shard_placement_fn(p)
@@ -222,19 +215,20 @@ def _collect_params(
                         f"fully_shard: shard_placement_fn must return Shard(dim) or None, got {placement!r}"
                     )
                 shard_dim = placement.dim
-        out.append(FSDPParam(p, occurrences[key], data, shard_dim, mp.param_dtype))
+        out.append(FSDPParam(p, occurrences, data, shard_dim, mp.param_dtype))
     return out
 
 
-def _own_params(modules, ignored: set[int]) -> list[nn.Parameter]:
-    """The parameters this call takes (no nested unit's, none ignored), each once."""
-    found: dict[int, nn.Parameter] = {}
+def _own_params(modules, ignored: set[int]) -> dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """The parameters this call takes (no nested unit's, none ignored), each once, with every
+    (module, name) it appears under."""
+    found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
     for root in modules:
         for sub in _unmanaged_modules(root):
-            for p in sub._parameters.values():
+            for name, p in sub._parameters.items():
                 if p is not None and id(p) not in ignored:
-                    found.setdefault(id(p), p)
-    return list(found.values())
+                    found.setdefault(id(p), (p, []))[1].append((sub, name))
+    return found
 
 
 def _unmanaged_modules(root: nn.Module) -> list[nn.Module]:
