@@ -12,7 +12,7 @@ CPU, nccl on GPU, `fake` for dry runs). Two facts shape the code:
   global maximum a padded exchange would need.
 - gloo's reduce_scatter is an all_reduce of the whole buffer. On gloo a
   reduce_scatter is therefore one all_to_all and a local reduction
-  (`_reduce_scatter_by_exchange`): half the bytes, one step instead of a ring.
+  (`_exchange_rows`): half the bytes, one step instead of a ring.
 - Group order. A shardops `Group` lists its ranks in mesh order; a torch
   process group numbers its members in its own order (sorted global ranks for
   groups made by `new_group`). Every result is put back in mesh order.
@@ -88,7 +88,7 @@ class _TorchGroup:
 
     def exchanges_reduce_scatter(self, device: torch.device) -> bool:
         """gloo's reduce_scatter is an all_reduce of the whole buffer: there it is an exchange
-        (_reduce_scatter_by_exchange)."""
+        (_exchange_rows)."""
         return self.backend_for(device) == "gloo"
 
     def to_pg_order(self, items: Sequence[Any]) -> list[Any]:
@@ -245,12 +245,19 @@ class TorchDistCommunicator(Communicator):
         )
 
     def _reduce_scatter_async(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> CollectiveWork:
-        """The exchange (gloo) or the native reduce_scatter, started on the backend's threads; waited,
-        it frees the wire buffers (the packed chunks, handed over, and what arrived): the result is new."""
+        """Started on the backend's threads; waited, it frees the wire buffers and the chunks (handed
+        over): the result is a new tensor."""
+        return CollectiveWork(self._start_reduce_scatter(chunks, op, group, handed_over=True))
+
+    def _start_reduce_scatter(
+        self, chunks: Sequence[torch.Tensor], op: str, group: Group, handed_over: bool
+    ) -> Callable[[], torch.Tensor]:
+        """The reduce_scatter started: the exchange (`_exchange_rows`: gloo, and what a backend cannot
+        reduce) or the native collective; returns the wait, which returns this member's reduced chunk.
+        `handed_over`: the wait frees the chunks and the wire buffers (the caller reads neither again)."""
         g = self._resolve(group)
-        me = group.index(self.rank)
+        mine = chunks[group.index(self.rank)]
         dtype = _common_dtype(chunks, "reduce_scatter")
-        mine = chunks[me]
         packed = pack_padded(chunks, g.pg_index)
         if g.exchanges_reduce_scatter(mine.device) or not _natively_reducible(dtype, op):
             send = _bytes_of(packed)
@@ -259,34 +266,26 @@ class TorchDistCommunicator(Communicator):
 
             def exchanged() -> torch.Tensor:
                 done()
-                n, size = len(chunks), mine.numel() * mine.element_size()
-                rows = g.from_pg_order(list(recv.view(n, recv.numel() // n).unbind(0)))
-                out = _reduce_rows([_from_bytes(row[:size], mine.dtype, mine.shape) for row in rows], op)
-                free_storages([*chunks, packed, recv])
+                out = _reduce_rows(_exchange_rows(recv, len(chunks), mine, g), op)
+                if handed_over:
+                    free_storages([*chunks, packed, recv])
                 return out
 
-            return CollectiveWork(exchanged)
+            return exchanged
         wire, finish = _to_wire(packed, op, group.size)
-        out = wire.new_empty((wire.shape[0] // group.size, *wire.shape[1:]))
+        out = wire.new_empty((wire.shape[0] // group.size, *wire.shape[1:]))  # complex travels as (width, 2) reals
         done = _c10d_start("reduce_scatter", g, _reduce_scatter_single, out, wire, op=_wire_op(dtype, op))
 
         def reduced() -> torch.Tensor:
             done()
-            free_storages([*chunks, packed, wire])
+            if handed_over:
+                free_storages([*chunks, packed, wire])
             return finish(out)[: mine.numel()].reshape(mine.shape)
 
-        return CollectiveWork(reduced)
+        return reduced
 
     def _reduce_scatter(self, chunks: Sequence[torch.Tensor], op: str, group: Group) -> torch.Tensor:
-        g = self._resolve(group)
-        me = group.index(self.rank)
-        dtype = _common_dtype(chunks, "reduce_scatter")
-        if g.exchanges_reduce_scatter(chunks[me].device) or not _natively_reducible(dtype, op):
-            return _reduce_scatter_by_exchange(chunks, op, g, me)
-        wire, finish = _to_wire(pack_padded(chunks, g.pg_index), op, group.size)
-        out = wire.new_empty((wire.shape[0] // group.size, *wire.shape[1:]))  # complex travels as (width, 2) reals
-        _c10d("reduce_scatter", g, _reduce_scatter_single, out, wire, op=_wire_op(dtype, op))
-        return finish(out)[: chunks[me].numel()].reshape(chunks[me].shape)
+        return self._start_reduce_scatter(chunks, op, group, handed_over=False)()
 
     def _all_to_all(
         self, chunks: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple]
@@ -373,8 +372,9 @@ class TorchDistCommunicator(Communicator):
         return [_from_bytes(r, t.dtype, tuple(t.shape)) for r in rows]
 
 
-def _reduce_scatter_by_exchange(chunks: Sequence[torch.Tensor], op: str, g: _TorchGroup, me: int) -> torch.Tensor:
-    """A reduce_scatter as one all_to_all of raw bytes and a local reduction, in group order.
+def _exchange_rows(recv: torch.Tensor, n: int, mine: torch.Tensor, g: _TorchGroup) -> list[torch.Tensor]:
+    """A reduce_scatter as one all_to_all of raw bytes and a local reduction, in group order: the
+    received rows (`recv`, n members' padded chunks), each as this member's chunk, in shardops order.
 
     Used on gloo, whose reduce_scatter is an all_reduce of the whole buffer (each rank
     then keeps its chunk; ProcessGroupGloo::reduce_scatter_tensor_coalesced): that moves
@@ -385,13 +385,9 @@ def _reduce_scatter_by_exchange(chunks: Sequence[torch.Tensor], op: str, g: _Tor
     other backends use it for what they cannot reduce (int16, complex product, ...).
     Chunks are padded to the largest, as the native reduce_scatter's wire is.
     """
-    mine, n = chunks[me], len(chunks)
-    send = _bytes_of(pack_padded(chunks, g.pg_index))
-    recv = torch.empty_like(send)
-    _c10d("reduce_scatter", g, dist.all_to_all_single, recv, send)
     rows = g.from_pg_order(list(recv.view(n, recv.numel() // n).unbind(0)))
     size = mine.numel() * mine.element_size()
-    return _reduce_rows([_from_bytes(row[:size], mine.dtype, mine.shape) for row in rows], op)
+    return [_from_bytes(row[:size], mine.dtype, mine.shape) for row in rows]
 
 
 def _reduce_rows(rows: Sequence[torch.Tensor], op: str) -> torch.Tensor:
