@@ -10,7 +10,11 @@ taken by every repeated block alike (the plan keys carry the wildcard `blocks.*`
   (every rank looks up its own tokens: no collective, the whole table's memory);
 - `vocab_parallel`: the output head column-parallel with vocabulary-sharded logits, or replicated;
 - one flag per Linear group of a block (attention, MLP): column/row-parallel as a pair,
-  or replicated (every rank computes the group on the whole activation).
+  or replicated (every rank computes the group on the whole activation);
+- `expert_parallel` (a block with mixture-of-experts layers, structure.Experts, and a data-parallel
+  dim): the experts `ExpertParallel` over the data mesh, torchtitan's way (each rank holds its share
+  of the experts and routes its own tokens to them by all_to_all; on a (dp, tp) mesh each expert is
+  tensor-parallel over tp too), left alone by fully_shard/replicate; else every rank keeps every expert.
 
 The data-parallel dims are torch's data parallelism over the dp sub-mesh (plan.py applies it):
 `replicate` (DDP), or `fully_shard` per repeated block and the root (torchtitan's apply_fsdp)
@@ -20,12 +24,14 @@ model on its own batch slice.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..parallel import (
     ColwiseParallel,
+    ExpertParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
@@ -48,6 +54,7 @@ class Candidate:
     embeddings_parallel: bool = False  # the embedding tables row-parallel (vocabulary-sharded)
     pairs_tp: tuple[bool, ...] = ()  # a model without blocks: per Linear pair, column/row-parallel or replicated
     reshard_after_forward: bool = True  # fully_shard's: free each unit's gathered parameters after its forward
+    expert_parallel: bool = False  # the experts ExpertParallel over the data-parallel ranks (and tp inside)
 
     @property
     def tp_dim(self) -> int | None:
@@ -63,6 +70,7 @@ class PlanEntry:
     key: str  # parallelize_module plan key, wildcards folded
     text: str  # the style as a person writes it
     make: Callable[[], object]  # a fresh style object (styles keep per-application state)
+    mesh: str = "tp"  # applied on the tp sub-mesh, or "data": the data mesh (with tp: the whole (dp, tp) mesh)
 
 
 # A candidate may leave a rank at most this multiple of its even share of the model's matmul work
@@ -78,13 +86,16 @@ def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int
         world *= size
     dp = world // (mesh_shape[c.tp_dim] if c.tp_dim is not None else 1)
     tp = world // dp
-    per_block = sum(g.weights for g in structure.groups) + structure.block_other_weights
+    experts = sum(e.weights for e in structure.experts)
+    per_block = sum(g.weights for g in structure.groups) + structure.block_other_weights + experts
     total = structure.n_blocks * per_block + structure.head_weights + structure.other_weights
     if total == 0:
         return 1.0
-    # what no style splits (block_other_weights, other_weights) every tensor-parallel rank computes whole
+    # what no style splits (block_other_weights, other_weights) every tensor-parallel rank computes whole;
+    # expert parallelism over (dp, tp) splits each expert over tp too
     mine = structure.n_blocks * (
         structure.block_other_weights
+        + experts / (tp if c.expert_parallel else 1)
         + sum(
             g.weights / (tp if on else 1)
             for g, on in zip(structure.groups, c.groups_tp or (False,) * len(structure.groups))
@@ -112,8 +123,9 @@ def _dp_choices(dp_modes: tuple[str, ...]) -> list[DataParallel]:
 def enumerate_candidates(
     structure: ModelStructure, mesh_shape: tuple[int, ...], batch: int, dp_modes: tuple[str, ...] = ("replicate",)
 ) -> list[Candidate]:
-    """Every candidate for this mesh: per dim dp or tp (dp only where the batch splits evenly),
-    that keeps each rank's matmul work within COMPUTE_SLACK of an even share."""
+    """Every candidate for this mesh: per dim dp or tp (dp only where the batch splits evenly), with and
+    without expert parallelism (mixture-of-experts blocks, a dp dim), that keeps each rank's matmul work
+    within COMPUTE_SLACK of an even share."""
     choices = _dp_choices(dp_modes)
     out: list[Candidate] = []
     # the last dim first: ties then go to (dp, tp), the usual order (tp on the innermost, fastest links)
@@ -136,16 +148,22 @@ def enumerate_candidates(
             out.extend(Candidate(dims, dp_mode=mode, reshard_after_forward=raf) for mode, raf in modes)
             continue
         if not structure.transformer:
-            pairs = _pair_candidates(structure, dims, modes)
-            out.extend(c for c in pairs if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK)
+            out.extend(_pair_candidates(structure, dims, modes))
             continue
         for sp, vocab, emb in itertools.product((True, False), repeat=3):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
-                for mode, raf in modes:
-                    c = Candidate(dims, sp, vocab, groups, mode, emb, reshard_after_forward=raf)
-                    if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK:
-                        out.append(c)
-    return out
+                out.extend(
+                    Candidate(dims, sp, vocab, groups, mode, emb, reshard_after_forward=raf) for mode, raf in modes
+                )
+    out = [v for c in out for v in _with_expert_parallel(structure, c)]
+    return [c for c in out if compute_share(structure, c, mesh_shape) <= COMPUTE_SLACK]
+
+
+def _with_expert_parallel(structure: ModelStructure, c: Candidate) -> list[Candidate]:
+    """`c`, and `c` with its experts ExpertParallel over the data mesh (where there are experts and a dp dim)."""
+    if not structure.experts or not c.dp_dims:
+        return [c]
+    return [c, dataclasses.replace(c, expert_parallel=True)]
 
 
 MAX_PAIRS_SEARCHED = 3  # every on/off combination of this many pairs; beyond, all of them on only
@@ -197,7 +215,25 @@ def _place(p) -> str:
 
 
 def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
-    """The parallelize_module plan of a candidate (empty for pure data parallelism)."""
+    """The parallelize_module plans of a candidate: the tensor-parallel one (on the tp sub-mesh), then the
+    experts' (on the data mesh); empty for pure data parallelism."""
+    return [*_tp_entries(structure, c), *_expert_entries(structure, c)]
+
+
+def _expert_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
+    """ExpertParallel over the data mesh (the data dim of the mesh the plan is applied on: the flattened
+    dp dim leads; one dp dim keeps its place beside tp), each expert tensor-parallel over tp if any."""
+    if not c.expert_parallel:
+        return []
+    ep = c.dp_dims[0] if len(c.dp_dims) == 1 else 0
+    text = "ExpertParallel()" if ep == 0 else f"ExpertParallel(ep_dim={ep})"
+    return [
+        PlanEntry(f"{structure.blocks}.*.{e.name}", text, lambda: ExpertParallel(ep_dim=ep), mesh="data")
+        for e in structure.experts
+    ]
+
+
+def _tp_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     if c.tp_dim is None:
         return []
     if c.pairs_tp:  # a feature-sharded activation between each pair; replicated (plain) everywhere else
@@ -248,6 +284,20 @@ def plan_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     block = f"{structure.blocks}.*"
     for norm in structure.block_norms if c.sequence_parallel else ():
         add(f"{block}.{norm}", "SequenceParallel()", SequenceParallel)
+    for moe in dict.fromkeys(e.moe for e in structure.experts) if c.sequence_parallel else ():
+        # the router and the experts take the rank's whole tokens, replicated over tp, as plain tensors
+        add(
+            f"{block}.{moe}",
+            "PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), "
+            "use_local_input=True, output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),))",
+            lambda: PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+            ),
+        )
     for group, tp in zip(structure.groups, c.groups_tp):
         key = f"{block}.{group.name}"
         prep = _group_input(group, seq, s)

@@ -94,10 +94,13 @@ def apply_candidate(
     work = working_mesh(mesh, c)
     dp_dim, tp_dim = _working_dims(c)
     if tp_dim is not None:
-        parallelize_module(model, _sub_mesh(work, tp_dim), {e.key: e.make() for e in entries})
+        parallelize_module(model, _sub_mesh(work, tp_dim), {e.key: e.make() for e in entries if e.mesh == "tp"})
     if dp_dim is None:
         return model
     dp_mesh = _sub_mesh(work, dp_dim)
+    experts = {e.key: e.make() for e in entries if e.mesh == "data"}
+    if experts:  # sharded over the data mesh (and tp inside): fully_shard/replicate then leave them as they are
+        parallelize_module(model, work if tp_dim is not None else dp_mesh, experts)
     if c.dp_mode == "replicate":
         replicate(model, device_mesh=dp_mesh)
     else:
@@ -199,8 +202,14 @@ class Plan:
 
     @property
     def parallelize_plan(self) -> dict:
-        """The {module path: style} dict (fresh style objects), for parallelize_module."""
-        return {e.key: e.make() for e in self.chosen.entries}
+        """The tensor-parallel {module path: style} dict (fresh style objects), for parallelize_module on
+        the tp sub-mesh (the experts' ExpertParallel, on the data mesh, is in `expert_plan`)."""
+        return {e.key: e.make() for e in self.chosen.entries if e.mesh == "tp"}
+
+    @property
+    def expert_plan(self) -> dict:
+        """The experts' {module path: ExpertParallel} dict, applied on the data mesh (with tp: the whole mesh)."""
+        return {e.key: e.make() for e in self.chosen.entries if e.mesh == "data"}
 
     def apply(self, model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
         """Parallelize `model` in place (call on every rank); `mesh` defaults to a new one over the world."""
@@ -235,6 +244,7 @@ class Plan:
         lines = [f"autoparallel plan for {self.model_name} on mesh {self.mesh_shape} {names}"]
         for d, kind in enumerate(c.dims):
             what = f"data parallel ({c.dp_mode}, batch split)" if kind == "dp" else "tensor parallel (plan below)"
+            what += ", experts expert-parallel" if kind == "dp" and c.expert_parallel else ""
             lines.append(f"  mesh dim {d} {names[d]!r} (size {self.mesh_shape[d]}): {what}")
         lines.append("")
         lines.extend(self._code())
@@ -297,11 +307,18 @@ class Plan:
         lines = [line]
         if c.tp_dim is not None:
             lines.append(f"parallelize_module(model, {subs['tp']}, {{")
-            lines.extend(f"    {e.key!r}: {e.text}," for e in self.chosen.entries)
+            lines.extend(f"    {e.key!r}: {e.text}," for e in self.chosen.entries if e.mesh == "tp")
             lines.append("})")
         if not c.dp_dims:
             return lines
         dp = subs["dp"]
+        experts = [e for e in self.chosen.entries if e.mesh == "data"]
+        if experts:
+            lines.append("# experts sharded over the data-parallel ranks (tokens routed by all_to_all), each tensor-")
+            lines.append("# parallel over tp if any; fully_shard/replicate leave them as they are")
+            lines.append(f"parallelize_module(model, {'mesh' if c.tp_dim is not None else dp}, {{")
+            lines.extend(f"    {e.key!r}: {e.text}," for e in experts)
+            lines.append("})")
         if c.dp_mode == "replicate":
             lines.append(f"replicate(model, device_mesh={dp})")
         else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-__all__ = ["LinearGroup", "ModelStructure", "find_blocks", "find_structure", "truncated"]
+__all__ = ["Experts", "LinearGroup", "ModelStructure", "find_blocks", "find_experts", "find_structure", "truncated"]
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
 # parameter-free modules that act on each element alone: a feature-sharded activation stays sharded through them
@@ -48,6 +48,19 @@ class LinearGroup:
     input_kwarg: str | None = None  # the residual stream's keyword when it is called with keywords only
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts layer of a block, found by its shapes and calls: a module whose parameters
+    are all stacked over `num_experts` (dim 0, >= 3 dims: one matrix per expert), called with three
+    positional inputs (tokens, expert ids, their weights: the experts interface ExpertParallel
+    takes), beside a router: a sibling module holding a [num_experts, hidden] matrix."""
+
+    name: str  # the experts module, relative to the block ("mlp.experts")
+    moe: str  # the module holding the experts and the router ("mlp"), relative to the block
+    num_experts: int
+    weights: int  # elements of the stacked weights (every expert's matrices)
+
+
 @dataclass
 class ModelStructure:
     blocks: str | None  # the container of repeated blocks ("layers", "h"), None if there is none
@@ -65,6 +78,8 @@ class ModelStructure:
     # without blocks: (column-parallel, row-parallel) Linear pairs of an nn.Sequential, full paths, and their weights
     pairs: list[tuple[str, str]] = field(default_factory=list)
     pair_weights: list[int] = field(default_factory=list)
+    # mixture-of-experts layers of a block (stacked expert weights and a router): expert-parallel candidates
+    experts: list[Experts] = field(default_factory=list)
 
     @property
     def transformer(self) -> bool:
@@ -188,6 +203,7 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
     if blocks is not None:
         container = model.get_submodule(blocks)
         first_name, first = next(iter(container.named_children()))
+        structure.experts = find_experts(first, f"{blocks}.{first_name}", arity)
         _read_block(structure, first, f"{blocks}.{first_name}", arity)
         if not structure.groups:  # Linears of the block itself (nn.TransformerEncoderLayer's linear1, linear2)
             _read_block_pairs(structure, first, f"{blocks}.{first_name}", order)
@@ -276,4 +292,40 @@ def _read_block(
             n_inputs, kwarg = arity.get(f"{path}.{name}", (1, None))
             structure.groups.append(LinearGroup(name, colwise, rowwise, n_inputs, weights, kwarg))
     grouped = {f"{g.name}.{lin}" for g in structure.groups for lin in (*g.colwise, g.rowwise)}
-    structure.block_other_weights = _matmul_weights(block, grouped)
+    # the experts' matmul work is counted apart (expert parallelism splits it; compute_share)
+    structure.block_other_weights = _matmul_weights(block, grouped | {e.name for e in structure.experts})
+
+
+def _stacked_over(module: nn.Module) -> int | None:
+    """The number of experts a module's own parameters are all stacked over (dim 0 of every one, each
+    of >= 3 dims: a matrix per expert), or None."""
+    params = list(module.parameters(recurse=False))
+    if not params or any(p.ndim < 3 for p in params) or list(module.parameters()) != params:
+        return None
+    counts = {p.shape[0] for p in params}
+    return counts.pop() if len(counts) == 1 and params[0].shape[0] >= 2 else None
+
+
+def _routes_to(module: nn.Module, num_experts: int, hidden: int) -> bool:
+    """Whether `module` holds a router's matrix: [num_experts, hidden] (nn.Linear(hidden, num_experts)
+    or a model's own router module)."""
+    return any(p.ndim == 2 and tuple(p.shape) == (num_experts, hidden) for p in module.parameters())
+
+
+def find_experts(block: nn.Module, path: str, arity: dict[str, tuple[int, str | None]]) -> list[Experts]:
+    """The block's mixture-of-experts layers, by structure: stacked expert weights called as
+    experts(tokens, ids, weights), with a router sibling (see Experts). A ModuleList of separate
+    expert MLPs is not one (ExpertParallel shards stacked weights)."""
+    found = []
+    for name, sub in block.named_modules():
+        num = _stacked_over(sub)
+        if num is None or not name or arity.get(f"{path}.{name}", (0, None))[0] != 3:
+            continue
+        parent_name, _, own = name.rpartition(".")
+        parent = block.get_submodule(parent_name) if parent_name else block
+        widths = {s for p in sub.parameters() for s in p.shape[1:]}  # the hidden size is one of them
+        siblings = [c for n, c in parent.named_children() if n != own]
+        if any(_routes_to(c, num, width) for c in siblings for width in widths):
+            weights = sum(p.numel() for p in sub.parameters())
+            found.append(Experts(name, parent_name, num, weights))
+    return found
