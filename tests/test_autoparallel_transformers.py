@@ -7,6 +7,8 @@ torch's `replicate` on dp for (2, 2), each dp rank on its batch slice) on the sa
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 
 import pytest
 import torch
@@ -122,3 +124,59 @@ def test_transformers_llama_priced_from_metadata_equals_the_threads_world(memory
                 b.measurement.memory_per_rank,
             )
     assert meta.candidate == run.candidate
+
+
+# ------------------------------------------------------------------ Mixtral: expert parallelism among the candidates
+
+
+def build_mixtral() -> torch.nn.Module:
+    """Mixtral with 4 experts (2 per token) in each of its 2 blocks; stacked expert weights (transformers 5.x)."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**TINY, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
+    config._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def _measured_step(plan, make, tokens, mesh_shape):
+    """The plan applied on every rank, one step on its batch slice: (bytes, loss, gradients) per rank."""
+
+    def main():
+        model = plan.apply(make())
+        local = plan.local_batch(tokens)
+        with strict():
+            return count_step(model, local, lambda out: language_model_loss(out, local))
+
+    return so.run(main, _world(mesh_shape), timeout=600)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, batch",
+    [((4,), 4), pytest.param((2, 2), 4, marks=pytest.mark.slow), pytest.param((8,), 8, marks=pytest.mark.slow)],
+    ids=["4", "2x2", "8"],
+)
+def test_mixtral_plans_expert_parallelism_where_it_moves_fewer_bytes(mesh_shape, batch):
+    """The experts (recognised by their stacked weights and router, not by name) go ExpertParallel over
+    the data-parallel ranks: measured bytes = predicted, single-device values in strict mode, and fewer
+    bytes than the best plan without expert parallelism, that plan applied and measured here too."""
+    tokens = torch.randint(0, TINY["vocab_size"], (batch, 8), generator=torch.Generator().manual_seed(1))
+    plan = so.autoparallel(build_mixtral(), mesh_shape, (tokens,))
+    assert plan.candidate.expert_parallel, str(plan)
+    assert set(plan.expert_plan) == {"model.layers.*.mlp.experts"}
+    assert "'model.layers.*.mlp.experts': ExpertParallel()," in str(plan)
+    assert re.search(
+        r"model\.layers\.\*\.mlp\.experts: ExpertParallel\(\)\n    runner-up \(\+[\d,]+ B\)", plan.explain()
+    )
+
+    auto = _measured_step(plan, build_mixtral, tokens, mesh_shape)
+    _check_values(auto, build_mixtral(), tokens, local_loss=True)
+    measured = max(sent for sent, _, _ in auto)
+    assert measured == plan.predicted_bytes
+
+    no_ep = [s for s in plan.considered if s.measurement.feasible and not s.candidate.expert_parallel]
+    runner_up = min(no_ep, key=lambda s: s.measurement.total_bytes)
+    other = dataclasses.replace(plan, chosen=runner_up)
+    theirs = _measured_step(other, build_mixtral, tokens, mesh_shape)
+    _check_values(theirs, build_mixtral(), tokens, local_loss=other.candidate.dp_dims != ())
+    their_bytes = max(sent for sent, _, _ in theirs)
+    assert their_bytes == runner_up.measurement.total_bytes
+    assert measured < their_bytes, (measured, their_bytes)
