@@ -246,6 +246,7 @@ def test_fully_shard_memory_is_one_dp_share_plus_the_gathered_units():
     }
     got = {
         (s.candidate.dp_mode, s.candidate.reshard_after_forward): s.measurement.memory_per_rank
+        - s.measurement.activation_bytes  # (tested in test_activations_kept_for_backward_are_in_the_memory_limit)
         for s in plan.considered
         if s.candidate.tp_dim is None
     }
@@ -538,7 +539,7 @@ def test_parameters_a_module_reads_directly_are_in_the_memory_and_compute_figure
     for i, s in enumerate(feasible):
         local_bytes = max(rank[i][0] for rank in per_rank)
         assert s.measurement.parameter_bytes == local_bytes, s.candidate
-        assert s.measurement.memory_per_rank == 4 * local_bytes
+        assert s.measurement.memory_per_rank == 4 * local_bytes + s.measurement.activation_bytes
         dp = 2 if s.candidate.tp_dim is None else 1
         share = max(rank[i][1] for rank in per_rank) / dp / (full / 2)
         assert compute_share(structure, s.candidate, (2,)) == pytest.approx(share), s.candidate
@@ -728,3 +729,49 @@ def test_llama_moe_plans_expert_parallelism_where_it_moves_fewer_bytes(mesh_shap
     _check_values(theirs, ref_loss, ref_grads)
     assert max(sent for sent, _, _ in theirs) == runner_up.measurement.total_bytes
     assert measured < runner_up.measurement.total_bytes
+
+
+def _saved_for_backward(plan, make, tokens) -> int:
+    """Bytes autograd keeps from each rank's forward + loss for its backward, measured on the applied plan:
+    every distinct saved tensor's local bytes, the parameters excepted (counted as parameters); the busiest rank's."""
+
+    def main():
+        model = plan.apply(make())
+        local = plan.local_batch(tokens)
+        seen: set[int] = set()
+        total = [0]
+
+        def pack(t):
+            if not isinstance(t, torch.nn.Parameter) and id(t) not in seen:
+                seen.add(id(t))
+                mine = t.to_local() if isinstance(t, so.DTensor) else t
+                total[0] += mine.numel() * mine.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = language_model_loss(model(local), local)
+        loss.backward()
+        return total[0]
+
+    return max(so.run(main, math.prod(plan.mesh_shape)))
+
+
+def test_activations_kept_for_backward_are_in_the_memory_limit():
+    """The memory per rank counts the activations autograd keeps for backward (as measured on the applied plan,
+    from both pricings) beside parameters, gradients and AdamW states: a limit that holds the latter but not
+    the activations rules the plan out."""
+    args = ModelArgs(n_layers=2)
+    make = lambda: Llama(args, seed=0)  # noqa: E731
+    tokens = _tokens(4, 8, args.vocab_size)
+    plan = so.autoparallel(make(), (2,), (tokens,))
+    m = plan.chosen.measurement
+    assert m.activation_bytes == _saved_for_backward(plan, make, tokens) > 0
+    assert m.memory_per_rank == 4 * m.parameter_bytes + m.activation_bytes
+    assert f"activations kept for backward per rank: {m.activation_bytes:,} B" in str(plan)
+    dry = so.autoparallel(make(), (2,), (tokens,), pricing="metadata")
+    assert dry.candidate == plan.candidate and dry.chosen.measurement.activation_bytes == m.activation_bytes
+    limit = m.memory_per_rank - 1  # parameters, gradients and AdamW states fit; with the activations, not
+    tight = so.autoparallel(make(), (2,), (tokens,), memory_per_rank=limit)
+    ruled_out = next(s for s in tight.considered if s.candidate == plan.candidate)
+    assert ruled_out.measurement.error is not None and "over memory_per_rank" in ruled_out.measurement.error
+    assert tight.candidate != plan.candidate and tight.chosen.measurement.memory_per_rank <= limit

@@ -11,8 +11,11 @@ model with it moved other bytes than the same step on the threads world.
 `install()` registers, for meta tensors under autograd, a kernel of
 `aten::scaled_dot_product_attention` that asks torch's own backend choice on CPU stand-ins of the
 same sizes, last-dim strides and dtypes (the inputs of that choice; no data) when the query is a
-DTensor on a CPU mesh, and runs the fused op as torch's CPU path does. Any other call (plain meta
-tensors, another mesh device, the math choice) runs torch's own composite kernel unchanged.
+DTensor on a CPU mesh, or a plain (local) meta tensor inside a dry world, whose ranks' tensors live
+on CPU meshes; and runs the fused op as torch's CPU path does. The choice changes what autograd keeps
+for backward too (the fused op keeps q, k, v, its output and logsumexp; the decomposition its
+score matrices), which the memory per rank counts. Any other call (meta tensors outside a dry world,
+another mesh device, the math choice) runs torch's own composite kernel unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import threading
 
 import torch
 
+from ..comm.dry import DryCommunicator
 from ..tensor import DTensor
+from ..world import current_comm, in_threads_world
 
 __all__ = ["install"]
 
@@ -58,7 +63,10 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     args = (query, key, value, attn_mask, dropout_p, is_causal)
-    on_cpu_mesh = isinstance(query, DTensor) and query.device_mesh.device_type == "cpu"
+    if isinstance(query, DTensor):
+        on_cpu_mesh = query.device_mesh.device_type == "cpu"
+    else:  # a rank's local tensor in the dry world (its meshes are CPU ones: measure.py's init_device_mesh)
+        on_cpu_mesh = in_threads_world() and isinstance(current_comm(), DryCommunicator)
     if on_cpu_mesh and _cpu_choice(*args, scale, enable_gqa) == _FLASH_CHOICE:
         mask = _additive(attn_mask, query.dtype)
         return aten._scaled_dot_product_flash_attention_for_cpu(

@@ -35,6 +35,7 @@ from . import device_kernels
 __all__ = [
     "Measurement",
     "Reference",
+    "SavedActivations",
     "extrapolate",
     "local_parameter_bytes",
     "measure",
@@ -53,9 +54,11 @@ class Measurement:
     rounds_per_part: dict[str, int] = field(default_factory=dict)
     total_bytes: int = 0  # busiest rank over the whole step
     total_rounds: int = 0
-    memory_per_rank: int = 0  # parameters, gradients, AdamW's two states, fully_shard's gathered units: largest rank
+    # parameters, gradients, AdamW's two states, fully_shard's gathered units, activations kept for backward
+    memory_per_rank: int = 0  # on the largest rank
     parameter_bytes: int = 0  # the largest rank's local parameters: every one the model holds, once
     error: str | None = None  # why the candidate cannot be used (raised, fell back, or wrong values)
+    activation_bytes: int = 0  # the largest rank's tensors autograd keeps from forward for backward
 
     @property
     def feasible(self) -> bool:
@@ -115,12 +118,38 @@ def _replicated_like(out, example: tuple) -> tuple:
     )
 
 
+class SavedActivations:
+    """Counts what autograd keeps from a forward for its backward (torch.autograd.graph.saved_tensors_hooks):
+    the local bytes on this rank of every distinct saved tensor, the model's parameters excepted (they
+    are counted as parameters). Works on META tensors too (shapes only)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()  # ids of the tensors saved so far (the graph keeps them alive)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter) or id(t) in self._seen:
+            return t
+        self._seen.add(id(t))
+        local = t.to_local() if isinstance(t, DTensor) else t
+        self.bytes += local.numel() * local.element_size()
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def _rank_step(model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, ref: Reference):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     m = copy.deepcopy(model)
     apply_fn(m, mesh)
     local = feed_fn(mesh, example)  # this rank's batch slice
-    with CommDebugMode() as fwd:
+    with CommDebugMode() as fwd, SavedActivations() as saved:
         out = m(*local)
         loss = loss_fn(out, *_replicated_like(out, local))
     with CommDebugMode() as bwd:
@@ -132,7 +161,8 @@ def _rank_step(model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_f
     counts = {part: (c.get_total_bytes(), c.get_rounds()) for part, c in zip(PARTS, (fwd, bwd, sync))}
     with torch.no_grad():
         error = _compare_grads(m, ref)
-    return StepResult(counts, local_parameter_bytes(m), gathered_peak_bytes(m), error, _full(loss.detach()))
+    params = local_parameter_bytes(m)
+    return StepResult(counts, params, gathered_peak_bytes(m), error, _full(loss.detach()), saved.bytes)
 
 
 @dataclass
@@ -144,6 +174,7 @@ class StepResult:
     gathered_bytes: int
     error: str | None
     loss: torch.Tensor
+    activation_bytes: int = 0  # kept from forward for backward
 
 
 def gathered_peak_bytes(model: nn.Module) -> int:
@@ -260,8 +291,10 @@ def _busiest(results: list[StepResult], loss_error: str | None = None) -> Measur
     out.total_bytes = max(sum(r.counts[p][0] for p in PARTS) for r in results)
     out.total_rounds = max(sum(r.counts[p][1] for p in PARTS) for r in results)
     out.parameter_bytes = max(r.parameter_bytes for r in results)
-    # parameters, gradients and AdamW's two states alike (each 1/dp under fully_shard), and its gathered units
-    out.memory_per_rank = max(4 * r.parameter_bytes + r.gathered_bytes for r in results)
+    out.activation_bytes = max(r.activation_bytes for r in results)
+    # parameters, gradients and AdamW's two states alike (each 1/dp under fully_shard), its gathered units,
+    # and the activations kept for backward (all held at once at the end of forward: their sum bounds the peak)
+    out.memory_per_rank = max(4 * r.parameter_bytes + r.gathered_bytes + r.activation_bytes for r in results)
     return out
 
 
@@ -281,4 +314,5 @@ def extrapolate(one: Measurement, two: Measurement, n_blocks: int) -> Measuremen
         line(one.total_rounds, two.total_rounds),
         line(one.memory_per_rank, two.memory_per_rank),
         line(one.parameter_bytes, two.parameter_bytes),
+        activation_bytes=line(one.activation_bytes, two.activation_bytes),
     )

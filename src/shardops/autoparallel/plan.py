@@ -261,9 +261,10 @@ class Plan:
         lines.append(
             "  peak memory per rank (parameters + gradients + AdamW states"
             + (" + gathered fully_shard units" if c.dp_dims and c.dp_mode == "fully_shard" else "")
-            + f", no activations): {m.memory_per_rank:,} B"
+            + f" + activations kept for backward): {m.memory_per_rank:,} B"
         )
         lines.append(f"  parameters per rank: {m.parameter_bytes:,} B")
+        lines.append(f"  activations kept for backward per rank: {m.activation_bytes:,} B")
         feasible = sum(1 for s in self.considered if s.measurement.feasible)
         took = f" in {self.timings['plan_s']:.1f} s" if "plan_s" in self.timings else ""
         lines.append(f"  searched {len(self.considered)} candidates ({feasible} feasible){took}")
@@ -346,7 +347,6 @@ class Plan:
                 f"  {part:<16}{t.compute[part] * 1e3:>12.3f}{t.comm[part] * 1e3:>10.3f}{p.flops / 1e9:>9.3f}"
                 f"{p.kernels:>9}{p.rounds:>13}"
             )
-        lines.append(f"  activations kept for backward, per rank: {prof.activation_bytes:,} B")
         return lines
 
     def explain(self) -> str:

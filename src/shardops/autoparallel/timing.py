@@ -271,21 +271,14 @@ def _moves_nothing(func) -> bool:
 def _profile_step(
     model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, comm: TimedDryCommunicator, optimizer
 ):
-    from .measure import _replicated_like  # the loss meets the rank's batch as in the byte pricing
+    from .measure import SavedActivations, _replicated_like  # as in the byte pricing
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     m = copy.deepcopy(model)
     apply_fn(m, mesh)
     local = feed_fn(mesh, example)  # this rank's batch slice, as measure's step
     profile = StepProfile()
-    saved = [0]
-
-    def pack(t):
-        if isinstance(t, nn.Parameter):
-            return t  # the model's own, counted with the parameters
-        local = t.to_local() if isinstance(t, DTensor) else t
-        saved[0] += _nbytes(local)
-        return t
+    saved = SavedActivations()  # the byte pricing's own count (its memory figure)
 
     @contextmanager
     def part(name: str) -> Iterator[None]:
@@ -294,7 +287,7 @@ def _profile_step(
         with DTensorCalls(counter.part), counter:
             yield
 
-    with part("forward + loss"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with part("forward + loss"), saved:
         out = m(*local)
         loss = loss_fn(out, *_replicated_like(out, local))
     with part("backward"):
@@ -304,7 +297,7 @@ def _profile_step(
             if isinstance(p.grad, DTensor):
                 p.grad.to_local()
     comm.part = None
-    profile.activation_bytes = saved[0]
+    profile.activation_bytes = saved.bytes
     _optimizer_part(m, profile.parts["optimizer step"], optimizer)
     return profile
 
