@@ -180,3 +180,23 @@ def test_mixtral_plans_expert_parallelism_where_it_moves_fewer_bytes(mesh_shape,
     their_bytes = max(sent for sent, _, _ in theirs)
     assert their_bytes == runner_up.measurement.total_bytes
     assert measured < their_bytes, (measured, their_bytes)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), pytest.param((2, 2), marks=pytest.mark.slow)], ids=["4", "2x2"])
+def test_mixtral_priced_from_metadata_sends_the_threads_world_bytes(mesh_shape):
+    """From metadata the router's ids have no values: the dry world routes by the ids one single-device
+    forward recorded (each ep rank its chunk), so every candidate, expert-parallel or not, moves exactly the
+    bytes and rounds the threads world measured. Parameters, gradients and optimizer states agree too; the
+    experts' own activations do not (on META tensors they run as shapes only: docs/autoparallel.md)."""
+    tokens = torch.randint(0, TINY["vocab_size"], (4, 8), generator=torch.Generator().manual_seed(1))
+    run = so.autoparallel(build_mixtral(), mesh_shape, (tokens,))
+    meta = so.autoparallel(build_mixtral(), mesh_shape, (tokens,), pricing="metadata")
+    assert [s.candidate for s in run.considered] == [s.candidate for s in meta.considered]
+    assert any(s.candidate.expert_parallel and s.measurement.feasible for s in meta.considered)
+    for a, b in zip(run.considered, meta.considered):
+        x, y = a.measurement, b.measurement
+        assert x.feasible == y.feasible, (a.candidate, x.error, y.error)
+        if x.feasible:
+            assert (x.bytes_per_part, x.rounds_per_part) == (y.bytes_per_part, y.rounds_per_part), a.candidate
+            assert x.memory_per_rank - x.activation_bytes == y.memory_per_rank - y.activation_bytes
+    assert meta.candidate == run.candidate and meta.predicted_bytes == run.predicted_bytes

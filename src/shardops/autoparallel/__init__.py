@@ -33,7 +33,16 @@ from ..mesh import DeviceMesh
 from ..placements import Replicate
 from ..tensor import DTensor, from_local
 from .candidates import compute_share, enumerate_candidates, plan_entries
-from .measure import extrapolate, measure, measure_dry, on_meta, reference_step, uses_batch_statistics
+from .measure import (
+    expert_routing,
+    extrapolate,
+    give_routing,
+    measure,
+    measure_dry,
+    on_meta,
+    reference_step,
+    uses_batch_statistics,
+)
 from .plan import OBJECTIVES, Plan, Scored, apply_candidate, batch_feed, mesh_names_for, rank_key
 from .structure import find_structure, truncated
 from .timing import Compute, StepProfile, extrapolate_profile, predict, profile_dry, resolve_compute
@@ -114,10 +123,11 @@ def autoparallel(
     how = _pricing_for(pricing, shape, model, example)
     warmup_s = warm_up() if how == "metadata" else 0.0  # torch's first meta kernel imports dynamo: said apart
     t0 = time.perf_counter()
+    structure = find_structure(model, example)  # a model with values: its forward routes tokens to experts
+    routing = _routing(model, structure, example)
     if how == "metadata":
-        model, example = on_meta(model, example)
+        model, example = _on_meta_routed(model, example, routing)
     loss_fn = loss_fn or language_model_loss
-    structure = find_structure(model, example)
     # repeated blocks cost the same each: price a 1-block and a 2-block copy and extrapolate
     depths = (1, 2) if structure.blocks and structure.n_blocks > 2 else (None,)
     models = [model if k is None or not structure.blocks else truncated(model, structure.blocks, k) for k in depths]
@@ -126,7 +136,7 @@ def autoparallel(
     per_rank_statistics = uses_batch_statistics(model) and how == "run"
     dp_refs: dict[int, list] = {1: refs}
     # the step-time profile comes from the dry world always (metadata: what the byte pricing ran)
-    metas = [(mod, example) if how == "metadata" else on_meta(mod, example) for mod in models]
+    metas = [(mod, example) if how == "metadata" else _on_meta_routed(mod, example, routing) for mod in models]
     batch = example[0].shape[0]
     scored: list[Scored] = []
     # fully_shard never moves fewer bytes than replicate (all_gathers and a reduce_scatter per unit
@@ -184,6 +194,22 @@ def autoparallel(
     plan.models = (link_models, compute_model)
     plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
     return plan
+
+
+def _routing(model: nn.Module, structure, example: tuple) -> dict[str, torch.Tensor]:
+    """The expert ids every experts module's router gives on the example (a model with values, at most two
+    blocks run): the dry world routes by them. Empty without experts or values."""
+    if not structure.experts or any(p.is_meta for p in model.parameters()):
+        return {}
+    probe = truncated(model, structure.blocks, 2) if structure.n_blocks > 2 else model
+    stack = probe.get_submodule(structure.blocks)
+    names = [f"{structure.blocks}.{b}.{e.name}" for b, _ in stack.named_children() for e in structure.experts]
+    return expert_routing(probe, names, example)
+
+
+def _on_meta_routed(model: nn.Module, example: tuple, routing: dict) -> tuple[nn.Module, tuple]:
+    meta_model, meta_example = on_meta(model, example)
+    return give_routing(meta_model, routing), meta_example
 
 
 BATCH_NORM_NOTE = "BatchNorm: each rank's batch statistics (torch DDP semantics); use nn.SyncBatchNorm for global ones"

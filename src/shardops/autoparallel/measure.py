@@ -27,6 +27,7 @@ from ..comm.dry import DryCommunicator
 from ..dispatch.core import FallbackWarning
 from ..fsdp._state import unit_of
 from ..mesh import init_device_mesh
+from ..parallel.expert import DRY_ROUTING_ATTR
 from ..placements import Replicate
 from ..tensor import DTensor, from_local
 from ..world import run, run_dry
@@ -36,7 +37,9 @@ __all__ = [
     "Measurement",
     "Reference",
     "SavedActivations",
+    "expert_routing",
     "extrapolate",
+    "give_routing",
     "local_parameter_bytes",
     "measure",
     "measure_dry",
@@ -244,6 +247,57 @@ def measure(model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, 
     return _busiest(results, _compare_loss(results, ref))
 
 
+def expert_routing(model: nn.Module, experts: list[str], example: tuple) -> dict[str, torch.Tensor]:
+    """Per experts module (full path), the expert ids [tokens, k] its router gave on one single-device
+    forward of the global example (no gradients): what the dry world routes by (give_routing)."""
+    ids: dict[str, torch.Tensor] = {}
+
+    def record(name: str, args: tuple) -> None:  # returns None: the call's inputs stay as they are
+        ids.setdefault(name, args[1].detach().clone())
+
+    handles = [
+        model.get_submodule(name).register_forward_pre_hook(lambda m, args, name=name: record(name, args))
+        for name in experts
+    ]
+    try:
+        with torch.no_grad():
+            model(*example)
+    finally:
+        for h in handles:
+            h.remove()
+    return ids
+
+
+class _ExpertsOnMeta:
+    """An experts module's forward on META tensors, where the routing has no values: its output's shape
+    (tokens x width), depending on the tokens, their weights and every expert weight (each gets a gradient).
+    It moves nothing, as the module's own forward on one rank; its FLOPs and kept activations are not the
+    real ones. ExpertParallel replaces it (its dry routing sends what the recorded ids send)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if not hidden.is_meta:
+            return type(self.module).forward(self.module, hidden, top_k_index, top_k_weights)
+        anchor = sum(p.reshape(-1)[:0].sum() for p in self.module.parameters(recurse=False))
+        return hidden * top_k_weights.sum(-1, keepdim=True).to(hidden.dtype) + anchor
+
+
+def give_routing(meta_model: nn.Module, routing: dict[str, torch.Tensor]) -> nn.Module:
+    """Hand each experts module of a META model its recorded ids (ExpertParallel's dry routing reads
+    them) and a forward that runs on meta tensors (_ExpertsOnMeta); modules missing from a truncated
+    copy are skipped."""
+    for name, ids in routing.items():
+        try:
+            sub = meta_model.get_submodule(name)
+        except AttributeError:
+            continue
+        sub.__dict__[DRY_ROUTING_ATTR] = ids
+        sub.forward = _ExpertsOnMeta(sub)
+    return meta_model
+
+
 def on_meta(model: nn.Module, example: tuple) -> tuple[nn.Module, tuple]:
     """A META copy of the model and the example (shapes, dtypes and module tree kept, no data)."""
     # a deepcopy whose memo maps each parameter and buffer to an empty meta twin: no data copied, and
@@ -263,15 +317,17 @@ def measure_dry(model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_
     and example, collectives counted and moving nothing; no world of the mesh's size.
 
     Rank 0 first. If every collective it joined split evenly, every rank sends what it sends; else
-    the last rank too: an uneven split gives the first ranks the larger shares, the last the smaller
-    (or none), and the busiest rank's figure is the larger of the two."""
+    every rank of a world of at most ALL_RANKS_PRICED (expert parallelism's all_to_alls follow the
+    routing: any rank may be the busiest), or the last rank of a larger one: an uneven split gives the
+    first ranks the larger shares, the last the smaller (or none); the busiest rank's figure is the largest."""
     world = math.prod(mesh_shape)
     device_kernels.install()  # sdpa picks the mesh device's backend, as on the threads world
     results = []
+    others = range(1, world) if world <= ALL_RANKS_PRICED else (world - 1,)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FallbackWarning)
-            for rank in dict.fromkeys((0, world - 1)):
+            for rank in dict.fromkeys((0, *others)):
                 comm = DryCommunicator(rank, world)
                 args = (model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_fn, ref)
                 results.append(run_dry(_rank_step, comm, *args))
@@ -280,6 +336,9 @@ def measure_dry(model, mesh_shape, mesh_names, apply_fn, feed_fn, example, loss_
     except Exception as exc:  # noqa: BLE001
         return Measurement(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     return _busiest(results)
+
+
+ALL_RANKS_PRICED = 16  # an uneven dry step on at most this many ranks is priced on every rank
 
 
 def _busiest(results: list[StepResult], loss_error: str | None = None) -> Measurement:

@@ -56,9 +56,13 @@ from ..tensor import DTensor, from_local
 from ._layout import as_placement, distribute_param
 from .style import ParallelStyle
 
-__all__ = ["ExpertParallel", "expert_parallel_dims", "expert_parameters"]
+__all__ = ["DRY_ROUTING_ATTR", "ExpertParallel", "expert_parallel_dims", "expert_parameters"]
 
 EXPERT_PARALLEL_ATTR = "_shardops_expert_parallel"
+# In the dry world (META tensors, comm/dry.py: pricing from metadata) the router's expert ids have no
+# values; the pricer gives the experts module the global batch's ids [tokens, k] under this attribute
+# (a CPU tensor, rows in batch order), and each ep rank's rows are its chunk of them.
+DRY_ROUTING_ATTR = "_shardops_dry_routing"
 
 # Tensor-parallel layout, inside each expert, of the parameter names transformers and shardops use.
 DEFAULT_TP_LAYOUTS: dict[str, Placement] = {
@@ -191,8 +195,7 @@ class _ExpertLayer:
                 )
             if self.tp is not None:  # each tp rank's input gradient is its share: sum them
                 x, w = _SumGradOver.apply(x, self.mesh, self.tp), _SumGradOver.apply(w, self.mesh, self.tp)
-        _check_routing(name, x, idx, w, self.num_experts)
-        out = self._routed(x, idx, w)
+        out = self._routed_dry(x, idx, w) if x.is_meta else self._routed(x, idx, w)
         if distributed:
             return self._wrap_output(out, hidden_dt)
         if self.tp is not None:
@@ -255,6 +258,7 @@ class _ExpertLayer:
         return [chunk_size_and_offset(self.num_experts, n, j) for j in range(n)]
 
     def _routed(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        _check_routing(type(self.module).__name__, x, idx, w, self.num_experts)
         mesh, group = self.mesh, self.mesh.group(self.ep)
         slices = self._expert_slices()
         me = group.index(mesh.get_rank())
@@ -285,6 +289,38 @@ class _ExpertLayer:
         unsort[order] = torch.arange(order.numel(), device=order.device)
         per_slot = returned.index_select(0, unsort).view(tokens, k, -1)
         return (per_slot * w.unsqueeze(-1)).sum(1).to(x.dtype)
+
+    def _routed_dry(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`_routed`'s collectives on META tensors: the split sizes from the ids the pricer recorded
+        (DRY_ROUTING_ATTR), every ep rank's from its chunk of them; the local experts as shapes only."""
+        routing = self.module.__dict__.get(DRY_ROUTING_ATTR)
+        name = type(self.module).__name__
+        if routing is None:
+            raise ShardingError(
+                f"{name}: expert-parallel routing on META tensors needs the router's expert ids; price "
+                "from a model with values (so.autoparallel records them on one single-device forward)"
+            )
+        mesh, group = self.mesh, self.mesh.group(self.ep)
+        slices, me = self._expert_slices(), group.index(mesh.get_rank())
+        per_rank = routing.chunk(group.size)  # each ep rank's tokens: its slice of the global batch
+        if per_rank[me].shape != idx.shape:
+            raise ShardingError(
+                f"{name}: this ep rank routes {tuple(idx.shape)} expert ids, but its chunk of the recorded "
+                f"routing is {tuple(per_rank[me].shape)}"
+            )
+        counts = [torch.bincount(ids.reshape(-1), minlength=self.num_experts) for ids in per_rank]
+        send_splits = [int(counts[me][start : start + size].sum()) for size, start in slices]
+        mine = slices[me]
+        recv_splits = [int(c[mine[1] : mine[1] + mine[0]].sum()) for c in counts]
+        stand_ins = [torch.empty(size, dtype=torch.int64, device="meta") for size, _ in slices]
+        mesh.comm.all_to_all(stand_ins, group, [(mine[0],)] * group.size)  # the count exchange
+        tokens, k = idx.shape
+        routed = x.index_select(0, torch.empty(tokens * k, dtype=torch.int64, device="meta"))
+        arrived = _AllToAll.apply(routed, send_splits, recv_splits, mesh, self.ep)
+        anchor = sum(p.to_local().reshape(-1)[:0].sum() for p in self.module.parameters(recurse=False))
+        y = arrived + anchor  # the local experts' output has the rows and width they received
+        returned = _AllToAll.apply(y, recv_splits, send_splits, mesh, self.ep)
+        return (returned.view(tokens, k, -1) * w.unsqueeze(-1)).sum(1).to(x.dtype)
 
     def _local_experts(
         self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weight_dtype: torch.dtype
