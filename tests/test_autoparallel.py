@@ -775,3 +775,46 @@ def test_activations_kept_for_backward_are_in_the_memory_limit():
     ruled_out = next(s for s in tight.considered if s.candidate == plan.candidate)
     assert ruled_out.measurement.error is not None and "over memory_per_rank" in ruled_out.measurement.error
     assert tight.candidate != plan.candidate and tight.chosen.measurement.memory_per_rank <= limit
+
+
+class _GatedBlock(torch.nn.Module):
+    """up -> gelu(h) * sigmoid(h) -> down (functional ops, no modules between), or a softmax over the
+    features between them, which mixes them: not a pair."""
+
+    def __init__(self, mixes: bool):
+        super().__init__()
+        self.up, self.down, self.mixes = torch.nn.Linear(16, 128), torch.nn.Linear(128, 16), mixes
+
+    def forward(self, x):
+        h = self.up(x)
+        h = h.softmax(-1) if self.mixes else F.gelu(h) * torch.sigmoid(h)
+        return x + self.down(h)
+
+
+class _GatedNet(torch.nn.Module):
+    def __init__(self, mixes: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_GatedBlock(mixes) for _ in range(2)])
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_linear_pairs_come_from_the_traced_forward_not_the_call_order():
+    """A block's Linears pair where the traced forward carries the first one's output features to the second
+    through elementwise ops only (here functional gelu and sigmoid, no modules between): the pair splits
+    (fewer bytes than data parallelism), trains exactly and sends its prediction. Called in the same order
+    with a softmax over the features between them, they are no pair: data parallelism only."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    loss_fn = _regression_loss(4)
+    plan = so.autoparallel(_GatedNet(), (2,), (x,), loss_fn=loss_fn)
+    assert plan.parallelize_plan.keys() == {"blocks.*.up", "blocks.*.down"}, str(plan)
+    dp = next(s for s in plan.considered if s.candidate.tp_dim is None)
+    assert plan.predicted_bytes < dp.measurement.total_bytes
+    _trains_exactly(plan, _GatedNet(), x, loss_fn)
+    mixed = so.autoparallel(_GatedNet(mixes=True), (2,), (x,), loss_fn=loss_fn)
+    assert all(s.candidate.tp_dim is None for s in mixed.considered)

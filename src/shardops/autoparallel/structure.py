@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .dataflow import linear_pairs
+
 __all__ = ["Experts", "LinearGroup", "ModelStructure", "find_blocks", "find_experts", "find_structure", "truncated"]
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
@@ -198,15 +200,15 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
     blocks, n_blocks = find_blocks(model)
     # the call records come from a forward of at most two blocks: planning time independent of depth
     probe = truncated(model, blocks, 2) if blocks is not None and n_blocks > 2 else model
-    arity, order = _call_arity(probe, example_inputs)
+    arity, _ = _call_arity(probe, example_inputs)
     structure = ModelStructure(blocks=blocks, n_blocks=n_blocks)
     if blocks is not None:
         container = model.get_submodule(blocks)
         first_name, first = next(iter(container.named_children()))
         structure.experts = find_experts(first, f"{blocks}.{first_name}", arity)
         _read_block(structure, first, f"{blocks}.{first_name}", arity)
-        if not structure.groups:  # Linears of the block itself (nn.TransformerEncoderLayer's linear1, linear2)
-            _read_block_pairs(structure, first, f"{blocks}.{first_name}", order)
+        if not structure.groups:  # Linears feeding Linears (nn.TransformerEncoderLayer's linear1 -> linear2)
+            _read_block_pairs(structure, first, linear_pairs(probe, f"{blocks}.{first_name}", example_inputs))
     for name, child in model.named_modules():
         if blocks is not None and (name == blocks or name.startswith(blocks + ".")):
             continue  # inside the blocks: read from the first block above
@@ -252,27 +254,16 @@ def _read_pairs(structure: ModelStructure, seq: nn.Sequential, prefix: str, copi
             pending = None
 
 
-def _read_block_pairs(structure: ModelStructure, block: nn.Module, path: str, order: list[str]) -> None:
-    """Column/row-parallel pairs among a block's own Linear children, from the order the forward called
-    them: a Linear, then (past parameter-free children only: dropout, an activation module) a Linear taking
-    its output features. Plan keys take the blocks' wildcard (`encoder.layers.*.linear1`)."""
-    children = dict(block.named_children())
-    called = [n[len(path) + 1 :] for n in order if n.startswith(path + ".") and "." not in n[len(path) + 1 :]]
+def _read_block_pairs(structure: ModelStructure, block: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """Column/row-parallel pairs among a block's Linears (at any depth), from the traced forward
+    (dataflow.py): the second takes the first's output features through elementwise ops only. Plan keys
+    take the blocks' wildcard (`encoder.layers.*.linear1`)."""
     stack = structure.blocks
-    pending: str | None = None
-    for name in called:
-        child = children[name]
-        if isinstance(child, nn.Linear):
-            prev = children[pending] if pending is not None else None
-            if isinstance(prev, nn.Linear) and prev.out_features == child.in_features:
-                structure.pairs.append((f"{stack}.*.{pending}", f"{stack}.*.{name}"))
-                weights = prev.in_features * prev.out_features + child.in_features * child.out_features
-                structure.pair_weights.append(structure.n_blocks * weights)
-                pending = None
-            else:
-                pending = name
-        elif not isinstance(child, ELEMENTWISE):
-            pending = None
+    for producer, consumer in pairs:
+        a, b = block.get_submodule(producer), block.get_submodule(consumer)
+        structure.pairs.append((f"{stack}.*.{producer}", f"{stack}.*.{consumer}"))
+        weights = a.in_features * a.out_features + b.in_features * b.out_features
+        structure.pair_weights.append(structure.n_blocks * weights)
 
 
 def _read_block(
