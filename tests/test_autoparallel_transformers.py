@@ -200,3 +200,4 @@ def test_mixtral_priced_from_metadata_sends_the_threads_world_bytes(mesh_shape):
             assert (x.bytes_per_part, x.rounds_per_part) == (y.bytes_per_part, y.rounds_per_part), a.candidate
             assert x.memory_per_rank - x.activation_bytes == y.memory_per_rank - y.activation_bytes
     assert meta.candidate == run.candidate and meta.predicted_bytes == run.predicted_bytes
+    assert "experts priced from metadata" in str(meta) and "experts priced" not in str(run)

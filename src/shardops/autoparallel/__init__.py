@@ -190,6 +190,8 @@ def autoparallel(
     plan.blocks, plan.blocks_text = structure.blocks, _blocks_text(model, structure.blocks)
     if best.candidate.dp_dims and uses_batch_statistics(model):
         plan.notes.append(BATCH_NORM_NOTE)
+    if how == "metadata" and structure.experts:
+        plan.notes.append(EXPERTS_ON_META_NOTE)
     plan.objective = objective
     plan.models = (link_models, compute_model)
     plan.timings = {"plan_s": time.perf_counter() - t0, "warmup_s": warmup_s}
@@ -212,6 +214,10 @@ def _on_meta_routed(model: nn.Module, example: tuple, routing: dict) -> tuple[nn
     return give_routing(meta_model, routing), meta_example
 
 
+EXPERTS_ON_META_NOTE = (
+    "experts priced from metadata: routed by the example's recorded expert ids; their own activations "
+    "(and FLOPs) are not in the figures below"
+)
 BATCH_NORM_NOTE = "BatchNorm: each rank's batch statistics (torch DDP semantics); use nn.SyncBatchNorm for global ones"
 
 
