@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -260,7 +261,8 @@ def _read_block_pairs(structure: ModelStructure, block: nn.Module, pairs: list[t
     take the blocks' wildcard (`encoder.layers.*.linear1`)."""
     stack = structure.blocks
     for producer, consumer in pairs:
-        a, b = block.get_submodule(producer), block.get_submodule(consumer)
+        # dataflow.py pairs Linears only
+        a, b = cast(nn.Linear, block.get_submodule(producer)), cast(nn.Linear, block.get_submodule(consumer))
         structure.pairs.append((f"{stack}.*.{producer}", f"{stack}.*.{consumer}"))
         weights = a.in_features * a.out_features + b.in_features * b.out_features
         structure.pair_weights.append(structure.n_blocks * weights)
