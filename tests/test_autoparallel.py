@@ -818,3 +818,60 @@ def test_linear_pairs_come_from_the_traced_forward_not_the_call_order():
     _trains_exactly(plan, _GatedNet(), x, loss_fn)
     mixed = so.autoparallel(_GatedNet(mixes=True), (2,), (x,), loss_fn=loss_fn)
     assert all(s.candidate.tp_dim is None for s in mixed.considered)
+
+
+class _Bank(torch.nn.Module):
+    """Experts under names no plan knows: stacked [experts, ...] weights, transformers' experts interface."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.inp = torch.nn.Parameter(torch.randn(experts, hidden, dim, generator=g) * 0.3)
+        self.out = torch.nn.Parameter(torch.randn(experts, dim, hidden, generator=g) * 0.3)
+
+    def forward(self, x, ids, weights):
+        y = torch.zeros_like(x)
+        for e in range(self.inp.shape[0]):
+            token, slot = torch.where(ids == e)
+            h = torch.tanh(x[token] @ self.inp[e].T) @ self.out[e].T
+            y = y.index_add(0, token, h * weights[token, slot, None])
+        return y
+
+
+class _Mixer(torch.nn.Module):
+    def __init__(self, dim: int, experts: int = 4, routed: bool = True):
+        super().__init__()
+        self.choose = torch.nn.Linear(dim, experts, bias=False) if routed else torch.nn.Identity()
+        self.bank = _Bank(experts, dim, 2 * dim)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        scores = self.choose(flat).softmax(-1) if isinstance(self.choose, torch.nn.Linear) else flat[:, :4].softmax(-1)
+        weights, ids = scores.topk(2, dim=-1)
+        return x + self.bank(flat, ids, weights / weights.sum(-1, keepdim=True)).reshape(x.shape)
+
+
+class _MixerNet(torch.nn.Module):
+    def __init__(self, routed: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Sequential(_Mixer(8, routed=routed), _Mixer(8, routed=routed))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.trunk(x))
+
+
+def test_experts_are_recognised_by_structure_not_names():
+    """Stacked expert weights called as experts(tokens, ids, weights) beside a [experts, width] router are
+    experts whatever their names (`trunk.*.bank`, routed by `choose`): planned ExpertParallel, exact, measured
+    = predicted. The same bank without a router module beside it is not taken for experts."""
+    from shardops.autoparallel.structure import find_structure
+
+    x = torch.randn(8, 3, 8, generator=torch.Generator().manual_seed(2))
+    loss_fn = _regression_loss(4)
+    assert [e.name for e in find_structure(_MixerNet(), (x,)).experts] == ["bank"]
+    assert find_structure(_MixerNet(routed=False), (x,)).experts == []
+    plan = so.autoparallel(_MixerNet(), (2,), (x,), loss_fn=lambda out, x: loss_fn(out[:, 0], x))
+    assert plan.candidate.expert_parallel and set(plan.expert_plan) == {"trunk.*.bank"}, str(plan)
+    _trains_exactly(plan, _MixerNet(), x, lambda out, x: loss_fn(out[:, 0], x))
