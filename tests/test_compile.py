@@ -400,6 +400,26 @@ def test_sharded_parameter_gradient_is_never_silently_none():
         assert all(grads.values()), grads
 
 
+def _checks_its_mesh(mesh: so.DeviceMesh):
+    """A style hook's shape: its mesh in a closure, compared with the input DTensor's (parallel/_layout.move)."""
+    return lambda x: x - 1 if x.device_mesh != mesh else x + 1
+
+
+def test_compiled_code_compares_each_rank_threads_sub_mesh_as_a_constant():
+    """On (2, 2) the tp sub-meshes of ranks {0, 1} and {2, 3} differ, and one code object sees both.
+    Comparing a mesh held by the code with an input's used to fail the trace (dynamo made the ints of
+    the mesh's identity symbolic after the second mesh, and `!=` of symbolic ints is no constant)."""
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        f = torch.compile(_checks_its_mesh(mesh["tp"]), backend="aot_eager", fullgraph=True)
+        on_tp, on_dp = (so.DTensor.from_local(torch.zeros(2), mesh[d], [Replicate()]) for d in ("tp", "dp"))
+        return f(on_tp).to_local().tolist(), f(on_dp).to_local().tolist()
+
+    assert so.run(rank, 4) == [([1.0, 1.0], [-1.0, -1.0])] * 4
+
+
 def _threads_world_graph_counts(world_size: int = 4, user_limit: int | None = None) -> dict:
     """Graphs each rank of a `world_size` threads world compiles over two steps, and dynamo's
     recompile limits in the caller before, in the ranks after compiling, in the caller after.
