@@ -43,7 +43,7 @@ def strict(enabled: bool = True):
         so.set_strict(False)
 
 
-def apply_data_parallel(model: torch.nn.Module, dp_mesh, mode: str) -> torch.nn.Module:
+def apply_dp(model: torch.nn.Module, dp_mesh, mode: str) -> torch.nn.Module:
     """torchtitan's apply_ddp / apply_fsdp: `replicate` on the data mesh, or `fully_shard` per
     repeated block (a ModuleDict/ModuleList child's children) and then the root."""
     if mode == "replicate":
@@ -153,7 +153,7 @@ def sharded_training(
         mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         if plan is not None:
             parallelize_module(model, mesh["tp"], plan)
-        apply_data_parallel(model, mesh["dp"], mode)
+        apply_dp(model, mesh["dp"], mode)
         dp = mesh.own_coordinate()[0]
         tok, tgt = tokens.chunk(mesh_shape[0])[dp], targets.chunk(mesh_shape[0])[dp]
         if plan is not None:  # the loss meets DTensor outputs on mesh["tp"]: this dp rank's target, replicated over tp

@@ -559,8 +559,8 @@ def test_safetensors_shape_mismatch_names_the_key(tmp_path):
         so.run(main, 4)
 
 
-def test_tensor_parallel_checkpoint_loads_into_a_data_parallel_sharded_model_and_back(tmp_path):
-    """TP on (4,) -> FSDP-style dp-sharded (data_parallel mode="shard") on (2, 2) -> TP on (4,)."""
+def test_tensor_parallel_checkpoint_loads_into_a_fully_sharded_model_and_back(tmp_path):
+    """TP on (4,) -> TP on mesh["tp"] + fully_shard per block on mesh["dp"] of (2, 2) -> TP on (4,)."""
     from shardops.models import Llama
 
     tp_path, dp_path = str(tmp_path / "tp"), str(tmp_path / "dp")

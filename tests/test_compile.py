@@ -19,8 +19,10 @@ import torch.nn as nn
 
 import shardops as so
 from mp import run_gloo
-from shardops import Replicate, Shard
-from shardops.parallel import ColwiseParallel, RowwiseParallel, data_parallel, parallelize_module
+from shardops import Partial, Replicate, Shard
+from shardops.fsdp import replicate
+from shardops.fsdp.replicate import replicate_state
+from shardops.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 MESHES = [(4,), (2, 2)]
 # The default suite keeps one mesh of a repeated case; the other runs with `pytest -m slow` (CI time).
@@ -47,23 +49,42 @@ def _mlp(seed: int = 0, hidden: int = 16) -> nn.Module:
 
 
 def _parallel_mlp(reference: nn.Module, mesh_shape) -> tuple[nn.Module, so.DeviceMesh]:
-    """Column- then row-parallel on the tp dim; on a 2-d mesh data-parallel over the other dim."""
+    """Column- then row-parallel on the tp dim; on a 2-d mesh also `replicate` (torch's composable
+    DDP) over dp, as torchtitan's apply_tp then apply_ddp: gradients all-reduced over dp in
+    backward's hooks, activations plain local tensors of the rank's batch."""
     names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
     mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     m = copy.deepcopy(reference)
     parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     if len(mesh_shape) == 2:
-        data_parallel(m, mesh)
+        replicate(m, device_mesh=mesh["dp"])
     return m, mesh
 
 
-def _step(m: nn.Module, x: torch.Tensor, run=None):
-    """Forward (through `run`: m or its compiled form), a loss, backward; what came out and what the step sent."""
+def _dp_size(mesh: so.DeviceMesh) -> int:
+    return mesh["dp"].size() if mesh.ndim == 2 else 1
+
+
+def _local_batch(x: torch.Tensor, mesh: so.DeviceMesh) -> torch.Tensor:
+    """This rank's rows of the global batch `x`: its dp coordinate's chunk (all of it without dp)."""
+    return x.chunk(_dp_size(mesh))[mesh.get_local_rank("dp")] if mesh.ndim == 2 else x
+
+
+def _loss(y: torch.Tensor, dp: int) -> torch.Tensor:
+    """The global batch's sum of squares, as each of the `dp` data-parallel ranks' part of it:
+    replicate averages the dp ranks' gradients, so the rank's sum times dp gives single-device
+    torch's gradients (torchtitan scales its loss for the same reason)."""
+    return (y * y).sum() * dp
+
+
+def _step(m: nn.Module, x: torch.Tensor, mesh: so.DeviceMesh, run=None):
+    """Forward of this rank's batch of `x` (through `run`: m or its compiled form), the loss, backward;
+    what came out and what the step sent."""
     for p in m.parameters():
         p.grad = None
     with so.CommDebugMode() as comm:
-        y = (run or m)(x)
-        loss = (y * y).sum()
+        y = (run or m)(_local_batch(x, mesh))
+        loss = _loss(y, _dp_size(mesh))
         loss.backward()
     grads = {n: p.grad for n, p in m.named_parameters()}
     return y, grads, comm.get_comm_counts(), comm.get_total_bytes()
@@ -82,19 +103,17 @@ def _compare_compiled_with_eager(mesh_shape, backend) -> list[dict]:
 
     def rank():
         m, mesh = _parallel_mlp(reference, mesh_shape)
-        eager_y, eager_grads, eager_counts, eager_bytes = _step(m, x)
+        eager_y, eager_grads, eager_counts, eager_bytes = _step(m, x, mesh)
         compiled = torch.compile(m, backend=backend)
-        y, grads, counts, nbytes = _step(m, x, compiled)  # first call: compiles
-        y2, grads2, counts2, nbytes2 = _step(m, x, compiled)  # second: the cached graph
+        y, grads, counts, nbytes = _step(m, x, mesh, compiled)  # first call: compiles
+        y2, grads2, counts2, nbytes2 = _step(m, x, mesh, compiled)  # second: the cached graph
         out = {
             "requires_grad": y.requires_grad,
             "eager": (eager_counts, eager_bytes),
             "compiled": [(counts, nbytes), (counts2, nbytes2)],
         }
-        out["values"] = [
-            torch.allclose(_full(v), ref_y if len(mesh_shape) == 1 else _full(eager_y), atol=1e-5)
-            for v in (eager_y, y, y2)
-        ]
+        ref_rows = _local_batch(ref_y, mesh)  # the rows of this rank's batch
+        out["values"] = [torch.allclose(_full(v), ref_rows, atol=1e-5) for v in (eager_y, y, y2)]
         out["grads"] = {}
         for n, g in grads.items():
             e = eager_grads[n]
@@ -106,8 +125,7 @@ def _compare_compiled_with_eager(mesh_shape, backend) -> list[dict]:
                 g is not None
                 and torch.allclose(_full(g), _full(e), atol=1e-5)
                 and torch.allclose(_full(grads2[n]), _full(e), atol=1e-5),
-                # data parallel averages the dp ranks' gradients of their batch shards: single-device torch only on (4,)
-                len(mesh_shape) > 1 or torch.allclose(_full(e), ref_grads[n], atol=1e-5),
+                torch.allclose(_full(e), ref_grads[n], atol=1e-5),
             )
         return out
 
@@ -140,7 +158,8 @@ def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, 
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     out: dict = {}
     for mode in ("eager", "compiled"):
-        m, _ = _parallel_mlp(reference, mesh_shape)
+        m, mesh = _parallel_mlp(reference, mesh_shape)
+        rows, dp = _local_batch(x, mesh), _dp_size(mesh)  # read outside the compiled step
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
 
         def update():
@@ -154,9 +173,9 @@ def _train_rank(reference: nn.Module, mesh_shape, backend: str, steps: int = 3, 
         def train_step():
             opt.zero_grad()  # noqa: B023 - called within this iteration
             total = 0.0
-            for batch in x.split(4) if compiled_part == "accumulating" else (x,):
+            for batch in rows.chunk(2) if compiled_part == "accumulating" else (rows,):  # noqa: B023
                 y = m(batch)  # noqa: B023 - called within this iteration
-                loss = (y * y).sum()
+                loss = _loss(y, dp)  # noqa: B023 - called within this iteration
                 loss.backward()
                 total = total + loss.detach()
             compiled_update()  # noqa: B023 - called within this iteration
@@ -194,8 +213,8 @@ def _single_device_training(reference: nn.Module, steps: int = 3) -> tuple[list[
 
 
 def _training_differences(out: dict, mesh_shape, same_bytes: bool) -> list[str]:
-    """Where a rank's compiled training differs from its eager training (and, tensor parallel only,
-    eager from one device)."""
+    """Where a rank's compiled training differs from its eager training, and eager from one device
+    (the parameters; the losses too where the rank's loss is the global one: tensor parallel only)."""
     losses = lambda mode: [s[0] for s in out[mode]]  # noqa: E731
     close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))  # noqa: E731
     wrong = (
@@ -214,18 +233,14 @@ def _training_differences(out: dict, mesh_shape, same_bytes: bool) -> list[str]:
             for n, g in eager.items()
             if not torch.allclose(compiled[n], g, atol=1e-5)
         ]
-    if len(mesh_shape) == 1:  # tensor parallel only: the same training as one device
-        ref_losses, ref_params = _single_device_training(_mlp())
-        wrong += (
-            [f"losses: eager {losses('eager')} vs one device {ref_losses}"]
-            if not all(map(close, losses("eager"), ref_losses))
-            else []
-        )
-        wrong += [
-            f"{n}: eager vs one device"
-            for n, p in ref_params.items()
-            if not torch.allclose(out["eager_params"][n], p, atol=1e-5)
-        ]
+    ref_losses, ref_params = _single_device_training(_mlp())
+    if len(mesh_shape) == 1 and not all(map(close, losses("eager"), ref_losses)):
+        wrong.append(f"losses: eager {losses('eager')} vs one device {ref_losses}")
+    wrong += [
+        f"{n}: eager vs one device"
+        for n, p in ref_params.items()
+        if not torch.allclose(out["eager_params"][n], p, atol=1e-5)
+    ]
     if same_bytes and [s[1:] for s in out["compiled"]] != [s[1:] for s in out["eager"]]:
         wrong.append(f"collectives: compiled {out['compiled']} vs eager {out['eager']}")
     return wrong
@@ -234,10 +249,10 @@ def _training_differences(out: dict, mesh_shape, same_bytes: bool) -> list[str]:
 @pytest.mark.parametrize("mesh_shape", MESHES_DP2XTP2_DEFAULT)
 def test_compiled_train_step_with_optimizer_equals_eager(mesh_shape):
     """torch.compile(train_step): the optimizer's step (clip_grad_norm_, AdamW) runs compiled on the DTensor
-    parameters after backward's graph break, with eager's values and eager's bytes at every step. With
-    data parallel, backward leaves a replicated weight's gradient as a pending sum; the compiled
-    update is traced with the reduced layout and the sum is reduced as the graph is called, once,
-    as eager's first read does (docs/compile.md)."""
+    parameters after backward's graph break, with eager's values and eager's bytes at every step, and
+    the parameters of single-device training. On (dp, tp) the model is also `replicate`d over dp: the
+    style hooks the compiled step traces compare the tp sub-mesh of each rank thread (a mesh compared
+    in compiled code is a constant: mesh.py), and the gradients are averaged in backward's hooks."""
     torch._dynamo.reset()
     reference = _mlp()
     for r, out in enumerate(so.run(lambda: _train_rank(reference, mesh_shape, "aot_eager"), 4)):
@@ -245,11 +260,10 @@ def test_compiled_train_step_with_optimizer_equals_eager(mesh_shape):
         assert not wrong, f"rank {r}: {wrong}"
 
 
-def test_data_parallel_gradient_accumulation_in_a_compiled_step():
-    """Two micro-batches' backwards accumulate into one pending sum per replicated weight (a
-    backward called from compiled code is eager code); the compiled update reduces it once, as
-    eager does: eager's values and eager's bytes at every step (DDP without no_sync sends a
-    reduction per backward)."""
+def test_replicate_gradient_accumulation_in_a_compiled_step():
+    """Two micro-batches' backwards inside the compiled step (a backward called from compiled code is
+    eager code), each ending in replicate's bucket all_reduce (DDP without no_sync sends a reduction per
+    backward): eager's values and eager's bytes at every step, single-device torch's parameters."""
     torch._dynamo.reset()
     reference = _mlp()
     for r, out in enumerate(
@@ -260,12 +274,10 @@ def test_data_parallel_gradient_accumulation_in_a_compiled_step():
 
 
 def test_eager_backward_then_compiled_clip_and_optimizer_step_sends_eager_bytes():
-    """Backward in eager, clip_grad_norm_ + AdamW compiled, data parallel on (2,2). Backward leaves a
-    replicated weight's gradient as a pending sum. Neither compiled graph reduces it (a graph could
-    not change its input's layout, and torch's graph break at optimizer.step would hand the second
-    graph the sum again): the first graph's call reduces it in place before the graph runs, and the
-    optimizer's graph gets it reduced. Losses, parameters, gradients and bytes are eager's at every
-    step, the first included."""
+    """Backward in eager, clip_grad_norm_ + AdamW compiled, tp + replicate on (2,2): the compiled update
+    reads the gradients replicate averaged at the end of backward. Losses, parameters, gradients and
+    bytes are eager's at every step, the first included; the parameters single-device torch's. (A
+    gradient pending as a sum or as shards reaching compiled code: the pending tests below.)"""
     torch._dynamo.reset()
     reference = _mlp()
     for r, out in enumerate(so.run(lambda: _train_rank(reference, (2, 2), "aot_eager", compiled_part="update"), 4)):
@@ -277,13 +289,20 @@ def _gloo_train_rank(mesh_shape, compiled_part="step", backend="aot_eager"):
     return _train_rank(_mlp(), mesh_shape, backend, compiled_part=compiled_part)
 
 
-def _shard_pending_training(mesh, backend: str | None, steps: int = 3) -> tuple[list, torch.Tensor]:
-    """A replicated (5, 3) weight times a row-sharded input (uneven over 4 ranks, one empty): the
-    planner slices the weight inside the op, so its gradient comes back Shard(0), pending as shards
-    (a move that changes the local shape). clip_grad_norm_ + AdamW, compiled with `backend` or eager:
-    each step's pending layout and collectives, and the final weight."""
+# weight shape -> the layout its gradient comes back pending in, and the layout it is pending to
+PENDING_CASES = {
+    "shards": ((5, 3), ((Shard(0),), (Replicate(),))),  # the planner slices the weight inside the op
+    "sum": ((3,), ((Partial(),), (Replicate(),))),  # a broadcast weight: each rank's rows' summand
+}
+
+
+def _pending_training(mesh, case: str, backend: str | None, steps: int = 3) -> tuple[list, torch.Tensor]:
+    """A replicated weight (PENDING_CASES[case]) times a row-sharded (5, 3) input (uneven over 4 ranks,
+    one empty): its gradient comes back pending, as shards (a move that changes the local shape) or as
+    a sum. clip_grad_norm_ + AdamW, compiled with `backend` or eager: each step's pending layout and
+    collectives, and the final weight."""
     torch.manual_seed(0)
-    w = so.distribute_tensor(torch.randn(5, 3), mesh, [Replicate()]).requires_grad_()
+    w = so.distribute_tensor(torch.randn(PENDING_CASES[case][0]), mesh, [Replicate()]).requires_grad_()
     opt = torch.optim.AdamW([w], lr=1e-2, foreach=True)
 
     def update():
@@ -305,12 +324,14 @@ def _shard_pending_training(mesh, backend: str | None, steps: int = 3) -> tuple[
     return steps_seen, w.full_tensor().detach()
 
 
-def test_gradient_pending_as_shards_reaches_compiled_code_with_eager_bytes():
-    """A pending move that changes the local shape (Shard(0) -> Replicate, uneven): compiled code is
-    traced with the gathered gradient and the gather runs once as the graph is called. Eager's
+@pytest.mark.parametrize("case", list(PENDING_CASES))
+def test_pending_gradient_reaches_compiled_code_with_eager_bytes(case):
+    """A gradient pending as shards (Shard(0) -> Replicate, uneven: a move that changes the local shape)
+    or as a sum (Partial -> Replicate): compiled code is traced with the resolved gradient and the gather
+    or all_reduce runs once as the graph is called (a graph cannot change its input's layout). Eager's
     collectives at every step; the weight is single-device torch's."""
     torch.manual_seed(0)
-    w = torch.randn(5, 3).requires_grad_()
+    w = torch.randn(PENDING_CASES[case][0]).requires_grad_()
     opt = torch.optim.AdamW([w], lr=1e-2, foreach=True)
     for step in range(3):
         opt.zero_grad()
@@ -321,17 +342,18 @@ def test_gradient_pending_as_shards_reaches_compiled_code_with_eager_bytes():
 
     def rank():
         mesh = so.init_device_mesh("cpu", (4,))
-        return _shard_pending_training(mesh, None), _shard_pending_training(mesh, "aot_eager")
+        return _pending_training(mesh, case, None), _pending_training(mesh, case, "aot_eager")
 
     for r, ((eager, eager_w), (compiled, compiled_w)) in enumerate(so.run(rank, 4)):
-        assert eager[0][0] == ((Shard(0),), (Replicate(),)), eager  # the case this test is about
+        assert eager[0][0] == PENDING_CASES[case][1], eager  # the case this test is about
         assert compiled == eager, f"rank {r}: compiled {compiled} vs eager {eager}"
         assert torch.allclose(compiled_w, w.detach(), atol=1e-6) and torch.allclose(eager_w, w.detach(), atol=1e-6)
 
 
 @pytest.mark.parametrize("compiled_part", [pytest.param("update", marks=SLOW), "accumulating"])
-def test_pending_gradients_reach_compiled_code_with_eager_bytes_under_gloo(compiled_part):
-    """The two tests above in 4 gloo processes."""
+def test_replicate_compiled_update_and_accumulation_under_gloo(compiled_part):
+    """The accumulation and the compiled-update tests above in 4 gloo processes (replicate's bucket
+    all_reduce is asynchronous there, waited for at the end of backward)."""
     for r, out in enumerate(run_gloo(_gloo_train_rank, 4, (2, 2), compiled_part, timeout=600)):
         wrong = _training_differences(out, (2, 2), same_bytes=True)
         assert not wrong, f"rank {r}: {wrong}"
@@ -347,10 +369,10 @@ def test_compiled_train_step_with_optimizer_under_gloo(mesh_shape):
 @pytest.mark.slow  # inductor's C++ compiles: 225 s (threads) and 115 s (gloo) on a loaded 2-core machine
 @pytest.mark.parametrize("world", ["threads", "gloo"])
 def test_compiled_training_with_inductor_equals_eager(world):
-    """inductor (C++ kernels on CPU) compiles the data-parallel training step with two micro-batches'
-    backwards accumulating into pending sums (the gloo accumulation case): each step's loss, every
-    gradient, the final parameters and the collectives are eager's (the aot_eager tests above run
-    the same training with torch's own kernels)."""
+    """inductor (C++ kernels on CPU) compiles the tp + replicate training step with two micro-batches'
+    backwards (the gloo accumulation case): each step's loss, every gradient, the final parameters and
+    the collectives are eager's (the aot_eager tests above run the same training with torch's own
+    kernels)."""
     torch._dynamo.reset()
     if world == "threads":
         reference = _mlp()
@@ -376,6 +398,26 @@ def test_sharded_parameter_gradient_is_never_silently_none():
 
     for grads in so.run(rank, 2):
         assert all(grads.values()), grads
+
+
+def _checks_its_mesh(mesh: so.DeviceMesh):
+    """A style hook's shape: its mesh in a closure, compared with the input DTensor's (parallel/_layout.move)."""
+    return lambda x: x - 1 if x.device_mesh != mesh else x + 1
+
+
+def test_compiled_code_compares_each_rank_threads_sub_mesh_as_a_constant():
+    """On (2, 2) the tp sub-meshes of ranks {0, 1} and {2, 3} differ, and one code object sees both.
+    Comparing a mesh held by the code with an input's used to fail the trace (dynamo made the ints of
+    the mesh's identity symbolic after the second mesh, and `!=` of symbolic ints is no constant)."""
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        f = torch.compile(_checks_its_mesh(mesh["tp"]), backend="aot_eager", fullgraph=True)
+        on_tp, on_dp = (so.DTensor.from_local(torch.zeros(2), mesh[d], [Replicate()]) for d in ("tp", "dp"))
+        return f(on_tp).to_local().tolist(), f(on_dp).to_local().tolist()
+
+    assert so.run(rank, 4) == [([1.0, 1.0], [-1.0, -1.0])] * 4
 
 
 def _threads_world_graph_counts(world_size: int = 4, user_limit: int | None = None) -> dict:
@@ -446,12 +488,12 @@ def _gloo_rank(mesh_shape, backend):
     reference = _mlp()
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     m, mesh = _parallel_mlp(reference, mesh_shape)
-    eager_y, eager_grads, eager_counts, eager_bytes = _step(m, x)
+    eager_y, eager_grads, eager_counts, eager_bytes = _step(m, x, mesh)
     explained = torch._dynamo.explain(copy.deepcopy(m))(x) if len(mesh_shape) == 1 else None
     graph_ops = _GraphOps()  # aot_eager, noting each graph's ops
     compiled = torch.compile(m, backend=graph_ops if backend == "aot_eager" else backend)
-    y, grads, counts, nbytes = _step(m, x, compiled)
-    y2, grads2, counts2, nbytes2 = _step(m, x, compiled)
+    y, grads, counts, nbytes = _step(m, x, mesh, compiled)
+    y2, grads2, counts2, nbytes2 = _step(m, x, mesh, compiled)
     same_grads = all(
         grads[n] is not None
         and grads[n].placements == eager_grads[n].placements
@@ -465,13 +507,17 @@ def _gloo_rank(mesh_shape, backend):
         "bytes": ((counts, nbytes), (eager_counts, eager_bytes)),
         "bytes_again": (counts2, nbytes2),
         "collectives": [op for op in graph_ops.ops if "c10d" in op or op.startswith("shardops")],
+        "buckets": len(state.buckets) if (state := replicate_state(m)) is not None else 0,
     }
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES_DP2XTP2_DEFAULT)
 def test_compiled_parallel_mlp_under_gloo(mesh_shape):
     """Also: under torch.distributed the traced collectives are torch's own (_c10d_functional), each
-    with its wait and shardops' byte counter, which makes a compiled step count what eager counts."""
+    with its wait and shardops' byte counter, which makes a compiled step count what eager counts.
+    The graphs hold every collective of the step but replicate's: as torch's DDP/replicate (without
+    compiled autograd), its bucket all_reduces run in the parameters' gradient hooks, outside the
+    compiled graphs, one per bucket, and the step still sends eager's collectives and bytes."""
     for r, out in enumerate(run_gloo(_gloo_rank, 4, mesh_shape, "aot_eager", timeout=600)):
         ops = out["collectives"]
         assert not [op for op in ops if op.startswith("shardops.") and op != "shardops.count.default"], (
@@ -481,8 +527,9 @@ def test_compiled_parallel_mlp_under_gloo(mesh_shape):
         waits = [op for op in ops if "wait_tensor" in op]
         counters = [op for op in ops if op == "shardops.count.default"]
         assert issued and len(issued) == len(waits) == len(counters), f"rank {r}: {ops}"
-        assert sum(out["bytes"][1][0].values()) == len(issued), (
-            f"rank {r}: eager sends {out['bytes'][1]}, the graphs hold {issued}"
+        assert out["buckets"] == (1 if len(mesh_shape) == 2 else 0), f"rank {r}: {out['buckets']} buckets"
+        assert sum(out["bytes"][1][0].values()) == len(issued) + out["buckets"], (
+            f"rank {r}: eager sends {out['bytes'][1]}, the graphs hold {issued}, {out['buckets']} bucket(s) outside"
         )
         assert out["bytes_again"] == out["bytes"][1], f"rank {r}: second compiled step {out['bytes_again']}"
         if out["graphs"] is not None:

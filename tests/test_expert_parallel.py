@@ -16,7 +16,7 @@ from shardops import Partial, Replicate, Shard
 from shardops.fsdp import fully_shard, replicate
 from shardops.models import _init
 from shardops.models_moe import GroupedExperts, LlamaMoE, MoE, MoEArgs, llama_moe_plan, llama_moe_tp_plan
-from shardops.parallel import ExpertParallel, data_parallel, loss_parallel, parallelize_module
+from shardops.parallel import ExpertParallel, loss_parallel, parallelize_module
 from shardops.placements import chunk_size_and_offset
 
 ARGS = MoEArgs(dim=8, n_heads=2, num_experts=5, top_k=2, moe_hidden_dim=6, vocab_size=16, max_seq_len=8)
@@ -222,84 +222,6 @@ def test_llama_moe_routing_is_uneven():
     assert chunk_size_and_offset(ARGS.num_experts, 4, 3)[0] == 0
 
 
-def _lm_step(shape, mode):
-    mesh = so.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[: len(shape)])
-    model = _model()
-    parallelize_module(model, mesh, llama_moe_plan())
-    data_parallel(model, mesh, mode)
-    tokens, target = _lm_batch()
-    rank = mesh.get_rank()
-    with so.CommDebugMode() as fwd:
-        logits = model(tokens.chunk(4)[rank])  # the batch split over every mesh dim (all are data dims)
-        tgt = so.distribute_tensor(target, mesh, [Shard(0)] * mesh.ndim)
-        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(0, 1))
-    with so.CommDebugMode() as bwd:
-        loss.backward()
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    return loss.full_tensor().detach(), grads, _a2a(fwd.log), _a2a(bwd.log), mesh.get_coordinate()[0]
-
-
-@pytest.mark.parametrize(
-    "shape, mode",
-    [((4,), "replicate"), ((2, 2), "replicate"), ((4,), "shard"), ((2, 2), "shard")],
-    ids=["dp=ep4", "dp=ep2xtp2", "fsdp=ep4", "fsdp=ep2xtp2"],
-)
-def test_llama_moe_data_parallel_and_expert_parallel(shape, mode, strict):
-    """EP over the data-parallel dim (each rank routes its own batch shard), exact vs one device.
-    On (2, 2) the second dim is tensor parallelism inside each expert and splits the batch for the
-    other layers (data_parallel's dp dims are both: the experts' tp partials are summed over a dp
-    dim); in "shard" mode the other parameters are FSDP-sharded, the experts stay EP-sharded.
-    Per MoE layer and ep rank, the all_to_all bytes are the ones the single-device routing implies:
-    forward counts + dispatch + combine, backward the two token all_to_alls mirrored, nothing else."""
-    model = _model()
-    tokens, target = _lm_batch()
-    routing = _lm_routing(model, tokens)
-    loss_ref = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
-    loss_ref.backward()
-    for loss, grads, fwd, bwd, ep_rank in so.run(_lm_step, 4, shape, mode):
-        assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
-        for name, p in model.named_parameters():
-            assert torch.allclose(grads[name], p.grad, atol=TOL), name
-        assert (fwd, bwd) == _lm_expected_a2a_bytes(routing, shape[0], ep_rank)
-
-
-def _lm_tp_step(mode):
-    mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = _model()
-    parallelize_module(model, mesh["tp"], llama_moe_tp_plan())
-    parallelize_module(model, mesh, llama_moe_plan())
-    data_parallel(model, mesh, mode)
-    tokens, target = _lm_batch()
-    dp = mesh.get_coordinate()[0]
-    mine = so.from_local(target.chunk(2)[dp], mesh, [Shard(0), Replicate()])  # this dp rank's rows, said explicitly
-    with loss_parallel():
-        with so.CommDebugMode() as fwd:
-            loss = F.cross_entropy(model(tokens.chunk(2)[dp]).flatten(0, 1), mine.flatten(0, 1))
-        with so.CommDebugMode() as bwd:
-            loss.backward()
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    return loss.full_tensor().detach(), grads, _a2a(fwd.log), _a2a(bwd.log), dp
-
-
-@pytest.mark.parametrize("mode", ["replicate", "shard"])
-def test_llama_moe_tensor_sequence_expert_and_data_parallel(mode, strict):
-    """Mesh (dp, tp): attention tensor/sequence-parallel, experts EP over dp with TP inside, batch over dp
-    (tp is no data dim here). The MoE blocks get local tokens (replicated over tp): the same bytes."""
-    model = _model()
-    tokens, target = _lm_batch()
-    routing = _lm_routing(model, tokens)
-    loss_ref = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
-    loss_ref.backward()
-    for loss, grads, fwd, bwd, dp in so.run(_lm_tp_step, 4, mode):
-        assert torch.allclose(loss, loss_ref.detach(), atol=TOL)
-        for name, p in model.named_parameters():
-            assert torch.allclose(grads[name], p.grad, atol=TOL), name
-        assert (
-            len(fwd) == ARGS.n_layers * 3 and len(bwd) == ARGS.n_layers * 2
-        )  # per MoE layer: counts, dispatch, combine; 2 back
-        assert (fwd, bwd) == _lm_expected_a2a_bytes(routing, 2, dp)
-
-
 # ------------------------------------------------------------------ transformers' MoE blocks
 
 
@@ -479,52 +401,6 @@ def test_explain_moe_from_the_command_line(capsys):
     assert main(["explain", "moe(x, num_experts=4, top_k=1)", "--mesh", "4", "--x", "f32[64,8]:S(0)"]) == 0
     out = capsys.readouterr().out
     assert "routing(tokens, top_k=1, num_experts=4)" in out and "all_to_all" in out
-
-
-def _lm_train(steps):
-    mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    model = _model()
-    parallelize_module(model, mesh, llama_moe_plan())
-    data_parallel(model, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens, target = _lm_batch()
-    tgt = so.distribute_tensor(target, mesh, [Shard(0)])
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(tokens.chunk(4)[mesh.get_rank()]).flatten(0, 1), tgt.flatten(0, 1))
-        loss.backward()
-        opt.step()
-        losses.append(loss.full_tensor().detach())
-    return losses, {n: p.full_tensor().detach() for n, p in model.named_parameters()}
-
-
-def test_llama_moe_adamw_steps_match_one_device(strict):
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens, target = _lm_batch()
-    losses_ref = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), target.flatten(0, 1))
-        loss.backward()
-        opt.step()
-        losses_ref.append(loss.detach())
-    for losses, params in so.run(_lm_train, 4, 2):
-        assert all(torch.allclose(a, b, atol=TOL) for a, b in zip(losses, losses_ref))
-        for name, p in model.named_parameters():
-            assert torch.allclose(params[name], p.detach(), atol=TOL), name
-
-
-def test_data_parallel_over_another_mesh_than_the_experts_raises():
-    def body():
-        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        model = _model()
-        parallelize_module(model, mesh["dp"], llama_moe_plan())
-        data_parallel(model, mesh)
-
-    with pytest.raises(so.ShardingError, match="expert-parallel"):
-        so.run(body, 4)
 
 
 # ------------------------------------------------------------------ with torch-style data parallelism (shardops.fsdp)

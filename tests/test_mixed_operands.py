@@ -97,7 +97,7 @@ class MHABlock(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["shard", "replicate"])
-def test_multihead_attention_outside_the_plan_under_data_parallel_is_exact(mode):
+def test_multihead_attention_outside_the_plan_under_fully_shard_and_replicate_is_exact(mode):
     """Issue 40's case: MLP tensor-parallel on mesh["tp"], an nn.MultiheadAttention outside the plan
     (it reads out_proj.weight directly), then torch-style data parallelism on mesh["dp"]. Only the
     parameters are distributed: MHA gets its plain weights (gathered by fully_shard) and the local

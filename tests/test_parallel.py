@@ -1,4 +1,4 @@
-"""shardops.parallel in the threads world: plans, styles, ties, loss_parallel, data parallelism,
+"""shardops.parallel in the threads world: plans, styles, ties, loss_parallel, with fully_shard/replicate,
 optimizers on DTensor parameters, and small models trained against single-device torch.
 
 The styles against torch's own parallelize_module (same module, same inputs, 4 gloo
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import shardops as so
 from parallel_harness import (
-    apply_data_parallel,
+    apply_dp,
     check_training,
     has_strategies,
     reference_training,
@@ -32,7 +32,6 @@ from shardops.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
-    data_parallel,
     loss_parallel,
     parallelize_module,
 )
@@ -495,7 +494,7 @@ def test_language_model_with_norms_outside_the_plan(name, mode):
 
 
 @pytest.mark.parametrize("mode", ["replicate", "shard"])
-def test_tied_embeddings_with_two_layouts_under_data_parallel(mode):
+def test_tied_embeddings_with_two_layouts_under_fully_shard_and_replicate(mode):
     """Embedding hidden-sharded, output projection vocabulary-sharded: one parameter read through
     a view, and the rest of the model outside the plan, on a (dp, tp) mesh."""
     args = ModelArgs(n_layers=1)
@@ -521,7 +520,7 @@ class _ScaledEmbedding(nn.Embedding):
 
 
 @pytest.mark.parametrize("mode", ["replicate", "shard"])
-def test_a_styles_buffers_under_data_parallel(mode):
+def test_a_styles_buffers_under_fully_shard_and_replicate(mode):
     """A buffer the style replicated on mesh["tp"] stays there under fully_shard/replicate on mesh["dp"]:
     activations live on the tp mesh, so the module's forward mixes them with it as under TP alone."""
     torch.manual_seed(0)
@@ -534,7 +533,7 @@ def test_a_styles_buffers_under_data_parallel(mode):
         mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         m = copy.deepcopy(model)
         parallelize_module(m, mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
-        apply_data_parallel(m, mesh["dp"], mode)
+        apply_dp(m, mesh["dp"], mode)
         local = m(ids.chunk(2)[mesh.get_coordinate()[0]]).pow(2).mean()  # this dp rank's batch mean
         local.backward()
         return m.scale.device_mesh == mesh["tp"], local.item(), m.weight.grad.full_tensor()
@@ -543,143 +542,6 @@ def test_a_styles_buffers_under_data_parallel(mode):
     assert sum(r[1] for r in results) / 4 == pytest.approx(ref.item(), abs=1e-6)
     for on_tp_mesh, _, grad in results:
         assert on_tp_mesh
-        torch.testing.assert_close(grad, ref_grad)
-
-
-# ------------------------------------------------------------------ the older data_parallel (whole-mesh activations)
-
-
-class Scale(nn.Module):
-    """Elementwise weight and bias: every op it reaches has a strategy in main, so its data
-    parallelism runs strict and its collectives can be counted exactly."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(14)
-        self.weight = nn.Parameter(torch.randn(8, 16, generator=g))
-        self.bias = nn.Parameter(torch.randn(16, generator=g))
-
-    def forward(self, x):
-        return torch.tanh(x * self.weight + self.bias)
-
-
-EXPECTED_DP_COMMS = {  # per step, for the 2 parameters (see data_parallel's module doc)
-    "replicate": ({}, {}, {"all_reduce": 2}),  # forward, backward, optimizer step: each gradient synchronised once
-    "shard": (
-        {"all_gather": 2},
-        {"reduce_scatter": 2},
-        {},
-    ),  # gathered for compute, gradient reduce-scattered, local step
-}
-
-
-@pytest.mark.parametrize("mode", ["replicate", "shard"])
-def test_data_parallel_collectives_per_step(mode):
-    g = torch.Generator().manual_seed(15)
-    xs = [torch.randn(6, 8, 16, generator=g) for _ in range(3)]
-    targets = [torch.randn(6, 8, 16, generator=g) for _ in range(3)]
-    ref = Scale()
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
-    for x, t in zip(xs, targets):
-        opt.zero_grad()
-        _mse(ref(x), t).backward()
-        opt.step()
-
-    def main():
-        mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        m = data_parallel(Scale(), mesh, mode)
-        opt = torch.optim.AdamW(m.parameters(), lr=0.05)
-        comms = []
-        with strict():
-            for x, t in zip(xs, targets):
-                rank = mesh.get_local_rank()
-                # uneven batch (6 rows on 4 ranks: 2, 2, 2, 0): inputs as DTensors with their global shape
-                local_x = so.from_local(x.chunk(4)[rank] if rank < 3 else x[:0], mesh, [Shard(0)], shape=x.shape)
-                local_t = so.from_local(t.chunk(4)[rank] if rank < 3 else t[:0], mesh, [Shard(0)], shape=t.shape)
-                opt.zero_grad()
-                with so.CommDebugMode() as fwd:
-                    loss = _mse(m(local_x), local_t)
-                with so.CommDebugMode() as bwd:
-                    loss.backward()
-                with so.CommDebugMode() as step:
-                    opt.step()
-                comms.append((fwd.get_comm_counts(), bwd.get_comm_counts(), step.get_comm_counts()))
-        return (
-            comms,
-            {n: p.detach().full_tensor() for n, p in m.named_parameters()},
-            [p.placements for p in m.parameters()],
-        )
-
-    for comms, params, placements in so.run(main, 4):
-        assert placements == ([(Replicate(),)] * 2 if mode == "replicate" else [(Shard(0),)] * 2)
-        assert comms == [EXPECTED_DP_COMMS[mode]] * 3
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(params[name], p.detach(), atol=1e-5, rtol=1e-5)
-
-
-def test_gradient_accumulation_keeps_gradients_pending():
-    """Two micro-batches accumulate into pending gradients with no collective; one all_reduce
-    per gradient on the first read after them."""
-    g = torch.Generator().manual_seed(16)
-    xs = [torch.randn(8, 8, 16, generator=g) for _ in range(2)]
-    ts = [torch.randn(8, 8, 16, generator=g) for _ in range(2)]
-    ref = Scale()
-    for x, t in zip(xs, ts):
-        _mse(ref(x), t).backward()
-
-    def main():
-        mesh = so.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        m = data_parallel(Scale(), mesh, "replicate")
-        rank = mesh.get_local_rank()
-        with strict():
-            with so.CommDebugMode() as accumulate:
-                for x, t in zip(xs, ts):
-                    _mse(m(x.chunk(4)[rank]), so.from_local(t.chunk(4)[rank], mesh, [Shard(0)])).backward()
-            with so.CommDebugMode() as read:
-                grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
-        return accumulate.get_comm_counts(), read.get_comm_counts(), grads
-
-    for accumulate, read, grads in so.run(main, 4):
-        assert accumulate == {} and read == {"all_reduce": 2}
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5)
-
-
-def test_data_parallel_refuses_bad_meshes():
-    def main():
-        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        m = MLP()
-        parallelize_module(m, mesh["tp"], MLP_PLAN)
-        with pytest.raises(so.ShardingError, match="whole mesh"):
-            data_parallel(copy.deepcopy(m), mesh["dp"])
-        with pytest.raises(so.ShardingError, match="mode"):
-            data_parallel(m, mesh, mode="zero3")
-        return True
-
-    assert all(so.run(main, 4))
-
-
-@pytest.mark.parametrize("mode", ["replicate", "shard"])
-def test_data_parallel_lifts_a_styles_buffers_to_the_whole_mesh(mode):
-    torch.manual_seed(0)
-    model = _ScaledEmbedding()
-    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(2))
-    ref = model(ids).pow(2).mean()
-    (ref_grad,) = torch.autograd.grad(ref, model.weight)
-
-    def main():
-        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        m = copy.deepcopy(model)
-        parallelize_module(m, mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
-        data_parallel(m, mesh, mode=mode)
-        local = m(ids.chunk(2)[mesh.get_coordinate()[0]]).pow(2).mean()  # this dp rank's batch mean
-        local.backward()
-        return m.scale.device_mesh == mesh, local.item(), m.weight.grad.full_tensor()
-
-    results = so.run(main, 4)
-    assert sum(r[1] for r in results) / 4 == pytest.approx(ref.item(), abs=1e-6)
-    for on_whole_mesh, _, grad in results:
-        assert on_whole_mesh
         torch.testing.assert_close(grad, ref_grad)
 
 

@@ -43,11 +43,12 @@ class DeviceMesh:
         self.shape: tuple[int, ...] = tuple(ranks.shape)
         self.ndim = ranks.ndim
         self._flat = tuple(ranks.flatten().tolist())
-        self._key = (device_type, self.shape, self._flat, self.mesh_dim_names)
+        # Identity as one string, not a tuple of ints: compiled code that compares meshes (a style's
+        # hook checking an input's mesh) reads it as a constant. Dynamo makes an int attribute symbolic
+        # once the same code has seen two values of it (two rank threads' sub-meshes, or two meshes),
+        # and a comparison of symbolic ints is no constant: the trace failed.
+        self._key = repr((device_type, self.shape, self._flat, self.mesh_dim_names))
         self._groups: dict[tuple[int, tuple[int, ...]], Group] = {}
-        # Mesh dims that split a data-parallel batch (set by shardops.parallel.data_parallel): on them,
-        # plain tensors carry gradients of the rank-local loss, as under DDP (see tensor.dp_grad_scale).
-        self.data_parallel_dims: tuple[int, ...] = ()
         # The mesh this one was sliced from by name (torch's root mesh): fully_shard composes a
         # dp sub-mesh with the tp sub-mesh of a parameter's layout on it.
         self.root_mesh: DeviceMesh | None = None

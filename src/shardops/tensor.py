@@ -689,20 +689,7 @@ class _ToLocal(torch.autograd.Function):
         gspec = TensorSpec(spec.mesh, placements, TensorMeta(spec.shape, spec.meta.stride, grad.dtype))
         if isinstance(grad, DTensor):
             return _local_grad_from_dtensor(grad, gspec), None
-        scale = dp_grad_scale(spec.mesh, placements)
-        if scale != 1:  # a rank-local loss's gradient: averaged over the data-parallel ranks, as DDP does
-            grad = _averaged_once(grad, scale)
         return DTensor._make(grad.contiguous() if not grad.is_contiguous() else grad, gspec), None
-
-
-def _averaged_once(grad: torch.Tensor, scale: int) -> torch.Tensor:
-    """`grad / scale`, one tensor for every to_local backward that autograd hands this gradient.
-
-    Without data parallel, two branches of a sum wrap the one gradient autograd gives them, and
-    a later move of it is sent once (`_gradient_in_layout`); a division per branch would make two
-    equal gradients that each pay for the move (GPT-2's embeddings under data parallel).
-    """
-    return _derived_once(grad, ("average", scale), lambda: grad / scale)[0]
 
 
 def _derived_once(source: torch.Tensor, key: Any, derive: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
@@ -725,10 +712,9 @@ def _local_grad_from_dtensor(grad: DTensor, gspec: TensorSpec) -> DTensor:
     """to_local's gradient when the plain local tensor met DTensors downstream.
 
     A plain operand mixed with DTensors is taken as Replicate, so its gradient comes back as a
-    DTensor whose global value is the gradient of this rank's local tensor (already the global
-    loss's: no data-parallel scaling). Where the local tensor is the whole tensor (no Shard), that
-    DTensor is the gradient as it is, pending layout and all; otherwise its replicated value is
-    this rank's piece in `gspec`.
+    DTensor whose global value is the gradient of this rank's local tensor. Where the local
+    tensor is the whole tensor (no Shard), that DTensor is the gradient as it is, pending layout
+    and all; otherwise its replicated value is this rank's piece in `gspec`.
     """
     if (
         grad._spec.mesh == gspec.mesh
@@ -752,50 +738,7 @@ class _FromLocal(torch.autograd.Function):
         if not isinstance(grad, DTensor):
             return grad, None
         # The gradient goes back to the source layout; a Partial source gets a Replicate gradient.
-        local = _gradient_in_layout(grad, without_partials(spec.placements))
-        # The scale follows the forward placements, Partial included: a Partial summand over a dp
-        # dim is one of N distinct contributions, like a Shard piece (see dp_grad_scale).
-        scale = dp_grad_scale(spec.mesh, spec.placements)
-        return (local * scale if scale != 1 else local), None
-
-
-def dp_grad_scale(mesh: DeviceMesh, placements: Sequence[Placement]) -> int:
-    """The factor between a plain tensor's gradient and its DTensor's on the data-parallel dims.
-
-    On the data-parallel dims of a mesh (`data_parallel` marks them), plain tensors carry the
-    gradient of the rank-local loss and DTensors the gradient of the global loss, the mean of
-    the ranks' local losses (torch's DDP/FSDP convention): a rank's plain gradient is the global
-    loss's gradient with respect to that rank's own local tensor times the size of the dp dims
-    on which the ranks' local tensors are distinct (below).
-
-    What counts is whether, on a dp dim, the ranks' local tensors are *distinct contributions*
-    to the DTensor or *identical copies* of it:
-
-    - Shard (a piece) or Partial (a summand): distinct. The global loss's gradient with respect
-      to one rank's contribution is its piece (Shard) or the whole (Partial) of the DTensor's
-      gradient, so `from_local` multiplies by the dim's size, and `to_local` divides the ranks'
-      plain gradients by it before they are assembled (concatenated or summed).
-    - Replicate: identical copies; the ranks computed redundantly and each holds the one
-      gradient, already the mean: the dim counts 1.
-
-    `from_local` reads its forward placements, `to_local` its gradient placements: the
-    gradient of a Partial summand is Replicate, yet the summand is still one of N distinct
-    contributions, and a local computation keeps that property from its output to its inputs'
-    gradients (the inputs of a Partial output get Partial gradients, of a sharded output Shard
-    or Partial ones, of a replicated output Replicate ones). So a from_local/to_local round trip
-    around local code inside a model (a module outside the plan, a user's `to_local` and back,
-    the experts of `ExpertParallel` whose tensor-parallel dim is also a dp dim: Replicate tokens
-    in, Partial gradient declared, Partial output) scales by the same factor both ways and
-    changes nothing; a DTensor loss is never divided, and a rank-local loss is averaged once.
-    """
-    dims = mesh.data_parallel_dims
-    if not dims:
-        return 1
-    scale = 1
-    for d in dims:
-        if not placements[d].is_replicate():
-            scale *= mesh.shape[d]
-    return scale
+        return _gradient_in_layout(grad, without_partials(spec.placements)), None
 
 
 class _Redistribute(torch.autograd.Function):

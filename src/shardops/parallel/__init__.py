@@ -1,12 +1,12 @@
-"""Module-level parallelism: torch.distributed.tensor.parallel's API on shardops DTensors, plus data parallelism.
+"""Module-level parallelism: torch.distributed.tensor.parallel's API on shardops DTensors.
 
     from shardops.parallel import parallelize_module, ColwiseParallel, RowwiseParallel, ...
 
 ports a torchtitan-style plan by changing its import (torch's placements are accepted too).
+Data parallelism is torch's composable API: `shardops.fsdp.fully_shard` / `replicate`.
 """
 
 from .api import parallelize_module
-from .data_parallel import data_parallel
 from .distribute import distribute_module
 from .expert import ExpertParallel
 from .loss import loss_parallel
@@ -29,7 +29,6 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
-    "data_parallel",
     "distribute_module",
     "loss_parallel",
     "parallelize_module",

@@ -1,16 +1,11 @@
 """Compute views: during a module's forward, a parameter is read in another layout than it is stored in.
 
-Three users: a parameter sharded over the data-parallel dims (FSDP-style) is
-gathered for compute; a tied parameter (one object, two modules whose styles want
-two layouts) is stored once and redistributed for the module that wants the other
-layout; and a module outside the plan, which computes on plain local tensors,
-reads its DTensor parameter as a plain tensor (`LocalView`: the whole parameter,
-its gradient declared Partial(sum) over the data-parallel dims, where each rank
-saw its own batch shard, and Replicate elsewhere, as torch assumes for modules a
-tensor-parallel plan leaves alone; a style whose module computes on local tensors
-declares its own, e.g. a per-head norm's gradient Partial(sum) over tp, or the local
-shards of an experts module's parameters, and data_parallel adds Partial(sum) over dp
-to it). The view is made with `redistribute` /
+Two users: a tied parameter (one object, two modules whose styles want two layouts) is
+stored once and redistributed for the module that wants the other layout; and a module
+that computes on plain local tensors reads its DTensor parameter as a plain tensor
+(`LocalView`: the whole parameter or its local shard, its gradient declared in the
+placements the style gives, e.g. a per-head norm's gradient Partial(sum) over tp, or the
+local shards of an experts module's parameters). The view is made with `redistribute` /
 `to_local` (autograd-tracked), so the gradient flows back into the one stored
 parameter, in its storage layout; `nn.Module`'s parameters, `state_dict` and the
 optimizer keep seeing the stored parameter.
@@ -39,17 +34,6 @@ class LocalView:
 
     grad_placements: tuple[Placement, ...]
     placements: tuple[Placement, ...] | None = None
-    # data_parallel's view for a module outside the plan: only while the module's inputs are plain
-    # (a module fed DTensors reads the DTensor parameter; a plain one beside them would raise)
-    only_for_plain_inputs: bool = False
-
-
-View = tuple[Placement, ...] | LocalView
-
-
-def compute_layouts(module: nn.Module) -> dict[str, View]:
-    """The module's compute views so far (read only; set_compute_layout adds one)."""
-    return dict(module.__dict__.get(VIEWS_ATTR, {}))
 
 
 def set_compute_layout(module: nn.Module, name: str, layout: Sequence[Placement] | LocalView) -> None:
@@ -63,14 +47,11 @@ def set_compute_layout(module: nn.Module, name: str, layout: Sequence[Placement]
 
 
 def _install_views(module: nn.Module, inputs) -> None:
-    fed_dtensors = any(isinstance(x, DTensor) for x in inputs)
     for name, layout in module.__dict__[VIEWS_ATTR].items():
         p = module._parameters.get(name)
         if not isinstance(p, DTensor):
             continue
         if isinstance(layout, LocalView):
-            if layout.only_for_plain_inputs and fed_dtensors:
-                continue
             compute = layout.placements or (Replicate(),) * p.device_mesh.ndim
             view = (p if p.placements == compute else p.redistribute(placements=compute)).to_local(
                 grad_placements=layout.grad_placements

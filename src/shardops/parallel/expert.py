@@ -56,9 +56,8 @@ from ..tensor import DTensor, from_local
 from ._layout import as_placement, distribute_param
 from .style import ParallelStyle
 
-__all__ = ["DRY_ROUTING_ATTR", "ExpertParallel", "expert_parallel_dims", "expert_parameters"]
+__all__ = ["DRY_ROUTING_ATTR", "ExpertParallel"]
 
-EXPERT_PARALLEL_ATTR = "_shardops_expert_parallel"
 # In the dry world (META tensors, comm/dry.py: pricing from metadata) the router's expert ids have no
 # values; the pricer gives the experts module the global batch's ids [tokens, k] under this attribute
 # (a CPU tensor, rows in batch order), and each ep rank's rows are its chunk of them.
@@ -74,14 +73,6 @@ DEFAULT_TP_LAYOUTS: dict[str, Placement] = {
     "down_proj": Shard(2),
     "w2": Shard(2),
 }
-
-
-def expert_parallel_dims(module: nn.Module) -> tuple[int, ...] | None:
-    """The mesh dims whose ranks hold different experts of `module` (None: not expert-parallel).
-
-    `data_parallel` reads it: those dims are data dims for the rest of the model, and the
-    experts' parameters stay where this style put them (their gradients are complete there)."""
-    return module.__dict__.get(EXPERT_PARALLEL_ATTR)
 
 
 class ExpertParallel(ParallelStyle):
@@ -148,7 +139,6 @@ class ExpertParallel(ParallelStyle):
             with torch.no_grad():
                 dt = distribute_param(p, device_mesh, placements, self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
-        module.__dict__[EXPERT_PARALLEL_ATTR] = (ep,)
         layer = _ExpertLayer(
             module, type(module).forward, device_mesh, ep, tp, num_experts, self.output_layouts, self.use_local_output
         )
@@ -430,26 +420,3 @@ class _SumGradOver(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.mesh.comm.all_reduce(grad.contiguous(), "sum", ctx.mesh.group(ctx.dim)), None, None
-
-
-def expert_parameters(module: nn.Module, mesh: DeviceMesh) -> set[int]:
-    """ids of the expert-parallel parameters under `module`, for `data_parallel` over `mesh`.
-
-    They stay as this style laid them out: each rank's experts see every token routed to them
-    from every data-parallel rank, so their gradients are complete with no data-parallel
-    reduction. They must live on the mesh given to data_parallel (the ep dims are data dims)."""
-    found: set[int] = set()
-    for sub in module.modules():
-        if expert_parallel_dims(sub) is None:
-            continue
-        for name, p in sub._parameters.items():
-            if p is None:
-                continue
-            if isinstance(p, DTensor) and p.device_mesh != mesh:
-                raise ShardingError(
-                    f"data_parallel: the expert-parallel {type(sub).__name__}.{name} lives on {p.device_mesh}, not on "
-                    f"{mesh}; parallelize the experts on the whole mesh given to data_parallel (its ep dim splits the "
-                    "batch too)"
-                )
-            found.add(id(p))
-    return found

@@ -81,7 +81,7 @@ def _target_dtensor(logits: DTensor, target):
         raise ShardingError(
             "loss_parallel() requires a DTensor (not a plain torch.Tensor) when the derived placements "
             f"{list(placements)} contain Shard: the logits {list(logits.placements)} shard a non-class dim (e.g. the "
-            "batch under data parallelism), so a plain target could be the global one or this rank's piece. Wrap it "
+            "batch or the sequence), so a plain target could be the global one or this rank's piece. Wrap it "
             f"with DTensor.from_local(target, mesh, {list(placements)}) (this rank's piece) or distribute_tensor (the "
             "global one)."
         )

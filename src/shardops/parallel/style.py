@@ -10,8 +10,8 @@ may be ours or torch's (converted). Differences, each on purpose:
   every rank initialised them alike);
 - a module a style does not support raises `ShardingError` (torch: NotImplementedError).
 
-Boundaries lay tensors out on the mesh the plan was given, or, after
-`data_parallel`, on the whole (dp, tp) mesh with the batch split over dp (_layout).
+Boundaries lay tensors out on the mesh the plan was given (_layout); data parallelism on
+`mesh["dp"]` (shardops.fsdp) leaves them there.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Partial, Placement, Replicate, Shard, StridedShard
 from ..tensor import DTensor, from_local
-from ._layout import as_mesh, boundary, data_parallel_of, distribute_param, move, to_dtensor
+from ._layout import as_mesh, distribute_param, move, to_dtensor
 from ._views import LocalView, set_compute_layout
 from .api import parallelize_module
 from .distribute import distribute_module
@@ -113,16 +113,12 @@ def from_transformers(
 
 def _rotary_tables_replicated(model: nn.Module, mesh: DeviceMesh) -> None:
     """The rotary embedding's (cos, sin), computed from positions alone, come out as Replicate DTensors
-    (explicitly, so that the backward of q * cos meets a DTensor too); on the whole mesh once
-    data_parallel has joined the model."""
+    (explicitly, so that the backward of q * cos meets a DTensor too)."""
 
     def replicated(module: nn.Module, args: Any, out: Any) -> Any:
-        dp = data_parallel_of(module)
-        m = dp.mesh if dp is not None else mesh
-
         def wrap(t: Any) -> Any:
             return (
-                from_local(t, m, [Replicate()] * m.ndim)
+                from_local(t, mesh, [Replicate()] * mesh.ndim)
                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
                 else t
             )
@@ -354,8 +350,7 @@ def _local_with_summed_grad(module: nn.Module, x: Any, mesh: DeviceMesh) -> Any:
     if not (x.is_floating_point() or x.is_complex()):
         return x.to_local() if isinstance(x, DTensor) else x
     dt = move(module, to_dtensor(module, x, mesh, (Replicate(),)), mesh, (Replicate(),))
-    _, grad = boundary(module, mesh, (Partial(),))
-    return dt.to_local(grad_placements=grad)
+    return dt.to_local(grad_placements=(Partial(),))
 
 
 class LocalShardCompute(ParallelStyle):
@@ -377,7 +372,6 @@ class LocalShardCompute(ParallelStyle):
             _distribute_params(module, device_mesh, self.layouts, self.src_data_rank)
         # The forward reads each parameter's local shard as a plain tensor (a compute view, autograd-tracked:
         # the gradient lands in the DTensor), whose gradient is this rank's whole share of that shard's.
-        # As a view, data_parallel lifts it: replicated over dp for compute, gradient Partial(sum) over dp.
         for name, p in module.named_parameters(recurse=False):
             if isinstance(p, DTensor):
                 set_compute_layout(module, name, LocalView(p.placements, p.placements))
@@ -404,8 +398,7 @@ class LocalShardCompute(ParallelStyle):
 
 
 def _sum_over_mesh(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh, use_local_output: bool) -> torch.Tensor:
-    m, pl = boundary(module, mesh, (Partial(),))
-    dt = out if isinstance(out, DTensor) else from_local(out, m, pl)
+    dt = out if isinstance(out, DTensor) else from_local(out, mesh, (Partial(),))
     dt = move(module, dt, mesh, (Replicate(),))
     return dt.to_local() if use_local_output else dt
 
