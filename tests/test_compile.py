@@ -738,3 +738,16 @@ class _GraphOps:
             return make_boxed_func(g.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=note, bw_compiler=note)
+
+
+def test_a_mesh_sliced_inside_compiled_code_is_built_eagerly():
+    """`mesh["dp"]` in a compiled function: the slice breaks the graph and runs eagerly (dynamo used to
+    compile DeviceMesh.__init__ as a frame of its own and fail building a guard on the half-built mesh)."""
+    torch._dynamo.reset()
+
+    def rank():
+        mesh = so.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        f = torch.compile(lambda x: x * mesh["dp"].size() + mesh["tp"].get_local_rank(), backend="aot_eager")
+        return f(torch.ones(2)).tolist()
+
+    assert so.run(rank, 4) == [[2.0, 2.0], [3.0, 3.0]] * 2

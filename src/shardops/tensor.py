@@ -970,6 +970,10 @@ traceable.eager_only(DTensor.__torch_dispatch__.__func__)  # type: ignore[attr-d
 # frame would be traced with _dynamo_tracing() true and call itself at run time without end).
 traceable.eager_only(DTensor.__torch_function__.__func__)  # type: ignore[attr-defined]  # a classmethod's function
 traceable.eager_only(DTensor.__tensor_unflatten__)  # AOTAutograd's run-time wrappers call it from eager code
+# A mesh made or sliced inside compiled code (`mesh["dp"]`) is built eagerly after a graph break: dynamo
+# compiling DeviceMesh.__init__ as a frame of its own guarded on the half-built mesh (its repr failed).
+traceable.eager_only(DeviceMesh.__init__)
+traceable.eager_only(DeviceMesh.__getitem__)
 traceable.on_graph_entry(_resolves_pending, _enter_graph)
 traceable.setup(
     DeviceMesh, (Shard, StridedShard, Replicate, Partial, NormPartial), (TensorSpec, TensorMeta)
