@@ -1,11 +1,12 @@
 """A pipeline step that fails on one rank raises on every rank at once, not after the process group's timeout.
 
 Under torch.distributed (gloo) nothing wakes a rank blocked in a receive when its peer raises: the
-wait ends only when the connection drops or the timeout passes (and gloo's abort and destroy do not
-drop it while sends are pending). So the failing rank leaves its error under a key in the default
-store, and every receive of a step, while it waits, looks at that key every `CHECK_EVERY` seconds: a
-peer raises a CollectiveError quoting the first failure within about that time. The key names the
-group and a per-group step count, which every rank of the group computes alike.
+wait ends only when the connection drops or the timeout passes (on torch 2.13, with a send pending,
+the process group's abort() and shutdown() block and destroy_process_group() leaves the connections
+open). So the failing rank leaves its error under a key in the default store, and every receive of
+a step, while it waits, looks at that key every `CHECK_EVERY` seconds: a peer raises a
+CollectiveError quoting the first failure within about that time. The key names the group and a
+per-group step count, which every rank of the group computes alike.
 
 In the threads world `so.run` already fails every waiting rank when one raises; waits there block.
 """
