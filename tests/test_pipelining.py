@@ -9,7 +9,10 @@ layout/shape errors are raised on every rank.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardops as so
-from mp import run_gloo
+from mp import RankFailure, run_gloo
 from shardops.comm.base import P2POp
 from shardops.models import Llama, ModelArgs
 from shardops.pipelining import (
@@ -485,6 +488,78 @@ def test_later_step_with_another_batch_shape_raises_on_the_first_stage():
         so.ShardingError, match=r"micro-batch \(int64\[4, 8\]\) differs from the first step's \(int64\[2, 8\]\)"
     ):
         so.run(body, 2, timeout=10)
+
+
+class _FailsWhenArmed(nn.Module):
+    """A stage module that raises in the forward of micro-batch `fail_at` of any step once armed."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fail_at: int | None = None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # (the first step's shape check runs under no_grad)
+            self.calls += 1
+            if self.fail_at is not None and self.calls == self.fail_at + 1:
+                raise RuntimeError("injected failure")
+        return self.inner(x)
+
+
+def _failure_rank(schedule_name: str, out_dir: str) -> None:
+    """A good first step, then stage 1 raises in the forward of micro-batch 2: writes what this rank raised and how
+    long after the step started to `out_dir`/rank, and leaves the process at once once every rank has written.
+
+    (A rank whose peers failed keeps receives that will never complete; gloo cannot cancel them, so the process's
+    own teardown would wait on them or abort: the test reads files rather than run_gloo's results.)"""
+    comm = current_comm()
+    p, rank = comm.world_size, comm.rank
+    module = _FailsWhenArmed(_stage_module(rank, p))
+    cls: Any = get_schedule_class(schedule_name)  # a single-stage schedule
+    schedule = cls(PipelineStage(module, rank, p, "cpu"), M, loss_fn=_loss)
+    tokens, target = _batches()[0]
+    inputs = (tokens,) if rank == 0 else ()
+    kwargs: dict[str, Any] = {"target": target} if rank == p - 1 else {}
+    schedule.step(*inputs, **kwargs)
+    module.calls = 0
+    module.fail_at = 2 if rank == 1 else None
+    start = time.monotonic()
+    try:
+        schedule.step(*inputs, **kwargs)
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"
+    seconds = time.monotonic() - start
+    out = Path(out_dir)
+    (out / f"{rank}.tmp").write_text(f"{seconds}\n{outcome}")
+    (out / f"{rank}.tmp").rename(out / str(rank))
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("[0-9]"))) < p and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_gloo_failure_after_the_first_step_raises_on_every_rank_at_once(schedule, tmp_path):
+    """Stage 1 raises in a later step: every rank raises within seconds, not after the process groups' 120 s
+    timeout; the failing rank's error names its action, the others' name it and their own."""
+    pg_timeout = 120
+    with pytest.raises(RankFailure, match="without a result"):  # the ranks leave by os._exit, results in files
+        run_gloo(_failure_rank, 4, schedule, str(tmp_path), timeout=3 * pg_timeout, pg_timeout=pg_timeout)
+    deadline = time.monotonic() + 30  # the parent stops at the first rank's exit; the others are writing
+    while len(list(tmp_path.glob("[0-9]"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    where = "stage 1's forward of micro-batch 2 (1F2) on rank 1: RuntimeError: injected failure"
+    for rank in range(4):
+        seconds, message = (tmp_path / str(rank)).read_text().split("\n", 1)
+        assert float(seconds) < 15, (rank, seconds, message)
+        if rank == 1:
+            assert message.startswith("RuntimeError: injected failure") and "raised in stage 1's forward" in message
+        else:
+            assert message.startswith("CollectiveError") and where in message, message
+            assert f"on rank {rank}, receiving from rank" in message, message
 
 
 def test_schedule_arguments():

@@ -11,6 +11,8 @@ raises TorchInternalMissing naming the hook there.
   reduction (our NormPartial).
 - `torch_fsdp_replicate()`: `torch.distributed._composable.replicate_with_fsdp.replicate`, what the
   training comparison's torch side (training/torch_side.py) data-parallelizes with.
+- `default_store()`: `torch.distributed.distributed_c10d._get_default_store()`, the key-value store every
+  rank reaches; a pipeline step that fails on one rank leaves a flag there that its peers' waits poll.
 """
 
 from __future__ import annotations
@@ -44,3 +46,14 @@ TORCH_REPLICATE = Hook(
 def torch_fsdp_replicate() -> Any:
     """torch's `replicate` built on FSDP2 (known for torch 2.13, 2.14 and 2.15; no public path yet)."""
     return internal(TORCH_REPLICATE, "torch.distributed._composable.replicate_with_fsdp.replicate")
+
+
+DEFAULT_STORE = Hook(
+    "distributed.default_store",
+    "a failed pipeline step's flag, which the peers' point-to-point waits poll so that they raise at once",
+)
+
+
+def default_store() -> Any:
+    """The default process group's store (no public accessor in torch 2.13 to 2.15)."""
+    return internal(DEFAULT_STORE, "torch.distributed.distributed_c10d._get_default_store")()

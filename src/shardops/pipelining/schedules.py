@@ -2,10 +2,11 @@
 the executor that runs it.
 
 A program is a list of `_Action(stage, kind, microbatch)`. The executor runs it in order:
-an F receives its stage's inputs from the previous stage (a blocking recv, or a hand-off when
-that stage is on this rank), computes, and sends its outputs on without waiting (isend); a B
-does the same with gradients, backwards. Sends never block, so every program whose actions
-come after what they depend on runs without deadlock in both worlds. The executed order is
+an F receives its stage's inputs from the previous stage (an irecv posted while the action
+before it computed, waited for now; or a hand-off when that stage is on this rank), computes,
+and sends its outputs on without waiting (isend); a B does the same with gradients, backwards.
+Sends never block, so every program whose actions come after what they depend on runs without
+deadlock in both worlds. A failure on one rank makes every rank raise at once (_abort.py). The executed order is
 kept per rank (`executed_actions`), so a test reads the bubble from it, not from timing.
 
 Placement (torch's): stage s lives on group member s % group size, except on ScheduleZBVZeroBubble's
@@ -16,14 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from ..comm.base import P2POp, P2PWork
 from ..errors import ShardingError
 from ..world import current_comm
-from . import _meta, _zero_bubble
+from . import _abort, _meta, _zero_bubble
 from . import explain as _explain
 from .explain import RECV, SEND
 from .stage import PipelineStage, TensorMeta, local_part
@@ -87,6 +88,8 @@ class _PipelineSchedule:
         self._checked = False
         self._sends: list[P2PWork] = []
         self._local: dict[tuple, tuple[torch.Tensor, ...]] = {}  # hand-offs between two stages of this rank
+        self._posted: dict[tuple, tuple] = {}  # receives started ahead of their action: (buffers, works, source)
+        self._guard: _abort.StepGuard | None = None
         self.executed_actions: list[_Action] = []  # this rank's actions of the last step, in the order run
 
     @property
@@ -127,10 +130,14 @@ class _PipelineSchedule:
                 comm, self.stages, mb_args[0] if mb_args else None, errors, lambda s: self._tag(s, 0, "meta", 0)
             )
             self._checked = True
-        elif split_error or target_error:
-            raise ShardingError(split_error or target_error)
+        self._guard = _abort.StepGuard(self._group, name)  # from here on a failure on one rank raises on all
+        if split_error or target_error:
+            self._abandon(ShardingError(split_error or target_error), "the inputs' split")
         elif first is not None and mb_args is not None:  # (with a first stage, the inputs split)
-            self._check_same_shapes(first, mb_args[0])
+            try:
+                self._check_same_shapes(first, mb_args[0])
+            except ShardingError as e:
+                self._abandon(e, "the inputs' shapes")
         has_backward = self._loss_fn is not None and torch.is_grad_enabled()
         for stage in self.stages:
             stage.clear_runtime_states()
@@ -138,14 +145,7 @@ class _PipelineSchedule:
             stage.backwards_left = self._n_microbatches if has_backward else 0
         self.executed_actions = []
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        try:
-            for action in self._program(self.stages, has_backward):
-                self._run(action, mb_args, mb_targets, outputs)
-                self.executed_actions.append(action)
-        finally:
-            sends, self._sends = self._sends, []
-            for work in sends:
-                work.wait()
+        self._run_program(self._program(self.stages, has_backward), mb_args, mb_targets, outputs)
         if not has_backward:  # forward only: nothing will read the activations kept for a backward
             for stage in self.stages:
                 stage.clear_runtime_states()
@@ -233,6 +233,39 @@ class _PipelineSchedule:
         columns = [v.chunk(m) if isinstance(v, torch.Tensor) else [v] * m for v in values]
         return [tuple(c[i] for c in columns) for i in range(m)], None
 
+    def _abandon(self, error: Exception, where: str) -> NoReturn:
+        """Raise `error` here and, through the step's flag, a CollectiveError on every other rank of the pipeline."""
+        assert self._guard is not None  # set at the start of every step
+        self._guard.fail(f"{where} on rank {current_comm().rank}: {type(error).__name__}: {error}")  # first one kept
+        add_note = getattr(error, "add_note", None)  # Python >= 3.11
+        if add_note is not None:
+            add_note(f"pipeline: raised in {where}; every rank of the pipeline raises")
+        raise error
+
+    def _run_program(
+        self, program: list[_Action], mb_args: list[tuple] | None, mb_targets: list[tuple] | None, outputs: dict
+    ) -> None:
+        """Run this rank's actions in order, each one's receive posted while the action before it computes.
+
+        A failure makes every rank of the pipeline raise at once (`_abandon`); the failing rank does not wait
+        for its own pending sends, which nobody will receive."""
+        failed = True
+        try:
+            for k, action in enumerate(program):
+                if k + 1 < len(program):  # gloo moves a message once its receive is posted: post it early
+                    self._post_receive(program[k + 1])
+                try:
+                    self._run(action, mb_args, mb_targets, outputs)
+                except Exception as e:
+                    self._abandon(e, _describe(action))
+                self.executed_actions.append(action)
+            failed = False
+        finally:
+            sends, self._sends, self._posted = self._sends, [], {}
+            if not failed:
+                for work in sends:
+                    work.wait()
+
     # -- one action
     def _run(self, a: _Action, mb_args: list[tuple] | None, mb_targets: list[tuple] | None, outputs: dict) -> None:
         stage = self._stages[a.stage]
@@ -241,7 +274,7 @@ class _PipelineSchedule:
                 assert mb_args is not None  # step() split the inputs for the first stage
                 args = mb_args[a.microbatch]
             else:
-                args = self._receive(stage, a.stage - 1, a.microbatch, "act", stage.input_metas)
+                args = self._receive(stage, a, "act", stage.input_metas)
             target = mb_targets[a.microbatch][0] if stage.is_last and mb_targets else None
             out = stage.forward_one_chunk(a.microbatch, args, target, self._loss_fn)
             if stage.is_last:
@@ -251,9 +284,7 @@ class _PipelineSchedule:
         elif a.kind == BACKWARD_WEIGHT:  # nothing crosses: the weights' half of a split backward
             stage.backward_weight_one_chunk(a.microbatch)
         else:
-            grads = (
-                None if stage.is_last else self._receive(stage, a.stage + 1, a.microbatch, "grad", stage.output_metas)
-            )
+            grads = None if stage.is_last else self._receive(stage, a, "grad", stage.output_metas)
             backward = stage.backward_one_chunk if a.kind == BACKWARD else stage.backward_input_one_chunk
             input_grads = backward(a.microbatch, grads)
             if not stage.is_first:
@@ -273,18 +304,36 @@ class _PipelineSchedule:
         ]
         self._sends += comm.batch_isend_irecv(ops)
 
-    def _receive(
-        self, stage: PipelineStage, from_stage: int, mb: int, kind: str, metas: Any
-    ) -> tuple[torch.Tensor, ...]:
+    def _post_receive(self, a: _Action) -> None:
+        """Start the receive action `a` needs from another rank, if any and not started yet."""
+        if a.kind == BACKWARD_WEIGHT:
+            return
+        stage = self._stages[a.stage]
+        if a.kind == FORWARD:
+            from_stage, kind, metas = a.stage - 1, "act", stage.input_metas
+        else:
+            from_stage, kind, metas = a.stage + 1, "grad", stage.output_metas
+        key = (a.stage, a.microbatch, kind)
+        if not 0 <= from_stage < self._num_stages or key in self._posted:
+            return
         src = stage.stage_to_rank(from_stage)
         if src == stage.rank:
-            return self._local.pop((stage.stage_index, mb, kind))
-        bufs = tuple(m.empty(stage.device) for m in metas)
+            return
+        bufs = tuple(m.empty(stage.device) for m in metas or ())
         ops = [
-            P2POp("irecv", b, src, self._group, self._tag(stage.stage_index, mb, kind, i)) for i, b in enumerate(bufs)
+            P2POp("irecv", b, src, self._group, self._tag(a.stage, a.microbatch, kind, i)) for i, b in enumerate(bufs)
         ]
-        for work in current_comm().batch_isend_irecv(ops):
-            work.wait()
+        self._posted[key] = (bufs, current_comm().batch_isend_irecv(ops), src)
+
+    def _receive(self, stage: PipelineStage, a: _Action, kind: str, metas: Any) -> tuple[torch.Tensor, ...]:
+        key = (stage.stage_index, a.microbatch, kind)
+        if key in self._local:  # handed over by this rank's other stage
+            return self._local.pop(key)
+        self._post_receive(a)
+        bufs, works, src = self._posted.pop(key)
+        assert self._guard is not None  # set at the start of every step
+        for work in works:
+            self._guard.wait(work, f"{_describe(a)} on rank {stage.rank}, receiving from rank {src},")
         if any(
             m.placements is not None for m in metas
         ):  # DTensors: rebuilt from their local shards on this stage's mesh
@@ -295,6 +344,16 @@ class _PipelineSchedule:
         """A distinct tag per (receiving stage, micro-batch, kind, tensor): messages between two ranks never mix."""
         kinds = ("meta", "act", "grad")
         return ((mb * self._num_stages + to_stage) * len(kinds) + kinds.index(kind)) * 16 + index
+
+
+def _describe(a: _Action) -> str:
+    what = {
+        FORWARD: "forward",
+        BACKWARD: "backward",
+        BACKWARD_INPUT: "input-gradient backward",
+        BACKWARD_WEIGHT: "weight-gradient backward",
+    }[a.kind]
+    return f"stage {a.stage}'s {what} of micro-batch {a.microbatch} ({a})"
 
 
 def _merge(outputs: dict[int, tuple[torch.Tensor, ...]], m: int) -> Any:
@@ -470,7 +529,7 @@ class _ZeroBubble(PipelineScheduleMulti):
             stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads
         )
         self._check_stages_per_rank(len(self.stages))
-        _check_no_fully_shard(self.stages, name)
+        _check_no_data_parallel(self.stages, name)
 
     def _check_stages_per_rank(self, v: int) -> None:
         pass
@@ -484,7 +543,7 @@ class _ZeroBubble(PipelineScheduleMulti):
         return [_Action(s, kinds[k], mb) for s, k, mb in steps if has_backward or k == "F"]
 
 
-def _check_no_fully_shard(stages: list[PipelineStage], schedule: str) -> None:
+def _check_no_data_parallel(stages: list[PipelineStage], schedule: str) -> None:
     """fully_shard reshards a unit when the gradient reaches its inputs, which a split backward's I does
     before its W has read the unsharded weights; replicate all-reduces its buckets at the end of a backward
     pass, which I ends before W has made the weights' gradients: both refused rather than wrong."""
