@@ -10,7 +10,9 @@ DDP against shardops `replicate` (25 MB buckets). Every side is built in the sam
 and the sides' steps are interleaved (one step of each side per round, the order rotating every
 round), so a change of the machine's load hits all of them alike. Per side: the median and the
 least step time of the slowest rank (forward, backward, optimizer step; after one warm-up step
-of each side), the median of the per-round ratios to the torch side it is paired with, the
+of each side), the median of the per-round ratios to the torch side it is paired with (and each
+round's), the median CPU time of the slowest rank's process (all its threads: far less
+disturbed than the wall clock by the machine's other load), the
 bytes one step sends per rank (shardops: CommDebugMode's wire bytes; torch: the c10d
 collectives' tensors, as torch pads them; both counted on the same step), and the peak of
 tensor storage one forward + backward allocates per rank beyond the resident parameters and
@@ -158,16 +160,18 @@ class _Side:
         return cm.wire_bytes
 
 
-def _timed(side: _Side) -> float:
-    """The slowest rank's seconds for one step of `side`."""
+def _timed(side: _Side) -> tuple[float, float]:
+    """The slowest rank's seconds for one step of `side`: wall clock, and the CPU time of the
+    rank's process (every thread: the collectives' backend threads too), which the machine's
+    other load disturbs far less than the wall clock."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     side.step()
-    elapsed = torch.tensor([time.perf_counter() - start])
+    elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    return elapsed[0].item(), elapsed[1].item()
 
 
 def _gather_max(value: int) -> int:
@@ -182,7 +186,7 @@ def _rank(size: dict[str, int], names: list[str]) -> dict:
     sides = [_Side(name, size) for name in names]
     for side in sides:
         side.step()  # warm-up: optimizer state, process groups, lazy init
-    times: dict[str, list[float]] = {s.name: [] for s in sides}
+    times: dict[str, list[tuple[float, float]]] = {s.name: [] for s in sides}
     for round_ in range(size["steps"]):
         k = round_ % len(sides)
         for side in sides[k:] + sides[:k]:  # the order rotates: no side always runs first
@@ -191,7 +195,8 @@ def _rank(size: dict[str, int], names: list[str]) -> dict:
     for side in sides:
         sent = _gather_max(side.counted_step())
         peak = _gather_max(min(side.step(profiled=True) for _ in range(3)))
-        out[side.name] = {"s": times[side.name], "bytes": sent, "peak": peak}
+        wall, cpu = zip(*times[side.name])
+        out[side.name] = {"s": list(wall), "cpu_s": list(cpu), "bytes": sent, "peak": peak}
     return out
 
 
@@ -218,24 +223,28 @@ def table(measured: dict[str, Any]) -> str:
         f"{measured['params'] / 1e6:.1f}M parameters, {measured['world']} gloo processes; the sides' steps "
         f"interleaved, {s['steps']} each after a warm-up. Step time of the slowest rank; bytes one step sends per "
         "rank; peak tracked tensor memory per rank.\n\n"
-        "| side | median ms | min ms | bytes/step/rank | peak tracked MiB/rank |\n|---|---:|---:|---:|---:|\n"
+        "| side | median ms | min ms | median CPU ms | bytes/step/rank | peak tracked MiB/rank |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
     )
     rows = [
-        f"| {name} | {1000 * statistics.median(r['s']):.0f} | {1000 * min(r['s']):.0f} | {r['bytes']:,} | "
-        f"{r['peak'] / 2**20:.1f} |"
+        f"| {name} | {1000 * statistics.median(r['s']):.0f} | {1000 * min(r['s']):.0f} | "
+        f"{1000 * statistics.median(r['cpu_s']):.0f} | {r['bytes']:,} | {r['peak'] / 2**20:.1f} |"
         for name, r in sides.items()
     ]
     ratios = []
     for ours, theirs in PAIRS.values():
         if ours in sides and theirs in sides:
             a, b = sides[ours], sides[theirs]
-            paired = statistics.median(x / y for x, y in zip(a["s"], b["s"]))
+            per_round = [x / y for x, y in zip(a["s"], b["s"])]
             ratios.append(
                 f"| {ours} / {theirs} | {statistics.median(a['s']) / statistics.median(b['s']):.2f}x | "
-                f"{min(a['s']) / min(b['s']):.2f}x | {paired:.2f}x | {a['peak'] / b['peak']:.2f}x |"
+                f"{min(a['s']) / min(b['s']):.2f}x | {statistics.median(per_round):.2f}x "
+                f"({', '.join(f'{r:.2f}' for r in per_round)}) | "
+                f"{statistics.median(a['cpu_s']) / statistics.median(b['cpu_s']):.2f}x | {a['peak'] / b['peak']:.2f}x |"
             )
     ratio_head = (
-        "\n\n| pair | median time | min time | median of per-round ratios | peak memory |\n|---|---:|---:|---:|---:|\n"
+        "\n\n| pair | median time | min time | median of per-round ratios (each round) | median CPU time | "
+        "peak memory |\n|---|---:|---:|---:|---:|---:|\n"
     )
     return head + "\n".join(rows) + ratio_head + "\n".join(ratios)
 

@@ -8,8 +8,11 @@ order, by dtype, a bucket closed once it holds `bucket_cap_mb`); a complete buck
 (one, of the bucket's flat buffer) starts at once and runs while backward goes on (the
 torch.distributed world's asynchronous collectives; the threads world completes it on the
 spot), ⌈Ψ·itemsize / cap⌉ all_reduces per step when the parameters fill the buckets evenly,
-logical bytes Ψ·itemsize. The end of backward starts any bucket a parameter without a gradient
-left open (as zeros), waits for every bucket and writes the averages into the gradients.
+logical bytes Ψ·itemsize. Each gradient is divided by the data-parallel size while it is copied
+into the bucket and becomes a view of the bucket at once (DDP's `gradient_as_bucket_view`): one
+pass over the gradients in all, nothing copied back, and the gradients autograd made are freed
+as their bucket starts. The end of backward starts any bucket a parameter without a gradient
+left open (as zeros) and waits for every bucket.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ STATE_ATTR = "_shardops_replicate_state"
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
+        self.numels = [_local_numel(p) for p in params]
         self.ready = 0
+        self.flat: torch.Tensor | None = None  # the started all_reduce's buffer, the gradients' storage
         self.work: CollectiveWork | None = None  # the bucket's all_reduce, started and not yet waited for
-        self.has_grad: list[bool] = []
 
 
 class ReplicateState:
@@ -83,36 +87,42 @@ class ReplicateState:
 
     def _finish(self) -> None:
         """End of backward: start the buckets a parameter without a gradient left open, then wait
-        for every bucket's all_reduce (in the order they started) and write the averages back."""
+        for every bucket's all_reduce (in the order they started)."""
         self.callback_queued = False
         for bucket in self.buckets:
             if 0 < bucket.ready <= len(bucket.params):
                 self._start(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
-                self._write_back(bucket)
+                self._wait(bucket)
             bucket.ready = 0
 
     def _start(self, bucket: _Bucket) -> None:
-        """The bucket's gradients in one flat buffer, all-reduced asynchronously: the backward of
-        the earlier layers runs while it travels (as DDP overlaps)."""
+        """The bucket's gradients, divided by the group size, in one flat buffer (one pass, as DDP
+        divides while it copies into its bucket), all-reduced asynchronously: the backward of the
+        earlier layers runs while it travels. Each gradient becomes its view of the buffer now, so
+        the one autograd made is freed and nothing is copied back; read it after backward."""
         grads = [_local_grad(p) for p in bucket.params]
-        flat = torch.cat([g.reshape(-1) if g is not None else _local_zeros(p) for p, g in zip(bucket.params, grads)])
-        bucket.has_grad = [g is not None for g in grads]
+        sample = next(g for g in grads if g is not None)  # the bucket's last gradient started it
+        flat = torch.empty(sum(bucket.numels), dtype=sample.dtype, device=sample.device)
+        for g, out in zip(grads, flat.split(bucket.numels)):
+            if g is None:
+                out.zero_()  # a parameter without a gradient this step: it still travels (as DDP's)
+            else:
+                torch.div(g, self.group.size, out=out.view(g.shape))
+        bucket.flat = flat
         bucket.work = self.mesh.comm.all_reduce_async(flat, "sum", self.group)
         bucket.ready = len(bucket.params) + 1  # started: the end of backward only waits for it
+        for p, g, view in zip(bucket.params, grads, flat.split(bucket.numels)):
+            if g is not None:
+                _set_grad(p, view)
 
-    def _write_back(self, bucket: _Bucket) -> None:
-        assert bucket.work is not None  # started by the bucket's last gradient
+    def _wait(self, bucket: _Bucket) -> None:
+        assert bucket.work is not None and bucket.flat is not None  # started by the bucket's last gradient
         total = bucket.work.wait()
-        bucket.work = None
-        total.div_(self.group.size)  # a fresh tensor from the collective: divided in place, no second bucket
-        offset = 0
-        for p, has_grad in zip(bucket.params, bucket.has_grad):
-            n = _local_numel(p)
-            if has_grad:
-                _set_grad(p, total[offset : offset + n])
-            offset += n
+        if total is not bucket.flat:  # a world that returns the sum in a new tensor (threads)
+            bucket.flat.copy_(total)
+        bucket.work = bucket.flat = None
 
 
 def _buckets(params: list[nn.Parameter], cap: int) -> list[_Bucket]:
@@ -136,12 +146,6 @@ def _local_numel(p: torch.Tensor) -> int:
     return local_of(p).numel() if isinstance(p, DTensor) else p.numel()
 
 
-def _local_zeros(p: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(
-        _local_numel(p), dtype=p.dtype, device=p.device if not isinstance(p, DTensor) else local_of(p).device
-    )
-
-
 def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
     g = p.grad
     if isinstance(g, DTensor) and isinstance(p, DTensor):
@@ -150,16 +154,17 @@ def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
 
 
 def _set_grad(p: torch.Tensor, flat: torch.Tensor) -> None:
+    """`p`'s gradient becomes `flat` (its slice of a bucket), in p's layout."""
     grad = p.grad
     assert grad is not None  # only parameters that had a gradient get one back
     if isinstance(p, DTensor):
         spec = spec_of(p)
-        local = flat.view(local_of(p).shape).to(grad.dtype).contiguous()
+        local = flat.view(local_of(p).shape)
         p.grad = wrap(
             local, TensorSpec(spec.mesh, spec.placements, TensorMeta(spec.shape, spec.meta.stride, grad.dtype))
         )
     else:
-        grad.copy_(flat.view(grad.shape))
+        p.grad = flat.view(p.shape)
 
 
 def replicate(module: nn.Module, ignored_modules: Iterable[nn.Module] | None = None, **kwargs: Any) -> nn.Module:
