@@ -6,6 +6,7 @@ ports a torchtitan-style plan by changing its import (torch's placements are acc
 """
 
 from .api import parallelize_module
+from .conv_style import ChannelParallel, InputChannelParallel, OutputChannelParallel
 from .data_parallel import data_parallel
 from .distribute import distribute_module
 from .expert import ExpertParallel
@@ -21,8 +22,11 @@ from .style import (
 )
 
 __all__ = [
+    "ChannelParallel",
     "ColwiseParallel",
     "ExpertParallel",
+    "InputChannelParallel",
+    "OutputChannelParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",
