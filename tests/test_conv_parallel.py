@@ -5,13 +5,15 @@ pair's Partial reduction (conv k+1's output forward, conv k's input gradient bac
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 
 import pytest
 import torch
 import torch.nn as nn
 
 import shardops as so
-from parallel_harness import strict
+from parallel_harness import count_step, strict
 from shardops.parallel import (
     ChannelParallel,
     ColwiseParallel,
@@ -19,6 +21,7 @@ from shardops.parallel import (
     OutputChannelParallel,
     parallelize_module,
 )
+from test_autoparallel import _regression_loss, _same_pricing_from_metadata, _SmallResNet
 
 F32 = 4
 
@@ -190,3 +193,117 @@ def test_a_channel_style_needs_a_one_dimensional_mesh():
             OutputChannelParallel()._apply(nn.Conv2d(4, 4, 3), mesh)
 
     so.run(main, 4)
+
+
+# ---- so.autoparallel's channel-parallel candidates (autoparallel/conv_pairs.py)
+
+
+def _channel_candidates(plan):
+    return [s for s in plan.considered if s.candidate.conv_pairs_tp]
+
+
+def _expected_pair_bytes(net, x, dp: int) -> int:
+    """The split pair's traffic on one rank, from shapes: its Partial output all_reduced forward and its input
+    gradient all_reduced backward (the block's input: this rank's batch slice), plus replicate's all_reduce over
+    dp of every gradient as the rank holds it (the pair's parameters split by channels over tp)."""
+    with torch.no_grad():
+        block_input = net.pool(torch.relu(net.stem(x)))  # what conv1 reads and conv2 writes: same shape here
+    pair = 2 * block_input.numel() // dp * F32
+    if dp == 1:
+        return pair
+    tp = 4 // dp
+    split = {"block.conv1.weight", "block.conv1.bias", "block.norm1.weight", "block.norm1.bias", "block.conv2.weight"}
+    grads = sum(p.numel() * F32 // (tp if n in split else 1) for n, p in net.named_parameters())
+    return pair + grads
+
+
+def _train_candidate(plan, scored, net, x, loss_fn):
+    """The candidate applied as the plan would be, strict mode: single-device loss and gradients, and its bytes."""
+    chosen = dataclasses.replace(plan, chosen=scored)
+    ref = copy.deepcopy(net)
+    ref_loss = loss_fn(ref(x), x)
+    ref_loss.backward()
+
+    def main():
+        model = chosen.apply(copy.deepcopy(net))
+        local = chosen.local_batch(x)
+        with strict():
+            return count_step(model, local, lambda out: loss_fn(out, local))
+
+    results = so.run(main, 4)
+    dp = math.prod(plan.mesh_shape[d] for d in scored.candidate.dp_dims)
+    # each dp rank's loss is its slice's mean (tp ranks of one slice alike): their mean is the batch's
+    torch.testing.assert_close(torch.stack([r[1] for r in results]).mean(), ref_loss.detach(), rtol=1e-4, atol=1e-6)
+    for sent, _, grads in results:
+        assert sent == scored.measurement.total_bytes
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    return dp
+
+
+def test_autoparallel_prices_the_resnet_blocks_conv_pair_by_channels_and_keeps_replicate_on_2x2():
+    """The ResNet-style CNN's block (conv1 -> GroupNorm(2) -> ReLU -> conv2) is a channel-parallel pair on a
+    tp dim of 2: priced from metadata exactly as run, trained exactly; replicate wins on bytes (the block's
+    activations it reduces, 2 x 2 KB, plus the other gradients, outweigh the 1,460 parameters' all_reduce)."""
+    net = _SmallResNet()
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    loss_fn = _regression_loss(4)
+    kwargs = {"loss_fn": loss_fn, "memory_per_rank": 10**9}  # a limit: fully_shard's candidates are searched too
+    plan = so.autoparallel(net, (2, 2), (x,), **kwargs)
+    assert {s.candidate.dp_mode for s in plan.considered} == {"replicate", "fully_shard"}
+    channel = _channel_candidates(plan)
+    assert [s.candidate.conv_pairs_tp for s in channel] == [(True,)] * 3  # replicate, fully_shard x 2 over dp
+    assert all(s.measurement.feasible for s in channel)
+    entries = {e.key: e.text for e in channel[0].entries}
+    assert entries == {
+        "block.conv1": "OutputChannelParallel()",
+        "block.norm1": "ChannelParallel()",
+        "block.conv2": "InputChannelParallel()",
+    }
+    replicate_pair = next(s for s in channel if s.candidate.dp_mode == "replicate")
+    assert replicate_pair.measurement.total_bytes == _expected_pair_bytes(net, x, dp=2)
+    assert plan.candidate.dims == ("dp", "dp") and plan.candidate.dp_mode == "replicate"
+    assert plan.predicted_bytes == sum(p.numel() * F32 for p in net.parameters()) < _expected_pair_bytes(net, x, 2)
+    assert "block.conv1: (not in plan)\n    runner-up" in plan.explain()
+    _same_pricing_from_metadata(plan, net, (2, 2), (x,), **kwargs)
+    _train_candidate(plan, replicate_pair, net, x, loss_fn)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (8,)], ids=["4", "8"])
+def test_a_groupnorm_of_two_groups_rules_the_pair_out_on_four_and_eight_ranks(mesh_shape):
+    """GroupNorm(2, 8) between the convs: 4 or 8 ranks cannot each hold whole groups, so no channel-parallel
+    candidate exists there (the norm would need the whole channels of a group)."""
+    net = _SmallResNet()
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    plan = so.autoparallel(net, mesh_shape, (x,), loss_fn=_regression_loss(4), pricing="metadata")
+    assert not _channel_candidates(plan) and set(plan.candidate.dims) == {"dp"}
+
+
+class _WideResNet(nn.Module):
+    """The same shape of network with 32 channels and a small batch: its gradients outweigh its activations."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.pool = nn.Conv2d(3, 32, 3, padding=1), nn.MaxPool2d(2)
+        self.conv1, self.norm1 = nn.Conv2d(32, 32, 3, padding=1), nn.GroupNorm(4, 32)
+        self.conv2 = nn.Conv2d(32, 32, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        h = self.pool(torch.relu(self.stem(x)))
+        return self.head(torch.relu(h + self.conv2(torch.relu(self.norm1(self.conv1(h))))))
+
+
+def test_autoparallel_chooses_the_channel_parallel_pair_where_it_moves_fewer_bytes():
+    """On (4,) with 32 channels and 4 images of 8 x 8: the pair's two reductions (4 x 32 x 4 x 4 floats each)
+    against replicate's all_reduce of 19k parameters: the channel-parallel plan wins, and trains exactly."""
+    net = _WideResNet()
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    loss_fn = _regression_loss(4)
+    plan = so.autoparallel(net, (4,), (x,), loss_fn=loss_fn)
+    assert plan.candidate.dims == ("tp",) and plan.candidate.conv_pairs_tp == (True,)
+    activation = 4 * 32 * 4 * 4 * F32
+    assert plan.predicted_bytes == 2 * activation < sum(p.numel() * F32 for p in net.parameters())
+    assert "'conv1': OutputChannelParallel()" in str(plan)
+    _train_candidate(plan, plan.chosen, net, x, loss_fn)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .conv_pairs import ConvPair, find_conv_pairs
+
 __all__ = ["LinearGroup", "ModelStructure", "find_blocks", "find_structure", "truncated"]
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
@@ -65,6 +67,7 @@ class ModelStructure:
     # without blocks: (column-parallel, row-parallel) Linear pairs of an nn.Sequential, full paths, and their weights
     pairs: list[tuple[str, str]] = field(default_factory=list)
     pair_weights: list[int] = field(default_factory=list)
+    conv_pairs: list[ConvPair] = field(default_factory=list)  # convolution pairs by channels (conv_pairs.py)
 
     @property
     def transformer(self) -> bool:
@@ -185,6 +188,7 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
     probe = truncated(model, blocks, 2) if blocks is not None and n_blocks > 2 else model
     arity, order = _call_arity(probe, example_inputs)
     structure = ModelStructure(blocks=blocks, n_blocks=n_blocks)
+    structure.conv_pairs = find_conv_pairs(probe, order) if blocks is None else []
     if blocks is not None:
         container = model.get_submodule(blocks)
         first_name, first = next(iter(container.named_children()))
