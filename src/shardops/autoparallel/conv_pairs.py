@@ -52,11 +52,11 @@ def find_conv_pairs(model: nn.Module, order: list[str]) -> list[ConvPair]:
     calls = [n for n in order if n in modules and _leaf(modules[n])]
     once = {n for n in calls if calls.count(n) == 1}
     pairs: list[ConvPair] = []
-    pending: tuple[str, nn.Module] | None = None
+    pending: tuple[str, nn.modules.conv._ConvNd] | None = None
     norms: list[str] = []
     for name in calls:
         module = modules[name]
-        if isinstance(module, CONVS) and module.groups == 1 and name in once:
+        if isinstance(module, nn.modules.conv._ConvNd) and module.groups == 1 and name in once:
             prev = pending[1] if pending is not None else None
             if (
                 prev is not None

@@ -54,8 +54,10 @@ def _channels_in(module: nn.Module) -> int:
     """The channel count (dim 1) of the module's input."""
     if isinstance(module, nn.GroupNorm):
         return module.num_channels
-    if isinstance(module, _CHANNEL_NORMS):
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return module.num_features
+    if not isinstance(module, nn.modules.conv._ConvNd):
+        raise ShardingError(f"channel-parallel styles: {type(module).__name__} is no convolution or channel norm")
     return module.in_channels
 
 
@@ -69,7 +71,7 @@ def _as_input(module: nn.Module, x, mesh: DeviceMesh, layout: Placement) -> DTen
             f"{type(module).__name__}: expected a tensor input at a parallel boundary, got {type(x).__name__}"
         )
     shape = None
-    if layout.is_shard() and x.ndim >= 2 and layout.dim % x.ndim == 1:
+    if isinstance(layout, Shard) and x.ndim >= 2 and layout.dim % x.ndim == 1:
         shape = (x.shape[0], _channels_in(module), *x.shape[2:])
     return from_local(x, mesh, [layout], shape=shape)
 
