@@ -14,7 +14,8 @@ byte pricing runs (measure.py):
   dry backward, its kernels and DTensor calls counted as the step's (its first step, which allocates
   the states, not counted); and the bytes autograd keeps for backward (saved_tensors_hooks).
 
-Time per part, on the busiest rank, nothing overlapped (shardops' collectives are synchronous):
+Time per part, on the busiest rank, nothing overlapped (replicate's bucket all_reduces start during
+backward, but a bucket starts when its last gradient is ready: a model of one bucket overlaps nothing):
 
     compute = FLOPs / flop_rate + bytes / bandwidth + kernels x kernel_overhead + DTensor ops x dispatch_overhead
     comm    = sum over collectives of cost.collective_time (ring model: alpha per step, bytes / beta)
@@ -87,12 +88,13 @@ class Compute:
 
 
 # NOTE: "gloo-localhost" is fitted by `fit()` on the shared 2-core development machine (load average
-# ~16): 4 gloo processes on 127.0.0.1, one torch thread each, all ranks busy at once (so each rank's
-# share of the cores is in the figures); the DTensor call cost calibrated on timing's calibration
+# ~13-16, docs/autoparallel.md run C): 4 gloo processes on 127.0.0.1, one torch thread each, compute in
+# bursts between barriers on every rank at once (so the job's own ranks sharing the cores are in the
+# figures); the DTensor call cost (per call as the profile counts them) calibrated on the fit's calibration
 # model. A machine's load moves these figures by 2x: refit (`shardops autoplan --fit`) where it matters.
 # "cpu" is a generic one-core CPU; "gpu" an H100-class device for meta plans (rough public figures).
 COMPUTE_PRESETS: dict[str, Compute] = {
-    "gloo-localhost": Compute(12.9e9, 20.3e9, 13.6e-6, 968e-6, conv_rate=7.56e9),
+    "gloo-localhost": Compute(23.5e9, 7.38e9, 12.7e-6, 681e-6, conv_rate=12.1e9),
     "cpu": Compute(50e9, 10e9, 5e-6, 40e-6),
     "gpu": Compute(400e12, 2e12, 10e-6, 40e-6),
 }
