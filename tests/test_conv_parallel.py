@@ -32,7 +32,7 @@ class ConvPair(nn.Module):
     def __init__(self, c_in: int, c_mid: int, c_out: int, norm: nn.Module | None = None, dims: int = 2):
         super().__init__()
         torch.manual_seed(0)
-        conv = {1: nn.Conv1d, 2: nn.Conv2d}[dims]
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, -2: nn.ConvTranspose2d}[dims]
         self.conv1 = conv(c_in, c_mid, 3, padding=1)
         self.norm = norm if norm is not None else nn.Identity()
         self.conv2 = conv(c_mid, c_out, 3, padding=1)
@@ -158,14 +158,18 @@ def test_a_reduce_scattered_output_sends_one_reduce_scatter_of_the_output():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_a_conv1d_pair_splits_like_a_conv2d_pair():
-    model = ConvPair(3, 6, 5, dims=1)
-    x = torch.randn(2, 3, 9, generator=torch.Generator().manual_seed(1))
-    ref_out, ref_dx, _ = _reference(model, x)
-    for fwd, bwd, _, out, dx, _, _ in _sharded_step(model, x, 2):
-        assert fwd == [("all_reduce", 2 * 5 * 9 * F32)] and bwd == [("all_reduce", x.numel() * F32)]
+@pytest.mark.parametrize("dims, x_shape", [(1, (2, 3, 9)), (-2, (2, 3, 5, 4))], ids=["conv1d", "conv_transpose2d"])
+def test_a_conv1d_or_transposed_pair_splits_like_a_conv2d_pair(dims, x_shape):
+    """Conv1d, and ConvTranspose2d (its weight [in, out, k, k]: output channels on dim 1, input on dim 0)."""
+    model = ConvPair(3, 6, 5, dims=dims)
+    x = torch.randn(*x_shape, generator=torch.Generator().manual_seed(1))
+    ref_out, ref_dx, ref_grads = _reference(model, x)
+    for fwd, bwd, _, out, dx, grads, _ in _sharded_step(model, x, 2):
+        assert fwd == [("all_reduce", ref_out.numel() * F32)] and bwd == [("all_reduce", x.numel() * F32)]
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dx, ref_dx, rtol=1e-5, atol=1e-5)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(
