@@ -120,15 +120,17 @@ class _Encoder(torch.nn.Module):
 
 
 class _MeanSquared:
-    """((out - target) ** 2).mean() against a global target, the same on every rank (picklable)."""
+    """((out - sin(x[:, :width])) ** 2).mean(): the target made from each sample's own input, so a rank's
+    batch slice meets its own targets (data parallelism's local outputs) and a DTensor output a DTensor
+    target (picklable)."""
 
-    def __init__(self, target: torch.Tensor) -> None:
-        self.target = target
+    def __init__(self, width: int) -> None:
+        self.width = width
 
-    def __call__(self, out, *_):
+    def __call__(self, out, x, *_):
         import shardops as so
 
-        target = self.target.to(out.device)
+        target = x.flatten(1)[:, : self.width].sin()
         if isinstance(out, so.DTensor):
             target = so.DTensor.from_local(target, out.device_mesh, [so.Replicate()] * out.device_mesh.ndim)
         return ((out - target) ** 2).mean()
@@ -147,7 +149,7 @@ def timed_model(name: str) -> tuple[torch.nn.Module, tuple, Any]:
         for a, b in zip(dims, dims[1:]):
             layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
         x = torch.randn(64, 256, generator=g)
-        return torch.nn.Sequential(*layers[:-1]), (x,), _MeanSquared(torch.randn(64, 256, generator=g))
+        return torch.nn.Sequential(*layers[:-1]), (x,), _MeanSquared(256)
     if name == "cnn":
         net = torch.nn.Sequential(
             torch.nn.Conv2d(3, 16, 3, padding=1),
@@ -159,7 +161,7 @@ def timed_model(name: str) -> tuple[torch.nn.Module, tuple, Any]:
             torch.nn.Linear(32, 10),
         )
         x = torch.randn(32, 3, 32, 32, generator=g)
-        return net, (x,), _MeanSquared(torch.randn(32, 10, generator=g))
+        return net, (x,), _MeanSquared(10)
     tokens = torch.randint(0, 512, (8, 64), generator=g)
     if name == "llama":
         args = ModelArgs(dim=128, n_layers=2, n_heads=4, vocab_size=512, hidden_dim=384, max_seq_len=64)
@@ -169,11 +171,12 @@ def timed_model(name: str) -> tuple[torch.nn.Module, tuple, Any]:
     raise ValueError(f"unknown model {name!r}; use one of {TIMED_MODELS}")
 
 
-def _timed_rank(name: str, candidates: list, steps: int) -> list[list[float]]:
+def _timed_rank(name: str, candidates: list, steps: int) -> list[list[tuple[float, float, float]]]:
     """On one gloo rank: each candidate applied to its own copy of the model, and the fit's calibration
     model (data parallel) beside them, trained `steps` steps in alternation (a, b, calibration, a, ...:
-    the machine's load falls on all alike); seconds per step, each from a barrier to the end of the
-    optimizer step. The last list is the calibration model's."""
+    the machine's load falls on all alike); per step the seconds of forward + loss, backward, and the
+    optimizer step (gradient resolution included: a pending gradient resolves on its first read), from a
+    barrier to the end of the optimizer step. The last list is the calibration model's."""
     import copy
 
     import shardops as so
@@ -196,21 +199,25 @@ def _timed_rank(name: str, candidates: list, steps: int) -> list[list[float]]:
         runs.append((m, local, fn, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)))
     comm = current_comm()
     group = comm.world_group()
-    times: list[list[float]] = [[] for _ in runs]
+    times: list[list[tuple[float, float, float]]] = [[] for _ in runs]
     for step in range(steps + 2):  # two warm-up steps per candidate
         for i, (m, ex, fn, opt) in enumerate(runs):
             comm.barrier(group)
             t0 = time.perf_counter()
             loss = fn(m(*ex), *ex)
+            t1 = time.perf_counter()
             loss.backward()
+            t2 = time.perf_counter()
             opt.step()
             opt.zero_grad()
             if step >= 2:
-                times[i].append(time.perf_counter() - t0)
+                times[i].append((t1 - t0, t2 - t1, time.perf_counter() - t2))
     return times
 
 
-def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit: bool = True) -> dict[str, Any]:
+def measure_step_time(
+    models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit: bool = True, save: str | None = None
+) -> dict[str, Any]:
     """Per model: so.autoparallel's plan on (4,) by predicted step time under the fitted gloo-localhost
     presets, and (where it differs) the plan with the fewest bytes; each trained under 4 gloo processes
     on 127.0.0.1, the measured step (slowest rank per step, median over steps) beside the prediction."""
@@ -222,13 +229,15 @@ def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit
     from shardops.training.launch import run_gloo
 
     t0 = time.perf_counter()
-    link, compute = fit_timing.fit(WORLD) if fit else (None, timing.COMPUTE_PRESETS["gloo-localhost"])
+    link, compute = fit_timing.fit(WORLD, save=save) if fit else (None, timing.COMPUTE_PRESETS["gloo-localhost"])
     fit_s = time.perf_counter() - t0
     calibration_predicted = _calibration_prediction()
     rows = []
     for name in models:
         model, example, loss_fn = timed_model(name)
-        plan = autoparallel(model, (WORLD,), example, loss_fn=loss_fn, links="gloo-localhost", pricing="metadata")
+        plan = autoparallel(
+            model, (WORLD,), example, loss_fn=loss_fn, links="gloo-localhost", pricing="metadata", objective="time"
+        )
         by_bytes = min(
             (s for s in plan.considered if s.measurement.feasible and s.time is not None),
             key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds),
@@ -237,13 +246,22 @@ def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit
         per_rank = run_gloo(_timed_rank, WORLD, name, [s.candidate for s in chosen], steps, timeout=1200, threads=1)
 
         def slowest(i: int, per_rank: list = per_rank) -> float:  # median over steps of the slowest rank
-            return statistics.median(max(r[i][k] for r in per_rank) for k in range(steps))
+            return statistics.median(max(sum(r[i][k]) for r in per_rank) for k in range(steps))
+
+        def parts(i: int, per_rank: list = per_rank) -> list[float]:  # per part: median over steps and ranks
+            return [statistics.median(r[i][k][p] for r in per_rank for k in range(steps)) for p in range(3)]
 
         # the load now against the load at the fit: the calibration step measured beside the model
         load = slowest(len(chosen)) / calibration_predicted
         for i, s in enumerate(chosen):
             measured = slowest(i)
             predicted = s.time.total
+            t = s.time
+            predicted_parts = [
+                t.part(timing.PARTS[0]),
+                t.part(timing.PARTS[1]),
+                t.part(timing.PARTS[2]) + t.part(timing.PARTS[3]),
+            ]
             rows.append(
                 {
                     "model": name,
@@ -254,6 +272,8 @@ def measure_step_time(models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit
                     "error": predicted / measured - 1,
                     "load_factor": load,
                     "corrected_error": predicted * load / measured - 1,
+                    "predicted_parts_ms": [x * 1e3 for x in predicted_parts],
+                    "measured_parts_ms": [x * 1e3 for x in parts(i)],
                     "bytes": s.measurement.total_bytes,
                     "rounds": s.measurement.total_rounds,
                 }
@@ -299,6 +319,10 @@ def _candidate_text(c) -> str:
     )
 
 
+def _triple(ms: list[float]) -> str:
+    return ", ".join(f"{x:.1f}" for x in ms)
+
+
 def format_step_time_table(result: dict[str, Any]) -> str:
     lines = [
         "Load factor: the fit's calibration step (data parallel, measured beside each model in the same gloo "
@@ -307,14 +331,14 @@ def format_step_time_table(result: dict[str, Any]) -> str:
         f"load average {', '.join(f'{x:.1f}' for x in result['load'])}",
         "",
         "| model | plan | layout | predicted (ms) | measured (ms) | error | load factor | error, load-corrected "
-        "| bytes / step | rounds |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| bytes / step | rounds | fwd, bwd, opt predicted (ms) | fwd, bwd, opt measured (ms) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['plan']} | {r['candidate']} | {r['predicted_ms']:.2f} | {r['measured_ms']:.2f} | "
             f"{r['error']:+.0%} | {r['load_factor']:.2f} | {r['corrected_error']:+.0%} | {r['bytes']:,} | "
-            f"{r['rounds']} |"
+            f"{r['rounds']} | {_triple(r['predicted_parts_ms'])} | {_triple(r['measured_parts_ms'])} |"
         )
     return "\n".join(lines)
 
@@ -324,9 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="(8, 8) only")
     parser.add_argument("--timing", nargs="*", choices=TIMED_MODELS, help="predicted vs measured step time instead")
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--no-fit", action="store_true", help="with --timing: the installed presets, not a new fit")
+    parser.add_argument("--save-fit", metavar="FILE", help="with --timing: also write the fit (SHARDOPS_TIMING_PRESET)")
     args = parser.parse_args(argv)
     if args.timing is not None:
-        print(format_step_time_table(measure_step_time(args.timing or TIMED_MODELS, args.steps)))
+        print(
+            format_step_time_table(
+                measure_step_time(args.timing or TIMED_MODELS, args.steps, not args.no_fit, args.save_fit)
+            )
+        )
         return 0
     print(format_autoplan_table(measure_autoplan(((8, 8),) if args.quick else tuple(TARGETS_S))))
     return 0

@@ -81,9 +81,23 @@ def test_each_compute_term_is_its_count_over_its_rate():
         want = part.flops / 2e9 + part.streamed_bytes / 5e9 + part.kernels * 3e-6 + part.dtensor_ops * 7e-5
         assert got.compute[name] == pytest.approx(want, rel=1e-12)
         assert part.kernels > 0 or name == "gradient sync"
-    # the optimizer updates each rank's shard of every parameter: AdamW's kernels per parameter, once each
-    kernels, _ = timing.optimizer_recipe("adamw")
-    assert prof.parts["optimizer step"].kernels == kernels * len(list(_mlp().parameters()))
+    # the optimizer step runs on each rank's shard of every parameter: the kernels of AdamW's step (its second:
+    # the first allocates the states) on plain tensors of the local shapes, counted here
+    shapes = [(HIDDEN // 2, IN), (HIDDEN // 2,), (OUT, HIDDEN // 2), (OUT,)]
+    local = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = torch.optim.AdamW(local, lr=1e-3, foreach=False)
+    for p in local:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with timing.KernelCounter() as counter:
+        opt.step()
+    assert prof.parts["optimizer step"].kernels == counter.part.kernels
+    elements = sum(p.numel() for p in local)
+    assert prof.parts["optimizer step"].streamed_bytes == counter.part.streamed_bytes > 4 * 4 * elements
+    # each update op on a DTensor parameter is one call through shardops' dispatch, the same ops per parameter
+    # (the step counter and its read are plain kernels)
+    calls = prof.parts["optimizer step"].dtensor_ops
+    assert 0 < calls < counter.part.kernels and calls % len(shapes) == 0
 
 
 def test_time_and_bytes_rank_differently_when_dispatch_costs_dominate():

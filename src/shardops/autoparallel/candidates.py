@@ -39,6 +39,7 @@ from ..parallel import (
     SequenceParallel,
 )
 from ..placements import Replicate, Shard
+from .conv_pairs import conv_pair_entries, conv_pair_flags, conv_work_saved
 from .structure import ModelStructure
 
 __all__ = ["Candidate", "PlanEntry", "enumerate_candidates", "plan_entries"]
@@ -55,6 +56,7 @@ class Candidate:
     pairs_tp: tuple[bool, ...] = ()  # a model without blocks: per Linear pair, column/row-parallel or replicated
     reshard_after_forward: bool = True  # fully_shard's: free each unit's gathered parameters after its forward
     expert_parallel: bool = False  # the experts ExpertParallel over the data-parallel ranks (and tp inside)
+    conv_pairs_tp: tuple[bool, ...] = ()  # per convolution pair (conv_pairs.py): split by channels or replicated
 
     @property
     def tp_dim(self) -> int | None:
@@ -103,6 +105,7 @@ def compute_share(structure: ModelStructure, c: Candidate, mesh_shape: tuple[int
     )
     mine += structure.head_weights / (tp if c.vocab_parallel else 1) + structure.other_weights
     mine -= sum(w * (1 - 1 / tp) for w, on in zip(structure.pair_weights, c.pairs_tp) if on)
+    mine -= conv_work_saved(structure.conv_pairs, c.conv_pairs_tp, tp)
     return (mine / dp) / (total / world)
 
 
@@ -129,7 +132,11 @@ def enumerate_candidates(
     choices = _dp_choices(dp_modes)
     out: list[Candidate] = []
     # the last dim first: ties then go to (dp, tp), the usual order (tp on the innermost, fastest links)
-    tp_choices = list(reversed(range(len(mesh_shape)))) if structure.transformer or structure.pairs else []
+    tp_choices = (
+        list(reversed(range(len(mesh_shape))))
+        if structure.transformer or structure.pairs or structure.conv_pairs
+        else []
+    )
     sizes_seen: set[int] = set()
     for tp in [None, *tp_choices]:
         if tp is not None:
@@ -148,7 +155,9 @@ def enumerate_candidates(
             out.extend(Candidate(dims, dp_mode=mode, reshard_after_forward=raf) for mode, raf in modes)
             continue
         if not structure.transformer:
-            out.extend(_pair_candidates(structure, dims, modes))
+            out.extend(
+                _pair_candidates(structure, dims, modes) + _conv_pair_candidates(structure, dims, modes, mesh_shape[tp])
+            )
             continue
         for sp, vocab, emb in itertools.product((True, False), repeat=3):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
@@ -180,6 +189,23 @@ def _pair_candidates(structure: ModelStructure, dims: tuple[str, ...], modes: li
         if any(flags)
         for mode, raf in modes
     ]
+
+
+# ---- convolution pairs split by channels (conv_pairs.py, parallel/conv_style.py)
+
+
+def _conv_pair_candidates(
+    structure: ModelStructure, dims: tuple[str, ...], modes: list[DataParallel], tp_size: int
+) -> list[Candidate]:
+    """Convolution pairs split by channels or not (at least one split; only pairs tp_size ranks can split)."""
+    return [
+        Candidate(dims, dp_mode=mode, conv_pairs_tp=flags, reshard_after_forward=raf)
+        for flags in conv_pair_flags(structure.conv_pairs, tp_size)
+        for mode, raf in modes
+    ]
+
+
+# ----
 
 
 def _pair_entries(col: str, row: str) -> list[PlanEntry]:
@@ -236,6 +262,8 @@ def _expert_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
 def _tp_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     if c.tp_dim is None:
         return []
+    if c.conv_pairs_tp:  # channel-sharded activations inside each split pair; plain everywhere else
+        return conv_pair_entries(structure.conv_pairs, c.conv_pairs_tp)
     if c.pairs_tp:  # a feature-sharded activation between each pair; replicated (plain) everywhere else
         return [entry for pair, on in zip(structure.pairs, c.pairs_tp) if on for entry in _pair_entries(*pair)]
     seq = Shard(1) if c.sequence_parallel else Replicate()

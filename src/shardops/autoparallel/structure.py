@@ -16,6 +16,7 @@ from typing import cast
 import torch
 import torch.nn as nn
 
+from .conv_pairs import ConvPair, find_conv_pairs
 from .dataflow import linear_pairs
 
 __all__ = ["Experts", "LinearGroup", "ModelStructure", "find_blocks", "find_experts", "find_structure", "truncated"]
@@ -83,6 +84,7 @@ class ModelStructure:
     pair_weights: list[int] = field(default_factory=list)
     # mixture-of-experts layers of a block (stacked expert weights and a router): expert-parallel candidates
     experts: list[Experts] = field(default_factory=list)
+    conv_pairs: list[ConvPair] = field(default_factory=list)  # convolution pairs by channels (conv_pairs.py)
 
     @property
     def transformer(self) -> bool:
@@ -201,8 +203,9 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
     blocks, n_blocks = find_blocks(model)
     # the call records come from a forward of at most two blocks: planning time independent of depth
     probe = truncated(model, blocks, 2) if blocks is not None and n_blocks > 2 else model
-    arity, _ = _call_arity(probe, example_inputs)
+    arity, order = _call_arity(probe, example_inputs)
     structure = ModelStructure(blocks=blocks, n_blocks=n_blocks)
+    structure.conv_pairs = find_conv_pairs(probe, order) if blocks is None else []
     if blocks is not None:
         container = model.get_submodule(blocks)
         first_name, first = next(iter(container.named_children()))

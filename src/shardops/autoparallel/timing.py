@@ -10,10 +10,12 @@ byte pricing runs (measure.py):
   DTensors is let through to shardops' dispatch, whose local kernels the mode then sees), with its
   FLOPs (torch.utils.flop_counter's formulas) or, for an op without a formula, the bytes it reads
   and writes; and how many ops went through shardops' DTensor dispatch;
-- the optimizer's kernels per parameter (one real step on a small CPU tensor, read once), and the
-  bytes autograd keeps for backward (torch.autograd.graph.saved_tensors_hooks).
+- the optimizer step itself, run on the rank's parameters (META DTensors or plain tensors) after the
+  dry backward, its kernels and DTensor calls counted as the step's (its first step, which allocates
+  the states, not counted); and the bytes autograd keeps for backward (saved_tensors_hooks).
 
-Time per part, on the busiest rank, nothing overlapped (shardops' collectives are synchronous):
+Time per part, on the busiest rank, nothing overlapped (replicate's bucket all_reduces start during
+backward, but a bucket starts when its last gradient is ready: a model of one bucket overlaps nothing):
 
     compute = FLOPs / flop_rate + bytes / bandwidth + kernels x kernel_overhead + DTensor ops x dispatch_overhead
     comm    = sum over collectives of cost.collective_time (ring model: alpha per step, bytes / beta)
@@ -33,11 +35,9 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
@@ -46,6 +46,7 @@ from .._torch.dispatch import TorchDispatchMode
 from ..comm.dry import DryCommunicator
 from ..cost import PRESETS, Link, collective_time, joint_collective_time
 from ..dispatch.core import FallbackWarning
+from ..dispatch.registry import TORCH_FUNCTIONS
 from ..errors import ShardingError
 from ..mesh import init_device_mesh
 from ..tensor import DTensor
@@ -86,12 +87,13 @@ class Compute:
 
 
 # NOTE: "gloo-localhost" is fitted by `fit()` on the shared 2-core development machine (load average
-# ~16): 4 gloo processes on 127.0.0.1, one torch thread each, all ranks busy at once (so each rank's
-# share of the cores is in the figures); the DTensor call cost calibrated on timing's calibration
+# ~13-16, docs/autoparallel.md run C): 4 gloo processes on 127.0.0.1, one torch thread each, compute in
+# bursts between barriers on every rank at once (so the job's own ranks sharing the cores are in the
+# figures); the DTensor call cost (per call as the profile counts them) calibrated on the fit's calibration
 # model. A machine's load moves these figures by 2x: refit (`shardops autoplan --fit`) where it matters.
 # "cpu" is a generic one-core CPU; "gpu" an H100-class device for meta plans (rough public figures).
 COMPUTE_PRESETS: dict[str, Compute] = {
-    "gloo-localhost": Compute(12.9e9, 20.3e9, 13.6e-6, 968e-6, conv_rate=7.56e9),
+    "gloo-localhost": Compute(23.5e9, 7.38e9, 12.7e-6, 681e-6, conv_rate=12.1e9),
     "cpu": Compute(50e9, 10e9, 5e-6, 40e-6),
     "gpu": Compute(400e12, 2e12, 10e-6, 40e-6),
 }
@@ -126,8 +128,8 @@ class PartProfile:
     conv_flops: float = 0.0  # convolutions, forward and backward
     streamed_bytes: float = 0.0  # bytes read and written by the kernels without one
     kernels: int = 0  # aten kernel calls on local tensors
-    # DTensor calls: torch-level calls on DTensors (model code, styles) and aten ops through shardops'
-    # DTensor dispatch; an op entering at both counts twice (the Python work of each entry)
+    # DTensor calls: aten ops through shardops' DTensor dispatch, and the torch-level calls shardops
+    # implements itself (TORCH_FUNCTIONS); a torch-level call that goes on to the dispatch counts once
     dtensor_ops: int = 0
     # (kind, full bytes, group size per spanned mesh dim, spanned mesh dims) -> calls
     collectives: Counter = field(default_factory=Counter)
@@ -250,14 +252,17 @@ class KernelCounter(TorchDispatchMode):
 
 
 class DTensorCalls(TorchFunctionMode):
-    """Torch-level calls with a DTensor operand (the outermost only: the mode is off inside each)."""
+    """Torch-level calls on DTensors that shardops implements itself (its TORCH_FUNCTIONS: the outermost
+    only, the mode is off inside each). Any other torch-level call passes through DTensor.__torch_function__
+    in C to the aten dispatch, where KernelCounter counts its op once: counting it here too charged one op
+    twice (and every `p.grad` read or `is_complex()` as an op)."""
 
     def __init__(self, part: PartProfile) -> None:
         super().__init__()
         self.part = part
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
+        if func in TORCH_FUNCTIONS and any(issubclass(t, DTensor) for t in types):
             self.part.dtensor_ops += 1
         return func(*args, **(kwargs or {}))
 
@@ -296,28 +301,15 @@ def _profile_step(
         for p in m.parameters():
             if isinstance(p.grad, DTensor):
                 p.grad.to_local()
+    # the optimizer step as it runs on this rank's parameters (DTensors or plain): its kernels and DTensor
+    # calls counted like the step's; the first step, which allocates the states, is not a step's steady work
+    opt = _make_optimizer(optimizer, [p for p in m.parameters() if p.requires_grad and p.grad is not None])
+    opt.step()
+    with part("optimizer step"):
+        opt.step()
     comm.part = None
     profile.activation_bytes = saved.bytes
-    _optimizer_part(m, profile.parts["optimizer step"], optimizer)
     return profile
-
-
-@cache
-def optimizer_recipe(optimizer: str) -> tuple[int, float]:
-    """(aten kernels per parameter, bytes streamed per parameter element) of one optimizer step:
-    read once from a real step on a CPU tensor (its first step, which allocates the states, excluded)."""
-    sizes = (1024, 4096)
-    figures = []
-    for n in sizes:
-        p = nn.Parameter(torch.zeros(n))
-        opt = _make_optimizer(optimizer, [p])
-        p.grad = torch.ones(n)
-        opt.step()
-        with KernelCounter() as counter:
-            opt.step()
-        figures.append((counter.part.kernels, counter.part.streamed_bytes))
-    per_element = (figures[1][1] - figures[0][1]) / (sizes[1] - sizes[0])
-    return figures[0][0], per_element
 
 
 def _make_optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -326,16 +318,6 @@ def _make_optimizer(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=False)
     raise ShardingError(f"step time: unknown optimizer {name!r}; use 'adamw' or 'sgd'")
-
-
-def _optimizer_part(model: nn.Module, part: PartProfile, optimizer: str) -> None:
-    kernels, per_element = optimizer_recipe(optimizer)
-    for p in model.parameters():
-        if p.requires_grad:
-            local = p.to_local() if isinstance(p, DTensor) else p
-            part.kernels += kernels
-            part.streamed_bytes += per_element * local.numel()
-            part.dtensor_ops += 2 * kernels if isinstance(p, DTensor) else 0  # torch-level and dispatched
 
 
 def profile_dry(

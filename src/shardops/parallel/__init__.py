@@ -7,6 +7,7 @@ Data parallelism is torch's composable API: `shardops.fsdp.fully_shard` / `repli
 """
 
 from .api import parallelize_module
+from .conv_style import ChannelParallel, InputChannelParallel, OutputChannelParallel
 from .distribute import distribute_module
 from .expert import ExpertParallel
 from .loss import loss_parallel
@@ -21,8 +22,11 @@ from .style import (
 )
 
 __all__ = [
+    "ChannelParallel",
     "ColwiseParallel",
     "ExpertParallel",
+    "InputChannelParallel",
+    "OutputChannelParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..autoparallel.timing import Compute, install, predict, profile_dry
+from ..autoparallel.timing import Compute, DTensorCalls, KernelCounter, PartProfile, install, predict, profile_dry
 from ..cost import Link
 from ..mesh import init_device_mesh
 from ..placements import Replicate
@@ -33,10 +33,18 @@ def _repeat(fn: Callable[[], object], times: int) -> None:
         fn()
 
 
-def _timed(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of `fn` over `reps` calls (a shared machine: the median resists the others' bursts)."""
+def _burst(fn: Callable[[], object], times: int, barrier: Callable[[], object]) -> None:
+    _repeat(fn, times)
+    barrier()
+
+
+def _timed(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
+    """Median seconds of `fn` over `reps` calls (a shared machine: the median resists the others' bursts);
+    `before` runs untimed before each (a barrier: every rank starts together)."""
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -57,26 +65,43 @@ def _fit_rank(reps: int) -> dict:
         t = torch.ones(size // 4)
         comm.barrier(group)
         out["all_reduce"][size] = _timed(partial(comm.all_reduce, t, "sum", group), reps)
-    # compute: blocks of calls long enough (tens of ms) to take in the scheduler's share of the cores
-    # when every rank is busy at once, as in a step; per call, wall time
+    # compute: bursts of a few milliseconds at full speed, started together on every rank after a barrier and
+    # ended by a barrier, as a step's compute runs between its collectives; the burst's cost is that time less
+    # an empty barrier-to-barrier's. So it takes in what a step pays: the job's own ranks sharing the cores (4
+    # ranks on 2 cores), and the scheduler running a rank woken from a collective at once, where a long
+    # CPU-bound block gets only a loaded machine's fair share (long blocks over-predicted small models' compute
+    # 6-13x). Per call, median burst.
     a = torch.randn(256, 256)
     big = torch.randn(1 << 18)
     tiny = torch.ones(1)
     mesh = init_device_mesh("cpu", (comm.world_size,))
     dt = DTensor.from_local(torch.ones(1), mesh, [Replicate()])
     dt + dt  # planned once: the cached decision is what a training step pays
+    out["dtensor_calls"] = _dtensor_calls(lambda: dt + dt)  # as the step profile counts them
     image, kernel = torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3)
     blocks: dict[str, tuple[Callable[[], object], int]] = {
-        "matmul_s": (lambda: a @ a, 40),
-        "conv_s": (lambda: torch.nn.functional.conv2d(image, kernel, padding=1), 4),
-        "add_s": (lambda: big + big, 200),
-        "kernel_s": (lambda: tiny + tiny, 10000),
-        "dtensor_s": (lambda: dt + dt, 300),
+        "matmul_s": (lambda: a @ a, 6),
+        "conv_s": (lambda: torch.nn.functional.conv2d(image, kernel, padding=1), 3),
+        "add_s": (lambda: big + big, 12),
+        "kernel_s": (lambda: tiny + tiny, 300),
+        "dtensor_s": (lambda: dt + dt, 30),
     }
+    barrier = partial(comm.barrier, group)
+    empty = _timed(barrier, max(reps, 5), before=barrier)  # barrier to barrier, nothing between
     for key, (fn, loop) in blocks.items():
-        comm.barrier(group)
-        out[key] = _timed(partial(_repeat, fn, loop), max(reps // 3, 3)) / loop
+        burst = _timed(partial(_burst, fn, loop, barrier), max(reps, 5), before=barrier)
+        out[key] = max(burst - empty, 1e-9) / loop
     return out
+
+
+def _dtensor_calls(fn: Callable[[], object]) -> int:
+    """DTensor calls of `fn` as the step profile counts them (timing.DTensorCalls and KernelCounter)."""
+    part = PartProfile()
+    counter = KernelCounter()
+    counter.part = part
+    with DTensorCalls(part), counter:
+        fn()
+    return part.dtensor_ops
 
 
 def fit(
@@ -106,7 +131,7 @@ def fit(
         flop_rate=2 * 256**3 / matmul,
         bandwidth=3 * (1 << 18) * 4 / max(add - kernel, 1e-9),
         kernel_overhead=kernel,
-        dispatch_overhead=max(dtensor - kernel, 0.0),
+        dispatch_overhead=max(dtensor - kernel, 0.0) / max(results[0]["dtensor_calls"], 1),
         conv_rate=2 * 8 * 32 * 16 * 9 * 32 * 32 / conv,
     )
     link = Link(link.latency, link.bandwidth, compute.bandwidth)
