@@ -263,7 +263,7 @@ def _tp_entries(structure: ModelStructure, c: Candidate) -> list[PlanEntry]:
     if c.tp_dim is None:
         return []
     if c.conv_pairs_tp:  # channel-sharded activations inside each split pair; plain everywhere else
-        return conv_pair_entries(structure.conv_pairs, c.conv_pairs_tp)
+        return [PlanEntry(*entry) for entry in conv_pair_entries(structure.conv_pairs, c.conv_pairs_tp)]
     if c.pairs_tp:  # a feature-sharded activation between each pair; replicated (plain) everywhere else
         return [entry for pair, on in zip(structure.pairs, c.pairs_tp) if on for entry in _pair_entries(*pair)]
     seq = Shard(1) if c.sequence_parallel else Replicate()

@@ -44,8 +44,9 @@ def _leaf(module: nn.Module) -> bool:
     return not list(module.children())
 
 
-def find_conv_pairs(model: nn.Module, order: list[str]) -> list[ConvPair]:
-    """The convolution pairs of `model` from the call order of its modules (each called once)."""
+def find_conv_pairs(model: nn.Module, order: list[str], elementwise: tuple[type, ...]) -> list[ConvPair]:
+    """The convolution pairs of `model` from the call order of its modules (each called once); modules of
+    the `elementwise` classes may stand between a pair's convolutions."""
     if not any(isinstance(m, CONVS) for m in model.modules()):
         return []
     modules = dict(model.named_modules())
@@ -73,15 +74,9 @@ def find_conv_pairs(model: nn.Module, order: list[str]) -> list[ConvPair]:
             norms = []
         elif isinstance(module, CHANNEL_NORMS) and name in once and pending is not None:
             norms.append(name)
-        elif not isinstance(module, _elementwise()):
+        elif not isinstance(module, elementwise):
             pending, norms = None, []
     return pairs
-
-
-def _elementwise() -> tuple[type, ...]:
-    from .structure import ELEMENTWISE
-
-    return ELEMENTWISE
 
 
 def usable(pair: ConvPair, tp: int) -> bool:
@@ -109,14 +104,12 @@ def conv_work_saved(pairs: list[ConvPair], flags: tuple[bool, ...], tp: int) -> 
     return sum(p.weights * (1 - 1 / tp) for p, on in zip(pairs, flags) if on)
 
 
-def conv_pair_entries(pairs: list[ConvPair], flags: tuple[bool, ...]) -> list:
-    """parallelize_module entries of the split pairs (the rest stays replicated: plain on every rank)."""
-    from .candidates import PlanEntry
-
-    entries = []
+def conv_pair_entries(pairs: list[ConvPair], flags: tuple[bool, ...]) -> list[tuple[str, str, type]]:
+    """(plan key, style text, style class) of the split pairs (the rest stays replicated: plain on every rank)."""
+    entries: list[tuple[str, str, type]] = []
     for pair, on in zip(pairs, flags):
         if on:
-            entries.append(PlanEntry(pair.out_conv, "OutputChannelParallel()", OutputChannelParallel))
-            entries += [PlanEntry(norm, "ChannelParallel()", ChannelParallel) for norm in pair.norms]
-            entries.append(PlanEntry(pair.in_conv, "InputChannelParallel()", InputChannelParallel))
+            entries.append((pair.out_conv, "OutputChannelParallel()", OutputChannelParallel))
+            entries += [(norm, "ChannelParallel()", ChannelParallel) for norm in pair.norms]
+            entries.append((pair.in_conv, "InputChannelParallel()", InputChannelParallel))
     return entries

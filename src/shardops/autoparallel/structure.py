@@ -205,7 +205,7 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
     probe = truncated(model, blocks, 2) if blocks is not None and n_blocks > 2 else model
     arity, order = _call_arity(probe, example_inputs)
     structure = ModelStructure(blocks=blocks, n_blocks=n_blocks)
-    structure.conv_pairs = find_conv_pairs(probe, order) if blocks is None else []
+    structure.conv_pairs = find_conv_pairs(probe, order, ELEMENTWISE) if blocks is None else []
     if blocks is not None:
         container = model.get_submodule(blocks)
         first_name, first = next(iter(container.named_children()))
