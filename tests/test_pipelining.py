@@ -362,6 +362,8 @@ def _zbv_tp_rank() -> dict:
 
 def test_zbv_with_tp_stages_equals_single_device_training(strict, reference):
     results = so.run(_zbv_tp_rank, 4)
+    # V shape: the last stage (3) is pp rank 0's second stage, so ranks 0 and 1 (pp 0, tp 0/1) hold the losses
+    assert [len(r["losses"][0]) for r in results] == [M, M, 0, 0]
     _check_equals_reference(results, reference, tol=3e-5)  # see test_pp2_tp2_...
 
 
