@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from .._torch.autograd import queue_end_of_backward
+from ..comm import traceable
 from ..comm.base import CollectiveWork
 from ..errors import ShardingError
 from ..mesh import DeviceMesh
@@ -74,6 +75,9 @@ class ReplicateState:
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
+    # Hooks of the autograd engine, also under a backward called from compiled code: dynamo's frame hook
+    # must not compile them (a compiled _start failed building guards on the bucket's DTensor gradients).
+    @traceable.eager_only
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.requires_gradient_sync:
             return
@@ -85,6 +89,7 @@ class ReplicateState:
         if bucket.ready == len(bucket.params):
             self._start(bucket)
 
+    @traceable.eager_only
     def _finish(self) -> None:
         """End of backward: start the buckets a parameter without a gradient left open, then wait
         for every bucket's all_reduce (in the order they started)."""
