@@ -32,9 +32,9 @@ from ..errors import ShardingError
 from ..mesh import DeviceMesh
 from ..placements import Placement, Replicate, Shard
 from ..tensor import DTensor, distribute_tensor, from_local
-from ._layout import as_placement, move
+from ._layout import move
 from .distribute import distribute_module
-from .style import ParallelStyle, _distribute_params, _first_input, _prepare_output
+from .style import ParallelStyle, _distribute_params, _first_input, _OneInOneOutStyle, _prepare_output
 
 __all__ = ["ChannelParallel", "InputChannelParallel", "OutputChannelParallel"]
 
@@ -81,24 +81,10 @@ def _prepare_input(input_layout: Placement, desired: Placement, mod, inputs, mes
     return move(mod, x, mesh, (desired,))
 
 
-class _ChannelStyle(ParallelStyle):
+class _ChannelStyle(_OneInOneOutStyle):
     """One input, one output; parameters laid out per name, the input moved to one layout."""
 
-    _default_input: Placement
-    _default_output: Placement
     _modules: tuple[type, ...] = _CONV
-
-    def __init__(
-        self,
-        *,
-        input_layouts: Placement | None = None,
-        output_layouts: Placement | None = None,
-        use_local_output: bool = True,
-    ):
-        super().__init__()
-        self.input_layouts = (as_placement(input_layouts) or self._default_input,)
-        self.output_layouts = (as_placement(output_layouts) or self._default_output,)
-        self.use_local_output = use_local_output
 
     def _layouts_for(self, module: nn.Module) -> tuple[dict[str, Placement], Placement]:
         """(parameter placements, the input layout the module computes on)."""

@@ -78,8 +78,8 @@ def _prepare_output(output_layouts, use_local_output: bool, mod, outputs, mesh):
     return outputs.to_local() if use_local_output else outputs
 
 
-class _LinearEmbeddingStyle(ParallelStyle):
-    """Shared by Colwise/Rowwise: one input, one output, nn.Linear and nn.Embedding only."""
+class _OneInOneOutStyle(ParallelStyle):
+    """A style with one input and one output layout, each defaulting to the subclass's (torch's keywords)."""
 
     _default_input: Placement  # each subclass's
     _default_output: Placement
@@ -94,10 +94,17 @@ class _LinearEmbeddingStyle(ParallelStyle):
         super().__init__()
         self.input_layouts = (as_placement(input_layouts) or self._default_input,)
         self.output_layouts = (as_placement(output_layouts) or self._default_output,)
+        self.use_local_output = use_local_output
+
+
+class _LinearEmbeddingStyle(_OneInOneOutStyle):
+    """Shared by Colwise/Rowwise: one input, one output, nn.Linear and nn.Embedding only."""
+
+    def __init__(self, **layouts: Any) -> None:
+        super().__init__(**layouts)
         self.desired_input_layouts: tuple[Placement, ...] = (
             Replicate(),
         )  # Rowwise on nn.Linear: Shard(-1), set in _apply
-        self.use_local_output = use_local_output
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
