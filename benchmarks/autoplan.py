@@ -171,138 +171,77 @@ def timed_model(name: str) -> tuple[torch.nn.Module, tuple, Any]:
     raise ValueError(f"unknown model {name!r}; use one of {TIMED_MODELS}")
 
 
-def _timed_rank(name: str, candidates: list, steps: int) -> list[list[tuple[float, float, float]]]:
-    """On one gloo rank: each candidate applied to its own copy of the model, and the fit's calibration
-    model (data parallel) beside them, trained `steps` steps in alternation (a, b, calibration, a, ...:
-    the machine's load falls on all alike); per step the seconds of forward + loss, backward, and the
-    optimizer step (gradient resolution included: a pending gradient resolves on its first read), from a
-    barrier to the end of the optimizer step. The last list is the calibration model's."""
-    import copy
-
-    import shardops as so
-    from shardops.autoparallel.candidates import plan_entries
-    from shardops.autoparallel.plan import apply_candidate, batch_feed, mesh_names_for
-    from shardops.autoparallel.structure import find_structure
-    from shardops.training import fit_timing
-    from shardops.world import current_comm
-
-    model, example, loss_fn = timed_model(name)
-    cal_net, cal_x = fit_timing.calibration_model()
-    structure, cal_structure = find_structure(model, example), find_structure(cal_net, (cal_x,))
-    runs = []
-    for net, ex, fn, struct, cand in [(model, example, loss_fn, structure, c) for c in candidates] + [
-        (cal_net, (cal_x,), fit_timing._square_mean, cal_structure, fit_timing._calibration_candidates()[0])
-    ]:
-        mesh = so.init_device_mesh("cpu", (WORLD,), mesh_dim_names=mesh_names_for(cand))
-        m = apply_candidate(copy.deepcopy(net), mesh, cand, plan_entries(struct, cand), struct.blocks)
-        local = batch_feed((WORLD,), cand)(mesh, ex)  # this rank's batch slice, as the plan takes it
-        runs.append((m, local, fn, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)))
-    comm = current_comm()
-    group = comm.world_group()
-    times: list[list[tuple[float, float, float]]] = [[] for _ in runs]
-    for step in range(steps + 2):  # two warm-up steps per candidate
-        for i, (m, ex, fn, opt) in enumerate(runs):
-            comm.barrier(group)
-            t0 = time.perf_counter()
-            loss = fn(m(*ex), *ex)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            opt.zero_grad()
-            if step >= 2:
-                times[i].append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-    return times
-
-
 def measure_step_time(
     models: Sequence[str] = TIMED_MODELS, steps: int = 15, fit: bool = True, save: str | None = None
 ) -> dict[str, Any]:
-    """Per model: so.autoparallel's plan on (4,) by predicted step time under the fitted gloo-localhost
-    presets, and (where it differs) the plan with the fewest bytes; each trained under 4 gloo processes
-    on 127.0.0.1, the measured step (slowest rank per step, median over steps) beside the prediction."""
-    import statistics
+    """Per model: so.autoparallel's plan on (4,) by predicted step time, and (where it differs) the plan
+    with the fewest bytes; each trained under 4 gloo processes on 127.0.0.1 in the fit's own run
+    (fit_timing.fit_and_measure: the calibration workloads' steps, all_reduces and bursts round after
+    round beside them, so the fit and the measurement see the same load), the measured step (slowest rank
+    per round, median over rounds) beside the planner's prediction under the fitted presets. `fit=False`:
+    the prediction under the presets installed before the run instead."""
+    from functools import partial
 
     from shardops.autoparallel import autoparallel, timing
     from shardops.cost import PRESETS
     from shardops.training import fit_timing
-    from shardops.training.launch import run_gloo
 
-    t0 = time.perf_counter()
-    link, compute = fit_timing.fit(WORLD, save=save) if fit else (None, timing.COMPUTE_PRESETS["gloo-localhost"])
-    fit_s = time.perf_counter() - t0
-    calibration_predicted = _calibration_prediction()
-    rows = []
-    for name in models:
+    def plan_of(name: str):
         model, example, loss_fn = timed_model(name)
-        plan = autoparallel(
+        return autoparallel(
             model, (WORLD,), example, loss_fn=loss_fn, links="gloo-localhost", pricing="metadata", objective="time"
         )
+
+    measured_plans = []  # (model, label, candidate)
+    for name in models:
+        plan = plan_of(name)
         by_bytes = min(
             (s for s in plan.considered if s.measurement.feasible and s.time is not None),
             key=lambda s: (s.measurement.total_bytes, s.measurement.total_rounds),
         )
-        chosen = [plan.chosen] + ([by_bytes] if by_bytes is not plan.chosen else [])
-        per_rank = run_gloo(_timed_rank, WORLD, name, [s.candidate for s in chosen], steps, timeout=1200, threads=1)
-
-        def slowest(i: int, per_rank: list = per_rank) -> float:  # median over steps of the slowest rank
-            return statistics.median(max(sum(r[i][k]) for r in per_rank) for k in range(steps))
-
-        def parts(i: int, per_rank: list = per_rank) -> list[float]:  # per part: median over steps and ranks
-            return [statistics.median(r[i][k][p] for r in per_rank for k in range(steps)) for p in range(3)]
-
-        # the load now against the load at the fit: the calibration step measured beside the model
-        load = slowest(len(chosen)) / calibration_predicted
-        for i, s in enumerate(chosen):
-            measured = slowest(i)
-            predicted = s.time.total
-            t = s.time
-            predicted_parts = [
-                t.part(timing.PARTS[0]),
-                t.part(timing.PARTS[1]),
-                t.part(timing.PARTS[2]) + t.part(timing.PARTS[3]),
-            ]
-            rows.append(
-                {
-                    "model": name,
-                    "plan": "chosen (time)" if i == 0 else "fewest bytes",
-                    "candidate": _candidate_text(s.candidate),
-                    "predicted_ms": predicted * 1e3,
-                    "measured_ms": measured * 1e3,
-                    "error": predicted / measured - 1,
-                    "load_factor": load,
-                    "corrected_error": predicted * load / measured - 1,
-                    "predicted_parts_ms": [x * 1e3 for x in predicted_parts],
-                    "measured_parts_ms": [x * 1e3 for x in parts(i)],
-                    "bytes": s.measurement.total_bytes,
-                    "rounds": s.measurement.total_rounds,
-                }
-            )
+        measured_plans.append((name, "chosen (time)", plan.chosen.candidate))
+        if by_bytes is not plan.chosen:
+            measured_plans.append((name, "fewest bytes", by_bytes.candidate))
+    before = (PRESETS["gloo-localhost"], timing.COMPUTE_PRESETS["gloo-localhost"])
+    workloads = [fit_timing.Workload(name, partial(timed_model, name), cand) for name, _, cand in measured_plans]
+    t0 = time.perf_counter()
+    result = fit_timing.fit_and_measure(WORLD, steps, workloads, save)
+    fit_s = time.perf_counter() - t0
+    if not fit:
+        timing.install(*before)
+    replanned = {name: plan_of(name) for name in models}  # the planner's own figures under the presets now
+    rows = []
+    for (name, label, cand), measured in zip(measured_plans, result.measured):
+        s = next(s for s in replanned[name].considered if s.candidate == cand)
+        t = s.time
+        predicted_parts = [
+            t.part(timing.PARTS[0]),
+            t.part(timing.PARTS[1]),
+            t.part(timing.PARTS[2]) + t.part(timing.PARTS[3]),
+        ]
+        rows.append(
+            {
+                "model": name,
+                "plan": label,
+                "candidate": _candidate_text(cand),
+                "predicted_ms": t.total * 1e3,
+                "measured_ms": measured.total * 1e3,
+                "error": t.total / measured.total - 1,
+                "predicted_parts_ms": [x * 1e3 for x in predicted_parts],
+                "measured_parts_ms": [x * 1e3 for x in measured.parts],
+                "bytes": s.measurement.total_bytes,
+                "rounds": s.measurement.total_rounds,
+                "chosen_after_fit": _candidate_text(replanned[name].chosen.candidate),
+            }
+        )
     return {
         "rows": rows,
-        "link": repr(link if link is not None else PRESETS["gloo-localhost"]),
-        "compute": repr(compute),
+        "link": repr(PRESETS["gloo-localhost"]),
+        "compute": repr(timing.COMPUTE_PRESETS["gloo-localhost"]),
+        "fitted": fit,
         "fit_s": fit_s,
         "load": os.getloadavg(),
     }
-
-
-def _calibration_prediction() -> float:
-    """The fit's calibration model, data parallel on (4,), predicted under the fitted presets."""
-    from shardops.autoparallel import timing
-    from shardops.autoparallel.measure import on_meta
-    from shardops.autoparallel.plan import batch_feed, mesh_names_for
-    from shardops.cost import PRESETS
-    from shardops.training import fit_timing
-
-    net, x = fit_timing.calibration_model()
-    meta, example = on_meta(net, (x,))
-    cand = fit_timing._calibration_candidates()[0]
-    apply = fit_timing._apply_fn(meta, example, cand)
-    feed = batch_feed((WORLD,), cand)
-    profile = timing.profile_dry(meta, (WORLD,), mesh_names_for(cand), apply, feed, example, fit_timing._square_mean)
-    links = (PRESETS["gloo-localhost"],)
-    return timing.predict(profile, links, timing.COMPUTE_PRESETS["gloo-localhost"]).total
 
 
 def _candidate_text(c) -> str:
@@ -324,22 +263,25 @@ def _triple(ms: list[float]) -> str:
 
 
 def format_step_time_table(result: dict[str, Any]) -> str:
+    presets = "fitted in this run" if result["fitted"] else "installed before this run (--no-fit)"
     lines = [
-        "Load factor: the fit's calibration step (data parallel, measured beside each model in the same gloo "
-        "run) over its prediction: the machine's load then against the load at the fit.",
-        f"gloo-localhost fitted: {result['link']}, {result['compute']} (fit {result['fit_s']:.0f} s); "
-        f"load average {', '.join(f'{x:.1f}' for x in result['load'])}",
+        f"gloo-localhost presets {presets}: {result['link']}, {result['compute']} (fit and measurement "
+        f"{result['fit_s']:.0f} s); load average {', '.join(f'{x:.1f}' for x in result['load'])}",
+        "Measured: the slowest rank per round, median over rounds, trained in the fit's own rounds.",
         "",
-        "| model | plan | layout | predicted (ms) | measured (ms) | error | load factor | error, load-corrected "
-        "| bytes / step | rounds | fwd, bwd, opt predicted (ms) | fwd, bwd, opt measured (ms) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| model | plan | layout | predicted (ms) | measured (ms) | error | bytes / step | rounds "
+        "| fwd, bwd, opt predicted (ms) | fwd, bwd, opt measured (ms) | chosen under these presets |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['model']} | {r['plan']} | {r['candidate']} | {r['predicted_ms']:.2f} | {r['measured_ms']:.2f} | "
-            f"{r['error']:+.0%} | {r['load_factor']:.2f} | {r['corrected_error']:+.0%} | {r['bytes']:,} | "
-            f"{r['rounds']} | {_triple(r['predicted_parts_ms'])} | {_triple(r['measured_parts_ms'])} |"
+            f"{r['error']:+.0%} | {r['bytes']:,} | {r['rounds']} | {_triple(r['predicted_parts_ms'])} | "
+            f"{_triple(r['measured_parts_ms'])} | {r['chosen_after_fit']} |"
         )
+    within = sum(abs(r["error"]) <= 0.25 for r in result["rows"])
+    models = {r["model"] for r in result["rows"] if r["plan"] == "chosen (time)" and abs(r["error"]) <= 0.25}
+    lines += ["", f"within 25%: {within} of {len(result['rows'])} plans; chosen plans of {len(models)} models"]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ differs from the ranking by bytes where the link's latency dominates."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -225,3 +226,62 @@ def test_a_candidate_the_dry_world_cannot_time_is_said_and_none_timed_raises(mon
     monkeypatch.setattr(ap, "_profile", never)
     with pytest.raises(so.ShardingError, match="could time none of the 2 feasible plans"):
         so.autoparallel(_mlp(), (2,), (x,), loss_fn=_loss, objective="time", pricing="metadata")
+
+
+def test_each_collective_call_waits_for_the_last_peer():
+    """sync_wait is charged once per collective call, in the part that makes it, on top of the ring model."""
+    x = torch.randn(8, IN)
+    prof = _profile(_mlp(), x, Candidate(("tp",), pairs_tp=(True,)), (2,))
+    link = Link(1e-4, 1e9)
+    plain = timing.predict(prof, (link,), COMM_ONLY)
+    waiting = timing.predict(prof, (link,), dataclasses.replace(COMM_ONLY, sync_wait=3e-3))
+    calls = {name: part.rounds for name, part in prof.parts.items()}
+    assert calls["forward + loss"] == 1  # the pair's output all_reduce (the input needs no gradient: none backward)
+    for name in prof.parts:
+        assert waiting.comm[name] == pytest.approx(plain.comm[name] + calls[name] * 3e-3, rel=1e-12)
+        assert waiting.compute[name] == plain.compute[name]
+
+
+def test_cpu_attention_kernels_are_counted_as_flops():
+    """scaled_dot_product_attention's CPU kernel (which torch's FLOP counter does not know) is priced by its
+    two matmuls, Q K^T and P V: 4 * batch * heads * seq^2 * head_dim forward."""
+    b, h, s, d = 2, 4, 16, 8
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    with timing.KernelCounter() as counter:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert counter.part.flops == 4 * b * h * s * s * d
+    with timing.KernelCounter() as counter:
+        out.sum().backward()
+    # recomputing the scores, then the gradients of both matmuls' two operands: 5 matmuls of that size
+    assert counter.part.flops == 10 * b * h * s * s * d
+
+
+def test_the_fit_recovers_the_per_call_costs_a_step_was_made_of():
+    """fit_timing's least squares: steps whose times are made here from their profiles under chosen rates
+    (the bursts' slowed 1.5x), per-kernel, per-DTensor-call and per-collective costs give those back (and
+    none negative)."""
+    from shardops.training import fit_timing
+
+    x = torch.randn(8, IN)
+    cands = [Candidate(("dp",)), Candidate(("tp",), pairs_tp=(True,))]
+    nets = [_mlp(), torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(IN, IN), torch.nn.Tanh())])]
+    profiles = [_profile(net, x, c, (2,)) for net in nets for c in cands]
+    rates = timing.Compute(flop_rate=2e9, bandwidth=5e9, kernel_overhead=0.0, dispatch_overhead=0.0)
+    link = Link(1e-4, 1e9)
+    slow = dataclasses.replace(rates, flop_rate=2e9 / 1.5, bandwidth=5e9 / 1.5)
+    truth = dataclasses.replace(slow, kernel_overhead=7e-6, dispatch_overhead=2e-4, sync_wait=5e-3)
+    measured = [timing.predict(p, (link,), truth).total for p in profiles]
+    fitted = fit_timing._fitted_overheads(rates, link, profiles, measured)
+    assert fitted.flop_rate == pytest.approx(2e9 / 1.5, rel=1e-6)
+    assert fitted.bandwidth == pytest.approx(5e9 / 1.5, rel=1e-6)
+    assert fitted.kernel_overhead == pytest.approx(7e-6, rel=1e-6)
+    assert fitted.dispatch_overhead == pytest.approx(2e-4, rel=1e-6)
+    assert fitted.sync_wait == pytest.approx(5e-3, rel=1e-6)
+    # a cost the steps do not show comes back 0, not negative; kernels faster than the bursts' are not believed
+    no_wait = [timing.predict(p, (link,), dataclasses.replace(truth, sync_wait=0.0)).total for p in profiles]
+    assert fit_timing._fitted_overheads(rates, link, profiles, no_wait).sync_wait == pytest.approx(0.0, abs=1e-9)
+    fast = dataclasses.replace(truth, flop_rate=4e9, bandwidth=1e10)
+    at_rates = fit_timing._fitted_overheads(
+        rates, link, profiles, [timing.predict(p, (link,), fast).total for p in profiles]
+    )
+    assert (at_rates.flop_rate, at_rates.bandwidth) == (2e9, 5e9)

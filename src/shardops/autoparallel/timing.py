@@ -19,6 +19,7 @@ backward, but a bucket starts when its last gradient is ready: a model of one bu
 
     compute = FLOPs / flop_rate + bytes / bandwidth + kernels x kernel_overhead + DTensor ops x dispatch_overhead
     comm    = sum over collectives of cost.collective_time (ring model: alpha per step, bytes / beta)
+              + collectives x sync_wait (the wait for the last peer: ranks sharing cores arrive skewed)
 
 The compute constants and the gloo link are fitted on this machine by `fit()` (4 gloo processes on
 127.0.0.1; `shardops autoplan --fit`) and kept as the "gloo-localhost" presets.
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from .. import caches
 from .._torch.dispatch import TorchDispatchMode
@@ -77,12 +78,17 @@ class Compute:
     kernel_overhead: float  # seconds per aten kernel call (dispatcher and Python around it)
     dispatch_overhead: float  # seconds per op through shardops' DTensor dispatch, beyond its kernels
     conv_rate: float | None = None  # FLOP/s of convolutions (CPU kernels run them slower); None: flop_rate
+    # seconds per collective call beyond the link model: the wait for the last peer to arrive. Ranks that
+    # share cores (4 gloo processes on 2) reach each collective skewed by about a scheduler slice, whatever
+    # its size; on devices of their own ranks arrive together (0)
+    sync_wait: float = 0.0
 
     def __repr__(self) -> str:
         return (
             f"Compute({self.flop_rate / 1e9:.3g} GFLOP/s, {self.bandwidth / 1e9:.3g} GB/s, "
             f"{self.kernel_overhead * 1e6:.3g}us/kernel, {self.dispatch_overhead * 1e6:.3g}us/DTensor call, "
-            f"conv {(self.conv_rate or self.flop_rate) / 1e9:.3g} GFLOP/s)"
+            f"conv {(self.conv_rate or self.flop_rate) / 1e9:.3g} GFLOP/s, "
+            f"{self.sync_wait * 1e6:.3g}us wait/collective)"
         )
 
 
@@ -220,6 +226,23 @@ class TimedDryCommunicator(DryCommunicator):
         return super()._batch_isend_irecv(ops)
 
 
+def _cpu_flash_attention(query, key, value, *_, **__) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_attention_backward(grad_out, query, key, value, *_, **__) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# FLOP formulas torch's counter lacks: the CPU kernels of scaled_dot_product_attention (torch counts the
+# CUDA ones only), which the dry step runs as the CPU step does (device_kernels.py)
+aten = torch.ops.aten
+EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward,
+}
+
+
 class KernelCounter(TorchDispatchMode):
     """Every aten kernel on plain tensors: FLOPs (torch's formulas) or streamed bytes; ops on DTensors
     are only counted and passed on (NotImplemented: shardops' dispatch runs them, its kernels come back here)."""
@@ -236,8 +259,9 @@ class KernelCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.part.kernels += 1
         formula = flop_registry.get(func.overloadpacket)
-        if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
+        extra = EXTRA_FLOPS.get(func.overloadpacket)
+        if formula is not None or extra is not None:
+            flops = formula(*args, **kwargs, out_val=out) if formula is not None else extra(*args, **kwargs)
             if "convolution" in func.overloadpacket.__name__:
                 self.part.conv_flops += flops
             else:
@@ -392,7 +416,7 @@ def predict(profile: StepProfile, links: tuple[Link, ...], compute: Compute) -> 
     """Seconds per part of one rank's step under the link and compute models."""
     return StepTime(
         {n: compute_time(p, compute) for n, p in profile.parts.items()},
-        {n: collectives_time(p, links) for n, p in profile.parts.items()},
+        {n: collectives_time(p, links) + p.rounds * compute.sync_wait for n, p in profile.parts.items()},
     )
 
 
