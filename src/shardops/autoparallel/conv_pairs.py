@@ -20,7 +20,6 @@ rank (n divides its group count) and the first convolution has at least n output
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import cast

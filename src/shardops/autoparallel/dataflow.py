@@ -18,7 +18,7 @@ producer called on a marked tensor records what fed it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -98,12 +98,12 @@ class _FeatureFlow(TorchDispatchMode):
 
 def _feature_dim(module: nn.Module) -> int:
     """The (negative) dim of a producer's output features: a Linear's last, a convolution's channels."""
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return -(len(module.kernel_size) + 1)
-    return -1
+    kernel = getattr(module, "kernel_size", None)  # a convolution's: (N, C, *spatial) or unbatched (C, *spatial)
+    return -(len(kernel) + 1) if isinstance(kernel, tuple) else -1
 
 
 def _outputs(value) -> list[torch.Tensor]:
+    """The tensors a forward returns (in tuples, lists, dicts, or an output object's fields)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
@@ -116,9 +116,9 @@ def _outputs(value) -> list[torch.Tensor]:
 def traced_pairs(
     model: nn.Module,
     example_inputs: tuple,
-    producers: dict[str, nn.Module],
+    producers: Mapping[str, nn.Module],
     pairs_with: Callable[[nn.Module, nn.Module], bool],
-    passing: dict[str, nn.Module] | None = None,
+    passing: Mapping[str, nn.Module] | None = None,
 ) -> list[Flow]:
     """The pairs of `producers` (name -> module of `model`) one forward of the example shows, in call
     order: the consumer's input is the producer's output through feature-preserving ops and `passing`
