@@ -203,3 +203,36 @@ def test_a_convolution_whose_output_also_feeds_the_residual_pairs_with_nothing()
     net = _ResNet()
     net.units = nn.ModuleList([Leaky(CHANNELS, _group_norm) for _ in range(3)])
     assert find_structure(net, (_images(),)).conv_pairs == []
+
+
+class _TwoPairUnit(nn.Module):
+    """Two residual halves in one unit, two pair kinds: a -> norm -> b (3 x 3), then a 1 x 1 bottleneck
+    c -> d through 8 channels: little work, as much traffic split (the unit's input size, reduced)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.a, self.a_norm = nn.Conv2d(channels, channels, 3, padding=1), _group_norm(channels)
+        self.b = nn.Conv2d(channels, channels, 3, padding=1)
+        self.c, self.d = nn.Conv2d(channels, 8, 1), nn.Conv2d(8, channels, 1)
+
+    def forward(self, x):
+        x = torch.relu(x + self.b(torch.relu(self.a_norm(self.a(x)))))
+        return x + self.d(torch.relu(self.c(x)))
+
+
+def test_each_pair_kind_of_a_block_is_one_choice_taken_by_every_block():
+    """Two pairs per unit, each split or not in every unit alike (wildcard keys). Splitting only the
+    bottleneck leaves each rank most of the work (not considered); splitting both moves the bottleneck's
+    reductions too, so the plan splits the 3 x 3 pair only: measured = predicted, exact in strict mode."""
+    net, x = _ResNet(), _images()
+    net.units = nn.ModuleList([_TwoPairUnit(CHANNELS) for _ in range(3)])
+    loss_fn = _regression_loss(4)
+    pairs = [(p.out_conv, p.in_conv) for p in find_structure(net, (x,)).conv_pairs]
+    assert pairs == [("units.*.a", "units.*.b"), ("units.*.c", "units.*.d")]
+    plan = so.autoparallel(net, (4,), (x,), loss_fn=loss_fn, pricing="metadata")
+    channel = {s.candidate.conv_pairs_tp: s.measurement.total_bytes for s in _channel_candidates(plan)}
+    reductions = 3 * 2 * x.shape[0] * CHANNELS * 4 * 4 * F32  # per pair kind: each unit's input size, both ways
+    assert channel == {(True, True): 2 * reductions, (True, False): reductions}
+    assert plan.candidate.conv_pairs_tp == (True, False)
+    assert plan.parallelize_plan.keys() == {"units.*.a", "units.*.a_norm", "units.*.b"}
+    _trains_exactly(plan, net, x, loss_fn)
