@@ -203,9 +203,9 @@ def find_structure(model: nn.Module, example_inputs: tuple) -> ModelStructure:
     blocks, n_blocks = find_blocks(model)
     # the call records come from a forward of at most two blocks: planning time independent of depth
     probe = truncated(model, blocks, 2) if blocks is not None and n_blocks > 2 else model
-    arity, order = _call_arity(probe, example_inputs)
+    arity, _ = _call_arity(probe, example_inputs)
     structure = ModelStructure(blocks=blocks, n_blocks=n_blocks)
-    structure.conv_pairs = find_conv_pairs(probe, order, ELEMENTWISE) if blocks is None else []
+    structure.conv_pairs = find_conv_pairs(probe, example_inputs, blocks, n_blocks)  # inside the blocks too
     if blocks is not None:
         container = model.get_submodule(blocks)
         first_name, first = next(iter(container.named_children()))
