@@ -85,41 +85,30 @@ def _square_mean(out, *_):
     return (out**2).mean()
 
 
-def _calibration_mlp() -> tuple[nn.Module, tuple, Callable]:
-    """Linear-GELU-Linear, LayerNorm, Linear-GELU-Linear: matmuls, two tensor-parallel pairs."""
+def _example(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def _two_pairs(width: int, hidden: int, middle: str, batch: int) -> tuple[nn.Module, tuple, Callable]:
+    """Linear-GELU-Linear, `middle` (a LayerNorm or a GELU), Linear-GELU-Linear: two tensor-parallel pairs."""
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Linear(128, 512),
+        nn.Linear(width, hidden),
         nn.GELU(),
-        nn.Linear(512, 128),
-        nn.LayerNorm(128),
-        nn.Linear(128, 512),
+        nn.Linear(hidden, width),
+        nn.LayerNorm(width) if middle == "layernorm" else nn.GELU(),
+        nn.Linear(width, hidden),
         nn.GELU(),
-        nn.Linear(512, 128),
+        nn.Linear(hidden, width),
     )
-    return net, (torch.randn(32, 128, generator=torch.Generator().manual_seed(1)),), _square_mean
+    return net, (_example(batch, width),), _square_mean
 
 
 def _calibration_wide() -> tuple[nn.Module, tuple, Callable]:
     """One wide pair on a small batch: the gradient all_reduce and the optimizer's streaming dominate."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(512, 1536), nn.ReLU(), nn.Linear(1536, 512))
-    return net, (torch.randn(8, 512, generator=torch.Generator().manual_seed(1)),), _square_mean
-
-
-def _calibration_heavy() -> tuple[nn.Module, tuple, Callable]:
-    """Two wide pairs on a large batch: matmul FLOPs dominate, on activations and weights out of cache."""
-    torch.manual_seed(0)
-    net = nn.Sequential(
-        nn.Linear(256, 1024),
-        nn.GELU(),
-        nn.Linear(1024, 256),
-        nn.GELU(),
-        nn.Linear(256, 1024),
-        nn.GELU(),
-        nn.Linear(1024, 256),
-    )
-    return net, (torch.randn(256, 256, generator=torch.Generator().manual_seed(1)),), _square_mean
+    return net, (_example(8, 512),), _square_mean
 
 
 def _calibration_deep() -> tuple[nn.Module, tuple, Callable]:
@@ -128,7 +117,7 @@ def _calibration_deep() -> tuple[nn.Module, tuple, Callable]:
     layers: list[nn.Module] = []
     for _ in range(10):
         layers += [nn.Linear(32, 32), nn.Tanh(), nn.LayerNorm(32)]
-    return nn.Sequential(*layers), (torch.randn(16, 32, generator=torch.Generator().manual_seed(1)),), _square_mean
+    return nn.Sequential(*layers), (_example(16, 32),), _square_mean
 
 
 def _calibration_conv() -> tuple[nn.Module, tuple, Callable]:
@@ -144,7 +133,7 @@ def _calibration_conv() -> tuple[nn.Module, tuple, Callable]:
         nn.Flatten(),
         nn.Linear(96, 8),
     )
-    return net, (torch.randn(16, 4, 24, 24, generator=torch.Generator().manual_seed(1)),), _square_mean
+    return net, (_example(16, 4, 24, 24),), _square_mean
 
 
 def calibration_workloads() -> list[Workload]:
@@ -152,15 +141,17 @@ def calibration_workloads() -> list[Workload]:
     convolution FLOPs, streamed bytes) large in one of them, data parallel and tensor parallel."""
     from ..autoparallel.candidates import Candidate
 
-    dp = Candidate(("dp",))
+    dp, two_pairs = Candidate(("dp",)), Candidate(("tp",), pairs_tp=(True, True))
+    mlp = partial(_two_pairs, 128, 512, "layernorm", 32)  # matmuls and a norm, a medium batch
+    heavy = partial(_two_pairs, 256, 1024, "gelu", 256)  # matmul FLOPs dominate, operands out of cache
     return [
-        Workload("mlp", _calibration_mlp, dp),
-        Workload("mlp", _calibration_mlp, Candidate(("tp",), pairs_tp=(True, True))),
+        Workload("mlp", mlp, dp),
+        Workload("mlp", mlp, two_pairs),
         Workload("wide", _calibration_wide, dp),
         Workload("wide", _calibration_wide, Candidate(("tp",), pairs_tp=(True,))),
         Workload("deep", _calibration_deep, dp),
-        Workload("heavy", _calibration_heavy, dp),
-        Workload("heavy", _calibration_heavy, Candidate(("tp",), pairs_tp=(True, True))),
+        Workload("heavy", heavy, dp),
+        Workload("heavy", heavy, two_pairs),
         Workload("conv", _calibration_conv, dp),
         Workload("conv", _calibration_conv, Candidate(("tp",), conv_pairs_tp=(True,))),
     ]
