@@ -72,6 +72,24 @@ def test_transformers_llama_priced_from_metadata_equals_the_threads_world(memory
     assert meta.candidate == run.candidate
 
 
+def test_no_sequence_parallelism_where_the_model_sizes_its_positions_by_the_stream():
+    """transformers' Llama takes its rotary positions and causal mask from the embeddings' output length, which
+    sequence parallelism makes each rank's shard: with one token per rank (8 on (8,)) they broadcast silently
+    into wrong values (the threads world's value check ruled those candidates out, the dry world priced them
+    feasible). It gets no sequence-parallel candidate; shardops' Llama (positions from its tokens) and GPT-2
+    (positions embedded, sharded with the stream) keep theirs."""
+    from shardops.autoparallel.sequence import reads_sequence_length_from_stream
+    from shardops.autoparallel.structure import find_structure
+    from shardops.models import GPT2, Llama, ModelArgs
+
+    tokens = torch.randint(0, TINY["vocab_size"], (8, 8), generator=torch.Generator().manual_seed(1))
+    plan = so.autoparallel(build(8), (8,), (tokens,), pricing="metadata")
+    assert any(s.candidate.tp_dim is not None for s in plan.considered)
+    assert not any(s.candidate.sequence_parallel for s in plan.considered)
+    for model in (Llama(ModelArgs(), seed=0), GPT2(ModelArgs(), seed=0)):
+        assert not reads_sequence_length_from_stream(model, find_structure(model, (tokens,)), (tokens,))
+
+
 # ------------------------------------------------------------------ Mixtral: expert parallelism among the candidates
 
 
