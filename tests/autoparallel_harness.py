@@ -193,12 +193,14 @@ def build_llama(kv_heads: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).float()
 
 
-def build_mixtral() -> torch.nn.Module:
+def build_mixtral(kv_heads: int = 4) -> torch.nn.Module:
     """Mixtral with 4 experts (2 per token) in each of its 2 blocks; stacked expert weights (transformers 5.x)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(**TINY, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
+    config = transformers.MixtralConfig(
+        **TINY, num_key_value_heads=kv_heads, num_local_experts=4, num_experts_per_tok=2
+    )
     config._attn_implementation = "eager"
     return transformers.AutoModelForCausalLM.from_config(config).float()
 
