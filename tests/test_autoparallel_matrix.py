@@ -1,14 +1,14 @@
 """Issue 44's acceptance grid: every listed model on every listed mesh, (4,), (2, 2) and (8,).
 
-Per cell so.autoparallel plans the model (objective="bytes": the time objective waits on the step-time model's
-validation, docs/autoparallel.md), the chosen plan is applied and trained two optimizer steps in strict mode on
-every rank, and
+Per cell so.autoparallel plans the model (objective="bytes", the default: the time objective waits on the
+step-time model's validation, docs/autoparallel.md), the chosen plan is applied and trained two optimizer
+steps (SGD with momentum) in strict mode on every rank, and
 - the losses, first gradients and final parameters equal single-device torch's, computed here (with BatchNorm:
   torch's data-parallel step, each rank's batch statistics);
-- the step sends on the busiest rank exactly the plan's predicted bytes, and so does the next one but where
-  experts are expert-parallel (the all_to_all carries the tokens the router sends, which the first update
-  moves); the optimizer step sends none; every candidate priced from metadata alone moves the bytes
-  the threads world measured;
+- the step sends on the busiest rank exactly the plan's predicted bytes, and so does the next one (with
+  expert parallelism: the bytes the plan prices at the weights after the first step, whose router sends
+  other tokens over the all_to_all); the optimizer step sends none; every candidate priced from metadata
+  alone moves the bytes the threads world measured;
 - it sends no more than the hand plan, applied and measured here: docs/parallel.md's for shardops' LLaMA and
   GPT-2, transformers' own plan for its models (its expert-parallel plan for Mixtral's experts on a 1-d mesh),
   torch's DDP (`replicate` over every rank) for the models no plan ships with.
@@ -19,6 +19,7 @@ model and each mesh stays in the default run.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,7 +144,7 @@ def _reference_training(c: Cell, dp_ranks: int):
     model = c.make()
     opt = _optimizer(model.parameters())
     slices = c.example.chunk(dp_ranks) if c.batch_statistics else (c.example,)
-    losses, grads = [], {}
+    losses, grads, moved = [], {}, None
     for step in range(STEPS):
         opt.zero_grad()
         loss = torch.stack([c.loss_fn(model(x), x) for x in slices]).mean()
@@ -152,7 +153,8 @@ def _reference_training(c: Cell, dp_ranks: int):
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+        moved = copy.deepcopy(model) if step == 0 else moved
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, moved
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -187,7 +189,7 @@ def _applied_training(plan, c: Cell):
 def _check_training(results, reference) -> None:
     """Each rank's loss is its batch slice's mean: the ranks' mean is the single-device loss (tensor-parallel
     ranks of one slice alike); every gradient and parameter the single-device one."""
-    ref_losses, ref_grads, ref_params = reference
+    ref_losses, ref_grads, ref_params, _ = reference
     for step, ref_loss in enumerate(ref_losses):
         mean = torch.stack([steps[step][2] for steps, _, _ in results]).mean()
         torch.testing.assert_close(mean, ref_loss, rtol=1e-4, atol=1e-5, msg=f"step {step}")
@@ -202,9 +204,16 @@ def _check_training(results, reference) -> None:
             )
 
 
+def _priced_at(moved: torch.nn.Module, plan, c: Cell) -> int:
+    """The chosen candidate's bytes priced again (from metadata: routed as `moved` routes the example) with
+    the weights after the first step, single-device's."""
+    again = so.autoparallel(moved, plan.mesh_shape, (c.example,), loss_fn=c.loss_fn, pricing="metadata")
+    return next(s for s in again.considered if s.candidate == plan.candidate).measurement.total_bytes
+
+
 def _hand_values(results, reference) -> None:
     """The hand plan's first step gives the reference's loss (the ranks' mean) and gradients too."""
-    ref_losses, ref_grads, _ = reference
+    ref_losses, ref_grads, _, _ = reference
     torch.testing.assert_close(
         torch.stack([loss for _, loss, _ in results]).mean(), ref_losses[0], rtol=1e-4, atol=1e-5
     )
@@ -270,8 +279,12 @@ def test_the_chosen_plan_trains_exactly_and_sends_its_prediction(model, mesh_sha
     reference = _reference_training(c, dp_ranks)
     results = _applied_training(plan, c)
     _check_training(results, reference)
-    for step in range(1 if plan.candidate.expert_parallel else STEPS):  # routing moves after the first step
-        assert max(steps[step][0] for steps, _, _ in results) == plan.predicted_bytes, (step, str(plan))
+    sent = [max(steps[step][0] for steps, _, _ in results) for step in range(STEPS)]
+    assert sent[0] == plan.predicted_bytes, str(plan)
+    if plan.candidate.expert_parallel:  # the all_to_all carries the tokens the router sends: the update moves them
+        assert sent[1:] == [_priced_at(reference[3], plan, c)]
+    else:
+        assert sent[1:] == [plan.predicted_bytes] * (STEPS - 1), str(plan)
     for step in range(STEPS):
         assert all(steps[step][1] == 0 for steps, _, _ in results)  # the optimizer step works on the local shards
 
