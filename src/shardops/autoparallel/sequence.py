@@ -33,28 +33,28 @@ def reads_sequence_length_from_stream(model: nn.Module, structure: ModelStructur
         return False
     if tokens.shape[1] <= max(SHORTER):
         return False  # no shorter streams to tell the two apart with
-    probe = truncated(model, structure.blocks, 2) if structure.n_blocks > 2 else model
-    seen = [_block_inputs(probe, structure, example, n) for n in SHORTER]
-    if seen[0] is None or seen[1] is None:
-        return False
-    streams = [{s for s in shapes if s[:2] == (tokens.shape[0], n)} for shapes, n in zip(seen, SHORTER)]
-    return [s for s in seen[0] if s not in streams[0]] != [s for s in seen[1] if s not in streams[1]]
+    blocks = structure.blocks
+    probe = truncated(model, blocks, 2) if structure.n_blocks > 2 else model
+    beside = [_beside_the_stream(probe, blocks, structure.embeddings, example, n) for n in SHORTER]
+    return beside[0] is not None and beside[1] is not None and beside[0] != beside[1]
 
 
-def _block_inputs(probe: nn.Module, structure: ModelStructure, example: tuple, n: int) -> list[tuple] | None:
-    """The shapes of every tensor the first block is called with, the embeddings' outputs cut to `n`
-    positions; None if the forward fails so."""
-    shapes: list[tuple] = []
+def _beside_the_stream(
+    probe: nn.Module, blocks: str, embeddings: list[str], example: tuple, n: int
+) -> list[tuple[int, ...]] | None:
+    """The shapes of the tensors the first block is called with, the embeddings' outputs cut to `n`
+    positions, but the stream's ([batch, n, ...]); None if the forward fails so."""
+    batch = example[0].shape[0]
+    shapes: list[tuple[int, ...]] = []
 
     def cut(module, inputs, out):
         return out[:, :n]
 
     def record(module, args, kwargs):
-        shapes.extend(tuple(t.shape) for t in _tensors((args, kwargs)))
+        shapes.extend(s for t in _tensors((args, kwargs)) if (s := tuple(t.shape))[:2] != (batch, n))
 
-    container = probe.get_submodule(structure.blocks)
-    first = next(iter(container.children()))
-    hooks = [probe.get_submodule(name).register_forward_hook(cut) for name in structure.embeddings]
+    first = next(iter(probe.get_submodule(blocks).children()))
+    hooks = [probe.get_submodule(name).register_forward_hook(cut) for name in embeddings]
     hooks.append(first.register_forward_pre_hook(record, with_kwargs=True))
     try:
         with torch.no_grad():
