@@ -243,7 +243,7 @@ ELSEWHERE = {
 }
 # The slowest of the rest (5-20 s each on a loaded 2-core machine): with -m slow too. The default run keeps
 # the cells no other test runs by default and that are quick: mlp, the encoder, the BatchNorm CNN and GPT-2
-# on (8,), the encoder on (4,) (about 20 s in all).
+# on (8,), the encoder on (4,) (about 30 s in all, measured with --durations on the loaded machine).
 SLOW = {
     ("llama", (2, 2)),
     ("gpt2", (4,)),
