@@ -15,96 +15,23 @@ import torch
 import torch.nn.functional as F
 
 import shardops as so
+from autoparallel_harness import EncoderModel as _EncoderModel
+from autoparallel_harness import SmallResNet as _SmallResNet
+from autoparallel_harness import auto_step as _auto_step
+from autoparallel_harness import check_values as _check_values
+from autoparallel_harness import hand_step as _hand_step
+from autoparallel_harness import reference as _reference
+from autoparallel_harness import regression_loss as _regression_loss
+from autoparallel_harness import same_pricing_from_metadata as _same_pricing_from_metadata
+from autoparallel_harness import token_batch as _tokens
+from autoparallel_harness import trains_exactly as _trains_exactly
 from parallel_harness import count_step, strict
 from shardops.autoparallel import language_model_loss
-from shardops.fsdp import replicate
 from shardops.models import GPT2, Llama, ModelArgs, gpt2_plan, llama_plan
-from shardops.parallel import loss_parallel, parallelize_module
-from shardops.parallel.loss import target_placements
 from shardops.world import in_threads_world
 
 ARGS = ModelArgs()
 HAND = {Llama: llama_plan, GPT2: gpt2_plan}
-
-
-def _tokens(batch: int, seq: int, vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-
-
-def _reference(model, tokens):
-    model = copy.deepcopy(model)
-    loss = language_model_loss(model(tokens), tokens)
-    loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _auto_step(plan, make, tokens):
-    def main():
-        model = plan.apply(make())
-        local = plan.local_batch(tokens)  # this rank's batch slice
-        with strict():
-            return count_step(model, local, lambda out: language_model_loss(out, local))
-
-    return so.run(main, plan.mesh_shape[0] * (plan.mesh_shape[1] if len(plan.mesh_shape) > 1 else 1))
-
-
-def _hand_step(make, hand_plan, mesh_shape, tokens):
-    """The hand plan as docs/parallel.md applies it: tp on the last dim, torch's `replicate` (DDP) on the
-    first, each dp rank on its batch slice."""
-
-    def main():
-        model = make()
-        if len(mesh_shape) == 1:
-            mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",))
-            parallelize_module(model, mesh, hand_plan())
-            feed = tokens
-        else:
-            mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
-            parallelize_module(model, mesh["tp"], hand_plan())
-            replicate(model, device_mesh=mesh["dp"])
-            feed = tokens.chunk(mesh_shape[0])[mesh.get_coordinate()[0]]
-
-        def loss_of(out):
-            logits, target = out[:, :-1].flatten(0, 1), feed[:, 1:].flatten()
-            if isinstance(logits, so.DTensor):  # this rank's batch shard, laid out like the logits, said explicitly
-                target = so.from_local(target, logits.device_mesh, target_placements(logits.placements, 1))
-            with loss_parallel():
-                return F.cross_entropy(logits, target)
-
-        with strict():
-            return count_step(model, feed, loss_of)
-
-    return so.run(main, mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) > 1 else 1))
-
-
-def _check_values(results, ref_loss, ref_grads):
-    """Each rank's loss is its batch slice's mean: the ranks' mean is the single-device loss (tensor-parallel
-    ranks of one slice alike); every gradient (averaged over the data-parallel ranks) the single-device one."""
-    torch.testing.assert_close(torch.stack([loss for _, loss, _ in results]).mean(), ref_loss, rtol=1e-4, atol=1e-5)
-    for _, _, grads in results:
-        assert grads.keys() == ref_grads.keys()
-        for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
-
-
-def _same_pricing_from_metadata(plan, model, mesh_shape, example, **kwargs):
-    """Every candidate priced from metadata alone (one dry rank on META tensors) moves exactly the
-    bytes and rounds, per step part, that the threads world measured on every rank."""
-    assert plan.pricing.startswith("measured")
-    dry = so.autoparallel(model, mesh_shape, example, pricing="metadata", **kwargs)
-    assert dry.pricing.startswith("from metadata")
-    assert [s.candidate for s in dry.considered] == [s.candidate for s in plan.considered]
-    for run_, meta in zip(plan.considered, dry.considered):
-        a, b = run_.measurement, meta.measurement
-        assert (a.error is None) == (b.error is None), (run_.candidate, a.error, b.error)
-        if a.error is None:
-            assert (a.bytes_per_part, a.rounds_per_part, a.memory_per_rank) == (
-                b.bytes_per_part,
-                b.rounds_per_part,
-                b.memory_per_rank,
-            ), run_.candidate
-    assert dry.candidate == plan.candidate and dry.predicted_bytes == plan.predicted_bytes
-    return dry
 
 
 # each model on each mesh; two of the four behind -m slow (each model and each mesh stays in the default run)
@@ -311,40 +238,6 @@ def test_autoplan_cli_plans_llama_7b_on_4096_ranks_from_metadata(capsys):
     assert searched and int(searched[1]) == int(searched[2]) > 1  # dp, tp on 16 and on 8: every one priced on meta
 
 
-def _trains_exactly(plan, net, x, loss_fn):
-    """The applied plan in strict mode: single-device loss and gradients (computed here), and the
-    bytes it sends on every rank are its prediction."""
-    ref = copy.deepcopy(net)
-    ref_loss = loss_fn(ref(x), x)
-    ref_loss.backward()
-
-    def main():
-        model = plan.apply(copy.deepcopy(net))
-        local = plan.local_batch(x)  # this rank's batch slice
-        with strict():
-            return count_step(model, local, lambda out: loss_fn(out, local))
-
-    results = so.run(main, math.prod(plan.mesh_shape))
-    mean_loss = torch.stack([loss for _, loss, _ in results]).mean()  # each rank's is its slice's mean
-    torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=1e-4, atol=1e-6)
-    for _, _, grads in results:
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert max(sent for sent, _, _ in results) == plan.predicted_bytes
-    return results
-
-
-def _regression_loss(n_out: int):
-    """A squared error against a per-sample target made from the sample itself, so a rank's batch slice
-    carries its own targets (the loss as torch users compute it, on the local batch)."""
-
-    def loss_fn(out, x):
-        target = x.flatten(1)[:, :n_out].sin()
-        return ((out - target) ** 2).mean()
-
-    return loss_fn
-
-
 def test_a_small_cnn_is_planned_and_trains_exactly():
     """Conv2d -> ReLU -> AdaptiveAvgPool2d -> Flatten -> Linear on (2,): the convolution family's rules
     split the batch, so data parallelism works: one all_reduce of every gradient, DDP's bytes."""
@@ -364,33 +257,6 @@ def test_a_small_cnn_is_planned_and_trains_exactly():
     assert plan.predicted_bytes == sum(p.numel() * p.element_size() for p in net.parameters())
     _same_pricing_from_metadata(plan, net, (2,), (x,), loss_fn=loss_fn)
     _trains_exactly(plan, net, x, loss_fn)
-
-
-class _ResidualBlock(torch.nn.Module):
-    """conv -> norm -> relu -> conv -> norm, added to the block's input (ResNet's basic block)."""
-
-    def __init__(self, channels: int, norm):
-        super().__init__()
-        self.conv1, self.norm1 = torch.nn.Conv2d(channels, channels, 3, padding=1), norm(channels)
-        self.conv2, self.norm2 = torch.nn.Conv2d(channels, channels, 3, padding=1), norm(channels)
-
-    def forward(self, x):
-        return torch.relu(x + self.norm2(self.conv2(torch.relu(self.norm1(self.conv1(x))))))
-
-
-class _SmallResNet(torch.nn.Module):
-    """A stem conv, max pooling, one residual block, then global average pooling and a Linear head."""
-
-    def __init__(self, norm=lambda c: torch.nn.GroupNorm(2, c)):
-        super().__init__()
-        torch.manual_seed(0)
-        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.pool = torch.nn.MaxPool2d(2)
-        self.block = _ResidualBlock(8, norm)
-        self.head = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
-
-    def forward(self, x):
-        return self.head(self.block(self.pool(torch.relu(self.stem(x)))))
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2), (8,)], ids=["4", "2x2", "8"])
@@ -547,21 +413,6 @@ def test_parameters_a_module_reads_directly_are_in_the_memory_and_compute_figure
     # with a small MLP, splitting it alone leaves each rank the whole attention: over the bound, ruled out
     assert any(s.candidate.tp_dim is not None for s in feasible) == (hidden == 128)
     assert f"parameters per rank: {plan.chosen.measurement.parameter_bytes:,} B" in str(plan)
-
-
-class _EncoderModel(torch.nn.Module):
-    """Tokens -> nn.TransformerEncoder (nn.MultiheadAttention inside) -> a vocabulary head."""
-
-    def __init__(self, dim: int = 16, vocab: int = 32, ff: int = 32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(vocab, dim)
-        layer = torch.nn.TransformerEncoderLayer(dim, 2, ff, dropout=0.0, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(dim, vocab)
-
-    def forward(self, tokens):
-        return self.head(self.encoder(self.emb(tokens)))
 
 
 @pytest.mark.parametrize(

@@ -6,75 +6,21 @@ torch's `replicate` on dp for (2, 2), each dp rank on its batch slice) on the sa
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import math
 import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")  # a dev dependency (pyproject's dev extra)
 
 import shardops as so  # noqa: E402
+from autoparallel_harness import TINY, build_mixtral, transformers_hand_step  # noqa: E402
+from autoparallel_harness import build_llama as build  # noqa: E402
+from autoparallel_harness import check_transformers_values as _check_values  # noqa: E402
 from parallel_harness import count_step, strict  # noqa: E402
 from shardops.autoparallel import language_model_loss  # noqa: E402
-from shardops.fsdp import replicate  # noqa: E402
-from shardops.parallel import from_transformers, loss_parallel  # noqa: E402
-
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8, head_dim=4)
-
-
-def build(kv_heads: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY, num_key_value_heads=kv_heads)
-    config._attn_implementation = "eager"
-    return transformers.AutoModelForCausalLM.from_config(config).float()
-
-
-def _check_values(results, model, tokens, local_loss=False):
-    """Loss and every gradient equal single-device torch's. `local_loss`: each rank's loss is its dp
-    batch slice's mean (torch's data parallelism), so their mean is the global loss."""
-    ref = copy.deepcopy(model)
-    ref_loss = language_model_loss(ref(tokens), tokens)
-    ref_loss.backward()
-    if local_loss:
-        mean = torch.stack([loss for _, loss, _ in results]).mean()
-        torch.testing.assert_close(mean, ref_loss.detach(), rtol=1e-4, atol=1e-5)
-    for _, loss, grads in results:
-        if not local_loss:
-            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=1e-5)
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
-
-
-def _world(shape):
-    return shape[0] * (shape[1] if len(shape) > 1 else 1)
-
-
-def _hand_step(kv_heads, mesh_shape, tokens):
-    """transformers' own plan as its users apply it through shardops: tp on the last dim, dp on the first."""
-
-    def main():
-        model = build(kv_heads)
-        if len(mesh_shape) == 1:
-            mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",))
-            from_transformers(model, mesh)
-            feed = tokens
-        else:
-            mesh = so.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
-            from_transformers(model, mesh["tp"])
-            replicate(model, device_mesh=mesh["dp"])
-            feed = tokens.chunk(mesh_shape[0])[mesh.get_coordinate()[0]]
-
-        def loss_of(out):
-            with loss_parallel():
-                return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), feed[:, 1:].flatten())
-
-        with strict():
-            return count_step(model, feed, loss_of)
-
-    return so.run(main, _world(mesh_shape), timeout=600)
 
 
 @pytest.mark.parametrize(
@@ -97,12 +43,12 @@ def test_transformers_llama_measured_equals_predicted_and_no_worse_than_its_own_
         with strict():
             return count_step(model, local, lambda out: language_model_loss(out, local))
 
-    auto = so.run(main, _world(mesh_shape), timeout=600)
+    auto = so.run(main, math.prod(mesh_shape), timeout=600)
     _check_values(auto, build(kv_heads), tokens, local_loss=plan.candidate.dp_dims != ())
     measured = max(sent for sent, _, _ in auto)
     assert measured == plan.predicted_bytes  # the issue allows 1%; pricing runs the same step, so exact
 
-    hand = _hand_step(kv_heads, mesh_shape, tokens)
+    hand = transformers_hand_step(lambda: build(kv_heads), mesh_shape, tokens)
     _check_values(hand, build(kv_heads), tokens, local_loss=len(mesh_shape) > 1)
     hand_bytes = max(sent for sent, _, _ in hand)
     assert measured <= hand_bytes, (measured, hand_bytes, str(plan))
@@ -126,15 +72,25 @@ def test_transformers_llama_priced_from_metadata_equals_the_threads_world(memory
     assert meta.candidate == run.candidate
 
 
+def test_no_sequence_parallelism_where_the_model_sizes_its_positions_by_the_stream():
+    """transformers' Llama takes its rotary positions and causal mask from the embeddings' output length, which
+    sequence parallelism makes each rank's shard: with one token per rank (8 on (8,)) they broadcast silently
+    into wrong values (the threads world's value check ruled those candidates out, the dry world priced them
+    feasible). It gets no sequence-parallel candidate; shardops' Llama (positions from its tokens) and GPT-2
+    (positions embedded, sharded with the stream) keep theirs."""
+    from shardops.autoparallel.sequence import reads_sequence_length_from_stream
+    from shardops.autoparallel.structure import find_structure
+    from shardops.models import GPT2, Llama, ModelArgs
+
+    tokens = torch.randint(0, TINY["vocab_size"], (8, 8), generator=torch.Generator().manual_seed(1))
+    plan = so.autoparallel(build(8), (8,), (tokens,), pricing="metadata")
+    assert any(s.candidate.tp_dim is not None for s in plan.considered)
+    assert not any(s.candidate.sequence_parallel for s in plan.considered)
+    for model in (Llama(ModelArgs(), seed=0), GPT2(ModelArgs(), seed=0)):
+        assert not reads_sequence_length_from_stream(model, find_structure(model, (tokens,)), (tokens,))
+
+
 # ------------------------------------------------------------------ Mixtral: expert parallelism among the candidates
-
-
-def build_mixtral() -> torch.nn.Module:
-    """Mixtral with 4 experts (2 per token) in each of its 2 blocks; stacked expert weights (transformers 5.x)."""
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(**TINY, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
-    config._attn_implementation = "eager"
-    return transformers.AutoModelForCausalLM.from_config(config).float()
 
 
 def _measured_step(plan, make, tokens, mesh_shape):
@@ -146,7 +102,7 @@ def _measured_step(plan, make, tokens, mesh_shape):
         with strict():
             return count_step(model, local, lambda out: language_model_loss(out, local))
 
-    return so.run(main, _world(mesh_shape), timeout=600)
+    return so.run(main, math.prod(mesh_shape), timeout=600)
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ from .measure import (
     uses_batch_statistics,
 )
 from .plan import OBJECTIVES, Plan, Scored, apply_candidate, batch_feed, mesh_names_for, rank_key
+from .sequence import reads_sequence_length_from_stream
 from .structure import find_structure, truncated
 from .timing import Compute, StepProfile, extrapolate_profile, predict, profile_dry, resolve_compute
 
@@ -124,6 +125,8 @@ def autoparallel(
     warmup_s = warm_up() if how == "metadata" else 0.0  # torch's first meta kernel imports dynamo: said apart
     t0 = time.perf_counter()
     structure = find_structure(model, example)  # a model with values: its forward routes tokens to experts
+    if structure.transformer:  # sequence parallelism only where the model takes its positions from its input
+        structure.positions_from_stream = reads_sequence_length_from_stream(model, structure, example)
     routing = _routing(model, structure, example)
     if how == "metadata":
         model, example = _on_meta_routed(model, example, routing)

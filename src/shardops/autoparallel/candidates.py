@@ -159,7 +159,8 @@ def enumerate_candidates(
                 _pair_candidates(structure, dims, modes) + _conv_pair_candidates(structure, dims, modes, mesh_shape[tp])
             )
             continue
-        for sp, vocab, emb in itertools.product((True, False), repeat=3):
+        sp_choices = (False,) if structure.positions_from_stream else (True, False)  # sequence.py
+        for sp, vocab, emb in itertools.product(sp_choices, (True, False), (True, False)):
             for groups in itertools.product((True, False), repeat=len(structure.groups)):
                 out.extend(
                     Candidate(dims, sp, vocab, groups, mode, emb, reshard_after_forward=raf) for mode, raf in modes

@@ -382,6 +382,7 @@ class Plan:
             else:
                 theirs = {e.key: e.text for e in r.entries}.get(k, "(not in plan)")
                 lines.append(f"{k}: {chosen_text}\n    runner-up ({_delta(r, chosen)}): {theirs}")
+        lines.extend(f"note: {note}" for note in self.notes)  # what the plan computes (BatchNorm's statistics)
         return "\n".join(lines)
 
 

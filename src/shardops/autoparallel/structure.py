@@ -85,6 +85,7 @@ class ModelStructure:
     # mixture-of-experts layers of a block (stacked expert weights and a router): expert-parallel candidates
     experts: list[Experts] = field(default_factory=list)
     conv_pairs: list[ConvPair] = field(default_factory=list)  # convolution pairs by channels (conv_pairs.py)
+    positions_from_stream: bool = False  # sizes positions by the embeddings' output: no sequence parallelism
 
     @property
     def transformer(self) -> bool:
