@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -180,7 +181,9 @@ class EncoderModel(torch.nn.Module):
 
 # ------------------------------------------------------------------ transformers' models (a dev dependency)
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8, head_dim=4)
+TINY: dict[str, Any] = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8, head_dim=4
+)
 
 
 def build_llama(kv_heads: int) -> torch.nn.Module:

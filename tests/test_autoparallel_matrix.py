@@ -23,6 +23,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -114,13 +115,17 @@ def _transformers_lm(build, mesh_shape, expert_parallel: bool = False) -> Cell:
     return Cell(build, tokens, lambda shape: transformers_hand_step(build, shape, tokens, expert_parallel=ep))
 
 
+def _named(name: str, message: str) -> str:
+    return f"{name}: {message}"
+
+
 def cell(model: str, mesh_shape: tuple[int, ...]) -> Cell:
     if model == "mlp":
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
         return Cell(_mlp, x, _ddp(_mlp, x, regression_loss(4)), regression_loss(4))
     if model in ("cnn", "cnn-batchnorm"):
         norm = torch.nn.BatchNorm2d if model == "cnn-batchnorm" else (lambda c: torch.nn.GroupNorm(2, c))
-        make = lambda: SmallResNet(norm=norm)  # noqa: E731
+        make: Callable[[], torch.nn.Module] = lambda: SmallResNet(norm=norm)  # noqa: E731
         x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
         return Cell(make, x, _ddp(make, x, regression_loss(4)), regression_loss(4), model == "cnn-batchnorm")
     if model == "encoder":
@@ -151,7 +156,7 @@ def _reference_training(c: Cell, dp_ranks: int):
         loss.backward()
         losses.append(loss.detach())
         if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         moved = copy.deepcopy(model) if step == 0 else moved
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, moved
@@ -196,12 +201,8 @@ def _check_training(results, reference) -> None:
     for _, grads, params in results:
         assert grads.keys() == ref_grads.keys() == params.keys()
         for name in ref_grads:
-            torch.testing.assert_close(
-                grads[name], ref_grads[name], rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
-            )
-            torch.testing.assert_close(
-                params[name], ref_params[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
-            )
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-3, atol=1e-5, msg=partial(_named, name))
+            torch.testing.assert_close(params[name], ref_params[name], rtol=1e-4, atol=1e-6, msg=partial(_named, name))
 
 
 def _priced_at(moved: torch.nn.Module, plan, c: Cell) -> int:
@@ -219,7 +220,7 @@ def _hand_values(results, reference) -> None:
     )
     for _, _, grads in results:
         for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-5, msg=partial(_named, name))
 
 
 MODELS = ("mlp", "cnn", "encoder", "llama", "gpt2", "hf-llama", "mixtral")
