@@ -170,11 +170,33 @@ def test_case_out_of_range_is_a_clear_error():
         quiet_verify(["aten.neg.default"], ["4"], case=99)
 
 
+def test_parts_split_a_run_into_disjoint_halves(monkeypatch):
+    whole, _ = quiet_verify(["aten.neg.default"], ["4"], budget=6)
+    halves = [quiet_verify(["aten.neg.default"], ["4"], budget=6, part=f"{k}/2")[0] for k in range(2)]
+    assert [h.cases for h in halves] == [(whole.cases + 1) // 2, whole.cases // 2]
+    assert all(h.ok for h in halves)
+    _patched(monkeypatch, aten.neg.default, lambda schema: [row(Partial("max"), Partial("max"))], Partial("max"))
+    failing = {f.case for f in quiet_verify(["aten.neg.default"], ["4"], budget=6)[0].failures}
+    parts = [quiet_verify(["aten.neg.default"], ["4"], budget=6, part=f"{k}/2")[0] for k in range(2)]
+    assert failing and {f.case for h in parts for f in h.failures} == failing  # same case numbers: --case repros
+    with pytest.raises(ShardingError, match="not K/N"):
+        quiet_verify(["aten.neg.default"], ["4"], part="2/2")
+
+
 def _args(op, mesh, budget=None, case=None, full=False):
     import argparse
 
     return argparse.Namespace(
-        op=op, mesh=mesh, budget=budget, seed=0, case=case, json=None, list=False, no_progress=True, full=full
+        op=op,
+        mesh=mesh,
+        budget=budget,
+        seed=0,
+        case=case,
+        part=None,
+        json=None,
+        list=False,
+        no_progress=True,
+        full=full,
     )
 
 
