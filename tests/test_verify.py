@@ -11,9 +11,15 @@ from rich.console import Console
 from shardops import Partial, Replicate, Shard, ShardingError
 from shardops import verify as V
 from shardops.dispatch import registry
+from shardops.mesh import DeviceMesh
 from shardops.placements import NormPartial
 from shardops.planner.rows import row
+from shardops.verify import forcing
 from shardops.verify import samples as verify_samples
+from shardops.verify.cases import build
+from shardops.verify.compare import MAX_SPLIT_SCALE, TOLERANCE, split_scale
+from shardops.verify.layouts import Case
+from shardops.verify.runner import run_cases
 
 aten = torch.ops.aten
 TEST_BUDGET = 4  # cases per op and mesh: the small budget for tests
@@ -164,11 +170,33 @@ def test_case_out_of_range_is_a_clear_error():
         quiet_verify(["aten.neg.default"], ["4"], case=99)
 
 
+def test_parts_split_a_run_into_disjoint_halves(monkeypatch):
+    whole, _ = quiet_verify(["aten.neg.default"], ["4"], budget=6)
+    halves = [quiet_verify(["aten.neg.default"], ["4"], budget=6, part=f"{k}/2")[0] for k in range(2)]
+    assert [h.cases for h in halves] == [(whole.cases + 1) // 2, whole.cases // 2]
+    assert all(h.ok for h in halves)
+    _patched(monkeypatch, aten.neg.default, lambda schema: [row(Partial("max"), Partial("max"))], Partial("max"))
+    failing = {f.case for f in quiet_verify(["aten.neg.default"], ["4"], budget=6)[0].failures}
+    parts = [quiet_verify(["aten.neg.default"], ["4"], budget=6, part=f"{k}/2")[0] for k in range(2)]
+    assert failing and {f.case for h in parts for f in h.failures} == failing  # same case numbers: --case repros
+    with pytest.raises(ShardingError, match="not K/N"):
+        quiet_verify(["aten.neg.default"], ["4"], part="2/2")
+
+
 def _args(op, mesh, budget=None, case=None, full=False):
     import argparse
 
     return argparse.Namespace(
-        op=op, mesh=mesh, budget=budget, seed=0, case=case, json=None, list=False, no_progress=True, full=full
+        op=op,
+        mesh=mesh,
+        budget=budget,
+        seed=0,
+        case=case,
+        part=None,
+        json=None,
+        list=False,
+        no_progress=True,
+        full=full,
     )
 
 
@@ -307,3 +335,44 @@ def test_samples_reach_the_sharded_algorithms(name, count):
     target = next(t for t in targets.discover()[0] if t.name == name)
     prepared, _ = references.prepare(target, 0)
     assert len(set().union(*driver.algorithm_labels(target, prepared))) >= count
+
+
+# ------------------------------------------------------------------ the tolerance of a case with pending inputs
+
+
+def test_split_scale_is_the_pieces_magnitude_over_the_values():
+    x = verify_samples.make_tensor((6, 5), torch.float32, torch.Generator().manual_seed(3))
+    pieces = verify_samples.split_pending(x, Partial("sum"), 4, torch.Generator().manual_seed(4))
+    expected = float(sum(p.double().abs().sum() for p in pieces) / x.double().abs().sum())
+    assert 1.0 < split_scale(x, pieces, Partial("sum")) == pytest.approx(expected)  # signed pieces: larger
+    assert split_scale(x, [x / 4] * 4, Partial("sum")) == pytest.approx(1.0)  # an even split rounds as x does
+    assert split_scale(x, [x + 1, x - 1], Partial("avg")) > 1.0  # averaged pieces: their mean magnitude
+    assert split_scale(x, [x, x - 1], Partial("max")) == 1.0  # one rank holds the value itself
+    assert split_scale(x.abs(), [x.abs() * 0.5**0.5] * 2, NormPartial(2)) == 1.0
+    assert split_scale(x.long(), [x.long(), -x.long()], Partial("sum")) == 1.0  # integers compare exactly
+    assert split_scale(torch.zeros(3), [torch.ones(3), -torch.ones(3)], Partial("sum")) == MAX_SPLIT_SCALE
+
+
+def test_a_pending_case_tolerance_follows_its_pieces_and_still_catches_a_wrong_rule(monkeypatch):
+    # the weight gradient of a conv whose output gradient is P(sum) rounds on each rank's piece; the
+    # looser tolerance must still fail a rule that claims that rank-local bias gradient is Replicate
+    target = next(t for t in V.discover()[0] if t.name == "aten.convolution_backward.default")
+    prepared, _ = V.prepare(target, 0)
+    f32 = next(i for i, p in enumerate(prepared) if p.dtype == torch.float32 and p.sample.args[3] is not None)
+    mesh = DeviceMesh("cpu", torch.arange(4))
+    case = Case(0, f32, ((Partial("sum"),), (Replicate(),), (Replicate(),)))
+    pending = build(target, prepared[f32], case, mesh, 0)
+    plain = build(target, prepared[f32], Case(0, f32, ((Replicate(),),) * 3), mesh, 0)
+    assert plain.tol == TOLERANCE[torch.float32] < pending.tol <= MAX_SPLIT_SCALE * plain.tol
+    with forcing.installed():
+        assert run_cases([pending], 4)[0].problem is None
+
+    def wrong(schema):  # wrong on purpose: each rank's bias gradient sums only its own piece of grad
+        present = [i for i, m in enumerate(schema.arg("output_mask")) if m]
+        outs = [[Partial("sum"), Partial("sum"), Replicate()][i] for i in present]
+        return [row(outs, [Partial("sum"), Replicate(), Replicate()])]
+
+    _patched(monkeypatch, aten.convolution_backward.default, wrong, drop_input=Partial("sum"))
+    with forcing.installed():
+        outcome = run_cases([build(target, prepared[f32], case, mesh, 0)], 4)[0]
+    assert outcome.problem is not None and outcome.error > 100 * pending.tol, outcome

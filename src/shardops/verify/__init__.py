@@ -9,7 +9,7 @@ One job per module, in the order a run uses them:
     forcing.py   running each sharded algorithm (not only the cost model's pick), recording what ran
     cases.py     one case's local pieces on every rank (pending inputs split exactly)
     runner.py    running cases on the ranks of a threads world
-    compare.py   sharded result vs torch: tolerance for floats, exact otherwise
+    compare.py   sharded result vs torch: tolerance for floats (scaled by pending pieces), exact otherwise
     report.py    per-op rows, failures with a repro command, JSON, the table
     driver.py    the run: plan cases per op and mesh, run, report
     cli.py       `shardops verify` arguments and exit code

@@ -9,7 +9,9 @@ Pending (Partial) inputs are split so that a wrong rule cannot pass by luck:
     NormP(2)    rank k holds |x| * sqrt(w_k), w_k > 0 summing to 1
 
 Sample values sit on a dyadic grid, so these splits are exact in every dtype and
-the reference input is exactly the value the pieces resolve to.
+the reference input is exactly the value the pieces resolve to. The case's float
+tolerance grows with how much larger the P(sum)/P(avg) pieces are than their value
+(compare.split_scale): each rank rounds on its piece.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..dispatch import registry
 from ..mesh import DeviceMesh
 from ..placements import dim_positions
 from ..spec import TensorMeta, TensorSpec, contiguous_stride
-from .compare import TOLERANCE
+from .compare import TOLERANCE, split_scale
 from .layouts import Case
 from .references import Prepared, reference, seed_key
 from .samples import resolve_pending, split_pending
@@ -65,11 +67,14 @@ def _local_piece(full: torch.Tensor, pieces, placements, mesh: DeviceMesh, coord
 def build(target: Target, prep: Prepared, case: Case, mesh: DeviceMesh, seed: int) -> Built:
     g = torch.Generator().manual_seed(seed_key(target.name, mesh.shape, case.index, seed))
     specs, per_operand, ref_inputs = [], [], []
+    scale = 1.0  # the tolerance's: the largest pending pieces relative to their value (compare.split_scale)
     for t, placements in zip(prep.tensors, case.layouts):
         pending = [p for p in placements if p.is_partial()]
         m = math.prod(n for n, p in zip(mesh.shape, placements) if p.is_partial())
         pieces = split_pending(t, pending[0], m, g) if pending else None
         ref_inputs.append(resolve_pending(pieces, pending[0]) if pieces is not None else t)
+        if pieces is not None:
+            scale = max(scale, split_scale(ref_inputs[-1], pieces, pending[0]))
         specs.append(
             TensorSpec(mesh, tuple(placements), TensorMeta(tuple(t.shape), contiguous_stride(t.shape), t.dtype))
         )
@@ -84,7 +89,7 @@ def build(target: Target, prep: Prepared, case: Case, mesh: DeviceMesh, seed: in
     for rank in range(mesh.size()):
         coord = mesh.coordinate_of(rank)
         locals_[rank] = [_local_piece(t, pieces, pl, mesh, coord) for t, pieces, pl in per_operand]
-    tol = TOLERANCE.get(prep.dtype, 1e-5)
+    tol = TOLERANCE.get(prep.dtype, 1e-5) * scale
     return Built(
         case,
         target,

@@ -34,6 +34,12 @@ def add_arguments(parser) -> None:
         default=None,
         help="run only this case (with one --op and one --mesh): the reproduction of a failure",
     )
+    parser.add_argument(
+        "--part",
+        metavar="K/N",
+        default=None,
+        help="run only part K of N (cases whose index is K mod N; K from 0): split a long --full run over machines",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     parser.add_argument("--list", action="store_true", help="list the ops verify would check, then exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -53,6 +59,7 @@ def main(args) -> int:
         budget=args.budget,
         seed=args.seed,
         case=args.case,
+        part=args.part,
         json_path=args.json,
         progress=not args.no_progress,
     )

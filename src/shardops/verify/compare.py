@@ -9,9 +9,28 @@ from typing import Any
 import torch
 
 from ..notation import tensor_text
+from ..placements import NormPartial, Partial, Placement
 
 # NOTE: errors are |got - ref| / (1 + |ref|): relative for large values, absolute near 0.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+MAX_SPLIT_SCALE = 8.0  # pieces mostly of grid noise (a value near 0 everywhere) loosen the tolerance no further
+
+
+def split_scale(value: torch.Tensor, pieces: Sequence[torch.Tensor], p: Placement) -> float:
+    """How much larger the pending pieces of `value` are than the value: sum_k |piece_k| / |value| (L1, >= 1).
+
+    A rank's local result rounds on its own piece, and a P(sum) value reaches the ranks as signed pieces
+    (samples.split_pending) whose magnitudes add up to a few times the value's: the rounding error of
+    the reduced result grows with that total, not with |value|. P(avg) averages its pieces; the other
+    kinds hold the value or exact powers of two on some rank, so they round as the value does.
+    """
+    floats = value.is_floating_point() or value.is_complex()
+    if not floats or not isinstance(p, Partial) or isinstance(p, NormPartial) or p.reduce_op not in ("sum", "avg"):
+        return 1.0
+    kind = p.reduce_op
+    total = float(sum(q.double().abs().sum() for q in pieces)) / (len(pieces) if kind == "avg" else 1)
+    size = float(value.double().abs().sum())
+    return min(max(total / size, 1.0), MAX_SPLIT_SCALE) if size > 0 else MAX_SPLIT_SCALE if total > 0 else 1.0
 
 
 def compare(got: Any, ref: Any, tol: float) -> tuple[float, str | None]:

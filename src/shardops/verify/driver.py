@@ -52,6 +52,19 @@ def parse_mesh(mesh: str | Sequence[int]) -> tuple[str, tuple[int, ...]]:
     return mesh_name(shape), shape
 
 
+def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int] | None:
+    """(K, N) of a part given as "K/N" or (K, N), 0 <= K < N."""
+    if part is None:
+        return None
+    try:
+        k, n = (int(v) for v in (part.split("/") if isinstance(part, str) else part))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise ShardingError(f"verify: --part {part!r} is not K/N with 0 <= K < N (e.g. 0/4 ... 3/4)")
+    return k, n
+
+
 # ------------------------------------------------------------------ the sharded algorithms an op can run
 
 
@@ -164,11 +177,15 @@ def verify(
     budget: int | None = None,
     seed: int = 0,
     case: int | None = None,
+    part: str | tuple[int, int] | None = None,
     json_path: str | None = None,
     progress: bool = True,
     console: Any = None,
 ) -> VerifyReport:
-    """Check registered ops against single-device torch; see the module docstring. Prints as it goes."""
+    """Check registered ops against single-device torch; see the module docstring. Prints as it goes.
+
+    `part` (K, N) or "K/N" keeps the cases whose index is K mod N: N such runs make the whole run.
+    """
     from rich.console import Console
 
     console = console or Console()
@@ -187,6 +204,7 @@ def verify(
         "budget": budget,
         "seed": seed,
         "case": case,
+        "part": parse_part(part),
     }
     t0 = time.perf_counter()
     with warnings.catch_warnings(), forcing.installed():  # a fresh decision cache before and after: tests patch rules
@@ -215,7 +233,7 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
         row.algorithms_registered.update(
             *labels, registry.ALGORITHMS.get(t.fn, ())
         )  # what its rows offer, and what its rule declares
-        row.check_coverage = settings["case"] is None
+        row.check_coverage = settings["case"] is None and settings["part"] is None  # a part may miss an algorithm
         if not prepared:
             row.no_samples.append(f"{t.name}: {reason}")
         for mesh, shape in mesh_list:
@@ -226,9 +244,14 @@ def _verify_targets(targets, mesh_list, settings, console, progress) -> VerifyRe
                         f"verify: {t.name} on mesh {mesh} has cases 0..{len(cases) - 1}, not {settings['case']}"
                     )
                 cases = [cases[settings["case"]]]
+            elif settings["part"] is not None:
+                k, n = settings["part"]
+                cases = [c for c in cases if c.index % n == k]
             plans.append((t, prepared, mesh, shape, cases))
     total = sum(len(p[-1]) for p in plans)
     mode = "every layout combination (--full)" if settings["full"] else "a seeded sample"
+    if settings["part"] is not None:
+        mode += f", part {settings['part'][0]}/{settings['part'][1]}"
     console.print(
         f"verify: {total} cases over {len(targets)} registered ops on meshes {', '.join(settings['meshes'])}: {mode}, "
         "plus each sharded algorithm forced",
