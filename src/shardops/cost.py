@@ -32,13 +32,13 @@ class Link:
 # computes the whole thing", which is what makes gathering lose on CPUs even
 # when it saves a round.
 # gloo-localhost: gloo between processes on one host (127.0.0.1), fitted by
-# shardops.training.fit_timing.fit() on the shared 2-core development machine under a load average
-# of ~13-16 (4 processes, one torch thread each, all_reduce of 4 B to 4 MiB, least squares of the ring
-# model): alpha 244 us, beta 0.167 GB/s (docs/autoparallel.md, run C). Refit on another machine with
+# shardops.training.fit_timing.fit() on the 2-core development machine, idle (4 processes, one torch
+# thread each, all_reduce of 4 B to 4 MiB, least squares of the ring model): alpha 375 us, beta
+# 0.399 GB/s (docs/autoparallel.md, "Predicted against measured", run 3). Refit on another machine with
 # `shardops autoplan --fit` (its compute twin is timing.COMPUTE_PRESETS["gloo-localhost"]).
 PRESETS: dict[str, Link] = {
     "threads": Link(20e-6, 5e9, 2e9),
-    "gloo-localhost": Link(244e-6, 0.167e9, 7.38e9),
+    "gloo-localhost": Link(375e-6, 0.399e9, 15.2e9),
     "gloo": Link(50e-6, 1.25e9, 2e9),
     "ethernet": Link(50e-6, 1.25e9, 2e9),
     "nvlink": Link(10e-6, 300e9, 1e12),

@@ -92,14 +92,15 @@ class Compute:
         )
 
 
-# NOTE: "gloo-localhost" is fitted by `fit()` on the shared 2-core development machine (load average
-# ~13-16, docs/autoparallel.md run C): 4 gloo processes on 127.0.0.1, one torch thread each, compute in
-# bursts between barriers on every rank at once (so the job's own ranks sharing the cores are in the
-# figures); the DTensor call cost (per call as the profile counts them) calibrated on the fit's calibration
-# model. A machine's load moves these figures by 2x: refit (`shardops autoplan --fit`) where it matters.
-# "cpu" is a generic one-core CPU; "gpu" an H100-class device for meta plans (rough public figures).
+# NOTE: "gloo-localhost" is fitted by fit_timing.fit() on the 2-core development machine, idle
+# (docs/autoparallel.md, "Predicted against measured", run 3): 4 gloo processes on 127.0.0.1, one torch
+# thread each; rates from bursts between barriers on every rank at once (the job's own ranks sharing the
+# cores in them) slowed by the in-step factor, per-kernel, per-DTensor-call and per-collective costs from
+# the calibration workloads' steps. A machine's load moves these figures by 2x: refit (`shardops autoplan
+# --fit`) where it matters. "cpu" is a generic one-core CPU; "gpu" an H100-class device for meta plans
+# (rough public figures); neither waits at a collective.
 COMPUTE_PRESETS: dict[str, Compute] = {
-    "gloo-localhost": Compute(23.5e9, 7.38e9, 12.7e-6, 681e-6, conv_rate=12.1e9),
+    "gloo-localhost": Compute(21.1e9, 15.2e9, 11.2e-6, 128e-6, conv_rate=23.8e9, sync_wait=8.72e-3),
     "cpu": Compute(50e9, 10e9, 5e-6, 40e-6),
     "gpu": Compute(400e12, 2e12, 10e-6, 40e-6),
 }
