@@ -137,6 +137,20 @@ def regression_loss(n_out: int):
     return loss_fn
 
 
+def mlp_stack() -> torch.nn.Sequential:
+    """Linear/ReLU/GELU, 16 -> 64 -> 16 -> 64 -> 4: two chained Linear pairs and no names to go by."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 4),
+    )
+
+
 class ResidualBlock(torch.nn.Module):
     """conv -> norm -> relu -> conv -> norm, added to the block's input (ResNet's basic block)."""
 

@@ -20,6 +20,7 @@ from autoparallel_harness import SmallResNet as _SmallResNet
 from autoparallel_harness import auto_step as _auto_step
 from autoparallel_harness import check_values as _check_values
 from autoparallel_harness import hand_step as _hand_step
+from autoparallel_harness import mlp_stack
 from autoparallel_harness import reference as _reference
 from autoparallel_harness import regression_loss as _regression_loss
 from autoparallel_harness import same_pricing_from_metadata as _same_pricing_from_metadata
@@ -469,16 +470,7 @@ def test_an_mlp_stack_gets_tensor_parallel_pairs_from_its_linear_shapes(mesh_sha
     """nn.Sequential of Linear/ReLU, no names to go by: consecutive Linears whose features chain
     (16 -> 64 -> 16, 16 -> 64 -> 4) are column/row-parallel pairs. With a small batch and wide layers the
     plan splits them, sends fewer bytes than pure data parallelism, and trains exactly."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(16, 64),
-        torch.nn.ReLU(),
-        torch.nn.Linear(64, 16),
-        torch.nn.ReLU(),
-        torch.nn.Linear(16, 64),
-        torch.nn.GELU(),
-        torch.nn.Linear(64, 4),
-    )
+    net = mlp_stack()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 16, generator=g)
     loss_fn = _regression_loss(4)

@@ -35,6 +35,7 @@ from autoparallel_harness import (
     build_llama,
     build_mixtral,
     hand_step,
+    mlp_stack,
     regression_loss,
     same_pricing_from_metadata,
     token_batch,
@@ -64,19 +65,6 @@ class Cell:
     hand: Callable[[tuple[int, ...]], list]  # mesh shape -> per rank (bytes, loss, gradients) of one step
     loss_fn: Callable = language_model_loss
     batch_statistics: bool = False  # BatchNorm: the data-parallel step is torch's DDP step, not one device's
-
-
-def _mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 64),
-        torch.nn.ReLU(),
-        torch.nn.Linear(64, 16),
-        torch.nn.ReLU(),
-        torch.nn.Linear(16, 64),
-        torch.nn.GELU(),
-        torch.nn.Linear(64, 4),
-    )
 
 
 def _ddp(make, example, loss_fn):
@@ -122,7 +110,7 @@ def _named(name: str, message: str) -> str:
 def cell(model: str, mesh_shape: tuple[int, ...]) -> Cell:
     if model == "mlp":
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-        return Cell(_mlp, x, _ddp(_mlp, x, regression_loss(4)), regression_loss(4))
+        return Cell(mlp_stack, x, _ddp(mlp_stack, x, regression_loss(4)), regression_loss(4))
     if model in ("cnn", "cnn-batchnorm"):
         norm = torch.nn.BatchNorm2d if model == "cnn-batchnorm" else (lambda c: torch.nn.GroupNorm(2, c))
         make: Callable[[], torch.nn.Module] = lambda: SmallResNet(norm=norm)  # noqa: E731
