@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .._torch import pytree
 from .structure import ModelStructure, truncated
 
 __all__ = ["reads_sequence_length_from_stream"]
@@ -51,7 +52,8 @@ def _beside_the_stream(
         return out[:, :n]
 
     def record(module, args, kwargs):
-        shapes.extend(s for t in _tensors((args, kwargs)) if (s := tuple(t.shape))[:2] != (batch, n))
+        tensors = [t for t in pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        shapes.extend(s for t in tensors if (s := tuple(t.shape))[:2] != (batch, n))
 
     first = next(iter(probe.get_submodule(blocks).children()))
     hooks = [probe.get_submodule(name).register_forward_hook(cut) for name in embeddings]
@@ -65,13 +67,3 @@ def _beside_the_stream(
         for hook in hooks:
             hook.remove()
     return shapes
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
